@@ -1,0 +1,2 @@
+#include "core/status.h"
+int main(int, char**) { return 0; }

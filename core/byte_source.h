@@ -1,0 +1,72 @@
+// ByteSource: random-access read of an immutable byte sequence (a file, a slice of a file,
+// a buffer). All format readers in core/ read through this, so they know no system I/O and
+// tests can hand them in-memory or fault-injecting sources.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ucpfs {
+
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+
+  // Total size in bytes.
+  virtual uint64_t Size() const = 0;
+
+  // Name used in error messages (usually the path).
+  virtual const std::string& Name() const = 0;
+
+  // Reads exactly out.size() bytes at byte_offset. Errors: kOutOfRange when the range is not
+  // inside [0, Size()), kIo when the underlying read fails (sys_errno set).
+  virtual Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const = 0;
+};
+
+// A ByteSource over bytes held in memory.
+class MemorySource final : public ByteSource {
+ public:
+  MemorySource(std::string name, std::vector<std::byte> bytes)
+      : name_(std::move(name)), bytes_(std::move(bytes)) {}
+  MemorySource(std::string name, std::span<const uint8_t> bytes);
+
+  uint64_t Size() const override { return bytes_.size(); }
+  const std::string& Name() const override { return name_; }
+  Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+
+ private:
+  std::string name_;
+  std::vector<std::byte> bytes_;
+};
+
+// A window [byte_offset, byte_offset + n_bytes) of another source, seen as a whole source
+// (a DCP .distcp slice is a complete torch.save zip).
+class SliceSource final : public ByteSource {
+ public:
+  // Errors: kOutOfRange when the window is not inside `base`.
+  static Result<std::shared_ptr<SliceSource>> Make(std::shared_ptr<const ByteSource> base,
+                                                   uint64_t byte_offset, uint64_t n_bytes);
+  uint64_t Size() const override { return n_bytes_; }
+  const std::string& Name() const override { return name_; }
+  Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  uint64_t base_offset() const { return byte_offset_; }
+
+ private:
+  SliceSource(std::shared_ptr<const ByteSource> base, uint64_t byte_offset, uint64_t n_bytes);
+  std::shared_ptr<const ByteSource> base_;
+  uint64_t byte_offset_;
+  uint64_t n_bytes_;
+  std::string name_;
+};
+
+// Reads a whole range into a new vector. Errors as ReadAt; kResourceExhausted above max_bytes.
+Result<std::vector<std::byte>> ReadRange(const ByteSource& src, uint64_t byte_offset,
+                                         uint64_t n_bytes, uint64_t max_bytes = 1ull << 30);
+
+}  // namespace ucpfs

@@ -1,0 +1,2 @@
+// Placeholder translation unit: implementation in progress.
+#include "core/format/pickle.h"

@@ -1,0 +1,2 @@
+// Placeholder translation unit: implementation in progress.
+#include "core/format/zip_reader.h"

@@ -1,0 +1,66 @@
+// ZipArchive: reads the central directory of a zip file (torch.save's container) and resolves
+// every entry to an exact byte range, ZIP64 included. It never decompresses: it reports the
+// method so callers can refuse compressed records.
+//
+// Untrusted input: every count, size and offset is checked against the file size with
+// overflow-checked arithmetic; the central directory size and entry count are bounded.
+// Errors name the source, the byte offset and what is wrong (kCorrupt), or kResourceExhausted
+// for limits. Not for: writing zips (see torch_writer.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/status.h"
+
+namespace ucpfs::format {
+
+struct ZipEntry {
+  std::string name;                // full name as stored, e.g. "archive/data/0"
+  uint64_t local_header_offset = 0;
+  uint64_t data_offset = 0;        // absolute: local header + 30 + local name len + local extra len
+  uint64_t n_bytes = 0;            // uncompressed size
+  uint64_t compressed_n_bytes = 0; // == n_bytes when method == 0
+  uint16_t method = 0;             // 0 = stored, 8 = deflate, others as stored in the file
+  uint16_t flags = 0;
+  uint32_t crc32 = 0;              // as stored (torch writes 0 or real values; never checked here)
+};
+
+struct ZipLimits {
+  uint64_t max_entries = 1u << 20;
+  uint64_t max_cd_bytes = 256ull << 20;
+};
+
+class ZipArchive {
+ public:
+  // Reads the EOCD (scanning back at most 65,557 bytes), the ZIP64 locator/EOCD when fields
+  // are saturated, every central-directory entry with its ZIP64 extra, and every local header.
+  // Errors: kCorrupt (no EOCD, bad signature, an offset/size outside the file, overflow,
+  // local name length mismatch, ...), kResourceExhausted (limits), kIo from the source.
+  static Result<ZipArchive> Open(const ByteSource& src, const ZipLimits& limits = {});
+
+  const std::vector<ZipEntry>& entries() const { return entries_; }
+
+  // The entry with exactly this full name, or nullptr.
+  const ZipEntry* Find(std::string_view full_name) const;
+
+  // torch's archive prefix: the first central-directory entry's name up to its first '/'
+  // (PyTorchStreamReader does the same); empty when that name has no '/'.
+  const std::string& prefix() const { return prefix_; }
+
+  // Find(prefix() + "/" + record), e.g. FindRecord("data.pkl"), FindRecord("data/3").
+  const ZipEntry* FindRecord(std::string_view record) const;
+
+  // Offset of the central directory (all entry data lies before it).
+  uint64_t cd_offset() const { return cd_offset_; }
+
+ private:
+  std::vector<ZipEntry> entries_;
+  std::string prefix_;
+  uint64_t cd_offset_ = 0;
+};
+
+}  // namespace ucpfs::format
