@@ -8,9 +8,12 @@
 // for limits. Not for: writing zips (see torch_writer.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "core/byte_source.h"
@@ -51,14 +54,25 @@ class ZipArchive {
   // (PyTorchStreamReader does the same); empty when that name has no '/'.
   const std::string& prefix() const { return prefix_; }
 
-  // Find(prefix() + "/" + record), e.g. FindRecord("data.pkl"), FindRecord("data/3").
+  // Find(prefix() + "/" + record), e.g. FindRecord("data.pkl"), FindRecord("data/3");
+  // Find(record) when prefix() is empty.
   const ZipEntry* FindRecord(std::string_view record) const;
 
   // Offset of the central directory (all entry data lies before it).
   uint64_t cd_offset() const { return cd_offset_; }
 
  private:
+  // Hashes std::string and std::string_view alike, so Find needs no temporary string.
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view name) const noexcept {
+      return std::hash<std::string_view>{}(name);
+    }
+  };
+
   std::vector<ZipEntry> entries_;
+  // name -> index into entries_; the first of duplicate names wins.
+  std::unordered_map<std::string, size_t, NameHash, std::equal_to<>> index_;
   std::string prefix_;
   uint64_t cd_offset_ = 0;
 };

@@ -1,0 +1,64 @@
+"""End-to-end: the ucpfs command line: --help, --version, inspect's table, and clean errors
+(exit code, message naming the file) on missing, directory, truncated and garbage inputs."""
+import os
+
+import torch
+
+from e2e_common import Results, run, tmpdir, ucpfs_bin
+
+
+def main():
+    res = Results("e2e_cli")
+    exe = ucpfs_bin()
+
+    def help_():
+        r = run([exe, "--help"])
+        assert "inspect" in r.stdout and "Usage" in r.stdout, r.stdout
+    res.check("--help", help_)
+
+    def version():
+        r = run([exe, "--version"])
+        assert r.stdout.startswith("ucpfs "), r.stdout
+    res.check("--version", version)
+
+    def no_command():
+        r = run([exe], check=False)
+        assert r.returncode != 0 and "inspect" in (r.stdout + r.stderr)
+    res.check("no subcommand is an error", no_command)
+
+    with tmpdir("ucpfs-cli-") as d:
+        good = os.path.join(d, "good.pt")
+        torch.save({"w": torch.arange(12, dtype=torch.float32).view(3, 4),
+                    "v": torch.arange(12, dtype=torch.float32).view(3, 4).t()}, good)
+
+        def table():
+            r = run([exe, "inspect", good])
+            lines = r.stdout.splitlines()
+            assert lines[0].startswith(good + ": torch.save, ") and "2 tensors" in lines[0], lines[0]
+            assert any(l.startswith("w ") and "float32" in l and "[3,4]" in l for l in lines), r.stdout
+            assert any(l.startswith("v ") and "[1,4]*" in l for l in lines), r.stdout
+        res.check("inspect table", table)
+
+        def expect_error(path, code, *needles):
+            r = run([exe, "inspect", path], check=False)
+            assert r.returncode == code, (r.returncode, r.stderr)
+            assert r.stdout == "", r.stdout
+            for n in needles:
+                assert n in r.stderr, (n, r.stderr)
+
+        res.check("missing file", lambda: expect_error(os.path.join(d, "nope.pt"), 1, "nope.pt", "not found"))
+        res.check("directory", lambda: expect_error(d, 2, "is a directory"))
+
+        blob = open(good, "rb").read()
+        for cut in (0, 10, len(blob) // 2, len(blob) - 1):
+            p = os.path.join(d, f"trunc{cut}.pt")
+            open(p, "wb").write(blob[:cut])
+            res.check(f"truncated at {cut}", lambda p=p: expect_error(p, 1, p, "corrupt"))
+        garbage = os.path.join(d, "garbage.pt")
+        open(garbage, "wb").write(os.urandom(4096))
+        res.check("garbage", lambda: expect_error(garbage, 1, garbage, "corrupt"))
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()

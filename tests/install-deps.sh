@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages ucpfs needs to build and test (as root), only those missing.
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build pkg-config git
+      libfuse3-dev fuse3 liburing-dev liblmdb-dev libxxhash-dev zlib1g-dev
+      nlohmann-json3-dev libcli11-dev libgtest-dev googletest
+      python3-torch python3-numpy clang libclang-rt-14-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "install-deps: installing ${missing[*]}" >&2
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

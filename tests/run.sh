@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh Debian 12 machine (root): installs what is missing,
+# builds, runs every CTest test (unit, property, e2e, slow), then builds the libFuzzer
+# targets with clang and runs each for a bounded time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tests/install-deps.sh
+tests/build.sh build
+ctest --test-dir build --output-on-failure -j2 -LE fuzz
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
+cmake --build build-fuzz -j"$(nproc)" --target fuzz_zip_reader fuzz_pickle fuzz_torch_file
+ctest --test-dir build-fuzz --output-on-failure -L fuzz
