@@ -10,7 +10,7 @@ int main(int argc, char** argv) {
       "ucpfs: mount a distributed training checkpoint as resharded views.\n"
       "This version inspects torch.save files; mounting arrives with the DCP slice."};
   app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION);
-  app.require_subcommand(1);
+  app.require_subcommand(0, 1);
 
   std::string inspect_path;
   bool inspect_json = false;
@@ -25,5 +25,6 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   if (inspect->parsed()) return ucpfs::cli::RunInspect(inspect_path, inspect_json, std::cout, std::cerr);
+  std::cerr << app.help() << "ucpfs: a subcommand is required\n";
   return 2;
 }

@@ -111,7 +111,9 @@ class SaveValue {
   // Calling them on another kind is a programming error (asserts; ignored in release).
   SaveValue& Append(SaveValue item);
   SaveValue& Set(SaveValue key, SaveValue value);
-  SaveValue& Set(std::string key, SaveValue value) { return Set(Str(std::move(key)), std::move(value)); }
+  SaveValue& Set(std::string key, SaveValue value) {
+    return Set(Str(std::move(key)), std::move(value));
+  }
 
   Kind kind() const { return kind_; }
   bool ordered() const { return ordered_; }  // dicts: OrderedDict
@@ -119,8 +121,8 @@ class SaveValue {
   int64_t int_value() const { return int_; }
   double float_value() const { return float_; }
   const std::string& string_value() const { return string_; }
-  const std::vector<SaveValue>& items() const { return items_; }   // list, tuple
-  const DictItems& dict_items() const { return dict_items_; }      // dict
+  const std::vector<SaveValue>& items() const { return items_; }  // list, tuple
+  const DictItems& dict_items() const { return dict_items_; }     // dict
   const SaveTensor& tensor() const { return tensor_; }
 
  private:
@@ -148,16 +150,16 @@ struct SaveOptions {
 
 // Where one record lies in the file.
 struct RecordLayout {
-  std::string name;                // record name without the prefix: "data.pkl", "data/3"
+  std::string name;  // record name without the prefix: "data.pkl", "data/3"
   uint64_t local_header_offset = 0;
-  uint64_t data_offset = 0;        // multiple of SaveOptions::alignment
+  uint64_t data_offset = 0;  // multiple of SaveOptions::alignment
   uint64_t n_bytes = 0;
-  uint32_t crc32 = 0;              // real CRC for in-memory records, 0 for tensor records
+  uint32_t crc32 = 0;                  // real CRC for in-memory records, 0 for tensor records
   uint16_t local_extra_n_bytes = 0;    // ZIP64 extra (when present) + FB padding field
   uint16_t central_extra_n_bytes = 0;  // ZIP64 extra in the central directory, or 0
-  uint8_t descriptor_n_bytes = 0;  // 0 (empty record), 16, or 24 (ZIP64)
-  bool zip64 = false;              // the local header carries a ZIP64 extra
-  int64_t tensor_index = -1;       // storage key of a data/<k> record, -1 otherwise
+  uint8_t descriptor_n_bytes = 0;      // 0 (empty record), 16, or 24 (ZIP64)
+  bool zip64 = false;                  // the local header carries a ZIP64 extra
+  int64_t tensor_index = -1;           // storage key of a data/<k> record, -1 otherwise
 };
 
 class LazyTorchFile final : public ByteSource {
@@ -207,8 +209,8 @@ class LazyTorchFile final : public ByteSource {
   size_t pickle_n_bytes_ = 0;
   std::vector<SaveTensor> tensors_;
   std::vector<RecordLayout> records_;
-  std::vector<Segment> segments_;   // sorted by file_offset, covering [0, size_) exactly
-  std::vector<std::byte> memory_;   // all in-memory segment bytes, back to back
+  std::vector<Segment> segments_;  // sorted by file_offset, covering [0, size_) exactly
+  std::vector<std::byte> memory_;  // all in-memory segment bytes, back to back
   uint64_t cd_offset_ = 0;
   uint64_t cd_n_bytes_ = 0;
   uint64_t zip64_eocd_offset_ = 0;

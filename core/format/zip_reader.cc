@@ -292,23 +292,25 @@ Status ResolveLocalHeader(const ByteSource& src, uint64_t cd_offset, uint64_t cd
 Result<ZipArchive> ZipArchive::Open(const ByteSource& src, const ZipLimits& limits) {
   UCPFS_ASSIGN_OR_RETURN(const EndRecords end, ReadEndRecords(src));
 
-  if (end.n_entries > limits.max_entries) {
-    return Exhausted(src, end.record_offset,
-                     "central directory declares " + std::to_string(end.n_entries) +
-                         " entries, above the limit of " + std::to_string(limits.max_entries));
-  }
-  if (end.cd_n_bytes > limits.max_cd_bytes) {
-    return Exhausted(src, end.record_offset,
-                     "central directory of " + std::to_string(end.cd_n_bytes) +
-                         " bytes is above the limit of " + std::to_string(limits.max_cd_bytes));
-  }
+  // A range outside the file is corruption whatever the limits; check it first so a garbage
+  // size is reported as such rather than as a limit.
   if (!RangeInside(end.cd_offset, end.cd_n_bytes, end.record_offset)) {
     return Corrupt(src, end.record_offset,
                    "central directory at offset " + std::to_string(end.cd_offset) + " of " +
                        std::to_string(end.cd_n_bytes) +
                        " bytes does not end before the end record");
   }
-  // n_entries <= max_entries, so this cannot overflow for sane limits; check anyway.
+  if (end.cd_n_bytes > limits.max_cd_bytes) {
+    return Exhausted(src, end.record_offset,
+                     "central directory of " + std::to_string(end.cd_n_bytes) +
+                         " bytes is above the limit of " + std::to_string(limits.max_cd_bytes));
+  }
+  if (end.n_entries > limits.max_entries) {
+    return Exhausted(src, end.record_offset,
+                     "central directory declares " + std::to_string(end.n_entries) +
+                         " entries, above the limit of " + std::to_string(limits.max_entries));
+  }
+  // Overflows only with a huge max_entries; checked all the same.
   const auto min_cd_n_bytes = CheckedMul(end.n_entries, kCentralHeaderBytes);
   if (!min_cd_n_bytes || *min_cd_n_bytes > end.cd_n_bytes) {
     return Corrupt(src, end.record_offset,
