@@ -122,7 +122,8 @@ TEST(TorchFileProperty, ReaderFindsWriterBytes) {
       });
       ASSERT_NE(it, rec.end());
       EXPECT_EQ(t.data_offset, it->data_offset);
-      EXPECT_EQ(0, std::memcmp(all.data() + t.data_offset, made[i].provider->bytes().data(), t.n_bytes));
+      const auto& want_bytes = made[i].provider->bytes();
+      EXPECT_TRUE(std::equal(want_bytes.begin(), want_bytes.end(), all.begin() + static_cast<long>(t.data_offset)));
     }
   }
 }
