@@ -1,0 +1,35 @@
+// Serves a Tree through FUSE (libfuse3 low-level API, multi-threaded). This header knows no
+// FUSE types; fuse_mount.cc is the only file that includes <fuse_lowlevel.h>, and the only
+// place where Status codes become errnos.
+//
+// Behaviour: read-only (writes, creates, setattr → EROFS); files opened with keep_cache and
+// long attr/entry timeouts (views are immutable), mmap works (no direct_io); a failing
+// source read returns EIO and logs the file and reason to stderr, never crashes the daemon.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "fs/tree.h"
+
+namespace ucpfs::fs {
+
+struct MountOptions {
+  std::string mountpoint;
+  std::vector<std::string> fuse_options;  // from -o, e.g. "allow_other", "max_read=1048576"
+  int ready_fd = -1;        // when >= 0: one byte is written once the mount is live, then closed
+  int max_threads = 16;     // FUSE worker threads
+  std::string fsname = "ucpfs";
+};
+
+// Mounts and serves until the filesystem is unmounted (ucpfs umount / fusermount3 -u) or the
+// process gets SIGINT/SIGTERM (then it unmounts itself). Errors: kInvalidArgument (bad
+// mountpoint or option), kIo (the mount failed, with errno).
+Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options);
+
+// Unmounts `mountpoint` (umount2, falling back to fusermount3 -u). Errors: kIo with errno.
+Status Unmount(const std::string& mountpoint);
+
+}  // namespace ucpfs::fs

@@ -1,0 +1,65 @@
+// Tree: the immutable namespace a mount serves (directories and read-only files), built once
+// before the mount goes live. Knows no FUSE types. Inode numbers are assigned in build order
+// (root = 1), so the same index always yields the same numbers.
+//
+// File content comes from an opener called at open(2) time (lazily: `ls`, `stat`, `du` and
+// `find` never call it); sizes are fixed at build time and must equal the opened source's
+// Size(). Identical virtual files may share one inode (AddLink) so the page cache holds them once.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <ctime>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/status.h"
+
+namespace ucpfs::fs {
+
+using Ino = uint64_t;
+inline constexpr Ino kRootIno = 1;
+
+using Opener = std::function<Result<std::shared_ptr<const ByteSource>>()>;
+
+struct TreeNode {
+  Ino ino = 0;
+  bool is_dir = false;
+  uint32_t mode = 0;         // permission bits only (0555 dirs, 0444 files)
+  uint64_t size = 0;         // files: exact byte size
+  struct timespec mtime = {};
+  uint32_t nlink = 1;
+  Opener open;               // files
+  std::map<std::string, Ino> children;  // dirs: name -> inode, sorted
+  Ino parent = kRootIno;
+};
+
+class Tree {
+ public:
+  Tree();  // creates the root directory (ino 1)
+
+  // Adds a directory / file under `parent`. Errors: kInvalidArgument (parent not a
+  // directory, empty name or one with '/'), kAlreadyExists-like kInvalidArgument on a clash.
+  Result<Ino> AddDir(Ino parent, const std::string& name, struct timespec mtime);
+  Result<Ino> AddFile(Ino parent, const std::string& name, uint64_t size, struct timespec mtime,
+                      Opener open);
+  // Another name for an existing file inode (hard link; nlink is incremented).
+  Status AddLink(Ino parent, const std::string& name, Ino target);
+  // Creates missing directories along `rel_path` ("a/b/c") under `parent`; returns the last.
+  Result<Ino> MakeDirs(Ino parent, const std::string& rel_path, struct timespec mtime);
+
+  const TreeNode* Get(Ino ino) const;
+  const TreeNode* Lookup(Ino parent, const std::string& name) const;
+  size_t size() const { return nodes_.size(); }
+  uint64_t TotalFileBytes() const;
+
+ private:
+  std::vector<TreeNode> nodes_;  // nodes_[ino - 1]
+};
+
+}  // namespace ucpfs::fs

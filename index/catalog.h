@@ -1,0 +1,62 @@
+// The LMDB catalog: stores an index::Checkpoint with a schema version and a fingerprint of the
+// source, so an unchanged source reuses its index in milliseconds, a changed one is
+// re-indexed, and a corrupt index is rebuilt.
+//
+// Location: SRC/.ucpfs/ when writable, else $XDG_CACHE_HOME/ucpfs/<hash of SRC path>/ (or
+// ~/.cache/...); IndexOptions::index_dir overrides. A read-only index (e.g. on a shared
+// filesystem, built once by `ucpfs index`) is opened with MDB_RDONLY | MDB_NOLOCK by many
+// machines; then a stale or missing index is an error rather than a rebuild.
+// LMDB is opened with MDB_NOTLS so read transactions may live on any FUSE worker thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/status.h"
+#include "index/checkpoint.h"
+#include "index/dcp_scan.h"
+
+namespace ucpfs::index {
+
+inline constexpr uint32_t kCatalogSchemaVersion = 1;
+
+// xxHash3-64 over the sorted (relative path, size, mtime) of every file under `dir` (the
+// index directory `.ucpfs/` excluded) and the bytes of its metadata files (`.metadata`,
+// `__*.metadata`, `metadata.json`). Errors: kNotFound, kIo.
+Result<uint64_t> FingerprintSource(const std::string& dir);
+
+struct IndexOptions {
+  std::string index_dir;      // empty: default location (see above)
+  bool read_only = false;     // never write; fail if the index is missing or stale
+  ScanProgress progress;      // forwarded to the scanner
+};
+
+enum class IndexState { kReused, kBuilt, kRebuiltChanged, kRebuiltCorrupt };
+const char* IndexStateName(IndexState state);  // "reused", "built", "rebuilt (source changed)", ...
+
+struct OpenedIndex {
+  Checkpoint checkpoint;
+  std::string index_dir;   // where the LMDB environment lives
+  IndexState state = IndexState::kBuilt;
+  uint64_t fingerprint = 0;
+  double elapsed_s = 0;    // time spent opening (and building, if it did)
+};
+
+// Default index directory for `src_dir` (SRC/.ucpfs when writable, else the cache path).
+std::string DefaultIndexDir(const std::string& src_dir);
+
+// Opens the index of `src_dir`, building it (scanning with ScanDcp) when missing, stale or
+// corrupt. Errors: those of the scanner; kIo/kNoSpace when the index cannot be written;
+// kNotFound / kDataLoss in read_only mode when there is no valid index.
+Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOptions& options);
+
+// Lower-level: write / read a checkpoint to / from an LMDB environment at `index_dir`.
+// Load errors: kNotFound (no index), kDataLoss (schema mismatch or undecodable records:
+// the caller rebuilds), kIo.
+Status StoreCheckpoint(const std::string& index_dir, const Checkpoint& checkpoint,
+                       uint64_t fingerprint);
+Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool read_only,
+                                  uint64_t* fingerprint);
+
+}  // namespace ucpfs::index

@@ -1,0 +1,46 @@
+// The scanned model of a checkpoint: its files and its items (tensors with their fragments,
+// and opaque byte items), as scanners produce it and the LMDB catalog stores it.
+//
+// Not for: deciding what a key means (key_map.h) or serving reads (core/slice, fs/).
+// Invariants: every Fragment::file_id and Item::file_id indexes `files`; items keep the
+// source's order (DCP: the order of state_dict_metadata, i.e. the saved state dict's order);
+// tensor layouts passed ValidateCoverage (replicas already removed).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/slice/slice.h"
+
+namespace ucpfs::index {
+
+struct SourceFile {
+  std::string rel_path;  // relative to the checkpoint directory
+  uint64_t n_bytes = 0;
+  int64_t mtime_ns = 0;
+};
+
+enum class ItemKind : uint8_t { kTensor = 0, kBytes = 1 };
+
+struct Item {
+  std::string key;  // the source's key, e.g. DCP fqn "layers.0.attention.wq.weight"
+  ItemKind kind = ItemKind::kTensor;
+  // kTensor: the tensor's dtype (from the metadata) and layout (global shape + fragments).
+  DType dtype = DType::kFloat32;
+  slice::TensorLayout layout;
+  // kBytes: the serialized object (for DCP a torch.save blob) lies here.
+  uint32_t file_id = 0;
+  uint64_t byte_offset = 0;
+  uint64_t n_bytes = 0;
+};
+
+struct Checkpoint {
+  std::string format;  // "dcp"
+  std::string flavor;  // "torch-1.13", "torch-2.x", "megatron-torch_dist"
+  std::vector<SourceFile> files;
+  std::vector<Item> items;
+};
+
+}  // namespace ucpfs::index

@@ -1,0 +1,31 @@
+// DCP scanner: reads a PyTorch Distributed Checkpoint directory (torch 1.13
+// `_shard.checkpoint`, torch 2.x `distributed.checkpoint` incl. rank-local `__<r>.metadata`,
+// Megatron-Core `torch_dist` with metadata.json/common.pt and flattened-range optimizer chunks)
+// into an index::Checkpoint, locating every chunk's raw tensor bytes inside its torch.save
+// blob. Metadata classes are matched by class name, never by module path.
+//
+// Untrusted input: metadata and blobs go through the safe pickle/zip readers; compressed or
+// transformed items (transform_descriptors, safetensors-format DCP) are refused with
+// kUnsupported naming the item rather than producing wrong data. Errors name the file.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "core/status.h"
+#include "index/checkpoint.h"
+
+namespace ucpfs::index {
+
+// Progress callback: (items done, items total). Called from the scanning thread.
+using ScanProgress = std::function<void(uint64_t done, uint64_t total)>;
+
+// True when `dir` holds `.metadata` or any `__<r>.metadata` (DCP), possibly with
+// metadata.json (Megatron torch_dist).
+bool IsDcpDirectory(const std::string& dir);
+
+// Scans `dir`. Errors: kNotFound (no metadata), kCorrupt (metadata or blob malformed, a chunk
+// whose stored shape disagrees with the metadata, coverage gaps/overlaps), kUnsupported.
+Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress = nullptr);
+
+}  // namespace ucpfs::index
