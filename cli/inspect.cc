@@ -1,7 +1,5 @@
 #include "cli/inspect.h"
 
-#include <sys/stat.h>
-
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <ostream>
@@ -83,12 +81,6 @@ void PrintTable(const std::string& path, const format::TorchFile& f, std::ostrea
 }  // namespace
 
 int RunInspect(const std::string& path, bool json, std::ostream& out, std::ostream& err) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-    err << "ucpfs inspect: " << path
-        << ": is a directory; this version inspects single torch.save files only\n";
-    return 2;
-  }
   auto src = FileSource::Open(path);
   if (!src.ok()) {
     err << "ucpfs inspect: " << src.error().ToString() << '\n';

@@ -1,30 +1,86 @@
-// The `ucpfs` command. Subcommands call the same core/index APIs the filesystem uses.
+// The `ucpfs` command. Subcommands call the same core/index/fs APIs the filesystem uses.
 #include <CLI/CLI.hpp>
+#include <sys/stat.h>
+
 #include <iostream>
 #include <string>
 
+#include "cli/checkpoint_cmds.h"
 #include "cli/inspect.h"
 
+namespace {
+
+void AddSourceOptions(CLI::App* cmd, ucpfs::cli::SourceArgs& a) {
+  cmd->add_option("--index-dir", a.index_dir,
+                  "where the LMDB index lives (default: SRC/.ucpfs when writable, else ~/.cache/ucpfs/...)");
+  cmd->add_option("--rules", a.rules, "key-mapping rules file (.json or .toml), tried before the built-ins");
+  cmd->add_flag("--read-only-index", a.read_only_index,
+                "never write the index; fail if it is missing or stale (shared, prebuilt indexes)");
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  CLI::App app{
-      "ucpfs: mount a distributed training checkpoint as resharded views.\n"
-      "This version inspects torch.save files; mounting arrives with the DCP slice."};
+  CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP) as resharded views:\n"
+               "  MNT/atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt   consolidated per-parameter state\n"
+               "  MNT/<source files>                                the checkpoint's own files, read-only\n"
+               "  MNT/.ucpfs/status.json                            what is mounted"};
   app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION);
   app.require_subcommand(0, 1);
 
-  std::string inspect_path;
+  ucpfs::cli::MountArgs mount;
+  std::string fuse_opts;
+  CLI::App* mount_cmd = app.add_subcommand("mount", "Mount checkpoint SRC at MNT (returns once the mount is ready)");
+  mount_cmd->add_option("SRC", mount.source.src, "checkpoint directory")->required();
+  mount_cmd->add_option("MNT", mount.mountpoint, "mount point (an existing directory)")->required();
+  mount_cmd->add_flag("-f,--foreground", mount.foreground, "stay in the foreground");
+  mount_cmd->add_option("-o", fuse_opts, "FUSE mount options, comma-separated (e.g. allow_other)");
+  mount_cmd->add_option("--log", mount.log_file, "daemon log file (default: discarded)");
+  AddSourceOptions(mount_cmd, mount.source);
+
+  std::string umount_path;
+  CLI::App* umount_cmd = app.add_subcommand("umount", "Unmount a ucpfs mount");
+  umount_cmd->add_option("MNT", umount_path, "mount point")->required();
+
+  ucpfs::cli::SourceArgs index_args;
+  CLI::App* index_cmd = app.add_subcommand("index", "Build (or verify and reuse) the index of checkpoint SRC");
+  index_cmd->add_option("SRC", index_args.src, "checkpoint directory")->required();
+  AddSourceOptions(index_cmd, index_args);
+
+  ucpfs::cli::SourceArgs inspect_args;
   bool inspect_json = false;
   CLI::App* inspect = app.add_subcommand(
-      "inspect", "Show the tensors of a torch.save file: key, dtype, shape, stride, byte offsets");
-  inspect->add_option("FILE", inspect_path, "a torch.save file (.pt)")->required();
+      "inspect", "Show what a checkpoint directory or a torch.save file holds, without reading tensor data");
+  inspect->add_option("SRC", inspect_args.src, "checkpoint directory, or a torch.save file (.pt)")->required();
   inspect->add_flag("--json", inspect_json, "print one JSON object instead of a table");
+  AddSourceOptions(inspect, inspect_args);
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if (inspect->parsed()) return ucpfs::cli::RunInspect(inspect_path, inspect_json, std::cout, std::cerr);
+  if (mount_cmd->parsed()) {
+    std::string opt;
+    for (char c : fuse_opts + ",") {
+      if (c == ',') {
+        if (!opt.empty()) mount.fuse_options.push_back(opt);
+        opt.clear();
+      } else {
+        opt += c;
+      }
+    }
+    return ucpfs::cli::RunMount(mount);
+  }
+  if (umount_cmd->parsed()) return ucpfs::cli::RunUmount(umount_path);
+  if (index_cmd->parsed()) return ucpfs::cli::RunIndex(index_args);
+  if (inspect->parsed()) {
+    struct stat st;
+    if (::stat(inspect_args.src.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+      return ucpfs::cli::RunInspectCheckpoint(inspect_args, inspect_json);
+    }
+    return ucpfs::cli::RunInspect(inspect_args.src, inspect_json, std::cout, std::cerr);
+  }
   std::cerr << app.help() << "ucpfs: a subcommand is required\n";
   return 2;
 }

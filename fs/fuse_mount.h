@@ -19,14 +19,20 @@ namespace ucpfs::fs {
 struct MountOptions {
   std::string mountpoint;
   std::vector<std::string> fuse_options;  // from -o, e.g. "allow_other", "max_read=1048576"
-  int ready_fd = -1;        // when >= 0: one byte is written once the mount is live, then closed
+  // When >= 0: one byte is written once the mount is live (its root answers stat), and the
+  // pipe is then released: the descriptor is re-pointed at /dev/null, so the reader sees EOF
+  // while the number stays valid. The caller owns the descriptor throughout (ServeTree never
+  // closes it): when ServeTree fails before the mount is live nothing was written, so the
+  // caller can report the error through it; later writes go harmlessly to /dev/null.
+  int ready_fd = -1;
   int max_threads = 16;     // FUSE worker threads
   std::string fsname = "ucpfs";
 };
 
 // Mounts and serves until the filesystem is unmounted (ucpfs umount / fusermount3 -u) or the
 // process gets SIGINT/SIGTERM (then it unmounts itself). Errors: kInvalidArgument (bad
-// mountpoint or option), kIo (the mount failed, with errno).
+// mountpoint or option), kIo (the mount failed, with errno; or the mount never answered,
+// e.g. it was unmounted or signalled before its first request was served).
 Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options);
 
 // Unmounts `mountpoint` (umount2, falling back to fusermount3 -u). Errors: kIo with errno.

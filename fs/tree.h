@@ -35,8 +35,12 @@ struct TreeNode {
   struct timespec mtime = {};
   uint32_t nlink = 1;
   Opener open;               // files
+  // Files whose content is produced at open time (counters): served with direct_io, never
+  // cached by the kernel. Their size is fixed at build time like any other file's.
+  bool volatile_content = false;
   std::map<std::string, Ino> children;  // dirs: name -> inode, sorted
-  Ino parent = kRootIno;
+  Ino parent = kRootIno;     // the directory holding `name` (root: itself)
+  std::string name;          // first name under `parent` ("" for the root); for messages
 };
 
 class Tree {
@@ -45,18 +49,29 @@ class Tree {
 
   // Adds a directory / file under `parent`. Errors: kInvalidArgument (parent not a
   // directory, empty name or one with '/'), kAlreadyExists-like kInvalidArgument on a clash.
+  // Names must also not be "." or "..", contain NUL or exceed 255 bytes (NAME_MAX).
+  // Directories get nlink 2 + their number of subdirectories (the POSIX convention).
   Result<Ino> AddDir(Ino parent, const std::string& name, struct timespec mtime);
   Result<Ino> AddFile(Ino parent, const std::string& name, uint64_t size, struct timespec mtime,
                       Opener open);
+  // Marks a file as volatile (see TreeNode::volatile_content). Errors: kInvalidArgument.
+  Status MarkVolatile(Ino ino);
   // Another name for an existing file inode (hard link; nlink is incremented).
   Status AddLink(Ino parent, const std::string& name, Ino target);
   // Creates missing directories along `rel_path` ("a/b/c") under `parent`; returns the last.
+  // Empty components ("a//b", leading or trailing '/') are skipped; "" returns `parent`.
+  // Errors: kInvalidArgument when a component is a file or an invalid name.
   Result<Ino> MakeDirs(Ino parent, const std::string& rel_path, struct timespec mtime);
 
+  // nullptr when absent. Pointers stay valid until the next Add*/MakeDirs call (a served
+  // tree is never changed again, so FUSE workers may hold them freely).
   const TreeNode* Get(Ino ino) const;
   const TreeNode* Lookup(Ino parent, const std::string& name) const;
   size_t size() const { return nodes_.size(); }
+  // Sum of file sizes, each inode once (hard links do not count twice, as in du).
   uint64_t TotalFileBytes() const;
+  // "/a/b/c" built from parent links and first names ("/" for the root, "<ino N>" when unknown).
+  std::string PathOf(Ino ino) const;
 
  private:
   std::vector<TreeNode> nodes_;  // nodes_[ino - 1]

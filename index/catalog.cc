@@ -1,1 +1,664 @@
-// Placeholder translation unit: implementation in progress.
+// The LMDB catalog (see catalog.h). Layout of the environment:
+//   "meta"  : schema_version (u32 LE), fingerprint (u64 LE), format, flavor (strings),
+//             n_files, n_items (u64 LE)
+//   "files" : u32 BE file_id  -> codec::EncodeSourceFile
+//   "items" : u64 BE item index -> codec::EncodeItem
+// Everything is written in one write transaction (meta last), so a reader sees either the old
+// catalog or the new one, never a mix.
+//
+// Lifetimes: every environment is opened, used and closed inside one function; MDB_val data
+// points into the map and is copied (decoded) before its transaction ends. LMDB forbids one
+// process from having the same environment open twice, so a process-wide mutex serializes our
+// own opens (the FUSE daemon, the CLI and tests may call in from several threads); across
+// processes, builders serialize on an exclusive flock of index_dir/lock and readers rely on
+// LMDB's own reader table (or MDB_NOLOCK for a read-only shared index).
+#include "index/catalog.h"
+
+#include <fcntl.h>
+#include <lmdb.h>
+#include <pwd.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "index/catalog_codec.h"
+
+namespace ucpfs::index {
+namespace fs = std::filesystem;
+namespace {
+
+// LMDB's map is virtual address space, not disk: a generous size costs nothing.
+constexpr size_t kMapSizeBytes = size_t{64} << 30;
+constexpr unsigned kMaxDbs = 4;
+constexpr char kMetaDb[] = "meta";
+constexpr char kFilesDb[] = "files";
+constexpr char kItemsDb[] = "items";
+constexpr char kIndexDirName[] = ".ucpfs";
+
+std::mutex& EnvMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+Status LmdbError(int rc, const std::string& what) {
+  std::string msg = what + ": " + mdb_strerror(rc);
+  switch (rc) {
+    case MDB_INVALID:
+    case MDB_VERSION_MISMATCH:
+    case MDB_CORRUPTED:
+    case MDB_PAGE_NOTFOUND:
+    case MDB_INCOMPATIBLE:
+    case MDB_BAD_VALSIZE:
+      return Status(StatusCode::kDataLoss, msg);
+    case MDB_MAP_FULL:
+    case ENOSPC:
+    case EDQUOT:
+      return Status(StatusCode::kNoSpace, msg, rc > 0 ? rc : 0);
+    case MDB_NOTFOUND:
+    case ENOENT:
+      return NotFoundError(msg);
+    default:
+      if (rc > 0) return IoError(msg, rc);
+      return InternalError(msg);
+  }
+}
+
+struct EnvCloser {
+  void operator()(MDB_env* env) const { mdb_env_close(env); }
+};
+using EnvPtr = std::unique_ptr<MDB_env, EnvCloser>;
+
+// Aborts unless committed; must be destroyed before its environment.
+class Txn {
+ public:
+  Txn() = default;
+  Txn(const Txn&) = delete;
+  Txn& operator=(const Txn&) = delete;
+  ~Txn() {
+    if (txn_ != nullptr) mdb_txn_abort(txn_);
+  }
+  MDB_txn** out() { return &txn_; }
+  MDB_txn* get() const { return txn_; }
+  int Commit() {
+    int rc = mdb_txn_commit(txn_);
+    txn_ = nullptr;  // committed or not, the handle is freed
+    return rc;
+  }
+
+ private:
+  MDB_txn* txn_ = nullptr;
+};
+
+class Cursor {
+ public:
+  Cursor() = default;
+  Cursor(const Cursor&) = delete;
+  Cursor& operator=(const Cursor&) = delete;
+  ~Cursor() {
+    if (cursor_ != nullptr) mdb_cursor_close(cursor_);
+  }
+  MDB_cursor** out() { return &cursor_; }
+  MDB_cursor* get() const { return cursor_; }
+
+ private:
+  MDB_cursor* cursor_ = nullptr;
+};
+
+Result<EnvPtr> OpenEnv(const std::string& dir, unsigned flags) {
+  MDB_env* raw = nullptr;
+  int rc = mdb_env_create(&raw);
+  if (rc != 0) return LmdbError(rc, "mdb_env_create");
+  EnvPtr env(raw);
+  if ((rc = mdb_env_set_maxdbs(env.get(), kMaxDbs)) != 0) return LmdbError(rc, dir);
+  if ((rc = mdb_env_set_mapsize(env.get(), kMapSizeBytes)) != 0) return LmdbError(rc, dir);
+  rc = mdb_env_open(env.get(), dir.c_str(), flags | MDB_NOTLS, 0644);
+  if (rc != 0) return LmdbError(rc, "opening index " + dir);
+  return env;
+}
+
+std::string_view View(const MDB_val& v) {
+  return std::string_view(static_cast<const char*>(v.mv_data), v.mv_size);
+}
+
+MDB_val Val(const std::string& s) {
+  MDB_val v;
+  v.mv_size = s.size();
+  v.mv_data = const_cast<char*>(s.data());
+  return v;
+}
+
+Status DataLoss(const std::string& dir, const std::string& msg) {
+  return Status(StatusCode::kDataLoss, "index " + dir + ": " + msg);
+}
+
+// Reads one meta value; a missing key is data loss (meta is written whole, in one txn).
+Result<std::string_view> GetMeta(MDB_txn* txn, MDB_dbi dbi, const std::string& dir,
+                                 const char* name) {
+  std::string key = name;
+  MDB_val k = Val(key);
+  MDB_val v;
+  int rc = mdb_get(txn, dbi, &k, &v);
+  if (rc == MDB_NOTFOUND) return DataLoss(dir, std::string("meta has no ") + name);
+  if (rc != 0) return LmdbError(rc, "index " + dir + ": reading meta " + name);
+  return View(v);
+}
+
+Result<uint64_t> GetMetaU64(MDB_txn* txn, MDB_dbi dbi, const std::string& dir, const char* name) {
+  UCPFS_ASSIGN_OR_RETURN(std::string_view raw, GetMeta(txn, dbi, dir, name));
+  uint64_t v = 0;
+  if (!codec::DecodeU64Le(raw, &v)) {
+    return DataLoss(dir, std::string("meta ") + name + " has " + std::to_string(raw.size()) +
+                             " bytes, expected 8");
+  }
+  return v;
+}
+
+Status CheckFileIds(const Checkpoint& cp, const std::string& where, StatusCode code) {
+  const uint64_t n_files = cp.files.size();
+  for (size_t i = 0; i < cp.items.size(); ++i) {
+    const Item& item = cp.items[i];
+    if (item.kind == ItemKind::kBytes) {
+      if (item.file_id >= n_files) {
+        return Status(code, where + ": item " + std::to_string(i) + " (" + item.key + ") file_id " +
+                                std::to_string(item.file_id) + " out of range (" +
+                                std::to_string(n_files) + " files)");
+      }
+      continue;
+    }
+    for (size_t j = 0; j < item.layout.fragments.size(); ++j) {
+      const slice::Fragment& f = item.layout.fragments[j];
+      if (f.file_id >= n_files) {
+        return Status(code, where + ": item " + std::to_string(i) + " (" + item.key +
+                                ") fragment " + std::to_string(j) + " file_id " +
+                                std::to_string(f.file_id) + " out of range (" +
+                                std::to_string(n_files) + " files)");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Walks a table whose keys must be 0, 1, 2, ... (big-endian, `key_bytes` wide) and hands each
+// value to `decode`.
+template <typename Decode>
+Status ReadTable(MDB_txn* txn, MDB_dbi dbi, const std::string& dir, const char* table,
+                 uint64_t expected_count, size_t key_bytes, Decode&& decode) {
+  MDB_stat stat;
+  int rc = mdb_stat(txn, dbi, &stat);
+  if (rc != 0) return LmdbError(rc, "index " + dir + ": stat " + table);
+  if (stat.ms_entries != expected_count) {
+    return DataLoss(dir, std::string(table) + " holds " + std::to_string(stat.ms_entries) +
+                             " records, meta says " + std::to_string(expected_count));
+  }
+  Cursor cursor;
+  rc = mdb_cursor_open(txn, dbi, cursor.out());
+  if (rc != 0) return LmdbError(rc, "index " + dir + ": cursor on " + table);
+  MDB_val k, v;
+  uint64_t n = 0;
+  for (rc = mdb_cursor_get(cursor.get(), &k, &v, MDB_FIRST); rc == 0;
+       rc = mdb_cursor_get(cursor.get(), &k, &v, MDB_NEXT), ++n) {
+    uint64_t id = 0;
+    bool key_ok = false;
+    if (key_bytes == 4) {
+      uint32_t id32 = 0;
+      key_ok = codec::DecodeU32Be(View(k), &id32);
+      id = id32;
+    } else {
+      key_ok = codec::DecodeU64Be(View(k), &id);
+    }
+    if (!key_ok || id != n) {
+      return DataLoss(dir, std::string(table) + " record " + std::to_string(n) +
+                               " has an unexpected key");
+    }
+    Status s = decode(n, View(v));
+    if (!s.ok()) {
+      return DataLoss(dir, "index record " + std::to_string(n) + " (" + table +
+                               ") undecodable: " + s.message());
+    }
+  }
+  if (rc != MDB_NOTFOUND) return LmdbError(rc, "index " + dir + ": reading " + table);
+  if (n != expected_count) {
+    return DataLoss(dir, std::string(table) + ": read " + std::to_string(n) + " records, expected " +
+                             std::to_string(expected_count));
+  }
+  return Status::Ok();
+}
+
+Status RemoveEnvFiles(const std::string& dir) {
+  for (const char* name : {"data.mdb", "lock.mdb"}) {
+    std::string path = dir + "/" + name;
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return IoError("removing corrupt index file " + path + ": " + std::strerror(errno), errno);
+    }
+  }
+  return Status::Ok();
+}
+
+Status MakeDirs(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return IoError("creating index directory " + dir + ": " + ec.message(), ec.value());
+  return Status::Ok();
+}
+
+// An exclusive flock on index_dir/lock, held while an index is (re)built.
+class BuildLock {
+ public:
+  BuildLock() = default;
+  BuildLock(const BuildLock&) = delete;
+  BuildLock& operator=(const BuildLock&) = delete;
+  ~BuildLock() {
+    if (fd_ >= 0) ::close(fd_);  // closing the descriptor drops the flock
+  }
+
+  Status Acquire(const std::string& dir) {
+    std::string path = dir + "/lock";
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) return IoError("opening index lock " + path + ": " + std::strerror(errno), errno);
+    while (::flock(fd_, LOCK_EX) != 0) {
+      if (errno == EINTR) continue;
+      return IoError("locking " + path + ": " + std::strerror(errno), errno);
+    }
+    return Status::Ok();
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+bool IsMetadataFile(std::string_view name) {
+  if (name == ".metadata" || name == "metadata.json") return true;
+  return name.size() > 2 + 9 && name.substr(0, 2) == "__" &&
+         name.substr(name.size() - 9) == ".metadata";
+}
+
+void HashU64(XXH3_state_t* state, uint64_t v) {
+  unsigned char b[8];
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>((v >> (8 * i)) & 0xFF);
+  XXH3_64bits_update(state, b, sizeof(b));
+}
+
+Status HashFileBytes(XXH3_state_t* state, const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return IoError("fingerprint: opening " + path + ": " + std::strerror(errno), errno);
+  std::vector<char> buf(1 << 20);
+  Status status;
+  for (;;) {
+    ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      status = IoError("fingerprint: reading " + path + ": " + std::strerror(errno), errno);
+      break;
+    }
+    if (n == 0) break;
+    XXH3_64bits_update(state, buf.data(), static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return status;
+}
+
+std::string Hex16(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// Creating SRC/.ucpfs is the probe: access(W_OK) is true for root even on a directory it
+// cannot write into (a read-only mount answers EROFS only to an actual write).
+bool CanCreateIndexDirIn(const std::string& src_dir) {
+  if (::access(src_dir.c_str(), W_OK) != 0) return false;
+  std::string dir = src_dir + "/" + kIndexDirName;
+  if (::mkdir(dir.c_str(), 0755) == 0) return true;
+  if (errno != EEXIST) return false;
+  struct stat st;
+  return ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(dir.c_str(), W_OK) == 0;
+}
+
+// Read-only mode writes nothing, not even the probe directory: SRC/.ucpfs when it holds an
+// environment, else the cache path.
+std::string ReadOnlyIndexDir(const std::string& src_dir) {
+  std::string dir = src_dir + "/" + kIndexDirName;
+  struct stat st;
+  if (::stat((dir + "/data.mdb").c_str(), &st) == 0) return dir;
+  return CacheIndexDir(src_dir);
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+const char* IndexStateName(IndexState state) {
+  switch (state) {
+    case IndexState::kReused: return "reused";
+    case IndexState::kBuilt: return "built";
+    case IndexState::kRebuiltChanged: return "rebuilt (source changed)";
+    case IndexState::kRebuiltCorrupt: return "rebuilt (index was corrupt)";
+  }
+  return "unknown";
+}
+
+Result<uint64_t> FingerprintSource(const std::string& dir) {
+  struct stat root_st;
+  if (::stat(dir.c_str(), &root_st) != 0) {
+    int err = errno;
+    if (err == ENOENT || err == ENOTDIR) return NotFoundError("fingerprint: no directory " + dir);
+    return IoError("fingerprint: " + dir + ": " + std::strerror(err), err);
+  }
+  if (!S_ISDIR(root_st.st_mode)) return NotFoundError("fingerprint: " + dir + " is not a directory");
+
+  struct Entry {
+    std::string rel_path;
+    std::string path;
+    uint64_t n_bytes;
+    int64_t mtime_ns;
+    bool is_metadata;
+  };
+  std::vector<Entry> entries;
+  std::error_code ec;
+  fs::recursive_directory_iterator it(dir, ec);
+  if (ec) return IoError("fingerprint: listing " + dir + ": " + ec.message(), ec.value());
+  for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    const fs::path& p = it->path();
+    std::string name = p.filename().string();
+    if (name == kIndexDirName) {
+      it.disable_recursion_pending();
+      continue;
+    }
+    struct stat st;
+    if (::stat(p.c_str(), &st) != 0) {
+      if (errno == ENOENT) continue;  // vanished while walking (or a dangling symlink)
+      return IoError("fingerprint: stat " + p.string() + ": " + std::strerror(errno), errno);
+    }
+    if (!S_ISREG(st.st_mode)) continue;
+    entries.push_back(Entry{p.lexically_relative(dir).string(), p.string(),
+                            static_cast<uint64_t>(st.st_size),
+                            static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
+                            IsMetadataFile(name)});
+  }
+  if (ec) return IoError("fingerprint: listing " + dir + ": " + ec.message(), ec.value());
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.rel_path < b.rel_path; });
+
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+  if (!state) return ResourceExhaustedError("fingerprint: out of memory");
+  XXH3_64bits_reset(state.get());
+  for (const Entry& e : entries) {
+    // Length-prefixed path, so that ("ab", ...) and ("a", "b"...) cannot collide by framing.
+    HashU64(state.get(), e.rel_path.size());
+    XXH3_64bits_update(state.get(), e.rel_path.data(), e.rel_path.size());
+    HashU64(state.get(), e.n_bytes);
+    HashU64(state.get(), static_cast<uint64_t>(e.mtime_ns));
+    if (e.is_metadata) UCPFS_RETURN_IF_ERROR(HashFileBytes(state.get(), e.path));
+  }
+  return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
+}
+
+std::string CacheIndexDir(const std::string& src_dir) {
+  std::string base;
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  if (xdg != nullptr && xdg[0] == '/') {  // the XDG spec ignores relative paths
+    base = xdg;
+  } else {
+    const char* home = std::getenv("HOME");
+    if (home == nullptr || home[0] == '\0') {
+      const struct passwd* pw = ::getpwuid(::getuid());
+      home = pw != nullptr ? pw->pw_dir : "/tmp";
+    }
+    base = std::string(home) + "/.cache";
+  }
+  std::error_code ec;
+  fs::path abs = fs::weakly_canonical(fs::absolute(src_dir, ec), ec);
+  if (ec) abs = fs::absolute(src_dir, ec).lexically_normal();
+  std::string key = abs.string();
+  while (key.size() > 1 && key.back() == '/') key.pop_back();
+  return base + "/ucpfs/" + Hex16(XXH3_64bits(key.data(), key.size()));
+}
+
+std::string DefaultIndexDirFor(const std::string& src_dir,
+                               const std::function<bool(const std::string&)>& can_create_index_dir_in) {
+  if (can_create_index_dir_in(src_dir)) return src_dir + "/" + kIndexDirName;
+  return CacheIndexDir(src_dir);
+}
+
+std::string DefaultIndexDir(const std::string& src_dir) {
+  return DefaultIndexDirFor(src_dir, CanCreateIndexDirIn);
+}
+
+Status StoreCheckpoint(const std::string& index_dir, const Checkpoint& checkpoint,
+                       uint64_t fingerprint) {
+  if (checkpoint.files.size() > UINT32_MAX) {
+    return InvalidArgumentError("index " + index_dir + ": too many files (" +
+                                std::to_string(checkpoint.files.size()) + ")");
+  }
+  // An index that can never load would be rebuilt on every mount: refuse it up front.
+  UCPFS_RETURN_IF_ERROR(CheckFileIds(checkpoint, "index " + index_dir, StatusCode::kInvalidArgument));
+  UCPFS_RETURN_IF_ERROR(MakeDirs(index_dir));
+
+  std::lock_guard<std::mutex> env_lock(EnvMutex());
+  UCPFS_ASSIGN_OR_RETURN(EnvPtr env, OpenEnv(index_dir, 0));
+  Txn txn;
+  int rc = mdb_txn_begin(env.get(), nullptr, 0, txn.out());
+  if (rc != 0) return LmdbError(rc, "index " + index_dir + ": begin write");
+  MDB_dbi meta, files, items;
+  if ((rc = mdb_dbi_open(txn.get(), kMetaDb, MDB_CREATE, &meta)) != 0 ||
+      (rc = mdb_dbi_open(txn.get(), kFilesDb, MDB_CREATE, &files)) != 0 ||
+      (rc = mdb_dbi_open(txn.get(), kItemsDb, MDB_CREATE, &items)) != 0) {
+    return LmdbError(rc, "index " + index_dir + ": opening tables");
+  }
+  // Replace, not merge: an older catalog's records go away in the same transaction.
+  for (MDB_dbi dbi : {meta, files, items}) {
+    if ((rc = mdb_drop(txn.get(), dbi, 0)) != 0) {
+      return LmdbError(rc, "index " + index_dir + ": clearing tables");
+    }
+  }
+  auto put = [&](MDB_dbi dbi, const std::string& key, const std::string& value, unsigned flags,
+                 const char* what) -> Status {
+    MDB_val k = Val(key);
+    MDB_val v = Val(value);
+    int put_rc = mdb_put(txn.get(), dbi, &k, &v, flags);
+    if (put_rc != 0) return LmdbError(put_rc, "index " + index_dir + ": writing " + what);
+    return Status::Ok();
+  };
+  // Keys ascend, so MDB_APPEND fills pages without searching.
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+    UCPFS_RETURN_IF_ERROR(put(files, codec::EncodeU32Be(static_cast<uint32_t>(i)),
+                              codec::EncodeSourceFile(checkpoint.files[i]), MDB_APPEND, "files"));
+  }
+  for (size_t i = 0; i < checkpoint.items.size(); ++i) {
+    UCPFS_RETURN_IF_ERROR(put(items, codec::EncodeU64Be(i), codec::EncodeItem(checkpoint.items[i]),
+                              MDB_APPEND, "items"));
+  }
+  UCPFS_RETURN_IF_ERROR(put(meta, "format", checkpoint.format, 0, "meta"));
+  UCPFS_RETURN_IF_ERROR(put(meta, "flavor", checkpoint.flavor, 0, "meta"));
+  UCPFS_RETURN_IF_ERROR(put(meta, "n_files", codec::EncodeU64Le(checkpoint.files.size()), 0, "meta"));
+  UCPFS_RETURN_IF_ERROR(put(meta, "n_items", codec::EncodeU64Le(checkpoint.items.size()), 0, "meta"));
+  UCPFS_RETURN_IF_ERROR(put(meta, "fingerprint", codec::EncodeU64Le(fingerprint), 0, "meta"));
+  UCPFS_RETURN_IF_ERROR(
+      put(meta, "schema_version", codec::EncodeU32Le(kCatalogSchemaVersion), 0, "meta"));
+  rc = txn.Commit();
+  if (rc != 0) return LmdbError(rc, "index " + index_dir + ": commit");
+  return Status::Ok();
+}
+
+Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool read_only,
+                                  uint64_t* fingerprint) {
+  const std::string data_path = index_dir + "/data.mdb";
+  struct stat st;
+  if (::stat(data_path.c_str(), &st) != 0) {
+    int err = errno;
+    if (err == ENOENT || err == ENOTDIR) return NotFoundError("no index in " + index_dir);
+    return IoError("index " + index_dir + ": stat data.mdb: " + std::strerror(err), err);
+  }
+  // LMDB treats an empty data file as a new environment and would try to initialize it.
+  if (st.st_size == 0) return DataLoss(index_dir, "data.mdb is empty");
+
+  std::lock_guard<std::mutex> env_lock(EnvMutex());
+  const unsigned flags = MDB_RDONLY | (read_only ? MDB_NOLOCK : 0u);
+  Result<EnvPtr> opened = OpenEnv(index_dir, flags);
+  if (!opened.ok() && !read_only &&
+      (opened.error().sys_errno() == EACCES || opened.error().sys_errno() == EROFS ||
+       opened.error().sys_errno() == EPERM)) {
+    // We may not create lock.mdb here (someone else's index): nobody can be writing it
+    // through us either, so read it unlocked.
+    opened = OpenEnv(index_dir, flags | MDB_NOLOCK);
+  }
+  if (!opened.ok()) return opened.error();
+  EnvPtr env = std::move(opened).value();
+
+  Txn txn;
+  int rc = mdb_txn_begin(env.get(), nullptr, MDB_RDONLY, txn.out());
+  if (rc != 0) return LmdbError(rc, "index " + index_dir + ": begin read");
+  MDB_dbi meta;
+  rc = mdb_dbi_open(txn.get(), kMetaDb, 0, &meta);
+  if (rc == MDB_NOTFOUND) return NotFoundError("index " + index_dir + " holds no catalog");
+  if (rc != 0) return LmdbError(rc, "index " + index_dir + ": opening meta");
+
+  UCPFS_ASSIGN_OR_RETURN(std::string_view version_raw, GetMeta(txn.get(), meta, index_dir, "schema_version"));
+  uint32_t version = 0;
+  if (!codec::DecodeU32Le(version_raw, &version)) return DataLoss(index_dir, "meta schema_version undecodable");
+  if (version != kCatalogSchemaVersion) {
+    return DataLoss(index_dir, "schema version " + std::to_string(version) + ", this ucpfs reads " +
+                                   std::to_string(kCatalogSchemaVersion));
+  }
+  UCPFS_ASSIGN_OR_RETURN(uint64_t stored_fingerprint, GetMetaU64(txn.get(), meta, index_dir, "fingerprint"));
+  UCPFS_ASSIGN_OR_RETURN(uint64_t n_files, GetMetaU64(txn.get(), meta, index_dir, "n_files"));
+  UCPFS_ASSIGN_OR_RETURN(uint64_t n_items, GetMetaU64(txn.get(), meta, index_dir, "n_items"));
+  Checkpoint cp;
+  {
+    UCPFS_ASSIGN_OR_RETURN(std::string_view format, GetMeta(txn.get(), meta, index_dir, "format"));
+    UCPFS_ASSIGN_OR_RETURN(std::string_view flavor, GetMeta(txn.get(), meta, index_dir, "flavor"));
+    cp.format = std::string(format);
+    cp.flavor = std::string(flavor);
+  }
+
+  MDB_dbi files, items;
+  if ((rc = mdb_dbi_open(txn.get(), kFilesDb, 0, &files)) != 0 ||
+      (rc = mdb_dbi_open(txn.get(), kItemsDb, 0, &items)) != 0) {
+    if (rc == MDB_NOTFOUND) return DataLoss(index_dir, "meta present but a table is missing");
+    return LmdbError(rc, "index " + index_dir + ": opening tables");
+  }
+  if (n_files > UINT32_MAX) return DataLoss(index_dir, "meta n_files " + std::to_string(n_files));
+
+  // Counts are checked against the tables' own entry counts before these reserves.
+  UCPFS_RETURN_IF_ERROR(ReadTable(txn.get(), files, index_dir, kFilesDb, n_files, 4,
+                                  [&](uint64_t, std::string_view rec) -> Status {
+                                    if (cp.files.empty()) cp.files.reserve(n_files);
+                                    Result<SourceFile> f = codec::DecodeSourceFile(rec);
+                                    if (!f.ok()) return f.error();
+                                    cp.files.push_back(std::move(f).value());
+                                    return Status::Ok();
+                                  }));
+  UCPFS_RETURN_IF_ERROR(ReadTable(txn.get(), items, index_dir, kItemsDb, n_items, 8,
+                                  [&](uint64_t, std::string_view rec) -> Status {
+                                    if (cp.items.empty()) cp.items.reserve(n_items);
+                                    Result<Item> item = codec::DecodeItem(rec);
+                                    if (!item.ok()) return item.error();
+                                    cp.items.push_back(std::move(item).value());
+                                    return Status::Ok();
+                                  }));
+  UCPFS_RETURN_IF_ERROR(CheckFileIds(cp, "index " + index_dir, StatusCode::kDataLoss));
+  if (fingerprint != nullptr) *fingerprint = stored_fingerprint;
+  return cp;
+}
+
+Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  UCPFS_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintSource(src_dir));
+
+  OpenedIndex out;
+  out.fingerprint = fingerprint;
+  if (options.read_only) {
+    out.index_dir = options.index_dir.empty() ? ReadOnlyIndexDir(src_dir) : options.index_dir;
+    const std::string hint = ": run `ucpfs index " + src_dir + "` to build it";
+    uint64_t stored = 0;
+    Result<Checkpoint> loaded = LoadCheckpoint(out.index_dir, /*read_only=*/true, &stored);
+    if (!loaded.ok()) {
+      const Status& e = loaded.error();
+      if (e.code() == StatusCode::kNotFound) {
+        return NotFoundError("no index for " + src_dir + " (" + e.message() + ")" + hint);
+      }
+      if (e.code() == StatusCode::kDataLoss) {
+        return Status(StatusCode::kDataLoss, e.message() + hint);
+      }
+      return e;
+    }
+    if (stored != fingerprint) {
+      return Status(StatusCode::kDataLoss, "index " + out.index_dir + " is stale (" + src_dir +
+                                               " changed since it was indexed)" + hint);
+    }
+    out.checkpoint = std::move(loaded).value();
+    out.state = IndexState::kReused;
+    out.elapsed_s = SecondsSince(t0);
+    return out;
+  }
+
+  out.index_dir = options.index_dir.empty() ? DefaultIndexDir(src_dir) : options.index_dir;
+  auto try_reuse = [&](Result<Checkpoint>& loaded, uint64_t stored) -> bool {
+    if (!loaded.ok() || stored != fingerprint) return false;
+    out.checkpoint = std::move(loaded).value();
+    out.state = IndexState::kReused;
+    out.elapsed_s = SecondsSince(t0);
+    return true;
+  };
+  {
+    // Fast path without the build lock: LMDB readers never see a half-written catalog.
+    uint64_t stored = 0;
+    Result<Checkpoint> loaded = LoadCheckpoint(out.index_dir, false, &stored);
+    if (try_reuse(loaded, stored)) return out;
+  }
+
+  UCPFS_RETURN_IF_ERROR(MakeDirs(out.index_dir));
+  BuildLock lock;
+  UCPFS_RETURN_IF_ERROR(lock.Acquire(out.index_dir));
+  // Under the lock, look again: another process may have just built it.
+  uint64_t stored = 0;
+  Result<Checkpoint> loaded = LoadCheckpoint(out.index_dir, false, &stored);
+  if (try_reuse(loaded, stored)) return out;
+  if (loaded.ok()) {
+    out.state = IndexState::kRebuiltChanged;
+  } else if (loaded.error().code() == StatusCode::kNotFound) {
+    out.state = IndexState::kBuilt;
+  } else if (loaded.error().code() == StatusCode::kDataLoss) {
+    out.state = IndexState::kRebuiltCorrupt;
+    UCPFS_RETURN_IF_ERROR(RemoveEnvFiles(out.index_dir));
+  } else {
+    return loaded.error();
+  }
+
+  const CheckpointScanner& scanner = options.scanner;
+  Result<Checkpoint> scanned = scanner ? scanner(src_dir, options.progress)
+                                       : ScanDcp(src_dir, options.progress);
+  if (!scanned.ok()) return scanned.error();
+  Status stored_status = StoreCheckpoint(out.index_dir, scanned.value(), fingerprint);
+  if (stored_status.code() == StatusCode::kDataLoss) {
+    // The environment was damaged in a way reading did not notice: start it afresh.
+    UCPFS_RETURN_IF_ERROR(RemoveEnvFiles(out.index_dir));
+    out.state = IndexState::kRebuiltCorrupt;
+    stored_status = StoreCheckpoint(out.index_dir, scanned.value(), fingerprint);
+  }
+  UCPFS_RETURN_IF_ERROR(stored_status);
+  out.checkpoint = std::move(scanned).value();
+  out.elapsed_s = SecondsSince(t0);
+  return out;
+}
+
+}  // namespace ucpfs::index

@@ -26,10 +26,15 @@ inline constexpr uint32_t kCatalogSchemaVersion = 1;
 // `__*.metadata`, `metadata.json`). Errors: kNotFound, kIo.
 Result<uint64_t> FingerprintSource(const std::string& dir);
 
+// Produces the Checkpoint of a source directory (ScanDcp's signature).
+using CheckpointScanner = std::function<Result<Checkpoint>(const std::string& dir,
+                                                           const ScanProgress& progress)>;
+
 struct IndexOptions {
   std::string index_dir;      // empty: default location (see above)
   bool read_only = false;     // never write; fail if the index is missing or stale
   ScanProgress progress;      // forwarded to the scanner
+  CheckpointScanner scanner;  // empty: ScanDcp (tests and other formats inject their own)
 };
 
 enum class IndexState { kReused, kBuilt, kRebuiltChanged, kRebuiltCorrupt };
@@ -44,7 +49,17 @@ struct OpenedIndex {
 };
 
 // Default index directory for `src_dir` (SRC/.ucpfs when writable, else the cache path).
+// May create SRC/.ucpfs (that is how writability is probed: access(2) alone says yes to root
+// on a directory it cannot write, e.g. a read-only mount).
 std::string DefaultIndexDir(const std::string& src_dir);
+
+// The decision behind DefaultIndexDir with the probe injected: SRC/.ucpfs when
+// `can_create_index_dir_in(src_dir)`, else CacheIndexDir(src_dir).
+std::string DefaultIndexDirFor(const std::string& src_dir,
+                               const std::function<bool(const std::string&)>& can_create_index_dir_in);
+
+// ${XDG_CACHE_HOME:-$HOME/.cache}/ucpfs/<16 hex digits of XXH3-64 of SRC's absolute path>.
+std::string CacheIndexDir(const std::string& src_dir);
 
 // Opens the index of `src_dir`, building it (scanning with ScanDcp) when missing, stale or
 // corrupt. Errors: those of the scanner; kIo/kNoSpace when the index cannot be written;

@@ -1,1 +1,604 @@
-// Placeholder translation unit: implementation in progress.
+// ScanDcp: DCP directory -> Checkpoint. Reads the metadata (one `.metadata`, else the union of
+// rank-local `__<r>.metadata`), then for every tensor chunk opens its storage slice as a
+// torch.save zip, checks the stored shape against the chunk and records where its first element
+// lies. Megatron flattened-range chunks (mcore_data nd_reformulated_orig_global_shape) become
+// flat-range fragments of the original shape. Coverage is checked per tensor; replicas (the
+// same box stored twice, e.g. by every rank of a rank-local save) must hold equal bytes, and
+// only the first is kept.
+//
+// Error rule: the first problem in state_dict_metadata order wins; every message names the file
+// (a metadata file or a data file with its slice) and the item's fqn.
+#include "index/dcp_scan.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <tuple>
+#include <utility>
+
+#include "core/byte_source.h"
+#include "core/checked.h"
+#include "core/format/torch_file.h"
+#include "core/io/file_source.h"
+#include "index/dcp_metadata.h"
+
+namespace ucpfs::index {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint64_t kMaxMetadataBytes = 4ull << 30;
+constexpr uint64_t kCompareBlockBytes = 1u << 20;
+
+std::string JoinInts(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+// "__<digits>.metadata" -> rank, else -1.
+int64_t RankLocalMetadataRank(const std::string& name) {
+  constexpr std::string_view kSuffix = ".metadata";
+  if (name.size() <= 2 + kSuffix.size() || !name.starts_with("__") || !name.ends_with(kSuffix))
+    return -1;
+  const char* first = name.data() + 2;
+  const char* last = name.data() + name.size() - kSuffix.size();
+  int64_t rank = -1;
+  auto [p, ec] = std::from_chars(first, last, rank);
+  if (ec != std::errc() || p != last || rank < 0) return -1;
+  return rank;
+}
+
+bool IsRegularFile(const std::string& path) {
+  std::error_code ec;
+  return fs::is_regular_file(path, ec);
+}
+
+// Rank-local metadata names sorted by rank.
+std::vector<std::string> RankLocalMetadataFiles(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const int64_t rank = RankLocalMetadataRank(name);
+    if (rank >= 0 && IsRegularFile(it->path().string())) found.emplace_back(rank, name);
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& [rank, name] : found) out.push_back(std::move(name));
+  return out;
+}
+
+// A relative path that stays inside the checkpoint directory.
+bool SafeRelativePath(const std::string& p) {
+  if (p.empty() || p.front() == '/' || p.find('\0') != std::string::npos) return false;
+  size_t start = 0;
+  while (start <= p.size()) {
+    size_t end = p.find('/', start);
+    if (end == std::string::npos) end = p.size();
+    if (p.compare(start, end - start, "..") == 0 && end - start == 2) return false;
+    start = end + 1;
+  }
+  return true;
+}
+
+// Shape without its leading size-1 axes (Megatron prepends singleton axes to chunk views).
+std::vector<int64_t> StripLeadingOnes(const std::vector<int64_t>& v) {
+  size_t i = 0;
+  while (i < v.size() && v[i] == 1) ++i;
+  return {v.begin() + static_cast<std::ptrdiff_t>(i), v.end()};
+}
+
+bool HasZero(const std::vector<int64_t>& v) { return std::find(v.begin(), v.end(), 0) != v.end(); }
+
+class Scanner {
+ public:
+  explicit Scanner(std::string dir) : dir_(std::move(dir)) {
+    while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
+  }
+
+  Result<Checkpoint> Run(const ScanProgress& progress) {
+    UCPFS_RETURN_IF_ERROR(ReadMegatronMarker());
+    UCPFS_RETURN_IF_ERROR(ReadMetadata());
+    ckpt_.format = "dcp";
+    if (megatron_) ckpt_.flavor = "megatron-torch_dist";
+
+    const bool with_common = megatron_ && IsRegularFile(dir_ + "/common.pt");
+    const uint64_t total = entries_.size() + (with_common ? 1 : 0);
+    uint64_t done = 0;
+    for (const Merged& m : entries_) {
+      Item item;
+      if (m.entry.is_bytes) {
+        UCPFS_ASSIGN_OR_RETURN(item, ScanBytes(m));
+      } else {
+        UCPFS_ASSIGN_OR_RETURN(item, ScanTensor(m));
+      }
+      ckpt_.items.push_back(std::move(item));
+      if (progress) progress(++done, total);
+    }
+    if (with_common) {
+      // Megatron's common state (torch.save of the non-sharded state dict), kept as an opaque
+      // byte item named after the file.
+      UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddFile("common.pt"));
+      Item item;
+      item.key = "common.pt";
+      item.kind = ItemKind::kBytes;
+      item.file_id = id;
+      item.byte_offset = 0;
+      item.n_bytes = ckpt_.files[id].n_bytes;
+      ckpt_.items.push_back(std::move(item));
+      if (progress) progress(++done, total);
+    }
+    return std::move(ckpt_);
+  }
+
+ private:
+  // One state_dict_metadata entry after merging metadata files; chunk_meta[i] is the metadata
+  // file (index into metas_) that listed chunks[i].
+  struct Merged {
+    DcpEntry entry;
+    std::vector<size_t> chunk_meta;
+    size_t meta = 0;  // the file that listed the entry first
+  };
+
+  // ---- directory and metadata ------------------------------------------------------------
+
+  Status ReadMegatronMarker() {
+    const std::string path = dir_ + "/metadata.json";
+    if (!IsRegularFile(path)) return Status::Ok();
+    UCPFS_ASSIGN_OR_RETURN(auto src, FileSource::Open(path));
+    UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
+                           ReadRange(*src, 0, src->Size(), 16u << 20));
+    const auto* begin = reinterpret_cast<const char*>(bytes.data());
+    nlohmann::json j = nlohmann::json::parse(begin, begin + bytes.size(), nullptr, false);
+    if (j.is_discarded()) return CorruptError(path + ": not valid JSON");
+    if (!j.is_object() || !j.contains("sharded_backend")) return Status::Ok();  // not Megatron's
+    const auto& backend = j["sharded_backend"];
+    if (!backend.is_string() || backend.get<std::string>() != "torch_dist") {
+      return UnsupportedError(path + ": Megatron sharded_backend " + backend.dump() +
+                              " is not supported (only torch_dist)");
+    }
+    megatron_ = true;
+    UCPFS_RETURN_IF_ERROR(AddFile("metadata.json").status());
+    return Status::Ok();
+  }
+
+  Status ReadMetadata() {
+    std::error_code ec;
+    if (!fs::is_directory(dir_, ec)) return NotFoundError(dir_ + ": no such directory");
+    std::vector<std::string> names;
+    if (IsRegularFile(dir_ + "/.metadata")) {
+      names.push_back(".metadata");
+    } else {
+      names = RankLocalMetadataFiles(dir_);
+    }
+    if (names.empty()) {
+      return NotFoundError(dir_ + ": no DCP metadata (neither .metadata nor __<rank>.metadata)");
+    }
+    for (const std::string& name : names) {
+      UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddFile(name));
+      const ByteSource& src = *sources_[id];
+      UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
+                             ReadRange(src, 0, src.Size(), kMaxMetadataBytes));
+      UCPFS_ASSIGN_OR_RETURN(DcpMetadata md, ParseDcpMetadata(bytes, src.Name()));
+      metas_.push_back(std::move(md));
+      meta_names_.push_back(src.Name());
+    }
+    ckpt_.flavor = metas_.front().flavor;
+    return Merge();
+  }
+
+  // Union of the metadata files' entries in first-seen order; chunks are concatenated (a
+  // rank-local file lists only its rank's chunks).
+  Status Merge() {
+    std::map<std::string, size_t> index;
+    for (size_t mi = 0; mi < metas_.size(); ++mi) {
+      for (DcpEntry& e : metas_[mi].entries) {
+        auto [it, fresh] = index.emplace(e.fqn, entries_.size());
+        if (fresh) {
+          Merged m;
+          m.meta = mi;
+          m.chunk_meta.assign(e.chunks.size(), mi);
+          m.entry = std::move(e);
+          entries_.push_back(std::move(m));
+          continue;
+        }
+        Merged& m = entries_[it->second];
+        if (m.entry.is_bytes != e.is_bytes ||
+            (!e.is_bytes && (m.entry.dtype != e.dtype || m.entry.size != e.size))) {
+          auto desc = [](const DcpEntry& x) {
+            return x.is_bytes ? std::string("bytes")
+                              : std::string(TorchName(x.dtype)) + " " + JoinInts(x.size);
+          };
+          return CorruptError(meta_names_[mi] + ": '" + e.fqn + "' is " + desc(e) + " here but " +
+                              desc(m.entry) + " in " + meta_names_[m.meta]);
+        }
+        for (DcpChunk& c : e.chunks) {
+          m.entry.chunks.push_back(std::move(c));
+          m.chunk_meta.push_back(mi);
+        }
+      }
+      for (auto& [key, shape] : metas_[mi].nd_orig_shape) nd_orig_shape_.emplace(key, shape);
+    }
+    return Status::Ok();
+  }
+
+  // Storage for `key`, looked up first in metadata file `mi`, then in the others.
+  const DcpStorage* FindStorage(const DcpStorageKey& key, size_t mi) const {
+    if (auto it = metas_[mi].storage.find(key); it != metas_[mi].storage.end()) return &it->second;
+    for (const DcpMetadata& md : metas_) {
+      if (auto it = md.storage.find(key); it != md.storage.end()) return &it->second;
+    }
+    return nullptr;
+  }
+
+  // ---- files -----------------------------------------------------------------------------
+
+  // Registers (once) and opens a file of the checkpoint; returns its file id.
+  Result<uint32_t> AddFile(const std::string& rel_path) {
+    if (auto it = file_ids_.find(rel_path); it != file_ids_.end()) return it->second;
+    const std::string path = dir_ + "/" + rel_path;
+    auto src = FileSource::Open(path);
+    if (!src.ok()) return src.status();
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return IoError(path + ": stat failed", errno);
+    SourceFile f;
+    f.rel_path = rel_path;
+    f.n_bytes = (*src)->Size();
+    f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    const auto id = static_cast<uint32_t>(ckpt_.files.size());
+    ckpt_.files.push_back(std::move(f));
+    sources_.push_back(std::move(*src));
+    file_ids_.emplace(rel_path, id);
+    return id;
+  }
+
+  // A data file named by a storage entry of `what` (which names the item for errors).
+  Result<uint32_t> AddDataFile(const DcpStorage& s, const std::string& meta_name,
+                               const std::string& what) {
+    if (!SafeRelativePath(s.relative_path)) {
+      return CorruptError(meta_name + ": " + what + ": relative_path '" + s.relative_path +
+                          "' leaves the checkpoint directory");
+    }
+    auto id = AddFile(s.relative_path);
+    if (!id.ok()) {
+      if (id.error().code() == StatusCode::kNotFound) {
+        return CorruptError(meta_name + ": " + what + ": data file '" + s.relative_path +
+                            "' is missing");
+      }
+      return id.error().WithContext(what);
+    }
+    const uint64_t size = ckpt_.files[*id].n_bytes;
+    if (!RangeInside(s.byte_offset, s.n_bytes, size)) {
+      return CorruptError(sources_[*id]->Name() + ": " + what + ": storage entry [" +
+                          std::to_string(s.byte_offset) + ", +" + std::to_string(s.n_bytes) +
+                          ") lies past the end of the file (" + std::to_string(size) + " bytes)");
+    }
+    return *id;
+  }
+
+  // ---- items -----------------------------------------------------------------------------
+
+  Result<Item> ScanBytes(const Merged& m) {
+    const std::string what = "byte item '" + m.entry.fqn + "'";
+    const DcpStorage* s = FindStorage(DcpStorageKey{m.entry.fqn, false, {}}, m.meta);
+    if (s == nullptr) {
+      // Some writers index BYTE_IO items with an offset; accept any entry of this fqn.
+      for (const DcpMetadata& md : metas_) {
+        auto it = md.storage.lower_bound(DcpStorageKey{m.entry.fqn, false, {}});
+        if (it != md.storage.end() && it->first.fqn == m.entry.fqn) {
+          s = &it->second;
+          break;
+        }
+      }
+    }
+    if (s == nullptr)
+      return CorruptError(meta_names_[m.meta] + ": " + what + " has no storage_data entry");
+    UCPFS_RETURN_IF_ERROR(RefuseTransforms(*s, what));
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddDataFile(*s, meta_names_[m.meta], what));
+    Item item;
+    item.key = m.entry.fqn;
+    item.kind = ItemKind::kBytes;
+    item.file_id = id;
+    item.byte_offset = s->byte_offset;
+    item.n_bytes = s->n_bytes;
+    return item;
+  }
+
+  Status RefuseTransforms(const DcpStorage& s, const std::string& what) const {
+    if (s.transform_descriptors.empty()) return Status::Ok();
+    std::string list;
+    for (const auto& d : s.transform_descriptors) list += (list.empty() ? "" : ", ") + d;
+    return UnsupportedError(dir_ + "/" + s.relative_path + ": " + what +
+                            " is stored through stream transforms [" + list +
+                            "] (e.g. compression); only plain torch.save items can be served");
+  }
+
+  // The torch.save tensor of one chunk: opens the slice, checks that it holds a tensor whose
+  // shape is `want` (up to leading size-1 axes), and returns it with the slice's base offset.
+  struct Stored {
+    format::TensorRecord rec;
+    uint32_t file_id = 0;
+    uint64_t byte_offset = 0;      // absolute offset of the first element in the file
+    std::vector<int64_t> strides;  // per chunk dim; empty when row-major contiguous
+  };
+
+  Result<Stored> OpenChunk(const DcpStorage& s, uint32_t id, const std::vector<int64_t>& want,
+                           const std::string& what) {
+    const std::shared_ptr<const ByteSource>& file = sources_[id];
+    // SerializationFormat.SAFETENSORS (torch >= 2.8) records offsets into one safetensors blob
+    // per file: u64 header length, then '{'. A torch.save zip starts with "PK\3\4".
+    std::byte head[9] = {};
+    const uint64_t n_head = std::min<uint64_t>(sizeof(head), file->Size() - s.byte_offset);
+    if (n_head > 0) UCPFS_RETURN_IF_ERROR(file->ReadAt(s.byte_offset, std::span(head, n_head)));
+    if (n_head == sizeof(head) && std::memcmp(head, "PK\x03\x04", 4) != 0 &&
+        head[8] == std::byte{'{'}) {
+      return UnsupportedError(
+          file->Name() + ": " + what +
+          " is stored in a safetensors blob (DCP SerializationFormat.SAFETENSORS), "
+          "which is not supported");
+    }
+    UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<SliceSource> slice,
+                           SliceSource::Make(file, s.byte_offset, s.n_bytes));
+    auto tf = format::TorchFile::Open(slice);
+    if (!tf.ok()) return tf.error().WithContext(what);
+    const pickle::PickleGraph& g = tf->graph();
+    if (g.root() == pickle::kNoNode || g.kind(g.root()) != pickle::Kind::kTensor ||
+        tf->tensors().empty() || !tf->tensors().front().key.empty()) {
+      return CorruptError(slice->Name() + ": " + what + ": blob holds a " +
+                          (g.root() == pickle::kNoNode ? std::string("nothing")
+                                                       : pickle::KindName(g.kind(g.root()))) +
+                          ", not a tensor");
+    }
+    Stored out;
+    out.rec = tf->tensors().front();
+    out.file_id = id;
+    auto abs = CheckedAdd(s.byte_offset, out.rec.data_offset);
+    if (!abs) return CorruptError(slice->Name() + ": " + what + ": data offset overflows");
+    out.byte_offset = *abs;
+    const std::vector<int64_t>& have = out.rec.shape;
+    if (have != want && StripLeadingOnes(have) != StripLeadingOnes(want)) {
+      return CorruptError(slice->Name() + ": " + what + ": stored tensor has shape " +
+                          JoinInts(have) + " but the metadata declares chunk sizes " +
+                          JoinInts(want));
+    }
+    if (!out.rec.contiguous) {
+      // Align the stored strides to the chunk's dims (size-1 axes take any stride).
+      out.strides.assign(want.size(), 1);
+      const size_t n = std::min(want.size(), have.size());
+      for (size_t i = 0; i < n; ++i) {
+        out.strides[want.size() - 1 - i] = out.rec.stride[have.size() - 1 - i];
+      }
+    }
+    return out;
+  }
+
+  Result<Item> ScanTensor(const Merged& m) {
+    const DcpEntry& e = m.entry;
+    Item item;
+    item.key = e.fqn;
+    item.kind = ItemKind::kTensor;
+    item.dtype = e.dtype;
+
+    const auto nd = nd_orig_shape_.find(e.fqn);
+    std::vector<int64_t> local;  // nd-reformulated: the local chunk shape x per original axis
+    if (nd != nd_orig_shape_.end()) {
+      UCPFS_ASSIGN_OR_RETURN(local, NdLocalShape(m, nd->second));
+      item.layout.shape = nd->second;
+    } else {
+      item.layout.shape = e.size;
+    }
+
+    std::set<
+        std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::string, uint64_t, uint64_t>>
+        seen;
+    for (size_t ci = 0; ci < e.chunks.size(); ++ci) {
+      const DcpChunk& c = e.chunks[ci];
+      const std::string& meta_name = meta_names_[m.chunk_meta[ci]];
+      const std::string what = "tensor '" + e.fqn + "' chunk at offsets " + JoinInts(c.offsets);
+      UCPFS_RETURN_IF_ERROR(CheckChunk(e, c, meta_name, what));
+      const DcpStorage* s = FindStorage(DcpStorageKey{e.fqn, true, c.offsets}, m.chunk_meta[ci]);
+      const bool empty = HasZero(c.sizes);
+      if (s == nullptr) {
+        if (empty) continue;  // an empty chunk needs no bytes
+        return CorruptError(meta_name + ": " + what + " has no storage_data entry");
+      }
+      // The same chunk listed by several metadata files with the same storage is one chunk.
+      if (!seen.emplace(c.offsets, c.sizes, s->relative_path, s->byte_offset, s->n_bytes).second)
+        continue;
+      UCPFS_RETURN_IF_ERROR(RefuseTransforms(*s, what));
+      UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddDataFile(*s, meta_name, what));
+      if (empty) continue;  // torch.chunk leaves the last ranks empty: no elements, no fragment
+      UCPFS_ASSIGN_OR_RETURN(Stored st, OpenChunk(*s, id, c.sizes, what));
+
+      slice::Fragment f;
+      f.file_id = st.file_id;
+      f.byte_offset = st.byte_offset;
+      f.dtype = st.rec.dtype;
+      if (nd == nd_orig_shape_.end()) {
+        f.box.offsets = c.offsets;
+        f.box.sizes = c.sizes;
+        f.flat_lo = 0;
+        f.flat_hi = f.box.Volume();
+        f.strides = std::move(st.strides);
+      } else {
+        // Megatron flattened_range: chunk (cx, cy, ..., a) + (1, ..., 1, b - a) of the
+        // reformulated [X//x, Y//y, ..., x*y*...] is flat range [a, b) of the original box
+        // [cx*x, cy*y, ...] + [x, y, ...], stored as a 1-D contiguous run.
+        if (!st.strides.empty()) {
+          return UnsupportedError(sources_[id]->Name() + ": " + what +
+                                  ": flattened-range chunk is stored non-contiguous");
+        }
+        const size_t n = local.size();
+        for (size_t i = 0; i < n; ++i) {
+          f.box.offsets.push_back(c.offsets[i] * local[i]);  // c.offsets[i] < X/x: no overflow
+          f.box.sizes.push_back(local[i]);
+        }
+        f.flat_lo = static_cast<uint64_t>(c.offsets[n]);
+        f.flat_hi = f.flat_lo + static_cast<uint64_t>(c.sizes[n]);
+      }
+      item.layout.fragments.push_back(std::move(f));
+    }
+
+    std::vector<std::pair<size_t, size_t>> replicas;
+    Status cov = slice::ValidateCoverage(item.layout, e.fqn, &replicas);
+    if (!cov.ok()) return cov.WithContext(meta_names_[m.meta]);
+    if (!replicas.empty()) UCPFS_RETURN_IF_ERROR(DropReplicas(item, replicas));
+    return item;
+  }
+
+  // Chunk rank and bounds against the DCP tensor's global size.
+  static Status CheckChunk(const DcpEntry& e, const DcpChunk& c, const std::string& meta_name,
+                           const std::string& what) {
+    if (c.offsets.size() != e.size.size() || c.sizes.size() != e.size.size()) {
+      return CorruptError(meta_name + ": " + what + ": offsets/sizes have " +
+                          std::to_string(c.offsets.size()) + "/" + std::to_string(c.sizes.size()) +
+                          " dims but the tensor has " + std::to_string(e.size.size()));
+    }
+    for (size_t i = 0; i < e.size.size(); ++i) {
+      auto end = CheckedAdd(static_cast<uint64_t>(c.offsets[i]), static_cast<uint64_t>(c.sizes[i]));
+      if (!end || *end > static_cast<uint64_t>(e.size[i])) {
+        return CorruptError(meta_name + ": " + what + " with sizes " + JoinInts(c.sizes) +
+                            " lies outside the tensor's size " + JoinInts(e.size));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // For an nd-reformulated tensor: the original local chunk shape x (X = R_i * x_i per axis,
+  // R_n = prod x). Errors: kCorrupt when the shapes do not fit or a chunk is not flat.
+  Result<std::vector<int64_t>> NdLocalShape(const Merged& m,
+                                            const std::vector<int64_t>& orig) const {
+    const DcpEntry& e = m.entry;
+    const std::string where = meta_names_[m.meta] + ": tensor '" + e.fqn + "'";
+    const std::string shapes = "reformulated size " + JoinInts(e.size) +
+                               " does not fit nd_reformulated_orig_global_shape " + JoinInts(orig);
+    const size_t n = orig.size();
+    if (e.size.size() != n + 1) return CorruptError(where + ": " + shapes);
+    std::vector<int64_t> local(n);
+    uint64_t prod = 1;
+    for (size_t i = 0; i < n; ++i) {
+      if (e.size[i] == 0) {
+        if (orig[i] != 0) return CorruptError(where + ": " + shapes);
+        local[i] = 0;
+      } else {
+        if (orig[i] % e.size[i] != 0) return CorruptError(where + ": " + shapes);
+        local[i] = orig[i] / e.size[i];
+      }
+      auto p = CheckedMul(prod, static_cast<uint64_t>(local[i]));
+      if (!p) return CorruptError(where + ": " + shapes);
+      prod = *p;
+    }
+    if (prod != static_cast<uint64_t>(e.size[n]) && !HasZero(orig))
+      return CorruptError(where + ": " + shapes);
+    for (const DcpChunk& c : e.chunks) {
+      for (size_t i = 0; i < n && i < c.sizes.size(); ++i) {
+        if (c.sizes[i] > 1) {
+          return CorruptError(where + ": flattened-range chunk at offsets " + JoinInts(c.offsets) +
+                              " has sizes " + JoinInts(c.sizes) +
+                              " (expected 1 on every axis but the last)");
+        }
+      }
+    }
+    return local;
+  }
+
+  // Replicas must hold equal data; keep the first of each pair.
+  Status DropReplicas(Item& item, const std::vector<std::pair<size_t, size_t>>& replicas) {
+    std::set<size_t> drop;
+    for (const auto& [a, b] : replicas) {
+      UCPFS_RETURN_IF_ERROR(
+          CompareReplicas(item, item.layout.fragments[a], item.layout.fragments[b]));
+      drop.insert(b);
+    }
+    auto& frags = item.layout.fragments;
+    for (auto it = drop.rbegin(); it != drop.rend(); ++it) {
+      frags.erase(frags.begin() + static_cast<std::ptrdiff_t>(*it));
+    }
+    return Status::Ok();
+  }
+
+  Status CompareReplicas(const Item& item, const slice::Fragment& a, const slice::Fragment& b) {
+    auto differ = [&]() {
+      return CorruptError(sources_[b.file_id]->Name() + ": tensor '" + item.key +
+                          "': box at offsets " + JoinInts(a.box.offsets) + " sizes " +
+                          JoinInts(a.box.sizes) +
+                          " is covered twice by replicas with different data (here at byte " +
+                          std::to_string(b.byte_offset) + ", in " + sources_[a.file_id]->Name() +
+                          " at byte " + std::to_string(a.byte_offset) + ")");
+    };
+    if (a.strides.empty() && b.strides.empty() && a.dtype == b.dtype) {
+      // Both plain byte ranges: compare them block by block.
+      auto n = CheckedMul(a.NumElems(), ItemSize(a.dtype));
+      if (!n) return CorruptError(item.key + ": replica size overflows");
+      std::vector<std::byte> x(std::min<uint64_t>(*n, kCompareBlockBytes)), y(x.size());
+      for (uint64_t done = 0; done < *n;) {
+        const uint64_t len = std::min<uint64_t>(x.size(), *n - done);
+        UCPFS_RETURN_IF_ERROR(
+            sources_[a.file_id]->ReadAt(a.byte_offset + done, std::span(x.data(), len)));
+        UCPFS_RETURN_IF_ERROR(
+            sources_[b.file_id]->ReadAt(b.byte_offset + done, std::span(y.data(), len)));
+        if (std::memcmp(x.data(), y.data(), len) != 0) return differ();
+        done += len;
+      }
+      return Status::Ok();
+    }
+    // Strided or differently typed replicas: read both through the slice planner as row-major
+    // elements of their box in one dtype.
+    const DType dst = a.dtype == b.dtype ? a.dtype : item.dtype;
+    auto single = [](const slice::Fragment& f) {
+      slice::TensorLayout l;
+      l.shape = f.box.sizes;
+      slice::Fragment g = f;
+      std::fill(g.box.offsets.begin(), g.box.offsets.end(), 0);
+      l.fragments.push_back(std::move(g));
+      return l;
+    };
+    const slice::TensorLayout la = single(a), lb = single(b);
+    const uint64_t item_size = ItemSize(dst);
+    const uint64_t per_block = std::max<uint64_t>(1, kCompareBlockBytes / item_size);
+    std::vector<std::byte> x, y;
+    for (uint64_t e = a.flat_lo; e < a.flat_hi;) {
+      const uint64_t n = std::min(per_block, a.flat_hi - e);
+      x.resize(n * item_size);
+      y.resize(n * item_size);
+      UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(la, dst, sources_, e * item_size, x));
+      UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(lb, dst, sources_, e * item_size, y));
+      if (std::memcmp(x.data(), y.data(), x.size()) != 0) return differ();
+      e += n;
+    }
+    return Status::Ok();
+  }
+
+  std::string dir_;
+  bool megatron_ = false;
+  Checkpoint ckpt_;
+  std::vector<std::shared_ptr<const ByteSource>> sources_;  // by file id
+  std::map<std::string, uint32_t> file_ids_;                // rel_path -> file id
+  std::vector<DcpMetadata> metas_;
+  std::vector<std::string> meta_names_;
+  std::vector<Merged> entries_;
+  std::map<std::string, std::vector<int64_t>> nd_orig_shape_;
+};
+
+}  // namespace
+
+bool IsDcpDirectory(const std::string& dir) {
+  return IsRegularFile(dir + "/.metadata") || !RankLocalMetadataFiles(dir).empty();
+}
+
+Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress) {
+  return Scanner(dir).Run(progress);
+}
+
+}  // namespace ucpfs::index

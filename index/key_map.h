@@ -9,8 +9,10 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <regex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -22,13 +24,25 @@ enum class StateKind : uint8_t { kWeight = 0, kFp32 = 1, kExpAvg = 2, kExpAvgSq 
 inline constexpr int kNumStateKinds = 5;
 const char* StateKindName(StateKind kind);  // "weight", "fp32", "exp_avg", "exp_avg_sq", "step"
 
+// Accepts the StateKindName names plus the source spellings "fp32_param" and "param"
+// (Megatron's optimizer.state.{fp32_param,param}.<key>: the fp32 master copy).
+std::optional<StateKind> ParseStateKind(std::string_view name);
+
 struct KeyRule {
   std::string pattern;      // ECMAScript regex, must match the whole key
   std::string param;        // replacement giving the parameter name, e.g. "$1"
   StateKind state = StateKind::kWeight;
+  // When non-empty, the state comes from the match instead of `state`: a replacement such as
+  // "$2" whose result must be a ParseStateKind name (e.g. from "(exp_avg|exp_avg_sq)").
+  std::string state_ref;
   bool ignore = false;      // matched keys are known non-parameter state (not "unmapped")
   std::regex compiled;
 };
+
+// Checks a rule and fills `compiled`: the pattern must compile, and every $n in `param` and
+// `state_ref` must name a group of the pattern. An empty `param` of a non-ignore rule becomes
+// "$1". Errors: kInvalidArgument saying what is wrong.
+Status CompileRule(KeyRule* rule);
 
 struct ParamEntry {
   std::string name;                          // parameter fqn
@@ -43,6 +57,8 @@ struct KeyMapping {
 
 // Parses a rules file. JSON: {"rules": [{"pattern": "...", "param": "$1", "state": "exp_avg"},
 // {"pattern": "...", "ignore": true}, ...]}; TOML: [[rules]] tables with the same fields.
+// "state" is a state name or a replacement like "$2" (KeyRule::state_ref); "param" defaults to
+// "$1"; unknown fields are errors (a misspelt field would otherwise be silently dropped).
 // The format is chosen by extension (.json / .toml). Errors: kNotFound, kInvalidArgument
 // (naming the file, the rule index and what is wrong, e.g. a bad regex or unknown state).
 Result<std::vector<KeyRule>> LoadRules(const std::string& path);
@@ -52,7 +68,13 @@ std::vector<KeyRule> BuiltinRules();
 
 // Maps every item of `checkpoint`: user rules first, then built-ins; the first matching rule
 // wins. A tensor key matching a rule whose state is already taken for that parameter is an
-// error naming both keys (kInvalidArgument).
+// error naming both keys (kInvalidArgument). Non-tensor (kBytes) items are never parameters:
+// they are listed in ignored_keys whatever the rules say. A tensor key no rule matches that
+// is exactly the name of a parameter found through other keys (e.g. torchtitan's MoE
+// `layers.0.moe.experts.w1` next to `optimizer.state.layers.0.moe.experts.w1.exp_avg`) is
+// that parameter's weight. User rules are compiled here from their `pattern` (CompileRule),
+// so a hand-built rule need not fill `compiled`. Keys longer than 1024 bytes are reported
+// unmapped without being matched (std::regex recursion grows with the key's length).
 Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRule>& user_rules);
 
 }  // namespace ucpfs::index

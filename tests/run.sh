@@ -8,5 +8,5 @@ tests/install-deps.sh
 tests/build.sh build
 ctest --test-dir build --output-on-failure -j2 -LE fuzz
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
-cmake --build build-fuzz -j"$(nproc)" --target fuzz_zip_reader fuzz_pickle fuzz_torch_file
+cmake --build build-fuzz -j"$(nproc)" --target fuzz_zip_reader fuzz_pickle fuzz_torch_file fuzz_dcp_metadata
 ctest --test-dir build-fuzz --output-on-failure -L fuzz

@@ -9,10 +9,17 @@
 // Immutable scalars are shared: equal ints, and None/True/False, are one node each (pickles
 // never memoize them, and a DCP .metadata is full of them). Copies made while interpreting the
 // whitelist are charged against a budget proportional to the input (see Charge).
+// Storage (layout in pickle.h): a node is 16 bytes and its payload sits in the graph's tables.
+// Tuples are written once into the item pool; lists, sets, dicts and an object's items grow
+// after creation, interleaved with building their values, so each has a range that grows in
+// place while it is the newest in its pool and otherwise moves to the end with double the room
+// (see Grow): O(items) copying in all. Text that never changes is shared between nodes.
 // Not for: executing anything, or reproducing Python semantics beyond the whitelist in pickle.h.
 #include "core/format/pickle.h"
 
+#include <algorithm>
 #include <array>
+#include <bit>
 #include <charconv>
 #include <cstdint>
 #include <cstring>
@@ -47,29 +54,153 @@ const char* KindName(Kind kind) {
   return "?";
 }
 
-const Node* PickleGraph::DictGet(NodeId dict, std::string_view key) const {
-  if (dict >= nodes_.size() || nodes_[dict].kind != Kind::kDict) return nullptr;
-  const auto& items = nodes_[dict].dict_items;
-  // Later SETITEMs win, as in Python, so search from the back.
-  for (auto it = items.rbegin(); it != items.rend(); ++it) {
-    if (it->first >= nodes_.size() || it->second >= nodes_.size()) continue;
-    const Node& k = nodes_[it->first];
-    if (k.kind == Kind::kString && k.text == key) return &nodes_[it->second];
-  }
-  return nullptr;
+std::span<const NodeId> PickleGraph::ItemsOf(uint32_t seq) const {
+  const Seq& s = seqs_[seq];
+  return {items_.data() + s.offset, s.count};
 }
 
-bool PickleGraph::IsGlobal(NodeId id, std::string_view module, std::string_view name) const {
-  if (id >= nodes_.size()) return false;
+std::span<const std::pair<NodeId, NodeId>> PickleGraph::PairsOf(uint32_t seq) const {
+  const Seq& s = seqs_[seq];
+  return {pairs_.data() + s.offset, s.count};
+}
+
+bool PickleGraph::bool_value(NodeId id) const {
+  const Node* n = Find(id, Kind::kBool);
+  return n != nullptr && n->payload != 0;
+}
+
+int64_t PickleGraph::int_value(NodeId id) const {
+  const Node* n = Find(id, Kind::kInt);
+  return n != nullptr ? static_cast<int64_t>(n->payload) : 0;
+}
+
+double PickleGraph::float_value(NodeId id) const {
+  const Node* n = Find(id, Kind::kFloat);
+  return n != nullptr ? std::bit_cast<double>(n->payload) : 0.0;
+}
+
+std::string_view PickleGraph::text(NodeId id) const {
+  if (id >= nodes_.size()) return {};
   const Node& n = nodes_[id];
-  return n.kind == Kind::kGlobal && n.module == module && n.name == name;
+  if (n.kind != Kind::kString && n.kind != Kind::kBytes && n.kind != Kind::kBigInt) return {};
+  return Text({n.payload, n.index});
+}
+
+std::string_view PickleGraph::module(NodeId id) const {
+  const Node* n = Find(id, Kind::kGlobal);
+  return n != nullptr ? Text(globals_[n->index].module) : std::string_view();
+}
+
+std::string_view PickleGraph::name(NodeId id) const {
+  const Node* n = Find(id, Kind::kGlobal);
+  return n != nullptr ? Text(globals_[n->index].name) : std::string_view();
+}
+
+std::span<const NodeId> PickleGraph::items(NodeId id) const {
+  if (id >= nodes_.size()) return {};
+  const Node& n = nodes_[id];
+  switch (n.kind) {
+    case Kind::kTuple: return {items_.data() + n.payload, n.index};
+    case Kind::kList:
+    case Kind::kSet: return ItemsOf(n.index);
+    default: return {};
+  }
+}
+
+std::span<const std::pair<NodeId, NodeId>> PickleGraph::dict_items(NodeId id) const {
+  const Node* n = Find(id, Kind::kDict);
+  return n != nullptr ? PairsOf(n->index) : std::span<const std::pair<NodeId, NodeId>>();
+}
+
+bool PickleGraph::ordered(NodeId id) const {
+  const Node* n = Find(id, Kind::kDict);
+  return n != nullptr && (n->flags & kOrderedFlag) != 0;
+}
+
+NodeId PickleGraph::state(NodeId id) const {
+  if (id >= nodes_.size()) return kNoNode;
+  const Node& n = nodes_[id];
+  switch (n.kind) {
+    case Kind::kObject: return objects_[n.index].state;
+    case Kind::kDict: return static_cast<NodeId>(n.payload);
+    case Kind::kTensor: return tensors_[n.index].state;
+    case Kind::kStorage: return storages_[n.index].state;
+    case Kind::kPersistentId: return n.index;
+    default: return kNoNode;
+  }
+}
+
+NodeId PickleGraph::persistent_id(NodeId id) const {
+  const Node* n = Find(id, Kind::kPersistentId);
+  return n != nullptr ? static_cast<NodeId>(n->payload) : kNoNode;
+}
+
+ObjectInfo PickleGraph::object(NodeId id) const {
+  const Node* n = Find(id, Kind::kObject);
+  if (n == nullptr) return {};
+  const ObjectRecord& o = objects_[n->index];
+  ObjectInfo info;
+  info.callable = o.callable;
+  info.args = o.args;
+  info.kwargs = o.kwargs;
+  info.state = o.state;
+  info.newobj = (n->flags & kNewObjFlag) != 0;
+  if (o.list_seq != kNoSeq) info.list_items = ItemsOf(o.list_seq);
+  if (o.dict_seq != kNoSeq) info.dict_items = PairsOf(o.dict_seq);
+  return info;
+}
+
+StorageInfo PickleGraph::storage(NodeId id) const {
+  const Node* n = Find(id, Kind::kStorage);
+  if (n == nullptr) return {};
+  const StorageRecord& s = storages_[n->index];
+  return {Text(s.key), Text(s.location), s.dtype, s.untyped, s.numel, s.state};
+}
+
+TensorInfo PickleGraph::tensor(NodeId id) const {
+  const Node* n = Find(id, Kind::kTensor);
+  if (n == nullptr) return {};
+  const TensorRecord& t = tensors_[n->index];
+  const int64_t* dims = dims_.data() + t.dims_offset;
+  return {t.storage,
+          t.dtype,
+          t.storage_offset,
+          {dims, t.ndim},
+          {dims + t.ndim, t.ndim},
+          t.requires_grad,
+          t.is_parameter,
+          t.state};
+}
+
+NodeId PickleGraph::DictGet(NodeId dict, std::string_view key) const {
+  const auto items = dict_items(dict);
+  // Later SETITEMs win, as in Python, so search from the back.
+  for (auto it = items.rbegin(); it != items.rend(); ++it) {
+    if (Find(it->first, Kind::kString) != nullptr && it->second < nodes_.size() &&
+        text(it->first) == key) {
+      return it->second;
+    }
+  }
+  return kNoNode;
+}
+
+bool PickleGraph::IsGlobal(NodeId id, std::string_view module_name,
+                           std::string_view global_name) const {
+  return Find(id, Kind::kGlobal) != nullptr && module(id) == module_name &&
+         name(id) == global_name;
 }
 
 std::string_view PickleGraph::ClassName(NodeId id) const {
-  if (id >= nodes_.size() || nodes_[id].kind != Kind::kObject) return {};
-  NodeId c = nodes_[id].callable;
-  if (c >= nodes_.size() || nodes_[c].kind != Kind::kGlobal) return {};
-  return nodes_[c].name;
+  const Node* n = Find(id, Kind::kObject);
+  if (n == nullptr) return {};
+  return name(objects_[n->index].callable);
+}
+
+size_t PickleGraph::MemoryBytes() const {
+  auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
+  return sizeof(*this) + bytes(nodes_) + bytes(text_) + bytes(items_) + bytes(pairs_) +
+         bytes(dims_) + bytes(seqs_) + bytes(globals_) + bytes(objects_) + bytes(storages_) +
+         bytes(tensors_);
 }
 
 namespace {
@@ -176,10 +307,7 @@ enum class Known {
   kBytes, kSet, kFrozenSet, kReconstructor,
 };
 
-Known Classify(const Node& n) {
-  if (n.kind != Kind::kGlobal) return Known::kNone;
-  const std::string& m = n.module;
-  const std::string& f = n.name;
+Known Classify(std::string_view m, std::string_view f) {
   if (m == "torch._utils") {
     if (f == "_rebuild_tensor_v2") return Known::kRebuildTensorV2;
     if (f == "_rebuild_tensor_v3") return Known::kRebuildTensorV3;
@@ -211,7 +339,8 @@ bool IsTensorRebuild(Known k) {
 }
 
 // Python 2 -> 3 names (a subset of CPython's _compat_pickle that covers what checkpoints use).
-void MapPython2Name(std::string& module, std::string& name) {
+// The replacements are string literals, so a caller can tell a mapped name by its address.
+void MapPython2Name(std::string_view& module, std::string_view& name) {
   struct NamePair { std::string_view from_module, from_name, to_module, to_name; };
   static constexpr NamePair kNames[] = {
       {"__builtin__", "xrange", "builtins", "range"},
@@ -429,35 +558,46 @@ std::string TwosComplement(const std::vector<uint8_t>& mag, bool negative) {
   return out;
 }
 
+struct Estimate {
+  uint64_t nodes = 0;       // opcodes that create a node
+  uint64_t text_bytes = 0;  // bytes of strings, bytes and names
+};
+
 // A quick pass over the opcodes counting those that create a node (ints and None/True/False
-// excluded: they are shared). Used only to size the node vector; it stops at STOP or at the
-// first opcode it cannot step over, which the real parse then reports.
-uint64_t EstimateNodes(const uint8_t* p, size_t size) {
+// excluded: they are shared) and the bytes of text they carry. Used only to size the node
+// vector and the text arena (both bounded by the input size); it stops at STOP or at the first
+// opcode it cannot step over, which the real parse then reports.
+Estimate EstimateSizes(const uint8_t* p, size_t size) {
   size_t pos = 0;
-  uint64_t count = 0;
+  Estimate e;
+  uint64_t& count = e.nodes;
   auto skip = [&](uint64_t n) {
     if (n > size - pos) return false;
     pos += static_cast<size_t>(n);
     return true;
   };
-  auto line = [&]() {
+  auto line = [&](bool is_text) {
     const void* nl = std::memchr(p + pos, '\n', size - pos);
     if (nl == nullptr) return false;
-    pos = static_cast<size_t>(static_cast<const uint8_t*>(nl) - p) + 1;
+    const size_t end = static_cast<size_t>(static_cast<const uint8_t*>(nl) - p);
+    if (is_text) e.text_bytes += end - pos;
+    pos = end + 1;
     return true;
   };
-  auto payload = [&](int width) {
+  auto payload = [&](int width, bool is_text) {
     if (static_cast<size_t>(width) > size - pos) return false;
     uint64_t n = 0;
     for (int i = width - 1; i >= 0; --i) n = (n << 8) | p[pos + static_cast<size_t>(i)];
     pos += static_cast<size_t>(width);
-    return skip(n);
+    if (!skip(n)) return false;
+    if (is_text) e.text_bytes += n;
+    return true;
   };
   while (pos < size) {
     const uint8_t op = p[pos++];
     bool ok = true;
     switch (op) {
-      case kStop: return count;
+      case kStop: return e;
       case kMark: case kPop: case kPopMark: case kDup: case kNone: case kNewTrue:
       case kNewFalse: case kAppend: case kAppends: case kSetItem: case kSetItems:
       case kAddItems: case kBuild: case kMemoize:
@@ -474,31 +614,36 @@ uint64_t EstimateNodes(const uint8_t* p, size_t size) {
       case kBinInt: case kLongBinGet: case kLongBinPut: ok = skip(4); break;
       case kFrame: ok = skip(8); break;
       case kBinFloat: ++count; ok = skip(8); break;
-      case kPut: case kGet: ok = line(); break;
-      case kInt: case kLong: case kFloat: case kString: case kUnicode: ++count; ok = line(); break;
-      case kPersId: count += 2; ok = line(); break;
-      case kGlobal: ++count; ok = line() && line(); break;
-      case kInst: count += 3; ok = line() && line(); break;
-      case kShortBinString: case kShortBinUnicode: case kShortBinBytes: case kLong1:
+      case kPut: case kGet: ok = line(false); break;
+      case kInt: case kLong: case kFloat: ++count; ok = line(false); break;
+      case kString: case kUnicode: ++count; ok = line(true); break;
+      case kPersId: count += 2; ok = line(true); break;
+      case kGlobal: ++count; ok = line(true) && line(true); break;
+      case kInst: count += 3; ok = line(true) && line(true); break;
+      case kShortBinString: case kShortBinUnicode: case kShortBinBytes:
         ++count;
-        ok = payload(1);
+        ok = payload(1, true);
         break;
-      case kBinString: case kBinUnicode: case kBinBytes: case kLong4:
+      case kLong1: ++count; ok = payload(1, false); break;
+      case kBinString: case kBinUnicode: case kBinBytes:
         ++count;
-        ok = payload(4);
+        ok = payload(4, true);
         break;
+      case kLong4: ++count; ok = payload(4, false); break;
       case kBinUnicode8: case kBinBytes8: case kByteArray8:
         ++count;
-        ok = payload(8);
+        ok = payload(8, true);
         break;
-      default: return count;
+      default: return e;
     }
-    if (!ok) return count;
+    if (!ok) return e;
   }
-  return count;
+  return e;
 }
 
-class Parser {
+}  // namespace
+
+class PickleGraph::Parser {
  public:
   Parser(std::span<const std::byte> data, std::string_view source, const PickleLimits& limits,
          PickleGraph& graph)
@@ -506,19 +651,21 @@ class Parser {
         size_(data.size()),
         source_(source),
         limits_(limits),
-        graph_(graph),
-        nodes_(graph.mutable_nodes()) {
+        g_(graph),
+        nodes_(graph.nodes_) {
     small_ints_.fill(kNoNode);
     copy_budget_ = 4 * static_cast<uint64_t>(size_) + (uint64_t{1} << 20);
-    // NodeIds are 32-bit and kNoNode is reserved.
+    // NodeIds are 32-bit and kNoNode is reserved; text lengths are 32-bit.
     max_nodes_ = limits_.max_nodes < kNoNode ? limits_.max_nodes : uint64_t{kNoNode};
-    // Size nodes_ once: regrowing a vector of large nodes costs time and raises peak memory by
-    // half. The estimate counts opcodes that create a node (at most one per input byte, and
-    // capped by max_nodes); interned ints are not counted, the 1/8 slack covers them.
-    uint64_t guess = EstimateNodes(data_, size_);
-    guess += guess / 8 + 16;
+    max_string_bytes_ = std::min<uint64_t>(limits_.max_string_bytes, kMaxTextBytes);
+    // Size the node and text tables once: regrowing a large vector costs time and raises peak
+    // memory by half. The estimate counts opcodes that create a node (at most one per input
+    // byte, and capped by max_nodes); interned ints are not counted, the 1/8 slack covers them.
+    const Estimate e = EstimateSizes(data_, size_);
+    uint64_t guess = e.nodes + e.nodes / 8 + 16;
     if (guess > max_nodes_) guess = max_nodes_;
     nodes_.reserve(static_cast<size_t>(guess));
+    g_.text_.reserve(static_cast<size_t>(e.text_bytes));
   }
 
   Status Run();
@@ -571,7 +718,7 @@ class Parser {
     const void* nl = std::memchr(data_ + pos_, '\n', size_ - pos_);
     if (nl == nullptr) return Corrupt("truncated: line has no newline");
     const auto* end = static_cast<const uint8_t*>(nl);
-    if (static_cast<uint64_t>(end - (data_ + pos_)) > limits_.max_string_bytes) {
+    if (static_cast<uint64_t>(end - (data_ + pos_)) > max_string_bytes_) {
       return Exhausted("line longer than max_string_bytes");
     }
     *line = std::string_view(reinterpret_cast<const char*>(data_ + pos_),
@@ -582,7 +729,7 @@ class Parser {
   // Length-prefixed payload: the length is checked against the input, then the limit.
   Status ReadPayload(uint64_t n, std::string_view* out) {
     if (n > Left()) return Truncated(n);
-    if (n > limits_.max_string_bytes) {
+    if (n > max_string_bytes_) {
       return Exhausted("string of " + std::to_string(n) + " bytes exceeds max_string_bytes");
     }
     const uint8_t* p = nullptr;
@@ -594,6 +741,8 @@ class Parser {
   // Interpreting a value may copy data that the input holds only once (a memoized tuple used
   // as the shape of many tensors, a string used as many globals' names). Copies are charged
   // against a budget proportional to the input so that they cannot amplify it without bound.
+  // (Immutable text is shared rather than copied now, but it is still charged, so the limit
+  // reads the same whatever the representation.)
   Status Charge(uint64_t units) {
     const auto total = CheckedAdd(copied_, units);
     copied_ = total ? *total : UINT64_MAX;
@@ -604,7 +753,9 @@ class Parser {
     return Status::Ok();
   }
 
-  // ---- nodes and stack ----
+  // ---- nodes ----
+  Node& At(NodeId id) { return nodes_[id]; }
+  Kind KindOf(NodeId id) const { return nodes_[id].kind; }
   Status NewNode(Kind kind, NodeId* id) {
     if (nodes_.size() >= max_nodes_) {
       return Exhausted("more than " + std::to_string(max_nodes_) + " nodes (max_nodes)");
@@ -612,8 +763,172 @@ class Parser {
     *id = static_cast<NodeId>(nodes_.size());
     nodes_.emplace_back();
     nodes_.back().kind = kind;
+    switch (kind) {
+      case Kind::kDict: nodes_.back().payload = kNoNode; break;        // state
+      case Kind::kPersistentId: nodes_.back().index = kNoNode; break;  // state
+      default: break;
+    }
     return Status::Ok();
   }
+
+  // ---- text ----
+  // Copies `s` (which must not point into the arena) to the end of the text arena. Every text
+  // is at most max_string_bytes_ long, or derived from one that is.
+  TextRef AddText(std::string_view s) {
+    auto& text = g_.text_;
+    TextRef ref{text.size(), s.size()};
+    text.insert(text.end(), s.begin(), s.end());
+    return ref;
+  }
+  // The arena range of a kString/kBytes/kBigInt node `id`, to share it: text is immutable.
+  TextRef RefOf(NodeId id) const {
+    const std::string_view t = g_.text(id);
+    return {static_cast<uint64_t>(t.data() - g_.text_.data()), t.size()};
+  }
+  std::string_view TextOf(NodeId id) const { return g_.text(id); }
+  void SetText(NodeId id, TextRef ref) {
+    At(id).payload = ref.offset;
+    At(id).index = static_cast<uint32_t>(ref.n_bytes);  // <= kMaxTextBytes
+  }
+  // A text node holding a copy of `text` (which must not point into the arena).
+  Status NewTextNode(Kind kind, std::string_view text, NodeId* id) {
+    UCPFS_RETURN_IF_ERROR(NewNode(kind, id));
+    SetText(*id, AddText(text));
+    return Status::Ok();
+  }
+  // A text node sharing the arena range `ref` of another text node.
+  Status NewSharedTextNode(Kind kind, TextRef ref, NodeId* id) {
+    UCPFS_RETURN_IF_ERROR(NewNode(kind, id));
+    SetText(*id, ref);
+    return Status::Ok();
+  }
+
+  // ---- items ----
+  // One container holds at most 2^32-1 items (counts are 32-bit).
+  Status CheckCount(uint64_t n) const {
+    if (n > kMaxItems) {
+      return Exhausted("more than " + std::to_string(kMaxItems) + " items in one container");
+    }
+    return Status::Ok();
+  }
+  // A kTuple of the ids [first, first + n), which must not point into items_.
+  Status NewTuple(const NodeId* first, size_t n, NodeId* id) {
+    UCPFS_RETURN_IF_ERROR(NewNode(Kind::kTuple, id));
+    UCPFS_RETURN_IF_ERROR(CheckCount(n));
+    auto& items = g_.items_;
+    At(*id).payload = items.size();
+    At(*id).index = static_cast<uint32_t>(n);
+    items.insert(items.end(), first, first + n);
+    return Status::Ok();
+  }
+  // A kTuple or kSet holding a copy of the items of `from` (a Tuple, List or Set).
+  Status NewCopy(Kind kind, NodeId from, NodeId* id) {
+    const auto src = g_.items(from);
+    const uint64_t src_offset = static_cast<uint64_t>(src.data() - g_.items_.data());
+    const size_t n = src.size();
+    if (kind == Kind::kTuple) {
+      UCPFS_RETURN_IF_ERROR(NewNode(Kind::kTuple, id));
+      At(*id).payload = g_.items_.size();
+      At(*id).index = static_cast<uint32_t>(n);
+      g_.items_.resize(g_.items_.size() + n);
+    } else {
+      UCPFS_RETURN_IF_ERROR(NewContainer(kind, id));
+      UCPFS_RETURN_IF_ERROR(Grow(g_.items_, g_.seqs_[At(*id).index], n));
+      g_.seqs_[At(*id).index].count = static_cast<uint32_t>(n);
+    }
+    // Copy by index: the resize above may have moved the pool.
+    const uint64_t dst = kind == Kind::kTuple ? At(*id).payload : g_.seqs_[At(*id).index].offset;
+    std::copy_n(g_.items_.begin() + static_cast<std::ptrdiff_t>(src_offset), n,
+                g_.items_.begin() + static_cast<std::ptrdiff_t>(dst));
+    return Status::Ok();
+  }
+  Status NewSeq(size_t pool_size, uint32_t* seq) {
+    if (g_.seqs_.size() >= kNoSeq) {
+      return Exhausted("more than " + std::to_string(kNoSeq) + " growable containers");
+    }
+    *seq = static_cast<uint32_t>(g_.seqs_.size());
+    // Starting at the pool's end lets the first appends extend it in place.
+    g_.seqs_.push_back({pool_size, 0, 0});
+    return Status::Ok();
+  }
+  // A kList, kSet or kDict: the node plus its growable range.
+  Status NewContainer(Kind kind, NodeId* id) {
+    UCPFS_RETURN_IF_ERROR(NewNode(kind, id));
+    uint32_t seq = kNoSeq;
+    UCPFS_RETURN_IF_ERROR(
+        NewSeq(kind == Kind::kDict ? g_.pairs_.size() : g_.items_.size(), &seq));
+    At(*id).index = seq;
+    return Status::Ok();
+  }
+  // Makes room in `s` for `add` more entries. Containers are filled after creation (APPEND,
+  // SETITEMS in batches of 1000 interleaved with building the values), so a range that is no
+  // longer the newest in its pool moves to the end with double the room: appends copy O(n)
+  // entries in all, and the space left behind is at most the final capacity.
+  template <typename T>
+  Status Grow(std::vector<T>& pool, Seq& s, uint64_t add) {
+    const uint64_t need = uint64_t{s.count} + add;
+    UCPFS_RETURN_IF_ERROR(CheckCount(need));
+    if (need <= s.capacity) return Status::Ok();
+    if (s.offset + s.capacity == pool.size()) {
+      pool.resize(static_cast<size_t>(s.offset + need));  // the newest range grows in place
+    } else {
+      uint64_t capacity = 2 * uint64_t{s.count};
+      if (capacity < need) capacity = need;
+      if (capacity > kMaxItems) capacity = kMaxItems;
+      const size_t dst = pool.size();
+      pool.resize(dst + static_cast<size_t>(capacity));
+      std::copy_n(pool.begin() + static_cast<std::ptrdiff_t>(s.offset), s.count,
+                  pool.begin() + static_cast<std::ptrdiff_t>(dst));
+      s.offset = dst;
+      s.capacity = static_cast<uint32_t>(capacity);
+      return Status::Ok();
+    }
+    s.capacity = static_cast<uint32_t>(need);
+    return Status::Ok();
+  }
+  // Appends stack_[from, end) to the item range `seq`.
+  Status AppendItems(uint32_t seq, size_t from) {
+    const size_t n = stack_.size() - from;
+    Seq& s = g_.seqs_[seq];
+    UCPFS_RETURN_IF_ERROR(Grow(g_.items_, s, n));
+    std::copy(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end(),
+              g_.items_.begin() + static_cast<std::ptrdiff_t>(s.offset + s.count));
+    s.count += static_cast<uint32_t>(n);
+    return Status::Ok();
+  }
+  // Appends the key/value pairs stack_[from, end) (an even count) to the pair range `seq`.
+  Status AppendPairs(uint32_t seq, size_t from) {
+    const size_t n = (stack_.size() - from) / 2;
+    Seq& s = g_.seqs_[seq];
+    UCPFS_RETURN_IF_ERROR(Grow(g_.pairs_, s, n));
+    auto out = g_.pairs_.begin() + static_cast<std::ptrdiff_t>(s.offset + s.count);
+    for (size_t i = from; i < stack_.size(); i += 2) *out++ = {stack_[i], stack_[i + 1]};
+    s.count += static_cast<uint32_t>(n);
+    return Status::Ok();
+  }
+  // The list (APPEND/ADDITEMS) or dict (SETITEM) range of an Object, created on first use.
+  Status ObjectSeq(NodeId object, bool dict, uint32_t* seq) {
+    const uint32_t rec = At(object).index;
+    uint32_t s = dict ? g_.objects_[rec].dict_seq : g_.objects_[rec].list_seq;
+    if (s == kNoSeq) {
+      UCPFS_RETURN_IF_ERROR(NewSeq(dict ? g_.pairs_.size() : g_.items_.size(), &s));
+      (dict ? g_.objects_[rec].dict_seq : g_.objects_[rec].list_seq) = s;
+    }
+    *seq = s;
+    return Status::Ok();
+  }
+  Status NewObject(NodeId callable, NodeId args, NodeId kwargs, bool newobj, NodeId* id) {
+    UCPFS_RETURN_IF_ERROR(NewNode(Kind::kObject, id));
+    At(*id).index = static_cast<uint32_t>(g_.objects_.size());
+    if (newobj) At(*id).flags = kNewObjFlag;
+    ObjectRecord& o = g_.objects_.emplace_back();
+    o.callable = callable;
+    o.args = args;
+    o.kwargs = kwargs;
+    return Status::Ok();
+  }
+
+  // ---- stack ----
   size_t Fence() const { return marks_.empty() ? 0 : marks_.back(); }
   size_t Avail() const { return stack_.size() - Fence(); }
   Status NeedStack(size_t n) const {
@@ -637,6 +952,11 @@ class Parser {
     UCPFS_RETURN_IF_ERROR(NewNode(kind, id));
     return Push(*id);
   }
+  Status PushNewContainer(Kind kind) {
+    NodeId id = kNoNode;
+    UCPFS_RETURN_IF_ERROR(NewContainer(kind, &id));
+    return Push(id);
+  }
   // Pops the newest MARK; the values above it are stack_[*mark, end).
   Status PopMark(size_t* mark) {
     if (marks_.empty()) return Corrupt("no MARK on the stack");
@@ -649,7 +969,7 @@ class Parser {
     if (*slot == kNoNode) {
       NodeId id = kNoNode;
       UCPFS_RETURN_IF_ERROR(NewNode(kind, &id));
-      nodes_[id].bool_value = value;
+      At(id).payload = value ? 1 : 0;
       *slot = id;
     }
     return Push(*slot);
@@ -666,26 +986,29 @@ class Parser {
     if (*slot == kNoNode) {
       NodeId id = kNoNode;
       UCPFS_RETURN_IF_ERROR(NewNode(Kind::kInt, &id));
-      nodes_[id].int_value = v;
+      At(id).payload = static_cast<uint64_t>(v);
       *slot = id;
     }
     return Push(*slot);
   }
-  Status PushText(Kind kind, std::string_view text) {
+  Status PushFloat(double v) {
     NodeId id = kNoNode;
-    UCPFS_RETURN_IF_ERROR(PushNew(kind, &id));
-    nodes_[id].text.assign(text);
+    UCPFS_RETURN_IF_ERROR(PushNew(Kind::kFloat, &id));
+    At(id).payload = std::bit_cast<uint64_t>(v);
     return Status::Ok();
   }
-  Status PushMovedText(Kind kind, std::string&& text) {
-    if (text.size() > limits_.max_string_bytes) {
+  // `text` must not point into the arena.
+  Status PushText(Kind kind, std::string_view text) {
+    NodeId id = kNoNode;
+    UCPFS_RETURN_IF_ERROR(NewTextNode(kind, text, &id));
+    return Push(id);
+  }
+  Status PushDecodedText(Kind kind, const std::string& text) {
+    if (text.size() > max_string_bytes_) {
       return Exhausted("string of " + std::to_string(text.size()) +
                        " bytes exceeds max_string_bytes");
     }
-    NodeId id = kNoNode;
-    UCPFS_RETURN_IF_ERROR(PushNew(kind, &id));
-    nodes_[id].text = std::move(text);
-    return Status::Ok();
+    return PushText(kind, text);
   }
   // Two's complement little-endian integer bytes (LONG1/LONG4).
   Status PushLongBytes(std::string_view bytes) {
@@ -834,22 +1157,23 @@ class Parser {
     return Push(id);
   }
 
+
   // ---- containers ----
   // Builds a container of `kind` from the values above the newest MARK.
   Status FromMark(Kind kind) {
     size_t mark = 0;
     UCPFS_RETURN_IF_ERROR(PopMark(&mark));
     NodeId id = kNoNode;
-    UCPFS_RETURN_IF_ERROR(NewNode(kind, &id));
-    Node& n = nodes_[id];
-    if (kind == Kind::kDict) {
-      if ((stack_.size() - mark) % 2 != 0) return Corrupt("odd number of items for a dict");
-      n.dict_items.reserve((stack_.size() - mark) / 2);
-      for (size_t i = mark; i < stack_.size(); i += 2) {
-        n.dict_items.emplace_back(stack_[i], stack_[i + 1]);
-      }
+    if (kind == Kind::kTuple) {
+      UCPFS_RETURN_IF_ERROR(NewTuple(stack_.data() + mark, stack_.size() - mark, &id));
     } else {
-      n.items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(mark), stack_.end());
+      UCPFS_RETURN_IF_ERROR(NewContainer(kind, &id));
+      if (kind == Kind::kDict) {
+        if ((stack_.size() - mark) % 2 != 0) return Corrupt("odd number of items for a dict");
+        UCPFS_RETURN_IF_ERROR(AppendPairs(At(id).index, mark));
+      } else {
+        UCPFS_RETURN_IF_ERROR(AppendItems(At(id).index, mark));
+      }
     }
     stack_.resize(mark);
     return Push(id);
@@ -857,50 +1181,49 @@ class Parser {
   Status TupleN(size_t n) {
     UCPFS_RETURN_IF_ERROR(NeedStack(n));
     NodeId id = kNoNode;
-    UCPFS_RETURN_IF_ERROR(NewNode(Kind::kTuple, &id));
     const size_t first = stack_.size() - n;
-    nodes_[id].items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(first), stack_.end());
+    UCPFS_RETURN_IF_ERROR(NewTuple(stack_.data() + first, n, &id));
     stack_.resize(first);
     return Push(id);
   }
   // Appends stack_[from, end) to `target` and drops them from the stack.
   Status AppendTo(NodeId target, size_t from) {
-    Node& t = nodes_[target];
-    std::vector<NodeId>* dst;
-    if (t.kind == Kind::kList) {
-      dst = &t.items;
-    } else if (t.kind == Kind::kObject) {
-      dst = &t.list_items;
+    uint32_t seq = kNoSeq;
+    const Kind k = KindOf(target);
+    if (k == Kind::kList) {
+      seq = At(target).index;
+    } else if (k == Kind::kObject) {
+      UCPFS_RETURN_IF_ERROR(ObjectSeq(target, false, &seq));
     } else {
-      return Corrupt(std::string("cannot append to a ") + KindName(t.kind));
+      return Corrupt(std::string("cannot append to a ") + KindName(k));
     }
-    dst->insert(dst->end(), stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
+    UCPFS_RETURN_IF_ERROR(AppendItems(seq, from));
     stack_.resize(from);
     return Status::Ok();
   }
   Status SetItemsOn(NodeId target, size_t from) {
-    Node& t = nodes_[target];
-    if (t.kind != Kind::kDict && t.kind != Kind::kObject) {
-      return Corrupt(std::string("cannot set items on a ") + KindName(t.kind));
+    const Kind k = KindOf(target);
+    if (k != Kind::kDict && k != Kind::kObject) {
+      return Corrupt(std::string("cannot set items on a ") + KindName(k));
     }
     if ((stack_.size() - from) % 2 != 0) return Corrupt("odd number of items for SETITEMS");
-    for (size_t i = from; i < stack_.size(); i += 2) {
-      t.dict_items.emplace_back(stack_[i], stack_[i + 1]);
-    }
+    uint32_t seq = At(target).index;
+    if (k == Kind::kObject) UCPFS_RETURN_IF_ERROR(ObjectSeq(target, true, &seq));
+    UCPFS_RETURN_IF_ERROR(AppendPairs(seq, from));
     stack_.resize(from);
     return Status::Ok();
   }
   Status AddItemsTo(NodeId target, size_t from) {
-    Node& t = nodes_[target];
-    std::vector<NodeId>* dst;
-    if (t.kind == Kind::kSet) {
-      dst = &t.items;
-    } else if (t.kind == Kind::kObject) {
-      dst = &t.list_items;
+    uint32_t seq = kNoSeq;
+    const Kind k = KindOf(target);
+    if (k == Kind::kSet) {
+      seq = At(target).index;
+    } else if (k == Kind::kObject) {
+      UCPFS_RETURN_IF_ERROR(ObjectSeq(target, false, &seq));
     } else {
-      return Corrupt(std::string("cannot add items to a ") + KindName(t.kind));
+      return Corrupt(std::string("cannot add items to a ") + KindName(k));
     }
-    dst->insert(dst->end(), stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
+    UCPFS_RETURN_IF_ERROR(AppendItems(seq, from));
     stack_.resize(from);
     return Status::Ok();
   }
@@ -912,55 +1235,76 @@ class Parser {
     *target = stack_[*mark - 1];
     return Status::Ok();
   }
-
-  // ---- globals, calls, persistent ids ----
-  Status NewGlobal(std::string module, std::string name, NodeId* id) {
-    MapPython2Name(module, name);
-    UCPFS_RETURN_IF_ERROR(NewNode(Kind::kGlobal, id));
-    nodes_[*id].module = std::move(module);
-    nodes_[*id].name = std::move(name);
+  // BUILD: the kinds that carry a state.
+  Status SetState(NodeId target, NodeId state) {
+    Node& n = At(target);
+    switch (n.kind) {
+      case Kind::kObject: g_.objects_[n.index].state = state; break;
+      case Kind::kDict: n.payload = state; break;
+      case Kind::kTensor: g_.tensors_[n.index].state = state; break;
+      case Kind::kStorage: g_.storages_[n.index].state = state; break;
+      case Kind::kPersistentId: n.index = state; break;
+      default: return Corrupt(std::string("cannot set the state of a ") + KindName(n.kind));
+    }
     return Status::Ok();
   }
-  Status PushGlobal(std::string module, std::string name) {
-    NodeId id = kNoNode;
-    UCPFS_RETURN_IF_ERROR(NewGlobal(std::move(module), std::move(name), &id));
-    return Push(id);
+
+  // ---- globals, calls, persistent ids ----
+  // `module` and `name` are the pickled names; each is shared with `*_ref` when given (the
+  // STACK_GLOBAL strings) unless the Python 2 mapping replaces it, else copied.
+  Status NewGlobal(std::string_view module, std::string_view name, const TextRef* module_ref,
+                   const TextRef* name_ref, NodeId* id) {
+    std::string_view mapped_module = module, mapped_name = name;
+    MapPython2Name(mapped_module, mapped_name);
+    UCPFS_RETURN_IF_ERROR(NewNode(Kind::kGlobal, id));
+    GlobalRecord rec;
+    if (module_ref != nullptr && mapped_module.data() == module.data()) {
+      rec.module = *module_ref;
+    } else {
+      rec.module = AddText(mapped_module);
+    }
+    if (name_ref != nullptr && mapped_name.data() == name.data()) {
+      rec.name = *name_ref;
+    } else {
+      rec.name = AddText(mapped_name);
+    }
+    At(*id).index = static_cast<uint32_t>(g_.globals_.size());
+    g_.globals_.push_back(rec);
+    return Status::Ok();
   }
   Status CheckCallable(NodeId id, const char* what) const {
-    const Kind k = nodes_[id].kind;
+    const Kind k = KindOf(id);
     if (k != Kind::kGlobal && k != Kind::kObject) {
       return Corrupt(std::string(what) + " is a " + KindName(k) + ", not a class or function");
     }
     return Status::Ok();
   }
+  Known ClassifyNode(NodeId id) const {
+    if (KindOf(id) != Kind::kGlobal) return Known::kNone;
+    return Classify(g_.module(id), g_.name(id));
+  }
   // Calls `callable(*args, **kwargs)` inertly: whitelisted callables are interpreted, anything
   // else becomes a generic Object. Pushes the result.
   Status Call(NodeId callable, NodeId args, NodeId kwargs, bool newobj) {
     NodeId result = kNoNode;
-    const Known known = Classify(nodes_[callable]);
+    const Known known = ClassifyNode(callable);
     if (known != Known::kNone && kwargs == kNoNode) {
       if (newobj) {
         // cls.__new__(cls): only OrderedDict has a structural meaning.
-        if (known == Known::kOrderedDict && nodes_[args].items.empty()) {
-          UCPFS_RETURN_IF_ERROR(NewNode(Kind::kDict, &result));
-          nodes_[result].ordered = true;
+        if (known == Known::kOrderedDict && g_.items(args).empty()) {
+          UCPFS_RETURN_IF_ERROR(NewOrderedDict(&result));
         }
       } else {
         UCPFS_RETURN_IF_ERROR(Interpret(known, args, &result));
       }
     }
     if (result == kNoNode) {
-      UCPFS_RETURN_IF_ERROR(NewNode(Kind::kObject, &result));
-      Node& n = nodes_[result];
-      n.callable = callable;
-      n.args = args;
-      n.kwargs = kwargs;
-      n.newobj = newobj;
+      UCPFS_RETURN_IF_ERROR(NewObject(callable, args, kwargs, newobj, &result));
     }
     return Push(result);
   }
 
-  // The argument tuple's first few items, copied out because creating nodes moves nodes_.
+  // The argument tuple's first few items, copied out because creating nodes moves the pools.
   struct Args {
     static constexpr size_t kMax = 8;
     NodeId v[kMax] = {};
@@ -969,7 +1313,7 @@ class Parser {
   };
   Args GetArgs(NodeId tuple) const {
     Args a;
-    const auto& items = nodes_[tuple].items;
+    const auto items = g_.items(tuple);
     if (items.size() > Args::kMax) {
       a.too_many = true;
       return a;
@@ -978,7 +1322,7 @@ class Parser {
     for (size_t i = 0; i < a.n; ++i) a.v[i] = items[i];
     return a;
   }
-  Kind KindOf(NodeId id) const { return nodes_[id].kind; }
+  TensorRecord& TensorOf(NodeId id) { return g_.tensors_[At(id).index]; }
 
   // Sets *out to the interpreted value, or leaves it kNoNode for a generic Object.
   Status Interpret(Known known, NodeId args_id, NodeId* out) {
@@ -995,10 +1339,9 @@ class Parser {
         if (a.n != want || KindOf(a.v[0]) != Kind::kTensor) return Status::Ok();
         const Kind rg = KindOf(a.v[1]);
         if (rg != Kind::kBool && rg != Kind::kInt) return Status::Ok();
-        Node& t = nodes_[a.v[0]];
-        t.tensor_is_parameter = true;
-        t.tensor_requires_grad = rg == Kind::kBool ? nodes_[a.v[1]].bool_value
-                                                   : nodes_[a.v[1]].int_value != 0;
+        TensorRecord& t = TensorOf(a.v[0]);
+        t.is_parameter = true;
+        t.requires_grad = At(a.v[1]).payload != 0;  // the bool, or int != 0
         if (known == Known::kRebuildParameterWithState) t.state = a.v[3];
         *out = a.v[0];
         return Status::Ok();
@@ -1006,18 +1349,14 @@ class Parser {
       case Known::kRebuildFromTypeV2: {
         // (func, new_type, args, state): interpret (func, args) when func is a tensor rebuild.
         if (a.n != 4 || KindOf(a.v[2]) != Kind::kTuple) return Status::Ok();
-        const Known inner = Classify(nodes_[a.v[0]]);
+        const Known inner = ClassifyNode(a.v[0]);
         if (!IsTensorRebuild(inner)) return Status::Ok();
         const Args inner_args = GetArgs(a.v[2]);
         if (inner_args.too_many) return Status::Ok();
         UCPFS_RETURN_IF_ERROR(RebuildTensor(inner, inner_args, out));
         if (*out == kNoNode) return Status::Ok();
-        Node& t = nodes_[*out];
-        const Node& type = nodes_[a.v[1]];
-        if (type.kind == Kind::kGlobal && type.module == "torch.nn.parameter" &&
-            type.name == "Parameter") {
-          t.tensor_is_parameter = true;
-        }
+        TensorRecord& t = TensorOf(*out);
+        if (g_.IsGlobal(a.v[1], "torch.nn.parameter", "Parameter")) t.is_parameter = true;
         t.state = a.v[3];
         return Status::Ok();
       }
@@ -1027,81 +1366,73 @@ class Parser {
         if (k == Kind::kTuple) {
           *out = a.v[0];
         } else if (k == Kind::kList) {
-          UCPFS_RETURN_IF_ERROR(Charge(nodes_[a.v[0]].items.size()));
-          UCPFS_RETURN_IF_ERROR(NewNode(Kind::kTuple, out));
-          nodes_[*out].items = nodes_[a.v[0]].items;
+          UCPFS_RETURN_IF_ERROR(Charge(g_.items(a.v[0]).size()));
+          UCPFS_RETURN_IF_ERROR(NewCopy(Kind::kTuple, a.v[0], out));
         }
         return Status::Ok();
       }
       case Known::kCodecsEncode: {
         if (a.n < 1 || a.n > 2 || KindOf(a.v[0]) != Kind::kString) return Status::Ok();
         if (a.n == 2 && KindOf(a.v[1]) != Kind::kString) return Status::Ok();
-        const std::string_view encoding =
-            a.n == 2 ? std::string_view(nodes_[a.v[1]].text) : std::string_view("utf-8");
+        const std::string_view encoding = a.n == 2 ? TextOf(a.v[1]) : std::string_view("utf-8");
         return EncodeString(a.v[0], encoding, out);
       }
       case Known::kByteArray:
       case Known::kBytes: {
         if (a.n == 0) return NewNode(Kind::kBytes, out);
         if (a.n == 1 && KindOf(a.v[0]) == Kind::kBytes) {
-          UCPFS_RETURN_IF_ERROR(Charge(nodes_[a.v[0]].text.size()));
-          UCPFS_RETURN_IF_ERROR(NewNode(Kind::kBytes, out));
-          nodes_[*out].text = nodes_[a.v[0]].text;
-          return Status::Ok();
+          UCPFS_RETURN_IF_ERROR(Charge(TextOf(a.v[0]).size()));
+          return NewSharedTextNode(Kind::kBytes, RefOf(a.v[0]), out);
         }
         if (a.n == 2 && KindOf(a.v[0]) == Kind::kString && KindOf(a.v[1]) == Kind::kString) {
-          return EncodeString(a.v[0], nodes_[a.v[1]].text, out);
+          return EncodeString(a.v[0], TextOf(a.v[1]), out);
         }
         return Status::Ok();
       }
       case Known::kSet:
       case Known::kFrozenSet: {
-        if (a.n == 0) return NewNode(Kind::kSet, out);
+        if (a.n == 0) return NewContainer(Kind::kSet, out);
         const Kind k = a.n == 1 ? KindOf(a.v[0]) : Kind::kNone;
         if (k != Kind::kList && k != Kind::kTuple && k != Kind::kSet) return Status::Ok();
-        UCPFS_RETURN_IF_ERROR(Charge(nodes_[a.v[0]].items.size()));
-        UCPFS_RETURN_IF_ERROR(NewNode(Kind::kSet, out));
-        nodes_[*out].items = nodes_[a.v[0]].items;
-        return Status::Ok();
+        UCPFS_RETURN_IF_ERROR(Charge(g_.items(a.v[0]).size()));
+        return NewCopy(Kind::kSet, a.v[0], out);
       }
       case Known::kReconstructor: {
         // copyreg._reconstructor(cls, base, state): protocol 0/1 form of cls.__new__(cls).
         if (a.n != 3 || KindOf(a.v[0]) != Kind::kGlobal) return Status::Ok();
-        UCPFS_RETURN_IF_ERROR(NewNode(Kind::kObject, out));
-        nodes_[*out].callable = a.v[0];
-        nodes_[*out].args = args_id;
-        return Status::Ok();
+        return NewObject(a.v[0], args_id, kNoNode, false, out);
       }
       case Known::kNone: return Status::Ok();
     }
     return Status::Ok();
   }
 
+  Status NewOrderedDict(NodeId* out) {
+    UCPFS_RETURN_IF_ERROR(NewContainer(Kind::kDict, out));
+    At(*out).flags = kOrderedFlag;
+    return Status::Ok();
+  }
   Status MakeOrderedDict(const Args& a, NodeId* out) {
-    if (a.n == 0) {
-      UCPFS_RETURN_IF_ERROR(NewNode(Kind::kDict, out));
-      nodes_[*out].ordered = true;
-      return Status::Ok();
-    }
+    if (a.n == 0) return NewOrderedDict(out);
     // OrderedDict([(k, v), ...]) (old pickles).
     if (a.n != 1) return Status::Ok();
     const Kind k = KindOf(a.v[0]);
     if (k != Kind::kList && k != Kind::kTuple) return Status::Ok();
-    UCPFS_RETURN_IF_ERROR(Charge(nodes_[a.v[0]].items.size()));
-    for (NodeId pair : nodes_[a.v[0]].items) {
-      const Node& p = nodes_[pair];
-      if ((p.kind != Kind::kTuple && p.kind != Kind::kList) || p.items.size() != 2) {
+    UCPFS_RETURN_IF_ERROR(Charge(g_.items(a.v[0]).size()));
+    for (NodeId pair : g_.items(a.v[0])) {
+      const Kind pk = KindOf(pair);
+      if ((pk != Kind::kTuple && pk != Kind::kList) || g_.items(pair).size() != 2) {
         return Status::Ok();
       }
     }
     NodeId id = kNoNode;
-    UCPFS_RETURN_IF_ERROR(NewNode(Kind::kDict, &id));
-    Node& d = nodes_[id];
-    d.ordered = true;
-    const auto& pairs = nodes_[a.v[0]].items;
-    d.dict_items.reserve(pairs.size());
+    UCPFS_RETURN_IF_ERROR(NewOrderedDict(&id));
+    Seq& s = g_.seqs_[At(id).index];
+    const auto pairs = g_.items(a.v[0]);  // items_ is not touched below: spans stay valid
+    UCPFS_RETURN_IF_ERROR(Grow(g_.pairs_, s, pairs.size()));
     for (NodeId pair : pairs) {
-      d.dict_items.emplace_back(nodes_[pair].items[0], nodes_[pair].items[1]);
+      const auto kv = g_.items(pair);
+      g_.pairs_[s.offset + s.count++] = {kv[0], kv[1]};
     }
     *out = id;
     return Status::Ok();
@@ -1110,7 +1441,7 @@ class Parser {
   // str.encode(encoding) for the encodings pickles use; other encodings stay generic.
   Status EncodeString(NodeId str, std::string_view encoding, NodeId* out) {
     if (encoding.size() > 16) return Status::Ok();  // no encoding name pickles use is longer
-    UCPFS_RETURN_IF_ERROR(Charge(nodes_[str].text.size()));
+    UCPFS_RETURN_IF_ERROR(Charge(TextOf(str).size()));
     std::string enc;
     for (char c : encoding) {
       enc.push_back(c == '_' ? '-' : (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c);
@@ -1118,28 +1449,27 @@ class Parser {
     std::string bytes;
     if (enc == "latin1" || enc == "latin-1" || enc == "iso-8859-1" || enc == "iso8859-1" ||
         enc == "l1") {
-      if (!EncodeAsSingleBytes(nodes_[str].text, 0xFF, bytes)) return Status::Ok();
+      if (!EncodeAsSingleBytes(TextOf(str), 0xFF, bytes)) return Status::Ok();
     } else if (enc == "ascii" || enc == "us-ascii") {
-      if (!EncodeAsSingleBytes(nodes_[str].text, 0x7F, bytes)) return Status::Ok();
+      if (!EncodeAsSingleBytes(TextOf(str), 0x7F, bytes)) return Status::Ok();
     } else if (enc == "utf-8" || enc == "utf8") {
-      bytes = nodes_[str].text;
+      return NewSharedTextNode(Kind::kBytes, RefOf(str), out);  // the same bytes: share them
     } else {
       return Status::Ok();
     }
-    UCPFS_RETURN_IF_ERROR(NewNode(Kind::kBytes, out));
-    nodes_[*out].text = std::move(bytes);
-    return Status::Ok();
+    return NewTextNode(Kind::kBytes, bytes, out);
   }
 
   // Reads a tuple/list of ints into `out`; false when the shape does not match.
   bool IntTuple(NodeId id, std::vector<int64_t>& out) const {
-    const Node& n = nodes_[id];
-    if (n.kind != Kind::kTuple && n.kind != Kind::kList) return false;
+    const Kind k = KindOf(id);
+    if (k != Kind::kTuple && k != Kind::kList) return false;
+    const auto items = g_.items(id);
     out.clear();
-    out.reserve(n.items.size());
-    for (NodeId item : n.items) {
-      if (nodes_[item].kind != Kind::kInt) return false;
-      out.push_back(nodes_[item].int_value);
+    out.reserve(items.size());
+    for (NodeId item : items) {
+      if (KindOf(item) != Kind::kInt) return false;
+      out.push_back(g_.int_value(item));
     }
     return true;
   }
@@ -1156,56 +1486,51 @@ class Parser {
     if (known == Known::kRebuildTensorV3) min_n = 7, max_n = 8;
     if (a.n < min_n || a.n > max_n) return Status::Ok();
     if (KindOf(a.v[0]) != Kind::kStorage || KindOf(a.v[1]) != Kind::kInt) return Status::Ok();
-    UCPFS_RETURN_IF_ERROR(
-        Charge(nodes_[a.v[2]].items.size() + nodes_[a.v[3]].items.size()));
-    std::vector<int64_t> shape, stride;
-    if (!IntTuple(a.v[2], shape) || !IntTuple(a.v[3], stride)) return Status::Ok();
+    UCPFS_RETURN_IF_ERROR(Charge(g_.items(a.v[2]).size() + g_.items(a.v[3]).size()));
+    if (!IntTuple(a.v[2], shape_) || !IntTuple(a.v[3], stride_)) return Status::Ok();
     bool requires_grad = false;
     if (known != Known::kRebuildTensor) {
-      const Node& rg = nodes_[a.v[4]];
-      if (rg.kind == Kind::kBool) {
-        requires_grad = rg.bool_value;
-      } else if (rg.kind == Kind::kInt) {
-        requires_grad = rg.int_value != 0;
-      } else {
-        return Status::Ok();
-      }
+      const Kind rg = KindOf(a.v[4]);
+      if (rg != Kind::kBool && rg != Kind::kInt) return Status::Ok();
+      requires_grad = At(a.v[4]).payload != 0;  // the bool, or int != 0
     }
-    const Node& storage = nodes_[a.v[0]];
-    DType dtype = storage.storage_dtype;
+    DType dtype = g_.storage(a.v[0]).dtype;
     if (known == Known::kRebuildTensorV3) {
-      const Node& d = nodes_[a.v[6]];
-      if (d.kind != Kind::kGlobal || d.module != "torch") return Status::Ok();
-      auto parsed = DTypeFromTorchName(d.name);
+      const NodeId d = a.v[6];
+      if (KindOf(d) != Kind::kGlobal || g_.module(d) != "torch") return Status::Ok();
+      auto parsed = DTypeFromTorchName(g_.name(d));
       if (!parsed) return Status::Ok();
       dtype = *parsed;
     }
     // The shape matches; values a tensor cannot have mean the file is corrupt.
-    const int64_t offset = nodes_[a.v[1]].int_value;
+    const int64_t offset = g_.int_value(a.v[1]);
     if (offset < 0) {
       return Corrupt(std::string(fn) + ": negative storage offset " + std::to_string(offset));
     }
-    if (shape.size() != stride.size()) {
-      return Corrupt(std::string(fn) + ": size has " + std::to_string(shape.size()) +
-                     " dims but stride has " + std::to_string(stride.size()));
+    if (shape_.size() != stride_.size()) {
+      return Corrupt(std::string(fn) + ": size has " + std::to_string(shape_.size()) +
+                     " dims but stride has " + std::to_string(stride_.size()));
     }
-    for (size_t i = 0; i < shape.size(); ++i) {
-      if (shape[i] < 0) {
-        return Corrupt(std::string(fn) + ": negative size " + std::to_string(shape[i]));
+    for (size_t i = 0; i < shape_.size(); ++i) {
+      if (shape_[i] < 0) {
+        return Corrupt(std::string(fn) + ": negative size " + std::to_string(shape_[i]));
       }
-      if (stride[i] < 0) {
-        return Corrupt(std::string(fn) + ": negative stride " + std::to_string(stride[i]));
+      if (stride_[i] < 0) {
+        return Corrupt(std::string(fn) + ": negative stride " + std::to_string(stride_[i]));
       }
     }
     NodeId id = kNoNode;
     UCPFS_RETURN_IF_ERROR(NewNode(Kind::kTensor, &id));
-    Node& t = nodes_[id];
-    t.tensor_storage = a.v[0];
-    t.tensor_dtype = dtype;
-    t.tensor_storage_offset = offset;
-    t.tensor_shape = std::move(shape);
-    t.tensor_stride = std::move(stride);
-    t.tensor_requires_grad = requires_grad;
+    At(id).index = static_cast<uint32_t>(g_.tensors_.size());
+    TensorRecord& t = g_.tensors_.emplace_back();
+    t.dims_offset = g_.dims_.size();
+    t.ndim = static_cast<uint32_t>(shape_.size());  // a tuple's count: 32-bit
+    g_.dims_.insert(g_.dims_.end(), shape_.begin(), shape_.end());
+    g_.dims_.insert(g_.dims_.end(), stride_.begin(), stride_.end());
+    t.storage = a.v[0];
+    t.dtype = dtype;
+    t.storage_offset = offset;
+    t.requires_grad = requires_grad;
     *out = id;
     return Status::Ok();
   }
@@ -1213,56 +1538,64 @@ class Parser {
   // BINPERSID: ('storage', <storage class>, key, location, numel) becomes a Storage node,
   // anything else a PersistentId node.
   Status PersistentLoad(NodeId pid) {
-    const Node& p = nodes_[pid];
     bool untyped = false;
     DType dtype = DType::kUInt8;
     bool is_storage = false;
-    if (p.kind == Kind::kTuple && p.items.size() == 5) {
-      const Node& tag = nodes_[p.items[0]];
-      const Node& cls = nodes_[p.items[1]];
-      const Node& key = nodes_[p.items[2]];
-      const Node& loc = nodes_[p.items[3]];
-      const Node& numel = nodes_[p.items[4]];
-      if (tag.kind == Kind::kString && tag.text == "storage" && cls.kind == Kind::kGlobal &&
-          cls.module.starts_with("torch") &&
-          (key.kind == Kind::kString || key.kind == Kind::kInt) &&
-          loc.kind == Kind::kString && numel.kind == Kind::kInt) {
-        if (cls.name == "UntypedStorage" || cls.name == "TypedStorage" ||
-            cls.name == "_UntypedStorage") {
+    NodeId key = kNoNode, loc = kNoNode, numel = kNoNode;
+    if (KindOf(pid) == Kind::kTuple && g_.items(pid).size() == 5) {
+      const auto p = g_.items(pid);
+      const NodeId tag = p[0], cls = p[1];
+      key = p[2];
+      loc = p[3];
+      numel = p[4];
+      if (KindOf(tag) == Kind::kString && TextOf(tag) == "storage" &&
+          KindOf(cls) == Kind::kGlobal && g_.module(cls).starts_with("torch") &&
+          (KindOf(key) == Kind::kString || KindOf(key) == Kind::kInt) &&
+          KindOf(loc) == Kind::kString && KindOf(numel) == Kind::kInt) {
+        const std::string_view cls_name = g_.name(cls);
+        if (cls_name == "UntypedStorage" || cls_name == "TypedStorage" ||
+            cls_name == "_UntypedStorage") {
           untyped = true;
           is_storage = true;
-        } else if (auto d = DTypeFromStorageClassName(cls.name)) {
+        } else if (auto d = DTypeFromStorageClassName(cls_name)) {
           dtype = *d;
           is_storage = true;
         }
-        if (is_storage && numel.int_value < 0) {
-          return Corrupt("storage numel " + std::to_string(numel.int_value) + " is negative");
+        if (is_storage && g_.int_value(numel) < 0) {
+          return Corrupt("storage numel " + std::to_string(g_.int_value(numel)) +
+                         " is negative");
         }
       }
     }
     if (is_storage) {
-      UCPFS_RETURN_IF_ERROR(
-          Charge(nodes_[p.items[2]].text.size() + nodes_[p.items[3]].text.size()));
+      UCPFS_RETURN_IF_ERROR(Charge(TextOf(key).size() + TextOf(loc).size()));
     }
     NodeId id = kNoNode;
     if (!is_storage) {
       UCPFS_RETURN_IF_ERROR(PushNew(Kind::kPersistentId, &id));
-      nodes_[id].args = pid;
+      At(id).payload = pid;
       return Status::Ok();
     }
     UCPFS_RETURN_IF_ERROR(PushNew(Kind::kStorage, &id));
-    Node& s = nodes_[id];
-    const Node& tuple = nodes_[pid];
-    const Node& key = nodes_[tuple.items[2]];
-    s.storage_key = key.kind == Kind::kString ? key.text : std::to_string(key.int_value);
-    s.storage_location = nodes_[tuple.items[3]].text;
-    s.storage_dtype = dtype;
-    s.storage_untyped = untyped;
-    s.storage_numel = static_cast<uint64_t>(nodes_[tuple.items[4]].int_value);
+    StorageRecord s;
+    if (KindOf(key) == Kind::kString) {
+      s.key = RefOf(key);
+    } else {
+      s.key = AddText(std::to_string(g_.int_value(key)));
+    }
+    s.location = RefOf(loc);
+    s.dtype = dtype;
+    s.untyped = untyped;
+    s.numel = static_cast<uint64_t>(g_.int_value(numel));
+    At(id).index = static_cast<uint32_t>(g_.storages_.size());
+    g_.storages_.push_back(s);
     return Status::Ok();
   }
 
   Status Step();
+
+  static constexpr uint64_t kMaxItems = 0xFFFFFFFFu;      // Node::index and Seq counts
+  static constexpr uint64_t kMaxTextBytes = 0xFFFFFFFFu;  // Node::index
 
   const uint8_t* data_;
   size_t size_;
@@ -1272,7 +1605,8 @@ class Parser {
   std::string_view source_;
   PickleLimits limits_;
   uint64_t max_nodes_;
-  PickleGraph& graph_;
+  uint64_t max_string_bytes_;
+  PickleGraph& g_;
   std::vector<Node>& nodes_;
   std::vector<NodeId> stack_;
   std::vector<size_t> marks_;
@@ -1285,12 +1619,13 @@ class Parser {
   static constexpr size_t kSmallInts = 1024;
   std::array<NodeId, kSmallInts> small_ints_;
   std::unordered_map<int64_t, NodeId> ints_;
+  std::vector<int64_t> shape_, stride_;  // scratch for RebuildTensor
   bool done_ = false;
   uint64_t copied_ = 0;
   uint64_t copy_budget_ = 0;
 };
 
-Status Parser::Run() {
+Status PickleGraph::Parser::Run() {
   while (!done_) {
     if (pos_ >= size_) {
       op_offset_ = pos_;
@@ -1304,7 +1639,7 @@ Status Parser::Run() {
   return Status::Ok();
 }
 
-Status Parser::Step() {
+Status PickleGraph::Parser::Step() {
   switch (op_) {
     // ---- framing and stack manipulation ----
     case kProto: {
@@ -1323,7 +1658,7 @@ Status Parser::Step() {
     }
     case kStop:
       UCPFS_RETURN_IF_ERROR(NeedStack(1));
-      graph_.set_root(stack_.back());
+      g_.root_ = stack_.back();
       done_ = true;
       return Status::Ok();
     case kMark:
@@ -1399,10 +1734,7 @@ Status Parser::Step() {
       if (line.empty() || ec != std::errc() || end != line.data() + line.size()) {
         return Corrupt("invalid float literal");
       }
-      NodeId id = kNoNode;
-      UCPFS_RETURN_IF_ERROR(PushNew(Kind::kFloat, &id));
-      nodes_[id].float_value = v;
-      return Status::Ok();
+      return PushFloat(v);
     }
     case kBinFloat: {
       const uint8_t* p = nullptr;
@@ -1411,10 +1743,7 @@ Status Parser::Step() {
       for (int i = 0; i < 8; ++i) bits = (bits << 8) | p[i];  // big-endian
       double v;
       std::memcpy(&v, &bits, sizeof v);
-      NodeId id = kNoNode;
-      UCPFS_RETURN_IF_ERROR(PushNew(Kind::kFloat, &id));
-      nodes_[id].float_value = v;
-      return Status::Ok();
+      return PushFloat(v);
     }
 
     // ---- strings and bytes ----
@@ -1429,14 +1758,14 @@ Status Parser::Step() {
       if (!EscapeDecode(line.substr(1, line.size() - 2), decoded)) {
         return Corrupt("invalid escape sequence");
       }
-      return PushMovedText(Kind::kString, std::move(decoded));
+      return PushDecodedText(Kind::kString, decoded);
     }
     case kUnicode: {
       std::string_view line;
       UCPFS_RETURN_IF_ERROR(ReadLine(&line));
       std::string decoded;
       if (!RawUnicodeEscapeDecode(line, decoded)) return Corrupt("invalid \\u escape");
-      return PushMovedText(Kind::kString, std::move(decoded));
+      return PushDecodedText(Kind::kString, decoded);
     }
     case kBinString:
     case kShortBinString:
@@ -1463,16 +1792,14 @@ Status Parser::Step() {
     // ---- containers ----
     case kEmptyTuple: {
       NodeId id = kNoNode;
-      return PushNew(Kind::kTuple, &id);
+      UCPFS_RETURN_IF_ERROR(NewTuple(nullptr, 0, &id));
+      return Push(id);
     }
     case kTuple: return FromMark(Kind::kTuple);
     case kTuple1: return TupleN(1);
     case kTuple2: return TupleN(2);
     case kTuple3: return TupleN(3);
-    case kEmptyList: {
-      NodeId id = kNoNode;
-      return PushNew(Kind::kList, &id);
-    }
+    case kEmptyList: return PushNewContainer(Kind::kList);
     case kList: return FromMark(Kind::kList);
     case kAppend: {
       UCPFS_RETURN_IF_ERROR(NeedStack(2));
@@ -1484,10 +1811,7 @@ Status Parser::Step() {
       UCPFS_RETURN_IF_ERROR(MarkTarget(&mark, &target));
       return AppendTo(target, mark);
     }
-    case kEmptyDict: {
-      NodeId id = kNoNode;
-      return PushNew(Kind::kDict, &id);
-    }
+    case kEmptyDict: return PushNewContainer(Kind::kDict);
     case kDict: return FromMark(Kind::kDict);
     case kSetItem: {
       UCPFS_RETURN_IF_ERROR(NeedStack(3));
@@ -1499,10 +1823,7 @@ Status Parser::Step() {
       UCPFS_RETURN_IF_ERROR(MarkTarget(&mark, &target));
       return SetItemsOn(target, mark);
     }
-    case kEmptySet: {
-      NodeId id = kNoNode;
-      return PushNew(Kind::kSet, &id);
-    }
+    case kEmptySet: return PushNewContainer(Kind::kSet);
     case kAddItems: {
       size_t mark = 0;
       NodeId target = kNoNode;
@@ -1535,7 +1856,9 @@ Status Parser::Step() {
       std::string_view module, name;
       UCPFS_RETURN_IF_ERROR(ReadLine(&module));
       UCPFS_RETURN_IF_ERROR(ReadLine(&name));
-      return PushGlobal(std::string(module), std::string(name));
+      NodeId id = kNoNode;
+      UCPFS_RETURN_IF_ERROR(NewGlobal(module, name, nullptr, nullptr, &id));
+      return Push(id);
     }
     case kStackGlobal: {
       UCPFS_RETURN_IF_ERROR(NeedStack(2));
@@ -1544,16 +1867,21 @@ Status Parser::Step() {
       if (KindOf(name) != Kind::kString || KindOf(module) != Kind::kString) {
         return Corrupt("module and name must be str");
       }
-      UCPFS_RETURN_IF_ERROR(Charge(nodes_[module].text.size() + nodes_[name].text.size()));
+      UCPFS_RETURN_IF_ERROR(Charge(TextOf(module).size() + TextOf(name).size()));
       stack_.resize(stack_.size() - 2);
-      return PushGlobal(nodes_[module].text, nodes_[name].text);
+      // The global shares the strings' text (unless a Python 2 name is mapped).
+      const TextRef module_ref = RefOf(module), name_ref = RefOf(name);
+      NodeId id = kNoNode;
+      UCPFS_RETURN_IF_ERROR(
+          NewGlobal(TextOf(module), TextOf(name), &module_ref, &name_ref, &id));
+      return Push(id);
     }
     case kInst: {
       std::string_view module, name;
       UCPFS_RETURN_IF_ERROR(ReadLine(&module));
       UCPFS_RETURN_IF_ERROR(ReadLine(&name));
       NodeId callable = kNoNode;
-      UCPFS_RETURN_IF_ERROR(NewGlobal(std::string(module), std::string(name), &callable));
+      UCPFS_RETURN_IF_ERROR(NewGlobal(module, name, nullptr, nullptr, &callable));
       UCPFS_RETURN_IF_ERROR(FromMark(Kind::kTuple));
       const NodeId args = Pop();
       return Call(callable, args, kNoNode, false);
@@ -1565,9 +1893,8 @@ Status Parser::Step() {
       const NodeId callable = stack_[mark];
       UCPFS_RETURN_IF_ERROR(CheckCallable(callable, "class"));
       NodeId args = kNoNode;
-      UCPFS_RETURN_IF_ERROR(NewNode(Kind::kTuple, &args));
-      nodes_[args].items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(mark + 1),
-                                stack_.end());
+      UCPFS_RETURN_IF_ERROR(
+          NewTuple(stack_.data() + mark + 1, stack_.size() - mark - 1, &args));
       stack_.resize(mark);
       return Call(callable, args, kNoNode, false);
     }
@@ -1604,17 +1931,7 @@ Status Parser::Step() {
     case kBuild: {
       UCPFS_RETURN_IF_ERROR(NeedStack(2));
       const NodeId state = stack_[stack_.size() - 1];
-      Node& target = nodes_[stack_[stack_.size() - 2]];
-      switch (target.kind) {
-        case Kind::kObject:
-        case Kind::kDict:
-        case Kind::kTensor:
-        case Kind::kStorage:
-        case Kind::kPersistentId: break;
-        default:
-          return Corrupt(std::string("cannot set the state of a ") + KindName(target.kind));
-      }
-      target.state = state;
+      UCPFS_RETURN_IF_ERROR(SetState(stack_[stack_.size() - 2], state));
       stack_.pop_back();
       return Status::Ok();
     }
@@ -1626,11 +1943,10 @@ Status Parser::Step() {
       std::string_view line;
       UCPFS_RETURN_IF_ERROR(ReadLine(&line));
       NodeId pid = kNoNode;
-      UCPFS_RETURN_IF_ERROR(NewNode(Kind::kString, &pid));
-      nodes_[pid].text.assign(line);
+      UCPFS_RETURN_IF_ERROR(NewTextNode(Kind::kString, line, &pid));
       NodeId id = kNoNode;
       UCPFS_RETURN_IF_ERROR(PushNew(Kind::kPersistentId, &id));
-      nodes_[id].args = pid;
+      At(id).payload = pid;
       return Status::Ok();
     }
 
@@ -1649,13 +1965,11 @@ Status Parser::Step() {
   }
 }
 
-}  // namespace
-
 Result<PickleGraph> ParsePickle(std::span<const std::byte> data, std::string_view source_name,
                                 const PickleLimits& limits) {
   PickleGraph graph;
   try {
-    Parser parser(data, source_name, limits, graph);
+    PickleGraph::Parser parser(data, source_name, limits, graph);
     Status st = parser.Run();
     if (!st.ok()) return st;
   } catch (const std::bad_alloc&) {

@@ -1,6 +1,7 @@
 #include "core/format/torch_file.h"
 
 #include <cstdio>
+#include <span>
 #include <utility>
 
 #include "core/checked.h"
@@ -9,32 +10,31 @@ namespace ucpfs::format {
 namespace {
 
 using pickle::Kind;
-using pickle::Node;
 using pickle::NodeId;
 using pickle::PickleGraph;
 
 // A dict key as it appears in a dot-joined path.
 std::string KeyText(const PickleGraph& g, NodeId id) {
-  const Node& n = g.at(id);
-  switch (n.kind) {
-    case Kind::kString: return n.text;
-    case Kind::kInt: return std::to_string(n.int_value);
-    case Kind::kBool: return n.bool_value ? "True" : "False";
+  switch (g.kind(id)) {
+    case Kind::kString: return std::string(g.text(id));
+    case Kind::kInt: return std::to_string(g.int_value(id));
+    case Kind::kBool: return g.bool_value(id) ? "True" : "False";
     case Kind::kNone: return "None";
     case Kind::kFloat: {
       char buf[32];
-      std::snprintf(buf, sizeof(buf), "%g", n.float_value);
+      std::snprintf(buf, sizeof(buf), "%g", g.float_value(id));
       return buf;
     }
     case Kind::kTuple: {
+      const auto items = g.items(id);
       std::string s = "(";
-      for (size_t i = 0; i < n.items.size(); ++i) {
+      for (size_t i = 0; i < items.size(); ++i) {
         if (i) s += ",";
-        s += KeyText(g, n.items[i]);
+        s += KeyText(g, items[i]);
       }
       return s + ")";
     }
-    default: return std::string("<") + pickle::KindName(n.kind) + ">";
+    default: return std::string("<") + pickle::KindName(g.kind(id)) + ">";
   }
 }
 
@@ -64,14 +64,13 @@ class Walker {
                                     std::to_string(max_visits_) + " paths");
     }
     if (on_path_[id]) return Status::Ok();
-    const Node& n = graph_.at(id);
-    if (n.kind == Kind::kTensor) {
+    if (graph_.kind(id) == Kind::kTensor) {
       UCPFS_ASSIGN_OR_RETURN(TensorRecord rec, ResolveTensor(src_, archive_, graph_, id, path));
       tensors_.push_back(std::move(rec));
       return Status::Ok();
     }
     on_path_[id] = true;
-    Status st = WalkChildren(n, path, depth);
+    Status st = WalkChildren(id, path, depth);
     on_path_[id] = false;
     return st;
   }
@@ -79,21 +78,20 @@ class Walker {
   std::vector<TensorRecord> take() { return std::move(tensors_); }
 
  private:
-  Status WalkChildren(const Node& n, const std::string& path, uint32_t depth) {
-    switch (n.kind) {
+  Status WalkChildren(NodeId id, const std::string& path, uint32_t depth) {
+    switch (graph_.kind(id)) {
       case Kind::kDict:
-        return WalkPairs(n.dict_items, path, depth);
+        return WalkPairs(graph_.dict_items(id), path, depth);
       case Kind::kList:
       case Kind::kTuple:
       case Kind::kSet:
-        return WalkSeq(n.items, path, depth);
+        return WalkSeq(graph_.items(id), path, depth);
       case Kind::kObject: {
-        if (n.args != pickle::kNoNode && graph_.at(n.args).kind == Kind::kTuple) {
-          UCPFS_RETURN_IF_ERROR(WalkSeq(graph_.at(n.args).items, path, depth));
-        }
-        UCPFS_RETURN_IF_ERROR(WalkState(n.state, path, depth));
-        UCPFS_RETURN_IF_ERROR(WalkSeq(n.list_items, path, depth));
-        return WalkPairs(n.dict_items, path, depth);
+        const pickle::ObjectInfo o = graph_.object(id);
+        UCPFS_RETURN_IF_ERROR(WalkSeq(graph_.items(o.args), path, depth));  // args: a tuple
+        UCPFS_RETURN_IF_ERROR(WalkState(o.state, path, depth));
+        UCPFS_RETURN_IF_ERROR(WalkSeq(o.list_items, path, depth));
+        return WalkPairs(o.dict_items, path, depth);
       }
       default:
         return Status::Ok();
@@ -103,19 +101,16 @@ class Walker {
   // BUILD state: a dict of attributes, or (dict, slotstate), or anything else.
   Status WalkState(NodeId state, const std::string& path, uint32_t depth) {
     if (state == pickle::kNoNode) return Status::Ok();
-    const Node& s = graph_.at(state);
-    if (s.kind == Kind::kTuple) {
-      for (NodeId part : s.items) {
-        if (graph_.at(part).kind == Kind::kDict) {
-          UCPFS_RETURN_IF_ERROR(WalkPairs(graph_.at(part).dict_items, path, depth));
-        }
+    if (graph_.kind(state) == Kind::kTuple) {
+      for (NodeId part : graph_.items(state)) {
+        UCPFS_RETURN_IF_ERROR(WalkPairs(graph_.dict_items(part), path, depth));  // dicts only
       }
       return Status::Ok();
     }
     return Walk(state, path, depth + 1);
   }
 
-  Status WalkPairs(const std::vector<std::pair<NodeId, NodeId>>& pairs, const std::string& path,
+  Status WalkPairs(std::span<const std::pair<NodeId, NodeId>> pairs, const std::string& path,
                    uint32_t depth) {
     for (const auto& [k, v] : pairs) {
       UCPFS_RETURN_IF_ERROR(Walk(v, Join(path, KeyText(graph_, k)), depth + 1));
@@ -123,7 +118,7 @@ class Walker {
     return Status::Ok();
   }
 
-  Status WalkSeq(const std::vector<NodeId>& items, const std::string& path, uint32_t depth) {
+  Status WalkSeq(std::span<const NodeId> items, const std::string& path, uint32_t depth) {
     for (size_t i = 0; i < items.size(); ++i) {
       UCPFS_RETURN_IF_ERROR(Walk(items[i], Join(path, std::to_string(i)), depth + 1));
     }
@@ -155,29 +150,31 @@ bool IsRowMajorContiguous(const std::vector<int64_t>& shape, const std::vector<i
 Result<TensorRecord> ResolveTensor(const ByteSource& src, const ZipArchive& archive,
                                    const PickleGraph& graph, NodeId tensor, std::string key) {
   const std::string where = src.Name() + ": tensor '" + key + "'";
-  const Node& t = graph.at(tensor);
-  if (t.kind != Kind::kTensor) return InternalError(where + ": not a tensor node");
-  if (t.tensor_storage == pickle::kNoNode || graph.at(t.tensor_storage).kind != Kind::kStorage) {
+  if (tensor >= graph.size() || graph.kind(tensor) != Kind::kTensor) {
+    return InternalError(where + ": not a tensor node");
+  }
+  const pickle::TensorInfo t = graph.tensor(tensor);
+  if (t.storage == pickle::kNoNode || graph.kind(t.storage) != Kind::kStorage) {
     return UnsupportedError(where + ": storage is not a torch 'storage' persistent id");
   }
-  const Node& s = graph.at(t.tensor_storage);
-  if (t.tensor_shape.size() != t.tensor_stride.size()) {
-    return CorruptError(where + ": shape has " + std::to_string(t.tensor_shape.size()) +
-                        " dims but stride has " + std::to_string(t.tensor_stride.size()));
+  const pickle::StorageInfo s = graph.storage(t.storage);
+  if (t.shape.size() != t.stride.size()) {
+    return CorruptError(where + ": shape has " + std::to_string(t.shape.size()) +
+                        " dims but stride has " + std::to_string(t.stride.size()));
   }
 
   TensorRecord rec;
   rec.key = std::move(key);
-  rec.dtype = t.tensor_dtype;
-  rec.shape = t.tensor_shape;
-  rec.stride = t.tensor_stride;
-  rec.storage_offset = t.tensor_storage_offset;
-  rec.storage_key = s.storage_key;
-  rec.is_parameter = t.tensor_is_parameter;
+  rec.dtype = t.dtype;
+  rec.shape.assign(t.shape.begin(), t.shape.end());
+  rec.stride.assign(t.stride.begin(), t.stride.end());
+  rec.storage_offset = t.storage_offset;
+  rec.storage_key = std::string(s.key);
+  rec.is_parameter = t.is_parameter;
 
-  const ZipEntry* entry = archive.FindRecord("data/" + s.storage_key);
+  const ZipEntry* entry = archive.FindRecord("data/" + rec.storage_key);
   if (entry == nullptr) {
-    return CorruptError(where + ": storage record 'data/" + s.storage_key + "' is missing");
+    return CorruptError(where + ": storage record 'data/" + rec.storage_key + "' is missing");
   }
   rec.record_name = entry->name;
   if (entry->method != 0) {
@@ -189,15 +186,13 @@ Result<TensorRecord> ResolveTensor(const ByteSource& src, const ZipArchive& arch
   rec.record_n_bytes = entry->n_bytes;
 
   // The pickled numel counts elements of a typed storage, bytes of an untyped one.
-  auto storage_n_bytes =
-      s.storage_untyped ? std::optional<uint64_t>(s.storage_numel)
-                        : CheckedMul(s.storage_numel, ItemSize(s.storage_dtype));
+  auto storage_n_bytes = s.untyped ? std::optional<uint64_t>(s.numel)
+                                    : CheckedMul(s.numel, ItemSize(s.dtype));
   if (!storage_n_bytes || *storage_n_bytes != entry->n_bytes) {
     return CorruptError(where + ": storage record '" + entry->name + "' holds " +
                         std::to_string(entry->n_bytes) + " bytes but the pickle declares " +
-                        std::to_string(s.storage_numel) +
-                        (s.storage_untyped ? " bytes" : " elements of " +
-                                                            std::string(TorchName(s.storage_dtype))));
+                        std::to_string(s.numel) +
+                        (s.untyped ? " bytes" : " elements of " + std::string(TorchName(s.dtype))));
   }
 
   const uint64_t item = ItemSize(rec.dtype);

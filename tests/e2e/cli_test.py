@@ -47,7 +47,7 @@ def main():
                 assert n in r.stderr, (n, r.stderr)
 
         res.check("missing file", lambda: expect_error(os.path.join(d, "nope.pt"), 1, "nope.pt", "not found"))
-        res.check("directory", lambda: expect_error(d, 2, "is a directory"))
+        res.check("directory without a checkpoint", lambda: expect_error(d, 1, d))
 
         blob = open(good, "rb").read()
         for cut in (0, 10, len(blob) // 2, len(blob) - 1):

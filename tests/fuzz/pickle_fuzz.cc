@@ -13,7 +13,6 @@ namespace {
 
 using ucpfs::pickle::Kind;
 using ucpfs::pickle::kNoNode;
-using ucpfs::pickle::Node;
 using ucpfs::pickle::NodeId;
 using ucpfs::pickle::PickleGraph;
 
@@ -37,27 +36,43 @@ void Walk(const PickleGraph& g) {
     todo.pop_back();
     if (seen[id]) continue;
     seen[id] = true;
-    const Node& n = g.at(id);
-    sink += n.text.size() + n.module.size() + n.name.size() + n.storage_key.size() +
-            n.tensor_shape.size() + n.tensor_stride.size();
-    for (NodeId c : n.items) visit(c);
-    for (const auto& [k, v] : n.dict_items) {
+    for (NodeId c : g.items(id)) visit(c);
+    for (const auto& [k, v] : g.dict_items(id)) {
       visit(k);
       visit(v);
     }
-    for (NodeId c : n.list_items) visit(c);
-    visit(n.callable);
-    visit(n.args);
-    visit(n.kwargs);
-    visit(n.state);
-    visit(n.tensor_storage);
-    if (n.kind == Kind::kTensor) {
-      Check(n.tensor_storage != kNoNode && g.at(n.tensor_storage).kind == Kind::kStorage);
-      Check(n.tensor_shape.size() == n.tensor_stride.size());
+    visit(g.state(id));
+    visit(g.persistent_id(id));
+    sink += g.text(id).size() + g.module(id).size() + g.name(id).size();
+    switch (g.kind(id)) {
+      case Kind::kObject: {
+        const auto o = g.object(id);
+        Check(o.args != kNoNode && g.kind(o.args) == Kind::kTuple);
+        visit(o.callable);
+        visit(o.args);
+        visit(o.kwargs);
+        for (NodeId c : o.list_items) visit(c);
+        for (const auto& [k, v] : o.dict_items) {
+          visit(k);
+          visit(v);
+        }
+        break;
+      }
+      case Kind::kStorage: sink += g.storage(id).key.size() + g.storage(id).location.size(); break;
+      case Kind::kTensor: {
+        const auto t = g.tensor(id);
+        Check(t.storage != kNoNode && g.kind(t.storage) == Kind::kStorage);
+        Check(t.shape.size() == t.stride.size());
+        sink += t.shape.size();
+        visit(t.storage);
+        break;
+      }
+      default: break;
     }
     // Exercise the helpers walkers use.
     (void)g.ClassName(id);
-    (void)g.DictGet(id, "state_dict_metadata");
+    const NodeId got = g.DictGet(id, "state_dict_metadata");
+    Check(got == kNoNode || got < g.size());
     (void)g.IsGlobal(id, "torch", "Size");
   }
   Check(sink != UINT64_MAX);
@@ -77,6 +92,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       limits);
   if (result.ok()) {
     Walk(*result);
+    Check(result->MemoryBytes() >= result->size() * 16);
   } else {
     Check(!result.status().message().empty());
   }

@@ -120,21 +120,29 @@ Result<PickleGraph> ParseBytes(const std::vector<uint8_t>& b, const PickleLimits
 // ---------------------------------------------------------------------------------------------
 // Graph helpers.
 
-// Every id a node refers to (for walkers and invariant checks).
+// Every id a node refers to (for walkers and invariant checks); kNoNode for absent references.
 template <typename F>
-void ForEachRef(const Node& n, F&& f) {
-  for (NodeId id : n.items) f(id);
-  for (const auto& [k, v] : n.dict_items) {
+void ForEachRef(const PickleGraph& g, NodeId id, F&& f) {
+  for (NodeId ref : g.items(id)) f(ref);
+  for (const auto& [k, v] : g.dict_items(id)) {
     f(k);
     f(v);
   }
-  for (NodeId id : n.list_items) f(id);
-  f(n.callable);
-  f(n.args);
-  f(n.kwargs);
-  f(n.state);
-  f(n.tensor_storage);
+  const ObjectInfo o = g.object(id);
+  for (NodeId ref : o.list_items) f(ref);
+  for (const auto& [k, v] : o.dict_items) {
+    f(k);
+    f(v);
+  }
+  f(o.callable);
+  f(o.args);
+  f(o.kwargs);
+  f(g.state(id));
+  f(g.persistent_id(id));
+  f(g.tensor(id).storage);
 }
+
+std::vector<int64_t> Vec(std::span<const int64_t> v) { return {v.begin(), v.end()}; }
 
 // Iterative walk from the root; checks that every referenced id is valid. Returns the number of
 // reachable nodes.
@@ -150,7 +158,7 @@ size_t WalkChecked(const PickleGraph& g) {
     if (seen[id]) continue;
     seen[id] = true;
     ++count;
-    ForEachRef(g.at(id), [&](NodeId ref) {
+    ForEachRef(g, id, [&](NodeId ref) {
       if (ref == kNoNode) return;
       EXPECT_LT(ref, g.size());
       if (ref < g.size() && !seen[ref]) todo.push_back(ref);
@@ -204,9 +212,8 @@ std::string Render(const PickleGraph& g, NodeId id, std::vector<NodeId>& path) {
     if (p == id) return "<cycle>";
   }
   path.push_back(id);
-  const Node& n = g.at(id);
   std::string s;
-  auto list = [&](const std::vector<NodeId>& items) {
+  auto list = [&](std::span<const NodeId> items) {
     std::string r;
     for (size_t i = 0; i < items.size(); ++i) {
       if (i) r += ", ";
@@ -214,7 +221,7 @@ std::string Render(const PickleGraph& g, NodeId id, std::vector<NodeId>& path) {
     }
     return r;
   };
-  auto dict = [&](const std::vector<std::pair<NodeId, NodeId>>& items) {
+  auto dict = [&](std::span<const std::pair<NodeId, NodeId>> items) {
     std::string r = "{";
     for (size_t i = 0; i < items.size(); ++i) {
       if (i) r += ", ";
@@ -222,52 +229,59 @@ std::string Render(const PickleGraph& g, NodeId id, std::vector<NodeId>& path) {
     }
     return r + "}";
   };
-  switch (n.kind) {
+  switch (g.kind(id)) {
     case Kind::kNone: s = "None"; break;
-    case Kind::kBool: s = n.bool_value ? "True" : "False"; break;
-    case Kind::kInt: s = std::to_string(n.int_value); break;
-    case Kind::kBigInt: s = "big:" + Hex(n.text); break;
-    case Kind::kFloat: s = ShortestDouble(n.float_value); break;
-    case Kind::kString: s = Quote(n.text, false); break;
-    case Kind::kBytes: s = Quote(n.text, true); break;
-    case Kind::kTuple: s = "(" + list(n.items) + (n.items.size() == 1 ? ",)" : ")"); break;
-    case Kind::kList: s = "[" + list(n.items) + "]"; break;
-    case Kind::kSet: s = "set{" + list(n.items) + "}"; break;
-    case Kind::kDict:
-      s = (n.ordered ? "OrderedDict" : "") + dict(n.dict_items);
-      if (n.state != kNoNode) s += " state=" + Render(g, n.state, path);
+    case Kind::kBool: s = g.bool_value(id) ? "True" : "False"; break;
+    case Kind::kInt: s = std::to_string(g.int_value(id)); break;
+    case Kind::kBigInt: s = "big:" + Hex(g.text(id)); break;
+    case Kind::kFloat: s = ShortestDouble(g.float_value(id)); break;
+    case Kind::kString: s = Quote(g.text(id), false); break;
+    case Kind::kBytes: s = Quote(g.text(id), true); break;
+    case Kind::kTuple:
+      s = "(" + list(g.items(id)) + (g.items(id).size() == 1 ? ",)" : ")");
       break;
-    case Kind::kGlobal: s = n.module + "." + n.name; break;
-    case Kind::kObject:
-      s = "Obj(" + Render(g, n.callable, path);
-      if (n.newobj) s += " new";
-      if (n.args != kNoNode) s += " args=" + Render(g, n.args, path);
-      if (n.kwargs != kNoNode) s += " kwargs=" + Render(g, n.kwargs, path);
-      if (n.state != kNoNode) s += " state=" + Render(g, n.state, path);
-      if (!n.list_items.empty()) s += " list=[" + list(n.list_items) + "]";
-      if (!n.dict_items.empty()) s += " dict=" + dict(n.dict_items);
+    case Kind::kList: s = "[" + list(g.items(id)) + "]"; break;
+    case Kind::kSet: s = "set{" + list(g.items(id)) + "}"; break;
+    case Kind::kDict:
+      s = (g.ordered(id) ? "OrderedDict" : "") + dict(g.dict_items(id));
+      if (g.state(id) != kNoNode) s += " state=" + Render(g, g.state(id), path);
+      break;
+    case Kind::kGlobal: s = std::string(g.module(id)) + "." + std::string(g.name(id)); break;
+    case Kind::kObject: {
+      const ObjectInfo o = g.object(id);
+      s = "Obj(" + Render(g, o.callable, path);
+      if (o.newobj) s += " new";
+      if (o.args != kNoNode) s += " args=" + Render(g, o.args, path);
+      if (o.kwargs != kNoNode) s += " kwargs=" + Render(g, o.kwargs, path);
+      if (o.state != kNoNode) s += " state=" + Render(g, o.state, path);
+      if (!o.list_items.empty()) s += " list=[" + list(o.list_items) + "]";
+      if (!o.dict_items.empty()) s += " dict=" + dict(o.dict_items);
       s += ")";
       break;
-    case Kind::kPersistentId: s = "Pid(" + Render(g, n.args, path) + ")"; break;
-    case Kind::kStorage:
-      s = "Storage(" + n.storage_key + " " + n.storage_location + " " +
-          std::string(n.storage_untyped ? "untyped" : TorchName(n.storage_dtype)) + " " +
-          std::to_string(n.storage_numel) + ")";
+    }
+    case Kind::kPersistentId: s = "Pid(" + Render(g, g.persistent_id(id), path) + ")"; break;
+    case Kind::kStorage: {
+      const StorageInfo st = g.storage(id);
+      s = "Storage(" + std::string(st.key) + " " + std::string(st.location) + " " +
+          std::string(st.untyped ? "untyped" : TorchName(st.dtype)) + " " +
+          std::to_string(st.numel) + ")";
       break;
+    }
     case Kind::kTensor: {
-      s = "Tensor(" + std::string(TorchName(n.tensor_dtype)) + " off=" +
-          std::to_string(n.tensor_storage_offset) + " shape=[";
-      for (size_t i = 0; i < n.tensor_shape.size(); ++i) {
-        s += (i ? "," : "") + std::to_string(n.tensor_shape[i]);
+      const TensorInfo t = g.tensor(id);
+      s = "Tensor(" + std::string(TorchName(t.dtype)) + " off=" +
+          std::to_string(t.storage_offset) + " shape=[";
+      for (size_t i = 0; i < t.shape.size(); ++i) {
+        s += (i ? "," : "") + std::to_string(t.shape[i]);
       }
       s += "] stride=[";
-      for (size_t i = 0; i < n.tensor_stride.size(); ++i) {
-        s += (i ? "," : "") + std::to_string(n.tensor_stride[i]);
+      for (size_t i = 0; i < t.stride.size(); ++i) {
+        s += (i ? "," : "") + std::to_string(t.stride[i]);
       }
       s += "]";
-      if (n.tensor_requires_grad) s += " rg";
-      if (n.tensor_is_parameter) s += " param";
-      s += " " + Render(g, n.tensor_storage, path) + ")";
+      if (t.requires_grad) s += " rg";
+      if (t.is_parameter) s += " param";
+      s += " " + Render(g, t.storage, path) + ")";
       break;
     }
   }
@@ -283,9 +297,7 @@ std::string Render(const PickleGraph& g) { return Render(g, g.root()); }
 
 // The value under string key `key` of a dict node, by id.
 NodeId Get(const PickleGraph& g, NodeId dict, std::string_view key) {
-  const Node* v = g.DictGet(dict, key);
-  if (v == nullptr) return kNoNode;
-  return static_cast<NodeId>(v - &g.at(0));
+  return g.DictGet(dict, key);
 }
 
 std::string ParseAndRender(const Asm& a) {
@@ -379,8 +391,8 @@ TEST(PickleOpcodes, Protocol0TextScalars) {
     // CPython's limit is 4300 digits; exactly that many still parse.
     auto r = Parse(Asm().Op('L').Line(std::string(4300, '9') + "L").Stop());
     ASSERT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_EQ(r->at(r->root()).kind, Kind::kBigInt);
-    EXPECT_EQ(r->at(r->root()).text.size(), 1786u);
+    EXPECT_EQ(r->kind(r->root()), Kind::kBigInt);
+    EXPECT_EQ(r->text(r->root()).size(), 1786u);
   }
   EXPECT_EQ(ParseAndRender(Asm().Op('F').Line("1.5").Stop()), "1.5");
   EXPECT_EQ(ParseAndRender(Asm().Op('F').Line("-1e+300").Stop()), "-1e+300");
@@ -464,17 +476,16 @@ TEST(PickleOpcodes, MemoAliasesNodes) {
                      .BinGet(0).Int(5).Append().Op('0').Stop());
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(Render(*r), "[[5]]");
-  const Node& outer = r->at(r->root());
-  ASSERT_EQ(outer.items.size(), 1u);
+  ASSERT_EQ(r->items(r->root()).size(), 1u);
   // LONG_BINPUT/LONG_BINGET, text PUT/GET and MEMOIZE share one memo.
   r = Parse(Asm().Proto(4).Str("a").Op('r').LE(70000, 4).Op('p').Line("3").Memoize()
                 .Op('j').LE(70000, 4).Op('g').Line("3").BinGet(2).Tuple3().Stop());
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   // MEMOIZE stored index len(memo) == 2 (entries 70000 and 3 existed).
-  const Node& t = r->at(r->root());
-  ASSERT_EQ(t.items.size(), 3u);
-  EXPECT_EQ(t.items[0], t.items[1]);
-  EXPECT_EQ(t.items[1], t.items[2]);
+  const auto t = r->items(r->root());
+  ASSERT_EQ(t.size(), 3u);
+  EXPECT_EQ(t[0], t[1]);
+  EXPECT_EQ(t[1], t[2]);
 }
 
 TEST(PickleOpcodes, MemoizeIndexIsEntryCount) {
@@ -509,14 +520,109 @@ TEST(PickleOpcodes, Cycles) {
   // l = [1]; l.append(l)
   auto r = Parse(Asm().Proto(2).EmptyList().BinPut(0).Mark().Int(1).BinGet(0).Appends().Stop());
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  const Node& l = r->at(r->root());
-  ASSERT_EQ(l.items.size(), 2u);
-  EXPECT_EQ(l.items[1], r->root());
+  const auto l = r->items(r->root());
+  ASSERT_EQ(l.size(), 2u);
+  EXPECT_EQ(l[1], r->root());
   EXPECT_EQ(WalkChecked(*r), 2u);
   // d = {}; d['self'] = d
   r = Parse(Asm().EmptyDict().BinPut(0).Str("self").BinGet(0).SetItem().Stop());
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->at(r->root()).dict_items[0].second, r->root());
+  ASSERT_EQ(r->dict_items(r->root()).size(), 1u);
+  EXPECT_EQ(r->dict_items(r->root())[0].second, r->root());
+}
+
+// Containers grow after creation, interleaved with building other values (APPEND/SETITEMS
+// batches, memo aliases): every container keeps exactly its own items, in order.
+TEST(PickleOpcodes, InterleavedGrowth) {
+  // Two lists, a dict, a set and an object (list and dict items), appended to in turn, one
+  // value at a time and in batches, with new containers made in between.
+  Asm a;
+  a.Proto(4).EmptyList().BinPut(0).EmptyList().BinPut(1).EmptyDict().BinPut(2).Op(0x8f)
+      .BinPut(3).Global("m", "C").EmptyTuple().NewObj().BinPut(4);
+  std::vector<int64_t> l0, l1, set, obj_list;
+  std::vector<std::pair<int64_t, int64_t>> dict, obj_dict;
+  for (int i = 0; i < 300; ++i) {
+    a.BinGet(0).Int(i).Append();
+    l0.push_back(i);
+    a.BinGet(1).Mark();
+    for (int k = 0; k < i % 5; ++k) {
+      a.Int(1000 + i * 5 + k);
+      l1.push_back(1000 + i * 5 + k);
+    }
+    a.Appends();
+    a.EmptyList().Int(i).Append().Op('0');  // a fresh container in between
+    a.BinGet(2).Mark().Int(i).Int(-i).SetItems();
+    dict.emplace_back(i, -i);
+    a.BinGet(3).Mark().Int(i * 7).Op(0x90);
+    set.push_back(i * 7);
+    a.BinGet(4).Int(i + 5000).Append().Int(i).Int(i * 2).SetItem();
+    obj_list.push_back(i + 5000);
+    obj_dict.emplace_back(i, i * 2);
+    a.Op('0').Op('0').Op('0').Op('0').Op('0');  // the five targets
+  }
+  a.Mark().BinGet(0).BinGet(1).BinGet(2).BinGet(3).BinGet(4).Tuple().Stop();
+  auto r = Parse(a);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  WalkChecked(*r);
+  const PickleGraph& g = *r;
+  const auto top = g.items(g.root());
+  ASSERT_EQ(top.size(), 5u);
+  auto ints = [&](std::span<const NodeId> ids) {
+    std::vector<int64_t> out;
+    for (NodeId id : ids) out.push_back(g.int_value(id));
+    return out;
+  };
+  auto pairs = [&](std::span<const std::pair<NodeId, NodeId>> kv) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const auto& [k, v] : kv) out.emplace_back(g.int_value(k), g.int_value(v));
+    return out;
+  };
+  EXPECT_EQ(ints(g.items(top[0])), l0);
+  EXPECT_EQ(ints(g.items(top[1])), l1);
+  EXPECT_EQ(pairs(g.dict_items(top[2])), dict);
+  EXPECT_EQ(ints(g.items(top[3])), set);
+  const ObjectInfo o = g.object(top[4]);
+  EXPECT_EQ(ints(o.list_items), obj_list);
+  EXPECT_EQ(pairs(o.dict_items), obj_dict);
+  EXPECT_TRUE(o.newobj);
+  // Moving between pools costs O(items) in all: the graph holds a few times its items at most.
+  EXPECT_LT(g.MemoryBytes(), 64 * g.size() + 16 * (l0.size() + l1.size() + set.size()) +
+                                 32 * dict.size() + 8192);
+}
+
+// The accessors answer for any node and return empty values for other kinds.
+TEST(PickleOpcodes, AccessorsOfOtherKinds) {
+  auto r = Parse(Asm().Proto(2).Mark().Int(7).Str("s").EmptyDict().None().Tuple().Stop());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const PickleGraph& g = *r;
+  const auto items = g.items(g.root());
+  ASSERT_EQ(items.size(), 4u);
+  for (NodeId id : {items[0], items[1], items[2], items[3], g.root(), kNoNode}) {
+    SCOPED_TRACE(id);
+    const bool is_int = id == items[0], is_str = id == items[1], is_dict = id == items[2];
+    EXPECT_EQ(g.int_value(id), is_int ? 7 : 0);
+    EXPECT_EQ(g.text(id), is_str ? "s" : "");
+    EXPECT_FALSE(g.bool_value(id));
+    EXPECT_EQ(g.float_value(id), 0.0);
+    EXPECT_EQ(g.module(id), "");
+    EXPECT_EQ(g.name(id), "");
+    EXPECT_EQ(g.items(id).size(), id == g.root() ? 4u : 0u);
+    EXPECT_TRUE(g.dict_items(id).empty());
+    EXPECT_FALSE(g.ordered(id));
+    EXPECT_EQ(g.state(id), kNoNode);
+    EXPECT_EQ(g.persistent_id(id), kNoNode);
+    EXPECT_EQ(g.object(id).callable, kNoNode);
+    EXPECT_EQ(g.object(id).args, kNoNode);
+    EXPECT_TRUE(g.storage(id).key.empty());
+    EXPECT_EQ(g.tensor(id).storage, kNoNode);
+    EXPECT_TRUE(g.tensor(id).shape.empty());
+    EXPECT_EQ(g.DictGet(id, "k"), kNoNode);
+    EXPECT_EQ(g.ClassName(id), "");
+    EXPECT_FALSE(g.IsGlobal(id, "", ""));
+    if (is_dict) {
+      EXPECT_EQ(g.kind(id), Kind::kDict);
+    }
+  }
 }
 
 TEST(PickleOpcodes, GlobalsAndPython2Names) {
@@ -588,10 +694,10 @@ TEST(PickleOpcodes, DictGetLastWins) {
   auto r = Parse(Asm().EmptyDict().Mark().Str("k").Int(1).Int(5).Int(6).Str("k").Int(2)
                      .SetItems().Stop());
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_NE(r->DictGet(r->root(), "k"), nullptr);
-  EXPECT_EQ(r->DictGet(r->root(), "k")->int_value, 2);
-  EXPECT_EQ(r->DictGet(r->root(), "5"), nullptr);
-  EXPECT_EQ(r->DictGet(kNoNode, "k"), nullptr);
+  ASSERT_NE(r->DictGet(r->root(), "k"), kNoNode);
+  EXPECT_EQ(r->int_value(r->DictGet(r->root(), "k")), 2);
+  EXPECT_EQ(r->DictGet(r->root(), "5"), kNoNode);
+  EXPECT_EQ(r->DictGet(kNoNode, "k"), kNoNode);
   EXPECT_FALSE(r->IsGlobal(kNoNode, "m", "n"));
   EXPECT_EQ(r->ClassName(r->root()), "");
 }
@@ -602,10 +708,11 @@ TEST(PickleOpcodes, BuildOnDictSetsState) {
                      .EmptyDict().Str("_metadata").EmptyDict().SetItem().Build().Stop());
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(Render(*r), "OrderedDict{'b': 1, 'a': 2} state={'_metadata': {}}");
-  EXPECT_TRUE(r->at(r->root()).ordered);
-  EXPECT_NE(r->DictGet(r->root(), "b"), nullptr);
-  EXPECT_EQ(r->DictGet(r->root(), "c"), nullptr);
-  EXPECT_EQ(r->DictGet(r->at(r->root()).state, "_metadata")->kind, Kind::kDict);
+  EXPECT_TRUE(r->ordered(r->root()));
+  EXPECT_NE(r->DictGet(r->root(), "b"), kNoNode);
+  EXPECT_EQ(r->DictGet(r->root(), "c"), kNoNode);
+  ASSERT_NE(r->DictGet(r->state(r->root()), "_metadata"), kNoNode);
+  EXPECT_EQ(r->kind(r->DictGet(r->state(r->root()), "_metadata")), Kind::kDict);
 }
 
 TEST(PickleOpcodes, Whitelist) {
@@ -667,21 +774,22 @@ TEST(PickleTorch, RebuildTensorV2) {
   RebuildV2(a, "FloatStorage", 12, 4, {2, 2}, {3, 1}).Stop();
   auto r = Parse(a);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  const Node& t = r->at(r->root());
-  ASSERT_EQ(t.kind, Kind::kTensor);
-  EXPECT_EQ(t.tensor_dtype, DType::kFloat32);
-  EXPECT_EQ(t.tensor_storage_offset, 4);
-  EXPECT_EQ(t.tensor_shape, (std::vector<int64_t>{2, 2}));
-  EXPECT_EQ(t.tensor_stride, (std::vector<int64_t>{3, 1}));
-  EXPECT_FALSE(t.tensor_requires_grad);
-  EXPECT_FALSE(t.tensor_is_parameter);
-  const Node& s = r->at(t.tensor_storage);
-  ASSERT_EQ(s.kind, Kind::kStorage);
-  EXPECT_EQ(s.storage_key, "0");
-  EXPECT_EQ(s.storage_location, "cpu");
-  EXPECT_EQ(s.storage_dtype, DType::kFloat32);
-  EXPECT_FALSE(s.storage_untyped);
-  EXPECT_EQ(s.storage_numel, 12u);
+  ASSERT_EQ(r->kind(r->root()), Kind::kTensor);
+  const TensorInfo t = r->tensor(r->root());
+  EXPECT_EQ(t.dtype, DType::kFloat32);
+  EXPECT_EQ(t.storage_offset, 4);
+  EXPECT_EQ(Vec(t.shape), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(Vec(t.stride), (std::vector<int64_t>{3, 1}));
+  EXPECT_FALSE(t.requires_grad);
+  EXPECT_FALSE(t.is_parameter);
+  EXPECT_EQ(t.state, kNoNode);
+  ASSERT_EQ(r->kind(t.storage), Kind::kStorage);
+  const StorageInfo s = r->storage(t.storage);
+  EXPECT_EQ(s.key, "0");
+  EXPECT_EQ(s.location, "cpu");
+  EXPECT_EQ(s.dtype, DType::kFloat32);
+  EXPECT_FALSE(s.untyped);
+  EXPECT_EQ(s.numel, 12u);
 
   Asm b;
   RebuildV2(b, "BFloat16Storage", 6, 0, {}, {}).Stop();  // 0-d
@@ -713,7 +821,7 @@ TEST(PickleTorch, RebuildTensorV3AndOld) {
       .Tuple().Reduce().Stop();
   auto r = Parse(c);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->at(r->root()).kind, Kind::kObject);
+  EXPECT_EQ(r->kind(r->root()), Kind::kObject);
   EXPECT_EQ(r->ClassName(r->root()), "_rebuild_tensor_v3");
 }
 
@@ -729,10 +837,9 @@ TEST(PickleTorch, Parameters) {
   RebuildV2(b, "HalfStorage", 2, 0, {2}, {1}).False().None().EmptyDict().Tuple().Reduce().Stop();
   auto r = Parse(b);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  const Node& t = r->at(r->root());
-  ASSERT_EQ(t.kind, Kind::kTensor);
-  EXPECT_TRUE(t.tensor_is_parameter);
-  EXPECT_EQ(t.tensor_dtype, DType::kFloat16);
+  ASSERT_EQ(r->kind(r->root()), Kind::kTensor);
+  EXPECT_TRUE(r->tensor(r->root()).is_parameter);
+  EXPECT_EQ(r->tensor(r->root()).dtype, DType::kFloat16);
   // _rebuild_from_type_v2(func, Parameter, args, state)
   Asm c;
   c.Proto(2).Global("torch._tensor", "_rebuild_from_type_v2").Mark()
@@ -766,14 +873,14 @@ TEST(PickleTorch, WrongShapesStayGeneric) {
       .IntTuple({1}).False().None().Tuple().Reduce().Stop();
   auto r = Parse(a);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->at(r->root()).kind, Kind::kObject);
+  EXPECT_EQ(r->kind(r->root()), Kind::kObject);
   // Too few arguments.
   Asm b;
   b.Global("torch._utils", "_rebuild_tensor_v2").Mark().StoragePid("torch", "FloatStorage", "0", 1)
       .Int(0).Tuple().Reduce().Stop();
   r = Parse(b);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->at(r->root()).kind, Kind::kObject);
+  EXPECT_EQ(r->kind(r->root()), Kind::kObject);
   // A storage pid with an unknown class name is a generic persistent id.
   EXPECT_EQ(ParseAndRender(Asm().StoragePid("torch", "QUInt4x2Storage", "0", 1).Stop()),
             "Pid(('storage', torch.QUInt4x2Storage, '0', 'cpu', 1))");
@@ -821,14 +928,14 @@ TEST_P(PlainPickle, ExactStructure) {
   const PickleGraph& g = *r;
   WalkChecked(g);
   const NodeId root = g.root();
-  ASSERT_EQ(g.at(root).kind, Kind::kDict);
-  EXPECT_FALSE(g.at(root).ordered);
+  ASSERT_EQ(g.kind(root), Kind::kDict);
+  EXPECT_FALSE(g.ordered(root));
   auto R = [&](std::string_view key) {
     NodeId id = Get(g, root, key);
     return id == kNoNode ? std::string("<missing>") : Render(g, id);
   };
   std::vector<std::string> keys;
-  for (const auto& [k, v] : g.at(root).dict_items) keys.push_back(g.at(k).text);
+  for (const auto& [k, v] : g.dict_items(root)) keys.push_back(std::string(g.text(k)));
   EXPECT_EQ(keys, (std::vector<std::string>{
                       "none", "true", "false", "int_small", "int_neg", "int_65535", "int32_min",
                       "int_2_40", "int64_min", "big", "bigneg", "float", "float_neg", "float_big",
@@ -838,14 +945,14 @@ TEST_P(PlainPickle, ExactStructure) {
   EXPECT_EQ(R("none"), "None");
   EXPECT_EQ(R("true"), "True");
   EXPECT_EQ(R("false"), "False");
-  EXPECT_EQ(g.at(Get(g, root, "true")).kind, Kind::kBool);
+  EXPECT_EQ(g.kind(Get(g, root, "true")), Kind::kBool);
   EXPECT_EQ(R("int_small"), "7");
   EXPECT_EQ(R("int_neg"), "-300");
   EXPECT_EQ(R("int_65535"), "65535");
   EXPECT_EQ(R("int32_min"), "-2147483648");
   EXPECT_EQ(R("int_2_40"), "1099511627776");
   EXPECT_EQ(R("int64_min"), "-9223372036854775808");
-  EXPECT_EQ(g.at(Get(g, root, "int64_min")).kind, Kind::kInt);
+  EXPECT_EQ(g.kind(Get(g, root, "int64_min")), Kind::kInt);
   EXPECT_EQ(R("big"), "big:000000000000000040");     // 2**70
   EXPECT_EQ(R("bigneg"), "big:0000000000000000fe");  // -2**65
   EXPECT_EQ(R("float"), "1.5");
@@ -865,32 +972,33 @@ TEST_P(PlainPickle, ExactStructure) {
   // for 0/1), and BUILD recorded the instance dict.
   const NodeId ns = Get(g, root, "ns");
   EXPECT_EQ(g.ClassName(ns), "Namespace");
-  EXPECT_TRUE(g.IsGlobal(g.at(ns).callable, "argparse", "Namespace"));
-  EXPECT_EQ(Render(g, g.at(ns).state), "{'lr': 0.1, 'name': 'run'}");
-  EXPECT_EQ(g.at(ns).newobj, proto >= 2);
+  EXPECT_TRUE(g.IsGlobal(g.object(ns).callable, "argparse", "Namespace"));
+  EXPECT_EQ(Render(g, g.object(ns).state), "{'lr': 0.1, 'name': 'run'}");
+  EXPECT_EQ(g.state(ns), g.object(ns).state);
+  EXPECT_EQ(g.object(ns).newobj, proto >= 2);
   const NodeId point = Get(g, root, "point");
-  EXPECT_TRUE(g.IsGlobal(g.at(point).callable, "__main__", "Point"));
-  EXPECT_EQ(Render(g, g.at(point).state), "{'x': 3, 'y': 2.5, 'tag': 'p'}");
+  EXPECT_TRUE(g.IsGlobal(g.object(point).callable, "__main__", "Point"));
+  EXPECT_EQ(Render(g, g.object(point).state), "{'x': 3, 'y': 2.5, 'tag': 'p'}");
   EXPECT_EQ(R("color"), "Obj(__main__.Color args=(2,))");
   const NodeId path = Get(g, root, "path");
   EXPECT_EQ(g.ClassName(path), "PurePosixPath");
-  EXPECT_EQ(Render(g, g.at(path).args), "('/', 'tmp', 'ckpt', 'step-100')");
+  EXPECT_EQ(Render(g, g.object(path).args), "('/', 'tmp', 'ckpt', 'step-100')");
   EXPECT_EQ(R("od"), "OrderedDict{'b': 1, 'a': [2, 3]}");
 
   // Shared and cyclic references alias one node.
   EXPECT_EQ(Get(g, root, "shared_a"), Get(g, root, "shared_b"));
   EXPECT_EQ(R("shared_a"), "[10, 20]");
   const NodeId selfref = Get(g, root, "selfref");
-  ASSERT_EQ(g.at(selfref).items.size(), 2u);
-  EXPECT_EQ(g.at(selfref).items[1], selfref);
+  ASSERT_EQ(g.items(selfref).size(), 2u);
+  EXPECT_EQ(g.items(selfref)[1], selfref);
   EXPECT_EQ(R("selfref"), "[1, <cycle>]");
   const NodeId rec = Get(g, root, "rec_tuple");
-  ASSERT_EQ(g.at(rec).kind, Kind::kTuple);
-  ASSERT_EQ(g.at(rec).items.size(), 2u);
-  const Node& inner = g.at(g.at(rec).items[0]);
-  ASSERT_EQ(inner.kind, Kind::kList);
-  ASSERT_EQ(inner.items.size(), 1u);
-  EXPECT_EQ(inner.items[0], rec);
+  ASSERT_EQ(g.kind(rec), Kind::kTuple);
+  ASSERT_EQ(g.items(rec).size(), 2u);
+  const NodeId inner = g.items(rec)[0];
+  ASSERT_EQ(g.kind(inner), Kind::kList);
+  ASSERT_EQ(g.items(inner).size(), 1u);
+  EXPECT_EQ(g.items(inner)[0], rec);
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, PlainPickle, ::testing::Values(0, 1, 2, 3, 4, 5));
@@ -901,7 +1009,8 @@ TEST(PlainPickleAll, BigIntsAgreeAcrossProtocols) {
   for (int proto : {0, 2, 5}) {
     auto r = ParseBytes(ReadPickle("plain_p" + std::to_string(proto) + ".pkl"));
     ASSERT_TRUE(r.ok());
-    big.insert(r->DictGet(r->root(), "bigneg")->text);
+    ASSERT_NE(r->DictGet(r->root(), "bigneg"), kNoNode);
+    big.insert(std::string(r->text(r->DictGet(r->root(), "bigneg"))));
   }
   EXPECT_EQ(big.size(), 1u);
 }
@@ -918,36 +1027,36 @@ TEST(PickleRealTorch, StateDict) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   const PickleGraph& g = *r;
   WalkChecked(g);
-  const Node& root = g.at(g.root());
-  ASSERT_EQ(root.kind, Kind::kDict);
-  EXPECT_TRUE(root.ordered);
-  ASSERT_EQ(root.dict_items.size(), want["tensors"].size());
+  const NodeId root = g.root();
+  ASSERT_EQ(g.kind(root), Kind::kDict);
+  EXPECT_TRUE(g.ordered(root));
+  ASSERT_EQ(g.dict_items(root).size(), want["tensors"].size());
   size_t i = 0;
   for (const auto& [name, w] : want["tensors"].items()) {
     SCOPED_TRACE(name);
-    const auto& [k, v] = root.dict_items[i++];
-    EXPECT_EQ(g.at(k).text, name);
-    const Node& t = g.at(v);
-    ASSERT_EQ(t.kind, Kind::kTensor);
-    EXPECT_EQ(TorchName(t.tensor_dtype), w["dtype"].get<std::string>());
-    EXPECT_EQ(t.tensor_storage_offset, w["storage_offset"].get<int64_t>());
-    EXPECT_EQ(t.tensor_shape, w["shape"].get<std::vector<int64_t>>());
-    EXPECT_EQ(t.tensor_stride, w["stride"].get<std::vector<int64_t>>());
-    EXPECT_EQ(t.tensor_requires_grad, w["requires_grad"].get<bool>());
-    EXPECT_EQ(t.tensor_is_parameter, w["is_parameter"].get<bool>());
-    const Node& s = g.at(t.tensor_storage);
-    ASSERT_EQ(s.kind, Kind::kStorage);
-    EXPECT_EQ(s.storage_key, w["storage_key"].get<std::string>());
-    EXPECT_EQ(s.storage_location, "cpu");
-    EXPECT_EQ(s.storage_numel, w["storage_numel"].get<uint64_t>());
-    EXPECT_FALSE(s.storage_untyped);
-    EXPECT_EQ(s.storage_dtype, t.tensor_dtype);
-    EXPECT_EQ("torch." + std::string(StorageClassName(s.storage_dtype)),
+    const auto& [k, v] = g.dict_items(root)[i++];
+    EXPECT_EQ(g.text(k), name);
+    ASSERT_EQ(g.kind(v), Kind::kTensor);
+    const TensorInfo t = g.tensor(v);
+    EXPECT_EQ(TorchName(t.dtype), w["dtype"].get<std::string>());
+    EXPECT_EQ(t.storage_offset, w["storage_offset"].get<int64_t>());
+    EXPECT_EQ(Vec(t.shape), w["shape"].get<std::vector<int64_t>>());
+    EXPECT_EQ(Vec(t.stride), w["stride"].get<std::vector<int64_t>>());
+    EXPECT_EQ(t.requires_grad, w["requires_grad"].get<bool>());
+    EXPECT_EQ(t.is_parameter, w["is_parameter"].get<bool>());
+    ASSERT_EQ(g.kind(t.storage), Kind::kStorage);
+    const StorageInfo s = g.storage(t.storage);
+    EXPECT_EQ(s.key, w["storage_key"].get<std::string>());
+    EXPECT_EQ(s.location, "cpu");
+    EXPECT_EQ(s.numel, w["storage_numel"].get<uint64_t>());
+    EXPECT_FALSE(s.untyped);
+    EXPECT_EQ(s.dtype, t.dtype);
+    EXPECT_EQ("torch." + std::string(StorageClassName(s.dtype)),
               w["storage_class"].get<std::string>());
   }
   // OrderedDict state from BUILD: {'_metadata': OrderedDict({'': {...}, 'sub': {...}})}.
-  ASSERT_NE(root.state, kNoNode);
-  EXPECT_EQ(Render(g, root.state),
+  ASSERT_NE(g.state(root), kNoNode);
+  EXPECT_EQ(Render(g, g.state(root)),
             "{'_metadata': OrderedDict{'': {'version': 1}, 'sub': {'version': 2}}}");
 }
 
@@ -970,7 +1079,7 @@ TEST(PickleRealTorch, DcpMetadata) {
       if (id == kNoNode || seen[id]) continue;
       seen[id] = true;
       if (!g.ClassName(id).empty()) classes.insert(std::string(g.ClassName(id)));
-      ForEachRef(g.at(id), [&](NodeId ref) { todo.push_back(ref); });
+      ForEachRef(g, id, [&](NodeId ref) { todo.push_back(ref); });
     }
   }
   for (const char* c : {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
@@ -979,38 +1088,39 @@ TEST(PickleRealTorch, DcpMetadata) {
     EXPECT_TRUE(classes.count(c)) << c;
   }
 
-  const NodeId state = g.at(g.root()).state;
-  const Node* sdm = g.DictGet(state, "state_dict_metadata");
-  ASSERT_NE(sdm, nullptr);
-  ASSERT_EQ(sdm->kind, Kind::kDict);
+  const NodeId state = g.object(g.root()).state;
+  const NodeId sdm_id = g.DictGet(state, "state_dict_metadata");
+  ASSERT_NE(sdm_id, kNoNode);
+  ASSERT_EQ(g.kind(sdm_id), Kind::kDict);
   std::set<std::string> keys;
-  for (const auto& [k, v] : sdm->dict_items) keys.insert(g.at(k).text);
+  for (const auto& [k, v] : g.dict_items(sdm_id)) keys.insert(std::string(g.text(k)));
   EXPECT_EQ(keys, (std::set<std::string>{"model.w", "model.emb", "model.bias", "model.scalar",
                                          "step", "meta"}));
-  const NodeId sdm_id = static_cast<NodeId>(sdm - &g.at(0));
   // model.w: TensorStorageMetadata{properties: TensorProperties(state=(float32, ...)),
   // size: torch.Size([4, 3]), chunks: [2 x ChunkStorageMetadata]}.
   const NodeId w = Get(g, sdm_id, "model.w");
   EXPECT_EQ(g.ClassName(w), "TensorStorageMetadata");
-  const NodeId w_state = g.at(w).state;
+  const NodeId w_state = g.object(w).state;
   EXPECT_EQ(Render(g, Get(g, w_state, "size")), "(4, 3)");
   const NodeId props = Get(g, w_state, "properties");
   EXPECT_EQ(g.ClassName(props), "TensorProperties");
-  ASSERT_EQ(g.at(g.at(props).state).kind, Kind::kTuple);
-  EXPECT_TRUE(g.IsGlobal(g.at(g.at(props).state).items.at(0), "torch", "float32"));
-  const Node* chunks = g.DictGet(w_state, "chunks");
-  ASSERT_NE(chunks, nullptr);
-  ASSERT_EQ(chunks->items.size(), 2u);
-  EXPECT_EQ(g.ClassName(chunks->items[1]), "ChunkStorageMetadata");
-  EXPECT_EQ(Render(g, g.at(chunks->items[1]).state), "{'offsets': (2, 0), 'sizes': (2, 3)}");
+  ASSERT_EQ(g.kind(g.object(props).state), Kind::kTuple);
+  ASSERT_FALSE(g.items(g.object(props).state).empty());
+  EXPECT_TRUE(g.IsGlobal(g.items(g.object(props).state)[0], "torch", "float32"));
+  const NodeId chunks_id = g.DictGet(w_state, "chunks");
+  ASSERT_NE(chunks_id, kNoNode);
+  const auto chunks = g.items(chunks_id);
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(g.ClassName(chunks[1]), "ChunkStorageMetadata");
+  EXPECT_EQ(Render(g, g.object(chunks[1]).state), "{'offsets': (2, 0), 'sizes': (2, 3)}");
   EXPECT_EQ(g.ClassName(Get(g, sdm_id, "step")), "BytesStorageMetadata");
-  EXPECT_EQ(Render(g, Get(g, g.at(Get(g, sdm_id, "model.emb")).state, "size")), "(5, 2)");
+  EXPECT_EQ(Render(g, Get(g, g.object(Get(g, sdm_id, "model.emb")).state, "size")), "(5, 2)");
   // storage_data has object keys (MetadataIndex).
-  const Node* storage = g.DictGet(state, "storage_data");
-  ASSERT_NE(storage, nullptr);
-  ASSERT_FALSE(storage->dict_items.empty());
-  EXPECT_EQ(g.ClassName(storage->dict_items[0].first), "MetadataIndex");
-  EXPECT_EQ(g.ClassName(storage->dict_items[0].second), "_StorageInfo");
+  const NodeId storage = g.DictGet(state, "storage_data");
+  ASSERT_NE(storage, kNoNode);
+  ASSERT_FALSE(g.dict_items(storage).empty());
+  EXPECT_EQ(g.ClassName(g.dict_items(storage)[0].first), "MetadataIndex");
+  EXPECT_EQ(g.ClassName(g.dict_items(storage)[0].second), "_StorageInfo");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1283,7 +1393,9 @@ TEST(PickleCorrupt, ByteFlipsNeverCrash) {
 // ---------------------------------------------------------------------------------------------
 // Performance: a ~10 MB DCP-like metadata pickle (protocol 4, MEMOIZE after everything).
 
-TEST(PicklePerf, TenMegabyteMetadata) {
+// A ~10 MB DCP-like metadata pickle (protocol 4, MEMOIZE after everything); *n_entries is the
+// number of state_dict_metadata entries.
+Asm TenMegabyteMetadata(int* n_entries) {
   Asm a;
   a.Proto(4).StackGlobal("torch.distributed.checkpoint.metadata", "Metadata").Memoize()
       .EmptyTuple().NewObj().Memoize().EmptyDict().Memoize().ShortStr("state_dict_metadata")
@@ -1316,6 +1428,13 @@ TEST(PicklePerf, TenMegabyteMetadata) {
     a.SetItems();
   }
   a.SetItem().Build().Stop();
+  *n_entries = n;
+  return a;
+}
+
+TEST(PicklePerf, TenMegabyteMetadata) {
+  int n = 0;
+  const Asm a = TenMegabyteMetadata(&n);
   const auto start = std::chrono::steady_clock::now();
   auto r = Parse(a);
   const double secs =
@@ -1323,10 +1442,30 @@ TEST(PicklePerf, TenMegabyteMetadata) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   std::printf("parsed %zu bytes, %d entries, %zu nodes in %.3f s\n", a.size(), n, r->size(), secs);
   EXPECT_EQ(r->ClassName(r->root()), "Metadata");
-  const Node* sdm = r->DictGet(r->at(r->root()).state, "state_dict_metadata");
-  ASSERT_NE(sdm, nullptr);
-  EXPECT_EQ(sdm->dict_items.size(), static_cast<size_t>(n));
+  const NodeId sdm = r->DictGet(r->object(r->root()).state, "state_dict_metadata");
+  ASSERT_NE(sdm, kNoNode);
+  EXPECT_EQ(r->dict_items(sdm).size(), static_cast<size_t>(n));
   EXPECT_LT(secs, 10.0);
+}
+
+// The graph's own memory (capacities of everything it holds, text included) per node. Nodes are
+// 16 bytes; payloads live in side tables, so DCP metadata costs ~40 bytes a node where the
+// struct-per-node graph cost ~400.
+TEST(PicklePerf, MemoryPerNode) {
+  int n = 0;
+  const Asm a = TenMegabyteMetadata(&n);
+  auto r = Parse(a);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_GT(r->size(), 1000000u);
+  const double per_node = static_cast<double>(r->MemoryBytes()) / static_cast<double>(r->size());
+  std::printf("%zu nodes, %zu bytes held, %.1f bytes/node\n", r->size(), r->MemoryBytes(),
+              per_node);
+  EXPECT_LE(per_node, 80.0);
+  // Text is counted: a graph holding one 1 MB string holds at least that much.
+  auto big = Parse(Asm().Proto(4).Str(std::string(1 << 20, 'x')).Stop());
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  EXPECT_GE(big->MemoryBytes(), size_t{1} << 20);
+  EXPECT_LT(big->MemoryBytes(), size_t{3} << 20);
 }
 
 }  // namespace

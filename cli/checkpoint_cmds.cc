@@ -1,0 +1,283 @@
+#include "cli/checkpoint_cmds.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "core/views/atomic.h"
+#include "fs/fuse_mount.h"
+#include "fs/namespace.h"
+#include "index/catalog.h"
+#include "index/key_map.h"
+
+namespace ucpfs::cli {
+namespace {
+
+std::string AbsPath(const std::string& p) {
+  char buf[PATH_MAX];
+  if (::realpath(p.c_str(), buf) != nullptr) return buf;
+  return p;
+}
+
+// Progress on stderr for long scans: at most ~10 updates a second, only on a terminal or when
+// the scan is long enough to matter.
+index::ScanProgress StderrProgress() {
+  auto last = std::make_shared<std::chrono::steady_clock::time_point>();
+  auto start = std::chrono::steady_clock::now();
+  return [last, start](uint64_t done, uint64_t total) {
+    auto now = std::chrono::steady_clock::now();
+    if (done != total && now - *last < std::chrono::milliseconds(100)) return;
+    if (now - start < std::chrono::milliseconds(500) && done != total) return;
+    *last = now;
+    std::fprintf(stderr, "\rucpfs: indexing: %llu/%llu items", static_cast<unsigned long long>(done),
+                 static_cast<unsigned long long>(total));
+    if (done == total) std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+  };
+}
+
+struct Loaded {
+  index::OpenedIndex opened;
+  index::KeyMapping mapping;
+};
+
+Result<Loaded> Load(const SourceArgs& args, bool progress) {
+  struct stat st;
+  if (::stat(args.src.c_str(), &st) != 0) {
+    return NotFoundError(args.src + ": no such directory");
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return InvalidArgumentError(args.src + ": not a directory (for a torch.save file use `ucpfs inspect FILE`)");
+  }
+  index::IndexOptions opts;
+  opts.index_dir = args.index_dir;
+  opts.read_only = args.read_only_index;
+  if (progress) opts.progress = StderrProgress();
+  Loaded l;
+  UCPFS_ASSIGN_OR_RETURN(l.opened, index::OpenOrBuildIndex(AbsPath(args.src), opts));
+  std::vector<index::KeyRule> rules;
+  if (!args.rules.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(rules, index::LoadRules(args.rules));
+  }
+  UCPFS_ASSIGN_OR_RETURN(l.mapping, index::MapKeys(l.opened.checkpoint, rules));
+  return l;
+}
+
+int Fail(const char* cmd, const Status& s) {
+  std::cerr << "ucpfs " << cmd << ": " << s.ToString() << '\n';
+  return 1;
+}
+
+std::string Dims(const std::vector<int64_t>& dims) {
+  std::ostringstream s;
+  s << '[';
+  for (size_t i = 0; i < dims.size(); ++i) s << (i ? "," : "") << dims[i];
+  s << ']';
+  return s.str();
+}
+
+uint64_t TensorBytes(const index::Item& it) { return it.layout.NumElems() * ItemSize(it.dtype); }
+
+}  // namespace
+
+int RunIndex(const SourceArgs& args) {
+  auto l = Load(args, /*progress=*/true);
+  if (!l.ok()) return Fail("index", l.error());
+  const auto& c = l->opened.checkpoint;
+  uint64_t tensor_bytes = 0, fragments = 0;
+  for (const auto& it : c.items) {
+    if (it.kind == index::ItemKind::kTensor) {
+      tensor_bytes += TensorBytes(it);
+      fragments += it.layout.fragments.size();
+    }
+  }
+  std::cout << "ucpfs index: " << AbsPath(args.src) << ": " << c.format << " (" << c.flavor << "), "
+            << c.files.size() << " files, " << c.items.size() << " items, " << fragments
+            << " fragments, " << tensor_bytes << " tensor bytes, " << l->mapping.params.size()
+            << " parameters, " << l->mapping.unmapped_keys.size() << " unmapped keys\n"
+            << "ucpfs index: " << index::IndexStateName(l->opened.state) << " at "
+            << l->opened.index_dir << " in " << l->opened.elapsed_s << " s\n";
+  return 0;
+}
+
+int RunInspectCheckpoint(const SourceArgs& args, bool json) {
+  auto l = Load(args, /*progress=*/true);
+  if (!l.ok()) return Fail("inspect", l.error());
+  const auto& c = l->opened.checkpoint;
+  nlohmann::ordered_json out;
+  out["format"] = c.format;
+  out["flavor"] = c.flavor;
+  out["path"] = AbsPath(args.src);
+  auto params = nlohmann::ordered_json::array();
+  for (const auto& p : l->mapping.params) {
+    nlohmann::ordered_json states = nlohmann::ordered_json::object();
+    for (int k = 0; k < index::kNumStateKinds; ++k) {
+      if (p.item[k] < 0) continue;
+      const auto& it = c.items[static_cast<size_t>(p.item[k])];
+      nlohmann::ordered_json s;
+      s["key"] = it.key;
+      if (it.kind == index::ItemKind::kTensor) {
+        std::set<std::string> files;
+        for (const auto& f : it.layout.fragments) files.insert(c.files[f.file_id].rel_path);
+        s["dtype"] = std::string(TorchName(it.dtype));
+        s["shape"] = it.layout.shape;
+        s["pattern"] = views::DescribePattern(it.layout);
+        s["fragments"] = it.layout.fragments.size();
+        s["nbytes"] = TensorBytes(it);
+        s["files"] = std::vector<std::string>(files.begin(), files.end());
+      } else {
+        s["dtype"] = "bytes";
+        s["nbytes"] = it.n_bytes;
+        s["files"] = {c.files[it.file_id].rel_path};
+      }
+      states[index::StateKindName(static_cast<index::StateKind>(k))] = std::move(s);
+    }
+    params.push_back({{"name", p.name}, {"states", std::move(states)}});
+  }
+  out["params"] = std::move(params);
+  out["unmapped_keys"] = l->mapping.unmapped_keys;
+  out["ignored_keys"] = l->mapping.ignored_keys;
+  if (json) {
+    std::cout << out.dump(2) << '\n';
+    return 0;
+  }
+  std::cout << out["path"].get<std::string>() << ": " << c.format << " (" << c.flavor << "), "
+            << l->mapping.params.size() << " parameters, " << c.files.size() << " files\n";
+  for (const auto& p : out["params"]) {
+    std::cout << p["name"].get<std::string>() << '\n';
+    for (const auto& [state, s] : p["states"].items()) {
+      std::cout << "  " << state << ": ";
+      if (s["dtype"] == "bytes") {
+        std::cout << "bytes, " << s["nbytes"] << " B\n";
+        continue;
+      }
+      std::string files;
+      for (const auto& f : s["files"]) files += (files.empty() ? "" : ",") + f.get<std::string>();
+      std::cout << s["dtype"].get<std::string>() << ' ' << Dims(s["shape"].get<std::vector<int64_t>>())
+                << ' ' << s["pattern"].get<std::string>() << ", " << s["fragments"] << " fragments, "
+                << s["nbytes"] << " B, in " << files << '\n';
+    }
+  }
+  if (!l->mapping.unmapped_keys.empty()) {
+    std::cout << "unmapped keys (" << l->mapping.unmapped_keys.size() << "):\n";
+    for (const auto& k : l->mapping.unmapped_keys) std::cout << "  " << k << '\n';
+  }
+  return 0;
+}
+
+namespace {
+
+// Builds the namespace and serves it; reports failure through `ready_fd` as text when >= 0.
+int ServeMount(const MountArgs& args, int ready_fd) {
+  auto report = [&](const char* what, const Status& s) {
+    std::string msg = std::string("ucpfs mount: ") + what + ": " + s.ToString() + "\n";
+    if (ready_fd >= 0) {
+      ssize_t n = ::write(ready_fd, msg.data(), msg.size());
+      (void)n;
+      ::close(ready_fd);
+    } else {
+      std::cerr << msg;
+    }
+    return 1;
+  };
+  auto l = Load(args.source, /*progress=*/ready_fd < 0);
+  if (!l.ok()) return report("index", l.error());
+  fs::NamespaceInfo info;
+  auto tree = fs::BuildNamespace(AbsPath(args.source.src), l->opened, l->mapping, &info);
+  if (!tree.ok()) return report("namespace", tree.error());
+  fs::MountOptions mo;
+  mo.mountpoint = args.mountpoint;
+  mo.fuse_options = args.fuse_options;
+  mo.ready_fd = ready_fd;
+  std::cerr << "ucpfs mount: serving " << info.source_dir << " at " << args.mountpoint << " ("
+            << info.n_atomic_files << " atomic files, index " << index::IndexStateName(l->opened.state)
+            << " in " << l->opened.elapsed_s << " s)\n";
+  Status s = fs::ServeTree(std::move(*tree), mo);
+  if (!s.ok()) return report("serve", s);
+  return 0;
+}
+
+}  // namespace
+
+int RunMount(const MountArgs& mount_args) {
+  // The daemon changes to "/": make every path absolute first.
+  MountArgs args = mount_args;
+  args.source.src = AbsPath(args.source.src);
+  args.mountpoint = AbsPath(args.mountpoint);
+  if (!args.source.index_dir.empty()) args.source.index_dir = AbsPath(args.source.index_dir);
+  if (!args.source.rules.empty()) args.source.rules = AbsPath(args.source.rules);
+  if (!args.log_file.empty() && args.log_file[0] != '/') {
+    char cwd[PATH_MAX];
+    if (::getcwd(cwd, sizeof(cwd)) != nullptr) args.log_file = std::string(cwd) + "/" + args.log_file;
+  }
+  struct stat st;
+  if (::stat(args.mountpoint.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    std::cerr << "ucpfs mount: " << args.mountpoint << ": mount point is not a directory\n";
+    return 1;
+  }
+  if (args.foreground) return ServeMount(args, -1);
+
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    std::cerr << "ucpfs mount: pipe: " << std::strerror(errno) << '\n';
+    return 1;
+  }
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    std::cerr << "ucpfs mount: fork: " << std::strerror(errno) << '\n';
+    return 1;
+  }
+  if (pid == 0) {
+    // Daemon: own session, no terminal; stderr to the log file.
+    ::close(fds[0]);
+    ::setsid();
+    if (::chdir("/") != 0) _exit(1);
+    int devnull = ::open("/dev/null", O_RDWR);
+    if (devnull >= 0) {
+      ::dup2(devnull, 0);
+      ::dup2(devnull, 1);
+    }
+    std::string log = args.log_file.empty() ? "/dev/null" : args.log_file;
+    int logfd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    ::dup2(logfd >= 0 ? logfd : devnull, 2);
+    _exit(ServeMount(args, fds[1]));
+  }
+  ::close(fds[1]);
+  // The daemon writes one byte when the mount is live, or an error text (one write, shorter
+  // than PIPE_BUF, so it arrives whole) and exits.
+  std::string got;
+  char buf[4096];
+  for (;;) {
+    ssize_t n = ::read(fds[0], buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+    if (got.size() == 1) break;
+  }
+  ::close(fds[0]);
+  if (got.size() == 1) return 0;
+  int wstatus = 0;
+  ::waitpid(pid, &wstatus, 0);
+  if (got.empty()) got = "ucpfs mount: the daemon exited before the mount was ready\n";
+  std::cerr << got;
+  return 1;
+}
+
+int RunUmount(const std::string& mountpoint) {
+  Status s = fs::Unmount(mountpoint);
+  if (!s.ok()) return Fail("umount", s);
+  return 0;
+}
+
+}  // namespace ucpfs::cli

@@ -1,0 +1,34 @@
+// `ucpfs index`, `ucpfs inspect DIR`, `ucpfs mount`, `ucpfs umount`: the checkpoint commands.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ucpfs::cli {
+
+struct SourceArgs {
+  std::string src;
+  std::string index_dir;
+  std::string rules;
+  bool read_only_index = false;
+};
+
+// Builds (or reuses) the index of SRC; progress on stderr, summary on stdout.
+int RunIndex(const SourceArgs& args);
+
+// Per parameter: states, dtype, global shape, pattern, fragments, bytes, source files.
+int RunInspectCheckpoint(const SourceArgs& args, bool json);
+
+struct MountArgs {
+  SourceArgs source;
+  std::string mountpoint;
+  bool foreground = false;
+  std::vector<std::string> fuse_options;  // -o a,b,c (split on ',')
+  std::string log_file;                   // daemon stderr; empty: <index dir>/mount.log
+};
+
+// Returns once the mount is live (the daemon keeps serving), or serves in the foreground.
+int RunMount(const MountArgs& args);
+int RunUmount(const std::string& mountpoint);
+
+}  // namespace ucpfs::cli

@@ -1,0 +1,124 @@
+#include "core/views/atomic.h"
+
+#include <regex>
+#include <set>
+
+namespace ucpfs::views {
+
+const char* TpKindName(TpKind kind) {
+  switch (kind) {
+    case TpKind::kUnknown: return "unknown";
+    case TpKind::kColumn: return "column";
+    case TpKind::kRow: return "row";
+    case TpKind::kVocab: return "vocab";
+    case TpKind::kReplicate: return "replicate";
+  }
+  return "unknown";
+}
+
+TpKind TpKindFromName(const std::string& param_name, size_t n_dims) {
+  // The last two components, e.g. "attention.wq" + "weight".
+  static const std::regex kVocab(
+      R"((^|\.)(tok_embeddings|word_embeddings|embed_tokens|wte|output|output_layer|lm_head)\.weight$)");
+  static const std::regex kColumn(
+      R"((^|\.)(wq|wk|wv|w1|w3|linear_qkv|linear_fc1|q_proj|k_proj|v_proj|gate_proj|up_proj|query_key_value|dense_h_to_4h|c_attn|c_fc)\.(weight|bias)$)");
+  static const std::regex kRow(
+      R"((^|\.)(wo|w2|linear_proj|linear_fc2|o_proj|down_proj|dense|dense_4h_to_h|c_proj)\.(weight|bias)$)");
+  static const std::regex kReplicate(R"((norm|layernorm|ln_\w+|layer_norm)(\.weight|\.bias)?$)",
+                                     std::regex::icase);
+  if (std::regex_search(param_name, kVocab)) return TpKind::kVocab;
+  if (std::regex_search(param_name, kColumn)) return TpKind::kColumn;
+  if (std::regex_search(param_name, kRow)) {
+    // A row-parallel layer's bias is added after the all-reduce: replicated.
+    if (n_dims == 1) return TpKind::kReplicate;
+    return TpKind::kRow;
+  }
+  if (std::regex_search(param_name, kReplicate)) return TpKind::kReplicate;
+  return TpKind::kUnknown;
+}
+
+namespace {
+
+// Dims along which the fragments' boxes do not span the whole shape.
+std::set<int> SplitDims(const slice::TensorLayout& layout) {
+  std::set<int> dims;
+  for (const auto& f : layout.fragments) {
+    for (size_t d = 0; d < f.box.sizes.size() && d < layout.shape.size(); ++d) {
+      if (f.box.offsets[d] != 0 || f.box.sizes[d] != layout.shape[d]) dims.insert(static_cast<int>(d));
+    }
+  }
+  return dims;
+}
+
+bool HasFlatRanges(const slice::TensorLayout& layout) {
+  for (const auto& f : layout.fragments) {
+    if (f.flat_lo != 0 || f.flat_hi != f.box.Volume()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::optional<int> ShardDim(const slice::TensorLayout& layout) {
+  auto dims = SplitDims(layout);
+  if (dims.size() == 1) return *dims.begin();
+  return std::nullopt;
+}
+
+std::string DescribePattern(const slice::TensorLayout& layout) {
+  if (layout.NumElems() == 0) return "empty";
+  std::string flat = HasFlatRanges(layout) ? "+flat" : "";
+  auto dims = SplitDims(layout);
+  if (dims.empty()) return layout.fragments.size() <= 1 ? "unique" + flat : "flat";
+  std::string s = dims.size() == 1 ? "shard(dim=" : "shard(dims=";
+  bool first = true;
+  for (int d : dims) {
+    s += (first ? "" : ",") + std::to_string(d);
+    first = false;
+  }
+  return s + ")" + flat;
+}
+
+AtomicPattern AtomicPatternFor(const std::string& param_name, const slice::TensorLayout& layout) {
+  AtomicPattern p;
+  switch (TpKindFromName(param_name, layout.shape.size())) {
+    case TpKind::kVocab:
+      p.cat_dim = 0;
+      p.vocab_tensor = true;
+      break;
+    case TpKind::kColumn: p.cat_dim = 0; break;
+    case TpKind::kRow: p.cat_dim = layout.shape.size() >= 2 ? 1 : 0; break;
+    case TpKind::kReplicate: break;
+    case TpKind::kUnknown:
+      if (auto d = ShardDim(layout)) p.cat_dim = *d;
+      break;
+  }
+  return p;
+}
+
+Status LayoutProvider::Read(uint64_t byte_offset, std::span<std::byte> out) const {
+  return slice::ReadTensorBytes(*layout_, dst_dtype_, *files_, byte_offset, out);
+}
+
+Result<std::shared_ptr<format::LazyTorchFile>> BuildAtomicFile(
+    std::shared_ptr<const slice::TensorLayout> layout, const AtomicPattern& pattern,
+    std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files, std::string name) {
+  for (const auto& f : layout->fragments) {
+    if (!slice::CanConvert(f.dtype, DType::kFloat32)) {
+      return UnsupportedError(name + ": cannot convert stored " + std::string(TorchName(f.dtype)) +
+                              " to float32");
+    }
+  }
+  format::SaveValue root = format::SaveValue::Dict();
+  if (pattern.cat_dim) root.Set("cat_dim", format::SaveValue::Int(*pattern.cat_dim));
+  if (pattern.vocab_tensor) root.Set("vocab_tensor", format::SaveValue::Bool(true));
+  std::vector<int64_t> shape = layout->shape;
+  auto provider = std::make_shared<LayoutProvider>(std::move(layout), DType::kFloat32, std::move(files));
+  root.Set("param", format::SaveValue::Tensor(DType::kFloat32, std::move(shape), std::move(provider)));
+  // No floats in the object: loads with weights_only=True on torch 1.13 and >= 2.6.
+  format::SaveOptions options;
+  options.allow_floats = false;
+  return format::LazyTorchFile::Build(root, std::move(name), options);
+}
+
+}  // namespace ucpfs::views

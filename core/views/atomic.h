@@ -1,0 +1,70 @@
+// Atomic views: the consolidated per-parameter files `atomic/<param>/<state>.pt`, laid out as
+// DeepSpeed's universal checkpoint writes them (research/deepspeed.md §3): a dict of pattern
+// keys (`cat_dim` when the tensor-parallel dimension is known, `vocab_tensor` for vocabulary
+// parameters) ending in 'param', the consolidated fp32 tensor. Built lazily: the file's size
+// and headers come from the layout alone; tensor bytes are gathered (and converted to fp32)
+// from the source fragments on read.
+//
+// Pure logic over ByteSources: no FUSE, no LMDB.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/format/torch_writer.h"
+#include "core/slice/slice.h"
+
+namespace ucpfs::views {
+
+// How a parameter is split for tensor parallelism, as far as ucpfs knows.
+enum class TpKind { kUnknown, kColumn, kRow, kVocab, kReplicate };
+const char* TpKindName(TpKind kind);
+
+// Name-based hint from the naming conventions of torchtitan, Megatron and Hugging Face
+// (e.g. `wq`/`linear_qkv`/`q_proj` column, `wo`/`linear_proj`/`o_proj` row, embeddings and
+// output heads vocab, norms replicate). 1-D biases of column layers are column; of row layers
+// replicate. kUnknown when nothing matches.
+TpKind TpKindFromName(const std::string& param_name, size_t n_dims);
+
+// Describes the source geometry: "unique" (one fragment), "shard(dim=0)", "shard(dims=0,1)",
+// "flat" (flattened-range fragments), "empty".
+std::string DescribePattern(const slice::TensorLayout& layout);
+
+// The dimension the source chunks split along, when exactly one.
+std::optional<int> ShardDim(const slice::TensorLayout& layout);
+
+struct AtomicPattern {
+  std::optional<int64_t> cat_dim;  // written as 'cat_dim' when known
+  bool vocab_tensor = false;       // written as 'vocab_tensor': True
+};
+
+// cat_dim/vocab_tensor for a parameter: from the name hint (column/vocab → 0, row → 1,
+// replicate → none) and, when the name says nothing, from the source geometry (ShardDim).
+AtomicPattern AtomicPatternFor(const std::string& param_name, const slice::TensorLayout& layout);
+
+// A TensorBytesProvider that gathers a tensor's row-major bytes in `dst_dtype` from its
+// fragments (slice::ReadTensorBytes).
+class LayoutProvider final : public format::TensorBytesProvider {
+ public:
+  LayoutProvider(std::shared_ptr<const slice::TensorLayout> layout, DType dst_dtype,
+                 std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files)
+      : layout_(std::move(layout)), dst_dtype_(dst_dtype), files_(std::move(files)) {}
+  Status Read(uint64_t byte_offset, std::span<std::byte> out) const override;
+
+ private:
+  std::shared_ptr<const slice::TensorLayout> layout_;
+  DType dst_dtype_;
+  std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files_;
+};
+
+// Builds the atomic file for one state of one parameter: {[cat_dim], [vocab_tensor], param}
+// with `param` the consolidated tensor in float32. `name` is used in errors.
+// Errors: kUnsupported when a fragment's dtype cannot be converted to float32.
+Result<std::shared_ptr<format::LazyTorchFile>> BuildAtomicFile(
+    std::shared_ptr<const slice::TensorLayout> layout, const AtomicPattern& pattern,
+    std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files, std::string name);
+
+}  // namespace ucpfs::views

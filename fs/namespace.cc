@@ -1,0 +1,191 @@
+#include "fs/namespace.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/io/file_source.h"
+#include "core/io/lazy_file_source.h"
+#include "core/views/atomic.h"
+
+namespace ucpfs::fs {
+namespace {
+
+using index::StateKind;
+
+// Mirrors `dir` (relative `rel`) into the tree under `parent`, skipping the index directory.
+Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::string& rel,
+                    size_t* n_files) {
+  const std::string path = rel.empty() ? root : root + "/" + rel;
+  DIR* d = ::opendir(path.c_str());
+  if (d == nullptr) return IoError(path + ": opendir: " + std::strerror(errno), errno);
+  std::vector<std::string> names;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    if (rel.empty() && (name == ".ucpfs" || name == "atomic" || name == "target")) continue;
+    names.push_back(std::move(name));
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    const std::string child_rel = rel.empty() ? name : rel + "/" + name;
+    const std::string child_path = root + "/" + child_rel;
+    struct stat st;
+    if (::lstat(child_path.c_str(), &st) != 0) continue;  // vanished: skip
+    if (S_ISDIR(st.st_mode)) {
+      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddDir(parent, name, st.st_mtim));
+      UCPFS_RETURN_IF_ERROR(MirrorSource(tree, ino, root, child_rel, n_files));
+    } else if (S_ISREG(st.st_mode)) {
+      Opener open = [child_path]() -> Result<std::shared_ptr<const ByteSource>> {
+        UCPFS_ASSIGN_OR_RETURN(auto f, FileSource::Open(child_path));
+        return std::shared_ptr<const ByteSource>(std::move(f));
+      };
+      UCPFS_RETURN_IF_ERROR(
+          tree.AddFile(parent, name, static_cast<uint64_t>(st.st_size), st.st_mtim, std::move(open))
+              .status());
+      ++*n_files;
+    }
+  }
+  return Status::Ok();
+}
+
+constexpr uint64_t kStatsJsonBytes = 1024;
+
+struct timespec Now() {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return ts;
+}
+
+Opener FixedSource(std::shared_ptr<const ByteSource> src) {
+  return [src]() -> Result<std::shared_ptr<const ByteSource>> { return src; };
+}
+
+}  // namespace
+
+std::string ParamDirName(const std::string& fqn) {
+  std::string out;
+  for (char c : fqn) {
+    if (c == '/') out += "%2F";
+    else if (c == '%') out += "%25";
+    else out += c;
+  }
+  return out;
+}
+
+Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
+                                             const index::OpenedIndex& opened,
+                                             const index::KeyMapping& mapping,
+                                             NamespaceInfo* info) {
+  auto tree = std::make_shared<Tree>();
+  const auto& ckpt = opened.checkpoint;
+  struct stat src_st;
+  if (::stat(source_dir.c_str(), &src_st) != 0) {
+    return IoError(source_dir + ": stat: " + std::strerror(errno), errno);
+  }
+  const struct timespec mtime = src_st.st_mtim;
+
+  size_t n_passthrough = 0;
+  UCPFS_RETURN_IF_ERROR(MirrorSource(*tree, kRootIno, source_dir, "", &n_passthrough));
+
+  // Source files by id, opened on first read.
+  auto counters = std::make_shared<IoCounters>();
+  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+  files->reserve(ckpt.files.size());
+  for (const auto& f : ckpt.files) {
+    files->push_back(
+        std::make_shared<LazyFileSource>(source_dir + "/" + f.rel_path, f.n_bytes, counters));
+  }
+
+  UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));
+  size_t n_atomic = 0;
+  uint64_t atomic_bytes = 0;
+  struct AtomicState {
+    const char* file;
+    StateKind primary;
+    int fallback;  // another state kind used when primary is absent, or -1
+  };
+  const AtomicState kStates[] = {{"fp32.pt", StateKind::kFp32, static_cast<int>(StateKind::kWeight)},
+                                 {"exp_avg.pt", StateKind::kExpAvg, -1},
+                                 {"exp_avg_sq.pt", StateKind::kExpAvgSq, -1}};
+  for (const auto& p : mapping.params) {
+    Ino dir = 0;
+    for (const auto& s : kStates) {
+      int32_t item = p.item[static_cast<int>(s.primary)];
+      if (item < 0 && s.fallback >= 0) item = p.item[s.fallback];
+      if (item < 0) continue;
+      const auto& it = ckpt.items[static_cast<size_t>(item)];
+      if (it.kind != index::ItemKind::kTensor) continue;
+      if (dir == 0) {
+        UCPFS_ASSIGN_OR_RETURN(dir, tree->AddDir(atomic, ParamDirName(p.name), mtime));
+      }
+      auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
+      auto pattern = views::AtomicPatternFor(p.name, it.layout);
+      const std::string vpath = "atomic/" + ParamDirName(p.name) + "/" + s.file;
+      UCPFS_ASSIGN_OR_RETURN(auto file, views::BuildAtomicFile(layout, pattern, files, vpath));
+      const uint64_t n_bytes = file->Size();
+      atomic_bytes += n_bytes;
+      UCPFS_RETURN_IF_ERROR(
+          tree->AddFile(dir, s.file, n_bytes, mtime, FixedSource(std::move(file))).status());
+      ++n_atomic;
+    }
+  }
+
+  nlohmann::ordered_json status;
+  status["source"] = source_dir;
+  status["format"] = ckpt.format;
+  status["flavor"] = ckpt.flavor;
+  status["index"] = {{"dir", opened.index_dir},
+                     {"state", index::IndexStateName(opened.state)},
+                     {"fingerprint", opened.fingerprint},
+                     {"open_seconds", opened.elapsed_s}};
+  status["counts"] = {{"params", mapping.params.size()},
+                      {"atomic_files", n_atomic},
+                      {"atomic_bytes", atomic_bytes},
+                      {"source_files", n_passthrough},
+                      {"items", ckpt.items.size()},
+                      {"unmapped_keys", mapping.unmapped_keys.size()}};
+  status["unmapped_keys"] = mapping.unmapped_keys;
+  std::string status_text = status.dump(2) + "\n";
+  UCPFS_ASSIGN_OR_RETURN(Ino meta, tree->AddDir(kRootIno, ".ucpfs", mtime));
+  auto status_src = std::make_shared<MemorySource>(
+      ".ucpfs/status.json",
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(status_text.data()), status_text.size()));
+  const uint64_t status_n_bytes = status_src->Size();
+  UCPFS_RETURN_IF_ERROR(
+      tree->AddFile(meta, "status.json", status_n_bytes, Now(), FixedSource(std::move(status_src))).status());
+
+  // stats.json: counters as of open(2), padded with spaces to a fixed size (JSON allows
+  // trailing white space) so the size is known before the content.
+  Opener stats_open = [counters]() -> Result<std::shared_ptr<const ByteSource>> {
+    nlohmann::ordered_json j;
+    j["source_bytes_read"] = counters->source_bytes_read.load();
+    j["source_reads"] = counters->source_reads.load();
+    j["source_read_errors"] = counters->source_read_errors.load();
+    j["source_files_opened"] = counters->files_opened.load();
+    std::string text = j.dump(2) + "\n";
+    text.resize(kStatsJsonBytes, ' ');
+    text.back() = '\n';
+    return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>(
+        ".ucpfs/stats.json",
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size())));
+  };
+  UCPFS_ASSIGN_OR_RETURN(Ino stats_ino,
+                         tree->AddFile(meta, "stats.json", kStatsJsonBytes, Now(), std::move(stats_open)));
+  UCPFS_RETURN_IF_ERROR(tree->MarkVolatile(stats_ino));
+
+  if (info != nullptr) {
+    info->source_dir = source_dir;
+    info->n_atomic_files = n_atomic;
+    info->n_passthrough_files = n_passthrough;
+    info->status_json = std::move(status_text);
+  }
+  return tree;
+}
+
+}  // namespace ucpfs::fs

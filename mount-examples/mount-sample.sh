@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Main job: build ucpfs, save a sample sharded checkpoint with real torch (2 processes, gloo,
+# PyTorch DCP), mount it, look at atomic/ with ls and du (no tensor data is read), torch.load
+# one consolidated atomic file, and unmount.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tests/install-deps.sh
+tests/build.sh build
+UCPFS=$PWD/build/cli/ucpfs
+work=$(mktemp -d /tmp/ucpfs-sample.XXXXXX)
+mnt=$work/mnt
+cleanup() {
+  if mountpoint -q "$mnt" 2>/dev/null; then "$UCPFS" umount "$mnt" || umount -l "$mnt"; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+echo "== saving a sharded DCP checkpoint with torch $(/usr/bin/python3 -c 'import torch; print(torch.__version__)') (2 ranks)"
+/usr/bin/python3 tests/e2e/fixtures/gen_dcp113_llama.py "$work/ckpt" --ranks 2 --seed 0 \
+  --expected "$work/expected.pt" >/dev/null
+ls -l "$work/ckpt"
+
+mkdir -p "$mnt"
+echo
+echo "== ucpfs mount $work/ckpt $mnt"
+time "$UCPFS" mount "$work/ckpt" "$mnt"
+
+echo
+echo "== ls $mnt/atomic"
+ls "$mnt/atomic"
+echo
+echo "== ls -l $mnt/atomic/layers.0.attention.wq.weight"
+ls -l "$mnt/atomic/layers.0.attention.wq.weight"
+echo
+echo "== du -sh --apparent-size $mnt/atomic"
+du -sh --apparent-size "$mnt/atomic"
+
+echo
+echo "== torch.load of one atomic file"
+/usr/bin/python3 - "$mnt" "$work/expected.pt" <<'PY'
+import sys, torch
+mnt, expected = sys.argv[1], torch.load(sys.argv[2])
+sd = torch.load(f"{mnt}/atomic/layers.0.attention.wq.weight/fp32.pt", weights_only=True)
+print({k: (v if k != "param" else f"tensor{tuple(v.shape)} {v.dtype}") for k, v in sd.items()})
+full = expected["layers.0.attention.wq.weight"].float()
+print("equal to the full tensor torch saved:", torch.equal(sd["param"], full))
+assert torch.equal(sd["param"], full)
+PY
+
+echo
+echo "== ucpfs umount $mnt"
+"$UCPFS" umount "$mnt"

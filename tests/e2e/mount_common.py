@@ -1,0 +1,107 @@
+"""Helpers for tests that mount checkpoints with `ucpfs mount` (real FUSE)."""
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+from e2e_common import run, ucpfs_bin
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+PY = "/usr/bin/python3"
+
+
+def gen_fixture(script, outdir, *args):
+    """Runs a fixture generator; returns the path of its expected-tensors file."""
+    expected = outdir.rstrip("/") + "_expected.pt"
+    run([PY, os.path.join(FIXTURES, script), outdir, "--expected", expected, *args], timeout=300)
+    return expected
+
+
+def is_mounted(mnt):
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == mnt for line in f)
+
+
+@contextlib.contextmanager
+def mounted(src, mnt, *extra, timeout_s=120):
+    """`ucpfs mount` (returns when ready), yields the mount point, always unmounts.
+    A watchdog unmounts after `timeout_s` so a hung test cannot hang CI."""
+    os.makedirs(mnt, exist_ok=True)
+    log = mnt.rstrip("/") + ".log"
+    t0 = time.monotonic()
+    p = run([ucpfs_bin(), "mount", src, mnt, "--log", log, *extra], check=False, timeout=300)
+    ready_s = time.monotonic() - t0
+    if p.returncode != 0:
+        raise AssertionError(f"ucpfs mount failed ({p.returncode}): {p.stderr}")
+    assert is_mounted(mnt), "mount returned but nothing is mounted"
+    watchdog = threading.Timer(timeout_s, lambda: subprocess.run(["umount", "-l", mnt]))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield mnt, ready_s
+    finally:
+        watchdog.cancel()
+        r = run([ucpfs_bin(), "umount", mnt], check=False)
+        if r.returncode != 0 and is_mounted(mnt):
+            subprocess.run(["umount", "-l", mnt])
+        deadline = time.monotonic() + 10
+        while is_mounted(mnt) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.path.exists(log):
+            text = open(log).read()
+            if "ERROR" in text or "error" in text.lower():
+                print(f"--- daemon log {log}:\n{text}", file=sys.stderr)
+
+
+def status(mnt):
+    return json.load(open(os.path.join(mnt, ".ucpfs", "status.json")))
+
+
+def stats(mnt):
+    return json.load(open(os.path.join(mnt, ".ucpfs", "stats.json")))
+
+
+# Key -> (param, state), mirroring the built-in rules for the fixtures' naming.
+_RULES = [
+    (r"optimizer\.state\.(.+)\.(exp_avg|exp_avg_sq|step)", lambda m: (m[1], m[2])),
+    (r"optimizer\.state\.(.+)\.(fp32_param|master_param)", lambda m: (m[1], "fp32")),
+    (r"optimizer\.state\.(param|fp32_param)\.(.+)", lambda m: (m[2], "fp32")),
+    (r"optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)", lambda m: (m[2], m[1])),
+    (r"optimizer\.state\.fp32\.(.+)", None),
+    (r"model\.(.+)", lambda m: (m[1], "weight")),
+    (r"(.+\.(weight|bias))", lambda m: (m[1], "weight")),
+]
+
+
+def param_state(key):
+    for pat, fn in _RULES:
+        m = re.fullmatch(pat, key)
+        if m:
+            return fn(m) if fn else None
+    return None
+
+
+def expected_atomic(expected):
+    """param -> {atomic file name -> expected fp32 tensor} from an expected-tensors dict."""
+    per = {}
+    for key, t in expected.items():
+        ps = param_state(key)
+        if ps is None or not hasattr(t, "dtype"):
+            continue
+        per.setdefault(ps[0], {})[ps[1]] = t
+    out = {}
+    for param, states in per.items():
+        files = {}
+        master = states.get("fp32", states.get("weight"))
+        if master is not None:
+            files["fp32.pt"] = master.float()
+        for s in ("exp_avg", "exp_avg_sq"):
+            if s in states:
+                files[s + ".pt"] = states[s].float()
+        if files:
+            out[param] = files
+    return out
