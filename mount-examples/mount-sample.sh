@@ -32,8 +32,8 @@ echo
 echo "== ls -l $mnt/atomic/layers.0.attention.wq.weight"
 ls -l "$mnt/atomic/layers.0.attention.wq.weight"
 echo
-echo "== du -sh --apparent-size $mnt/atomic"
-du -sh --apparent-size "$mnt/atomic"
+echo "== du -sh $mnt/atomic   (virtual sizes; no tensor data is read)"
+du -sh "$mnt/atomic"
 
 echo
 echo "== torch.load of one atomic file"
@@ -42,8 +42,9 @@ import sys, torch
 mnt, expected = sys.argv[1], torch.load(sys.argv[2])
 sd = torch.load(f"{mnt}/atomic/layers.0.attention.wq.weight/fp32.pt", weights_only=True)
 print({k: (v if k != "param" else f"tensor{tuple(v.shape)} {v.dtype}") for k, v in sd.items()})
-full = expected["layers.0.attention.wq.weight"].float()
-print("equal to the full tensor torch saved:", torch.equal(sd["param"], full))
+# fp32.pt is the fp32 master the trainer saved beside the bf16 weight.
+full = expected["optimizer.state.layers.0.attention.wq.weight.fp32_param"]
+print("equal to the fp32 master torch saved (sharded over 2 ranks):", torch.equal(sd["param"], full))
 assert torch.equal(sd["param"], full)
 PY
 

@@ -12,6 +12,7 @@ reuses the index.
 import concurrent.futures
 import errno
 import hashlib
+import json
 import mmap
 import os
 import subprocess
@@ -19,7 +20,8 @@ import subprocess
 import torch
 
 from e2e_common import Results, run, tmpdir, ucpfs_bin
-from mount_common import FIXTURES, PY, expected_atomic, gen_fixture, is_mounted, mounted, stats, status
+from mount_common import (FIXTURES, PY, expected_atomic, gen_fixture, is_mounted, mounted, param_state,
+                          stats, status)
 
 
 def check_atomic_files(mnt, expected):
@@ -111,9 +113,34 @@ def passthrough(mnt, src):
             assert open(os.path.join(mnt, rel), "rb").read() == open(os.path.join(src, rel), "rb").read(), rel
 
 
+def inspect_and_index(src, expected):
+    """`ucpfs index` (summary, then reuse) and `ucpfs inspect --json` agree with what torch wrote."""
+    first = run([ucpfs_bin(), "index", src]).stdout
+    assert "ucpfs index: " in first and " parameters" in first, first
+    again = run([ucpfs_bin(), "index", src]).stdout
+    assert "reused" in again, again
+    report = json.loads(run([ucpfs_bin(), "inspect", "--json", src]).stdout)
+    assert report["format"] == "dcp", report["format"]
+    assert report["unmapped_keys"] == [], report["unmapped_keys"]
+    want = expected_atomic(expected)
+    by_name = {p["name"]: p["states"] for p in report["params"]}
+    assert sorted(by_name) == sorted(want), (sorted(by_name), sorted(want))
+    for key, t in expected.items():
+        ps = param_state(key)
+        if ps is None or not hasattr(t, "dtype") or ps[1] not in by_name.get(ps[0], {}):
+            continue
+        st = by_name[ps[0]][ps[1]]
+        assert st["key"] == key, (st["key"], key)
+        assert st["shape"] == list(t.shape), (key, st["shape"], list(t.shape))
+        assert st["dtype"] == str(t.dtype).split(".")[1], (key, st["dtype"], t.dtype)
+        assert st["nbytes"] == t.numel() * t.element_size(), (key, st["nbytes"])
+        assert st["fragments"] >= (1 if t.numel() else 0) and st["files"], (key, st)
+
+
 def check_checkpoint(res, label, src, expected_path, workdir):
     expected = torch.load(expected_path)
     mnt = os.path.join(workdir, "mnt-" + label)
+    res.check(f"{label}: ucpfs index and inspect --json", lambda: inspect_and_index(src, expected))
     try:
         with mounted(src, mnt) as (m, ready_s):
             st = status(m)

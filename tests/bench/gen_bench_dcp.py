@@ -1,0 +1,66 @@
+"""Benchmark checkpoint: a real torch 1.13 DCP save by 2 gloo processes of large fp32 tensors,
+half sharded by rows and half by columns (so atomic reads gather whole ranges and row pieces).
+
+Usage: /usr/bin/python3 gen_bench_dcp.py OUTDIR [--tensors N] [--rows R] [--cols C]
+Total size: N * R * C * 4 bytes (default 12 x 4096 x 4096 x 4 = 768 MiB).
+"""
+import argparse
+import dataclasses as _dc
+import os
+import tempfile
+
+_orig_dataclass = _dc.dataclass
+
+
+def _hashable_tensor_properties(cls=None, /, **kw):
+    # Python >= 3.11 rejects torch 1.13's TensorProperties() dataclass default (see
+    # tests/e2e/fixtures/gen_dcp113_llama.py); making it hashable sidesteps that.
+    def wrap(c):
+        if c.__name__ == "TensorProperties":
+            kw.setdefault("unsafe_hash", True)
+        return _orig_dataclass(c, **kw)
+    return wrap if cls is None else wrap(cls)
+
+
+_dc.dataclass = _hashable_tensor_properties
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def worker(rank, world, init, outdir, n, rows, cols):
+    from torch.distributed._shard.checkpoint import FileSystemWriter, save_state_dict
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    sd = {}
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        full = torch.randn(rows, cols, generator=g)
+        dim = 0 if i % 2 == 0 else 1
+        size = (rows if dim == 0 else cols) // world
+        off = [0, 0]
+        off[dim] = rank * size
+        local = full.narrow(dim, rank * size, size).contiguous()
+        shard = Shard(local, ShardMetadata(off, list(local.shape), f"rank:{rank}/cpu"))
+        sd[f"layers.{i}.weight"] = init_from_local_shards([shard], rows, cols)
+    save_state_dict(sd, FileSystemWriter(outdir, single_file_per_rank=True))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outdir")
+    ap.add_argument("--tensors", type=int, default=12)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=4096)
+    a = ap.parse_args()
+    os.makedirs(a.outdir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as td:
+        init = "file://" + os.path.join(td, "rdzv")
+        mp.spawn(worker, args=(2, init, a.outdir, a.tensors, a.rows, a.cols), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
