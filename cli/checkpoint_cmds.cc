@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "cli/text.h"
 #include "core/views/atomic.h"
 #include "fs/fuse_mount.h"
 #include "fs/namespace.h"
@@ -77,14 +78,6 @@ Result<Loaded> Load(const SourceArgs& args, bool progress) {
 int Fail(const char* cmd, const Status& s) {
   std::cerr << "ucpfs " << cmd << ": " << s.ToString() << '\n';
   return 1;
-}
-
-std::string Dims(const std::vector<int64_t>& dims) {
-  std::ostringstream s;
-  s << '[';
-  for (size_t i = 0; i < dims.size(); ++i) s << (i ? "," : "") << dims[i];
-  s << ']';
-  return s.str();
 }
 
 uint64_t TensorBytes(const index::Item& it) { return it.layout.NumElems() * ItemSize(it.dtype); }

@@ -5,19 +5,12 @@
 #include <ostream>
 #include <sstream>
 
+#include "cli/text.h"
 #include "core/format/torch_file.h"
 #include "core/io/file_source.h"
 
 namespace ucpfs::cli {
 namespace {
-
-std::string Dims(const std::vector<int64_t>& dims) {
-  std::ostringstream s;
-  s << '[';
-  for (size_t i = 0; i < dims.size(); ++i) s << (i ? "," : "") << dims[i];
-  s << ']';
-  return s.str();
-}
 
 std::string HumanBytes(uint64_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};

@@ -145,10 +145,8 @@ class PickleGraph {
   NodeId root() const { return root_; }
   size_t size() const { return nodes_.size(); }
 
-  Kind kind(NodeId id) const {
-    assert(id < nodes_.size());
-    return nodes_[id].kind;
-  }
+  // kNone for kNoNode or any other id outside the graph, like every other accessor.
+  Kind kind(NodeId id) const { return id < nodes_.size() ? nodes_[id].kind : Kind::kNone; }
   bool bool_value(NodeId id) const;     // kBool
   int64_t int_value(NodeId id) const;   // kInt
   double float_value(NodeId id) const;  // kFloat

@@ -5,25 +5,12 @@ Usage: /usr/bin/python3 gen_bench_dcp.py OUTDIR [--tensors N] [--rows R] [--cols
 Total size: N * R * C * 4 bytes (default 12 x 4096 x 4096 x 4 = 768 MiB).
 """
 import argparse
-import dataclasses as _dc
 import os
+import sys
 import tempfile
 
-_orig_dataclass = _dc.dataclass
-
-
-def _hashable_tensor_properties(cls=None, /, **kw):
-    # Python >= 3.11 rejects torch 1.13's TensorProperties() dataclass default (see
-    # tests/e2e/fixtures/gen_dcp113_llama.py); making it hashable sidesteps that.
-    def wrap(c):
-        if c.__name__ == "TensorProperties":
-            kw.setdefault("unsafe_hash", True)
-        return _orig_dataclass(c, **kw)
-    return wrap if cls is None else wrap(cls)
-
-
-_dc.dataclass = _hashable_tensor_properties
-
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e", "fixtures"))
+import torch113_compat  # noqa: F401,E402  (must precede torch.distributed)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402

@@ -676,3 +676,25 @@ TEST(DcpScan, RandomDamageNeverCrashes) {
 
 }  // namespace
 }  // namespace ucpfs::index
+
+namespace ucpfs::index {
+namespace {
+
+// Inputs the fuzzer found; each must give a clean error. (Regression: a TensorStorageMetadata
+// without properties made the walker ask the graph for the kind of kNoNode.)
+TEST(DcpMetadataRegression, FuzzFindings) {
+  const char* env = std::getenv("UCPFS_TEST_DATA");
+  ASSERT_NE(env, nullptr);
+  for (const char* name : {"fuzz_regress_props_nonode.metadata"}) {
+    auto src = FileSource::Open(std::string(env) + "/dcp/" + name);
+    ASSERT_TRUE(src.ok()) << src.error().ToString();
+    auto bytes = ReadRange(**src, 0, (*src)->Size());
+    ASSERT_TRUE(bytes.ok());
+    auto md = ParseDcpMetadata(*bytes, name);
+    EXPECT_FALSE(md.ok()) << name;
+    EXPECT_NE(md.status().message().find(name), std::string::npos) << md.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace ucpfs::index
