@@ -26,6 +26,7 @@ def evict(paths):
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
+            os.fsync(fd)  # dirty pages cannot be dropped: write them back first
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
