@@ -15,6 +15,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import subprocess
 
 import torch
@@ -137,6 +138,32 @@ def inspect_and_index(src, expected):
         assert st["fragments"] >= (1 if t.numel() else 0) and st["files"], (key, st)
 
 
+def failing_source_gives_eio(workdir, src):
+    """A source shard that changes under a mount: reads needing it fail with EIO, the daemon logs
+    the file and keeps serving."""
+    copy = os.path.join(workdir, "eio-src")
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns(".ucpfs"))
+    mnt = os.path.join(workdir, "mnt-eio")
+    with mounted(copy, mnt) as (m, _):
+        shard = max((f for f in os.listdir(copy) if f.endswith(".distcp")),
+                    key=lambda f: os.path.getsize(os.path.join(copy, f)))
+        os.truncate(os.path.join(copy, shard), 10)
+        failed = 0
+        for root, _, files in os.walk(os.path.join(m, "atomic")):
+            for f in files:
+                try:
+                    open(os.path.join(root, f), "rb").read()
+                except OSError as e:
+                    assert e.errno == errno.EIO, e
+                    failed += 1
+        assert failed > 0, "no read failed although a shard was truncated"
+        assert status(m)["format"] == "dcp"  # still serving
+        assert stats(m)["source_read_errors"] > 0
+        log = open(mnt + ".log").read()
+        assert shard in log and "read" in log, log
+    shutil.rmtree(copy)
+
+
 def check_checkpoint(res, label, src, expected_path, workdir):
     expected = torch.load(expected_path)
     mnt = os.path.join(workdir, "mnt-" + label)
@@ -181,6 +208,8 @@ def main():
             cases.append((f"synthetic-{variant}", src, gen_fixture("gen_dcp2x.py", src, "--variant", variant)))
         for label, src, expected in cases:
             check_checkpoint(res, label, src, expected, d)
+        res.check("a truncated source shard gives EIO, the daemon keeps serving",
+                  lambda: failing_source_gives_eio(d, cases[0][1]))
 
         # Corrupt or unsupported checkpoints: the mount fails with a clear error naming the
         # problem, and nothing is left mounted.
