@@ -476,7 +476,10 @@ void FloatToFloatFrom(FloatFmt fi, DType dst, FloatFmt fo, const std::byte* in, 
 
 // ---- plan execution ----
 
-bool Contiguous(const CopyOp& op) { return op.src_elem_stride == 1 || op.n_elems <= 1; }
+// Zero-fill ops count as contiguous: ReadContiguous fills them without reading.
+bool Contiguous(const CopyOp& op) {
+  return op.src_elem_stride == 1 || op.n_elems <= 1 || op.file_id == kZeroFileId;
+}
 
 Status ReadFrom(const ByteSource& src, uint64_t byte_offset, std::span<std::byte> out) {
   Status s = src.ReadAt(byte_offset, out);
@@ -487,6 +490,15 @@ Status ReadFrom(const ByteSource& src, uint64_t byte_offset, std::span<std::byte
 Status CheckOp(const CopyOp& op, size_t i, std::span<const std::shared_ptr<const ByteSource>> files,
                uint64_t out_bytes) {
   const std::string where = "copy op " + std::to_string(i) + ": ";
+  if (op.file_id == kZeroFileId) {
+    // Zero fill: only the destination matters (zero bytes are zero in every dtype).
+    if (!ValidDType(op.dst_dtype)) return InvalidArgumentError(where + "invalid destination dtype");
+    auto dst_bytes = CheckedMul(op.n_elems, ItemSize(op.dst_dtype));
+    if (!dst_bytes || !RangeInside(op.dst_byte_offset, *dst_bytes, out_bytes)) {
+      return InvalidArgumentError(where + "destination outside the output buffer");
+    }
+    return Status::Ok();
+  }
   if (op.file_id >= files.size() || files[op.file_id] == nullptr) {
     return InvalidArgumentError(where + "no file " + std::to_string(op.file_id));
   }
@@ -516,6 +528,10 @@ class Executor {
       : files_(files), out_(out) {}
 
   Status ReadContiguous(const CopyOp& op) {
+    if (op.file_id == kZeroFileId) {
+      std::memset(out_.data() + op.dst_byte_offset, 0, op.n_elems * ItemSize(op.dst_dtype));
+      return Status::Ok();
+    }
     const ByteSource& src = *files_[op.file_id];
     const uint64_t in_isz = ItemSize(op.src_dtype), out_isz = ItemSize(op.dst_dtype);
     std::byte* dst = out_.data() + op.dst_byte_offset;
@@ -836,7 +852,7 @@ Result<std::vector<CopyOp>> PlanRead(const TensorLayout& layout, DType dst_dtype
     uint64_t first, end;
     UCPFS_RETURN_IF_ERROR(CheckFragment(layout.shape, gstrides, f, i, &first, &end));
     if (first == end || end <= elem_lo || first >= elem_hi) continue;
-    if (!CanConvert(f.dtype, dst_dtype)) {
+    if (f.file_id != kZeroFileId && !CanConvert(f.dtype, dst_dtype)) {
       return UnsupportedError(FragString(f, i) + ": cannot convert " + std::string(TorchName(f.dtype)) +
                               " to " + std::string(TorchName(dst_dtype)));
     }

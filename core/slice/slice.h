@@ -25,6 +25,12 @@
 
 namespace ucpfs::slice {
 
+// A Fragment or CopyOp with this file_id stores nothing: its elements read as zeros in any
+// destination dtype (all-zero bytes; no conversion check, no file table entry). Target views
+// use it for padding that is part of the tensor (e.g. vocabulary rows padded to a multiple).
+// ValidateCoverage counts it like any fragment.
+inline constexpr uint32_t kZeroFileId = 0xFFFFFFFFu;
+
 // An axis-aligned box in a row-major view: offsets[i] + [0, sizes[i]) along dim i.
 // A 0-d box (no dims) holds one element.
 struct Box {
@@ -43,7 +49,7 @@ struct Fragment {
   Box box;                    // in the tensor's global shape
   uint64_t flat_lo = 0;       // restriction to [flat_lo, flat_hi) of the box's row-major order
   uint64_t flat_hi = 0;       // == box.Volume() for a whole box
-  uint32_t file_id = 0;       // index into the caller's file table
+  uint32_t file_id = 0;       // index into the caller's file table, or kZeroFileId
   uint64_t byte_offset = 0;   // where the stored element at flat position flat_lo lies
   DType dtype = DType::kFloat32;  // stored dtype (may differ from the tensor's, e.g. bf16 vs fp32 target)
   // Stored element strides per box dim; empty = row-major contiguous. Must be empty when
@@ -71,7 +77,7 @@ Status ValidateCoverage(const TensorLayout& layout, const std::string& what,
 // src_elem_stride elements (1 = contiguous), converted from src_dtype to dst_dtype, written
 // contiguously at dst_byte_offset (relative to the start of the planned range).
 struct CopyOp {
-  uint32_t file_id = 0;
+  uint32_t file_id = 0;  // kZeroFileId: the destination range is zero-filled, nothing is read
   uint64_t src_byte_offset = 0;
   int64_t src_elem_stride = 1;
   DType src_dtype = DType::kFloat32;

@@ -4,6 +4,8 @@
 // element-by-element gather. Seed: UCPFS_TEST_SEED, else random; printed either way.
 #include <gtest/gtest.h>
 
+#include "tests/unit/test_seed.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -23,19 +25,7 @@ namespace {
 
 using Files = std::vector<std::shared_ptr<const ByteSource>>;
 
-uint64_t TestSeed() {
-  static const uint64_t seed = [] {
-    uint64_t s;
-    if (const char* e = std::getenv("UCPFS_TEST_SEED"); e != nullptr && *e != '\0') {
-      s = std::strtoull(e, nullptr, 10);
-    } else {
-      s = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
-    }
-    std::cout << "[ seed ] UCPFS_TEST_SEED=" << s << "\n";
-    return s;
-  }();
-  return seed;
-}
+using ::ucpfs::testing::TestSeed;
 
 // A source that counts reads and bytes, and can fail reads that touch [fail_lo, fail_hi).
 class CountingSource final : public ByteSource {

@@ -178,14 +178,15 @@ TEST(TreeTest, MakeDirsCreatesMissingAndReusesExisting) {
   EXPECT_TRUE(a->is_dir);
   const TreeNode* b = tree.Lookup(a->ino, "b");
   ASSERT_NE(b, nullptr);
-  EXPECT_EQ(tree.Lookup(b->ino, "c")->ino, *c);
+  const Ino b_ino = b->ino;  // node pointers are valid only until the tree grows
+  EXPECT_EQ(tree.Lookup(b_ino, "c")->ino, *c);
 
   // Existing prefixes are reused; empty components are skipped.
   Result<Ino> d = tree.MakeDirs(kRootIno, "/a//b/d/", kMtime);
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(tree.size(), 5u);
   EXPECT_EQ(tree.PathOf(*d), "/a/b/d");
-  EXPECT_EQ(tree.Get(b->ino)->nlink, 4u);  // 2 + c, d
+  EXPECT_EQ(tree.Get(b_ino)->nlink, 4u);  // 2 + c, d
 
   Result<Ino> same = tree.MakeDirs(kRootIno, "a/b/c", kMtime);
   ASSERT_TRUE(same.ok());
