@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cli/checkpoint_cmds.h"
+#include "cli/convert_cmd.h"
 #include "cli/inspect.h"
 
 namespace {
@@ -55,6 +56,19 @@ int main(int argc, char** argv) {
   inspect->add_flag("--json", inspect_json, "print one JSON object instead of a table");
   AddSourceOptions(inspect, inspect_args);
 
+  ucpfs::cli::ConvertArgs convert_args;
+  CLI::App* convert = app.add_subcommand(
+      "convert", "Materialise views of checkpoint SRC under DST without FUSE (target/<layout>/rank_<N>/, atomic/)");
+  convert->add_option("SRC", convert_args.source.src, "checkpoint directory")->required();
+  convert->add_option("DST", convert_args.dst, "output directory (created)")->required();
+  convert->add_option("--layout", convert_args.layouts, "target layout tp<T>_pp<P>_dp<D>[_ep<E>][_zero1] (repeatable)");
+  convert->add_flag("--atomic", convert_args.atomic, "also write atomic/<param>/<state>.pt");
+  convert->add_option("--preset", convert_args.preset, "pattern preset: auto, torchtitan, megatron, hf");
+  convert->add_option("--pattern-rules", convert_args.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
+  convert->add_option("--pp-split", convert_args.pp_split, "layers per pipeline stage a,b,...");
+  convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)");
+  AddSourceOptions(convert, convert_args.source);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -73,6 +87,7 @@ int main(int argc, char** argv) {
     return ucpfs::cli::RunMount(mount);
   }
   if (umount_cmd->parsed()) return ucpfs::cli::RunUmount(umount_path);
+  if (convert->parsed()) return ucpfs::cli::RunConvert(convert_args);
   if (index_cmd->parsed()) return ucpfs::cli::RunIndex(index_args);
   if (inspect->parsed()) {
     struct stat st;

@@ -1,0 +1,445 @@
+#include "core/views/target.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "core/checked.h"
+#include "core/format/torch_file.h"
+#include "core/format/torch_writer.h"
+#include "core/slice/local_view.h"
+#include "core/views/atomic.h"
+
+namespace ucpfs::views {
+
+const char* TargetStateName(TargetState s) {
+  switch (s) {
+    case TargetState::kWeight: return "weight";
+    case TargetState::kFp32: return "fp32";
+    case TargetState::kExpAvg: return "exp_avg";
+    case TargetState::kExpAvgSq: return "exp_avg_sq";
+    case TargetState::kStep: return "step";
+  }
+  return "weight";
+}
+
+Result<HyperValue> ParseHyperValue(std::shared_ptr<const ByteSource> blob) {
+  const std::string name = blob->Name();
+  UCPFS_ASSIGN_OR_RETURN(auto tf, format::TorchFile::Open(std::move(blob)));
+  const auto& g = tf.graph();
+  const pickle::NodeId root = g.root();
+  switch (g.kind(root)) {
+    case pickle::Kind::kNone: return HyperValue(std::monostate{});
+    case pickle::Kind::kBool: return HyperValue(g.bool_value(root));
+    case pickle::Kind::kInt: return HyperValue(g.int_value(root));
+    case pickle::Kind::kFloat: return HyperValue(g.float_value(root));
+    case pickle::Kind::kTuple:
+    case pickle::Kind::kList: {
+      std::vector<double> values;
+      for (pickle::NodeId item : g.items(root)) {
+        if (g.kind(item) == pickle::Kind::kFloat) {
+          values.push_back(g.float_value(item));
+        } else if (g.kind(item) == pickle::Kind::kInt) {
+          values.push_back(static_cast<double>(g.int_value(item)));
+        } else {
+          return UnsupportedError(name + ": hyper-parameter tuple holds a " +
+                                  pickle::KindName(g.kind(item)));
+        }
+      }
+      return HyperValue(std::move(values));
+    }
+    default:
+      return UnsupportedError(name + ": hyper-parameter of kind " +
+                              std::string(pickle::KindName(g.kind(root))) +
+                              " (supported: float, int, bool, None, tuple of floats)");
+  }
+}
+
+namespace {
+
+using Files = std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>>;
+using format::SaveValue;
+
+// A window of a 1-D virtual tensor: the concatenation of `parts` in float32, zero padded to
+// padded_n_elems (ReadConcatBytes), seen from window_byte_offset on.
+class ConcatProvider final : public format::TensorBytesProvider {
+ public:
+  ConcatProvider(std::vector<std::shared_ptr<const slice::TensorLayout>> parts, uint64_t padded_n_elems,
+                 uint64_t window_byte_offset, Files files)
+      : parts_(std::move(parts)), padded_n_elems_(padded_n_elems),
+        window_byte_offset_(window_byte_offset), files_(std::move(files)) {
+    for (const auto& p : parts_) raw_.push_back(p.get());
+  }
+  Status Read(uint64_t byte_offset, std::span<std::byte> out) const override {
+    return slice::ReadConcatBytes(raw_, DType::kFloat32, padded_n_elems_, *files_,
+                                  window_byte_offset_ + byte_offset, out);
+  }
+
+ private:
+  std::vector<std::shared_ptr<const slice::TensorLayout>> parts_;
+  std::vector<const slice::TensorLayout*> raw_;
+  uint64_t padded_n_elems_;
+  uint64_t window_byte_offset_;
+  Files files_;
+};
+
+Status CheckConvertible(const slice::TensorLayout& layout, DType dst, const std::string& what) {
+  for (const auto& f : layout.fragments) {
+    if (f.file_id == slice::kZeroFileId) continue;
+    if (!slice::CanConvert(f.dtype, dst)) {
+      return UnsupportedError(what + ": cannot convert stored " + std::string(TorchName(f.dtype)) +
+                              " to " + std::string(TorchName(dst)));
+    }
+  }
+  return Status::Ok();
+}
+
+// A tensor of `shape` that reads as zeros.
+std::shared_ptr<const slice::TensorLayout> ZeroLayout(const std::vector<int64_t>& shape) {
+  auto z = std::make_shared<slice::TensorLayout>();
+  z->shape = shape;
+  slice::Fragment f;
+  f.box.offsets.assign(shape.size(), 0);
+  f.box.sizes = shape;
+  f.flat_hi = f.box.Volume();
+  f.file_id = slice::kZeroFileId;
+  if (f.flat_hi > 0) z->fragments.push_back(std::move(f));
+  return z;
+}
+
+std::string DescribeTargetPattern(const layout::ParamPattern& p) {
+  std::string s = layout::TpKindName(p.tp);
+  if (p.tp_dim >= 0) s += "(dim=" + std::to_string(p.tp_dim) + ")";
+  if (!p.sub_sizes.empty()) {
+    s += "[sub=";
+    for (size_t i = 0; i < p.sub_sizes.size(); ++i) s += (i ? "," : "") + std::to_string(p.sub_sizes[i]);
+    s += "]";
+  }
+  return s;
+}
+
+SaveValue HyperToSave(const HyperValue& v) {
+  if (std::holds_alternative<bool>(v)) return SaveValue::Bool(std::get<bool>(v));
+  if (std::holds_alternative<int64_t>(v)) return SaveValue::Int(std::get<int64_t>(v));
+  if (std::holds_alternative<double>(v)) return SaveValue::Float(std::get<double>(v));
+  if (std::holds_alternative<std::vector<double>>(v)) {
+    SaveValue t = SaveValue::Tuple();
+    for (double d : std::get<std::vector<double>>(v)) t.Append(SaveValue::Float(d));
+    return t;
+  }
+  return SaveValue::None();
+}
+
+// One held parameter of a rank.
+struct Held {
+  size_t param = 0;  // index into TargetInput::params
+  layout::LocalView view;
+  // Local layouts per state (null when absent); step is the global (one-element) layout.
+  std::array<std::shared_ptr<const slice::TensorLayout>, kNumTargetStates> local;
+};
+
+constexpr int S(TargetState s) { return static_cast<int>(s); }
+
+// param_groups: parameters with identical hyper-parameters share a group, groups in order of
+// their first parameter (model.pt order).
+SaveValue ParamGroups(const TargetInput& in, const std::vector<Held>& held) {
+  std::vector<const std::vector<HyperParam>*> keys;
+  std::vector<std::vector<size_t>> members;
+  for (size_t i = 0; i < held.size(); ++i) {
+    const auto& h = in.params[held[i].param].hyper;
+    size_t g = 0;
+    while (g < keys.size() && *keys[g] != h) ++g;
+    if (g == keys.size()) {
+      keys.push_back(&h);
+      members.emplace_back();
+    }
+    members[g].push_back(i);
+  }
+  SaveValue groups = SaveValue::List();
+  for (size_t g = 0; g < keys.size(); ++g) {
+    SaveValue group = SaveValue::Dict();
+    SaveValue params = SaveValue::List();
+    SaveValue names = SaveValue::List();
+    for (size_t i : members[g]) {
+      params.Append(SaveValue::Int(static_cast<int64_t>(i)));
+      names.Append(SaveValue::Str(held[i].view.local_name));
+    }
+    group.Set("params", std::move(params));
+    group.Set("param_names", std::move(names));
+    for (const auto& [field, value] : *keys[g]) {
+      if (field == "params" || field == "param_names") continue;
+      group.Set(field, HyperToSave(value));
+    }
+    groups.Append(std::move(group));
+  }
+  return groups;
+}
+
+nlohmann::ordered_json PiecesJson(const std::vector<int64_t>& global_shape,
+                                  const std::vector<slice::Box>& pieces) {
+  auto out = nlohmann::ordered_json::array();
+  for (const auto& b : pieces) {
+    out.push_back({{"view_shape", global_shape}, {"offsets", b.offsets}, {"sizes", b.sizes}});
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, layout::Layout layout) {
+  if (!input || input->params.empty()) {
+    return InvalidArgumentError("layout " + layout.name + ": the source has no parameters");
+  }
+  if (!input->files) return InvalidArgumentError("target view: no file table");
+  TargetPlan plan;
+  plan.layout_ = std::move(layout);
+  std::vector<std::string> names;
+  std::vector<layout::ParamInfo> infos;
+  for (const auto& p : input->params) {
+    const auto& primary = p.states[S(TargetState::kWeight)] ? p.states[S(TargetState::kWeight)]
+                                                            : p.states[S(TargetState::kFp32)];
+    if (!primary) {
+      return InvalidArgumentError("parameter '" + p.name + "': no weight and no fp32 master");
+    }
+    for (int s = 0; s < kNumTargetStates; ++s) {
+      if (s == S(TargetState::kStep) || !p.states[s]) continue;
+      if (p.states[s]->shape != primary->shape) {
+        return InvalidArgumentError("parameter '" + p.name + "': state " +
+                                    TargetStateName(static_cast<TargetState>(s)) +
+                                    " has a shape different from the weight's");
+      }
+      if (s != S(TargetState::kWeight)) plan.has_optim_ = true;
+    }
+    names.push_back(p.name);
+    infos.push_back({p.name, primary->shape});
+  }
+  plan.preset_ = input->preset == layout::Preset::kAuto ? layout::DetectPreset(names) : input->preset;
+  const layout::ModelInfo info = layout::DetectModelInfo(plan.preset_, infos);
+  UCPFS_RETURN_IF_ERROR(layout::CheckLayoutForModel(plan.layout_, info, input->pp_split));
+  if (plan.layout_.pp > 1 || input->pp_split) {
+    UCPFS_ASSIGN_OR_RETURN(plan.stage_bounds_,
+                           layout::PipelineSplit(info.n_layers, plan.layout_.pp, input->pp_split));
+  } else {
+    plan.stage_bounds_ = {0, info.n_layers};
+  }
+  for (size_t i = 0; i < input->params.size(); ++i) {
+    const auto& p = input->params[i];
+    const auto& primary = p.states[S(TargetState::kWeight)] ? *p.states[S(TargetState::kWeight)]
+                                                            : *p.states[S(TargetState::kFp32)];
+    const std::optional<int> shard_dim = ShardDim(primary);
+    auto pattern = layout::PatternFor(plan.preset_, p.name, primary.shape, info, input->rules);
+    if (!pattern.ok()) {
+      if (pattern.error().code() != StatusCode::kNotFound) return pattern.error();
+      pattern = layout::PatternFromGeometry(primary.shape, shard_dim);
+    }
+    // A DCP chunk grid records how the checkpoint was *stored* (FSDP/HSDP shard every tensor
+    // along dim 0 whatever its tensor-parallel role), so it does not prove a TP kind: a rule
+    // that matched wins, and the geometry only decides when no rule matches (above).
+    plan.patterns_.push_back(std::move(*pattern));
+  }
+  plan.input_ = std::move(input);
+  return plan;
+}
+
+Result<RankFiles> TargetPlan::Build(int rank) const {
+  if (rank < 0 || rank >= layout_.World()) {
+    return InvalidArgumentError("layout " + layout_.name + ": rank " + std::to_string(rank) +
+                                " out of range [0, " + std::to_string(layout_.World()) + ")");
+  }
+  const TargetInput& in = *input_;
+  const layout::RankCoords coords = layout::CoordsOf(layout_, rank);
+  const std::string dir = "target/" + layout_.name + "/rank_" + std::to_string(rank) + "/";
+
+  // Which parameters the rank holds, and their local layouts per state.
+  std::vector<Held> held;
+  for (size_t i = 0; i < in.params.size(); ++i) {
+    const auto& p = in.params[i];
+    const auto& primary = p.states[S(TargetState::kWeight)] ? p.states[S(TargetState::kWeight)]
+                                                            : p.states[S(TargetState::kFp32)];
+    UCPFS_ASSIGN_OR_RETURN(auto view, layout::TargetSlice(preset_, p.name, patterns_[i], primary->shape,
+                                                          layout_, stage_bounds_, coords));
+    if (!view.held) continue;
+    Held h;
+    h.param = i;
+    for (int s = 0; s < kNumTargetStates; ++s) {
+      if (!p.states[s]) continue;
+      if (s == S(TargetState::kStep)) {
+        if (p.states[s]->NumElems() != 1) {
+          return InvalidArgumentError("parameter '" + p.name + "': step has " +
+                                      std::to_string(p.states[s]->NumElems()) + " elements, not 1");
+        }
+        UCPFS_RETURN_IF_ERROR(CheckConvertible(*p.states[s], DType::kFloat32, p.keys[s]));
+        h.local[s] = p.states[s];
+        continue;
+      }
+      auto local = slice::LocalLayout(*p.states[s], view.local_shape, view.cat_dim, view.pieces);
+      if (!local.ok()) return local.error().WithContext("parameter '" + p.name + "'");
+      h.local[s] = std::make_shared<const slice::TensorLayout>(std::move(*local));
+    }
+    h.view = std::move(view);
+    held.push_back(std::move(h));
+  }
+
+  nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
+  auto add_info = [&](const Held& h, TargetState s, const std::string& file, const std::string& key,
+                      DType dtype, const nlohmann::ordered_json& flat_range) {
+    const auto& p = in.params[h.param];
+    const bool step = s == TargetState::kStep;
+    tensors.push_back({{"param", p.name},
+                       {"state", TargetStateName(s)},
+                       {"file", file},
+                       {"key", key},
+                       {"dtype", std::string(TorchName(dtype))},
+                       {"global_shape", p.states[S(s)]->shape},
+                       {"pattern", step ? std::string("replicate") : DescribeTargetPattern(patterns_[h.param])},
+                       {"pieces", step ? nlohmann::ordered_json::array()
+                                       : PiecesJson(p.states[S(s)]->shape, h.view.pieces)},
+                       {"flat_range", flat_range}});
+  };
+
+  // model.pt
+  SaveValue model = SaveValue::OrderedDict();
+  for (const auto& h : held) {
+    const auto& p = in.params[h.param];
+    const int s = p.states[S(TargetState::kWeight)] ? S(TargetState::kWeight) : S(TargetState::kFp32);
+    const DType dtype = p.dtypes[s];
+    UCPFS_RETURN_IF_ERROR(CheckConvertible(*h.local[s], dtype, p.keys[s]));
+    model.Set(h.view.local_name,
+              SaveValue::Tensor(dtype, h.view.local_shape,
+                                std::make_shared<LayoutProvider>(h.local[s], dtype, in.files)));
+    add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
+  }
+  RankFiles out;
+  UCPFS_ASSIGN_OR_RETURN(auto model_file, format::LazyTorchFile::Build(model, dir + "model.pt"));
+  out.model = std::move(model_file);
+
+  // optim.pt
+  if (has_optim_) {
+    SaveValue optim = SaveValue::Dict();
+    const TargetState kMoments[] = {TargetState::kExpAvg, TargetState::kExpAvgSq};
+    if (layout_.zero == 0) {
+      SaveValue state = SaveValue::Dict();
+      SaveValue fp32 = SaveValue::OrderedDict();
+      bool any_fp32 = false;
+      for (size_t i = 0; i < held.size(); ++i) {
+        const Held& h = held[i];
+        const auto& p = in.params[h.param];
+        SaveValue entry = SaveValue::Dict();
+        bool any = false;
+        if (h.local[S(TargetState::kStep)]) {
+          entry.Set("step", SaveValue::Tensor(DType::kFloat32, {},
+                                              std::make_shared<LayoutProvider>(
+                                                  h.local[S(TargetState::kStep)], DType::kFloat32, in.files)));
+          add_info(h, TargetState::kStep, "optim.pt", "state." + std::to_string(i) + ".step",
+                   DType::kFloat32, nullptr);
+          any = true;
+        }
+        for (TargetState s : kMoments) {
+          const auto& l = h.local[S(s)];
+          if (!l) continue;
+          UCPFS_RETURN_IF_ERROR(CheckConvertible(*l, DType::kFloat32, p.keys[S(s)]));
+          entry.Set(TargetStateName(s),
+                    SaveValue::Tensor(DType::kFloat32, h.view.local_shape,
+                                      std::make_shared<LayoutProvider>(l, DType::kFloat32, in.files)));
+          add_info(h, s, "optim.pt", "state." + std::to_string(i) + "." + TargetStateName(s),
+                   DType::kFloat32, nullptr);
+          any = true;
+        }
+        if (any) state.Set(SaveValue::Int(static_cast<int64_t>(i)), std::move(entry));
+        const auto& master = h.local[S(TargetState::kFp32)];
+        if (master && p.states[S(TargetState::kFp32)] != p.states[S(TargetState::kWeight)] &&
+            p.states[S(TargetState::kWeight)]) {
+          UCPFS_RETURN_IF_ERROR(CheckConvertible(*master, DType::kFloat32, p.keys[S(TargetState::kFp32)]));
+          fp32.Set(h.view.local_name,
+                   SaveValue::Tensor(DType::kFloat32, h.view.local_shape,
+                                     std::make_shared<LayoutProvider>(master, DType::kFloat32, in.files)));
+          add_info(h, TargetState::kFp32, "optim.pt", "fp32." + h.view.local_name, DType::kFloat32, nullptr);
+          any_fp32 = true;
+        }
+      }
+      optim.Set("state", std::move(state));
+      optim.Set("param_groups", ParamGroups(in, held));
+      if (any_fp32) optim.Set("fp32", std::move(fp32));
+    } else {
+      // ZeRO-1 (research/deepspeed.md §2.5): flat = concat of the local tensors in model.pt
+      // order; padded to a multiple of 2·dp (nccl_start_alignment_factor 2, times dp) with
+      // zeros at the end; DP rank d holds [d·ps, (d+1)·ps), ps = padded / dp.
+      uint64_t total = 0;
+      std::vector<uint64_t> starts;
+      for (const auto& h : held) {
+        starts.push_back(total);
+        std::optional<uint64_t> n = 1;
+        for (int64_t d : h.view.local_shape) {
+          if (n) n = CheckedMul(*n, static_cast<uint64_t>(d));
+        }
+        std::optional<uint64_t> sum = n ? CheckedAdd(total, *n) : std::nullopt;
+        if (!sum) return InvalidArgumentError(dir + ": flat size overflows");
+        total = *sum;
+      }
+      const uint64_t align = 2 * static_cast<uint64_t>(layout_.dp);
+      const uint64_t padded = (total + align - 1) / align * align;
+      const uint64_t ps = padded / static_cast<uint64_t>(layout_.dp);
+      const uint64_t lo = ps * static_cast<uint64_t>(coords.dp);
+      const uint64_t hi = lo + ps;
+      const TargetState kFlat[] = {TargetState::kFp32, TargetState::kExpAvg, TargetState::kExpAvgSq};
+      for (TargetState s : kFlat) {
+        bool any = false;
+        for (const auto& h : held) any = any || h.local[S(s)] || (s == TargetState::kFp32 && h.local[0]);
+        if (!any) continue;
+        std::vector<std::shared_ptr<const slice::TensorLayout>> parts;
+        for (size_t i = 0; i < held.size(); ++i) {
+          const Held& h = held[i];
+          const auto& p = in.params[h.param];
+          // The fp32 master falls back to the weight (converted), as DeepSpeed's master is.
+          int src = S(s);
+          if (!h.local[src] && s == TargetState::kFp32) src = S(TargetState::kWeight);
+          std::shared_ptr<const slice::TensorLayout> part =
+              h.local[src] ? h.local[src] : ZeroLayout(h.view.local_shape);
+          UCPFS_RETURN_IF_ERROR(CheckConvertible(*part, DType::kFloat32, p.keys[src]));
+          parts.push_back(part);
+          const uint64_t n = part->NumElems();
+          const uint64_t a = std::max(starts[i], lo), b = std::min(starts[i] + n, hi);
+          if (h.local[src] && a < b) {
+            add_info(h, static_cast<TargetState>(src), "optim.pt", TargetStateName(s), DType::kFloat32,
+                     nlohmann::ordered_json::array({a - lo, b - lo}));
+          }
+        }
+        optim.Set(TargetStateName(s),
+                  SaveValue::Tensor(DType::kFloat32, {static_cast<int64_t>(ps)},
+                                    std::make_shared<ConcatProvider>(std::move(parts), padded,
+                                                                     lo * ItemSize(DType::kFloat32), in.files)));
+      }
+      for (const auto& h : held) {
+        if (!h.local[S(TargetState::kStep)]) continue;
+        optim.Set("step", SaveValue::Tensor(DType::kFloat32, {},
+                                            std::make_shared<LayoutProvider>(h.local[S(TargetState::kStep)],
+                                                                             DType::kFloat32, in.files)));
+        add_info(h, TargetState::kStep, "optim.pt", "step", DType::kFloat32, nullptr);
+        break;
+      }
+      optim.Set("param_groups", ParamGroups(in, held));
+    }
+    UCPFS_ASSIGN_OR_RETURN(auto optim_file, format::LazyTorchFile::Build(optim, dir + "optim.pt"));
+    out.optim = std::move(optim_file);
+  }
+
+  nlohmann::ordered_json info;
+  info["layout"] = layout_.name;
+  info["rank"] = rank;
+  info["coords"] = {{"tp", coords.tp}, {"pp", coords.pp}, {"dp", coords.dp}, {"ep", coords.ep}};
+  info["tensors"] = std::move(tensors);
+  const std::string text = info.dump(2) + "\n";
+  std::vector<std::byte> bytes(text.size());
+  std::memcpy(bytes.data(), text.data(), text.size());
+  out.info = std::make_shared<MemorySource>(dir + "ucp_info.json", std::move(bytes));
+  return out;
+}
+
+Result<RankFiles> BuildRankFiles(std::shared_ptr<const TargetInput> input, const layout::Layout& layout,
+                                 int rank) {
+  UCPFS_ASSIGN_OR_RETURN(auto plan, TargetPlan::Make(std::move(input), layout));
+  return plan.Build(rank);
+}
+
+}  // namespace ucpfs::views

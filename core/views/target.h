@@ -1,0 +1,120 @@
+// Target views: the files of one rank of a new parallel layout (DESIGN.md "Mount layout",
+// `target/<layout>/rank_<N>/`):
+//   model.pt      OrderedDict fqn -> this rank's local tensor, in the source's model dtype (the
+//                 weight item's dtype), in the source's parameter order (model.load_state_dict);
+//   optim.pt      only when the source has optimizer state (fp32 masters or Adam moments):
+//                 zero 0: a torch.optim state dict {'state': {i: {'step', 'exp_avg',
+//                 'exp_avg_sq'}}, 'param_groups': [...], ['fp32': OrderedDict fqn -> master]}
+//                 with i the parameter's position in model.pt;
+//                 zero 1: {'fp32', 'exp_avg', 'exp_avg_sq', 'step', 'param_groups'}, each of the
+//                 three a 1-D float32 tensor: this DP rank's ZeRO-1 partition of the rank's local
+//                 tensors flattened and concatenated in model.pt order (research/deepspeed.md
+//                 §2.5: padded with zeros at the end to a multiple of 2·dp, equal partitions);
+//   ucp_info.json where every tensor of the two files comes from (UcpInfo).
+// Sizes and every non-tensor byte are known when Build returns; tensor bytes are gathered
+// from the source fragments on read (LazyTorchFile + slice::LocalLayout / ReadConcatBytes).
+//
+// Not for: I/O, key naming of the source (the caller maps keys to states: index/key_map.h),
+// deciding which slice a rank holds (layout/patterns.h does that).
+// Caveats:
+//  - param_groups carry the source's hyper-parameters only where the caller found them
+//    (TargetParam::hyper); with none, a group holds only 'params' and 'param_names', and
+//    torch's Optimizer.load_state_dict then keeps the optimizer's constructor defaults.
+//  - A parameter with an Adam moment but no step gets no 'step' (torch then fails to load it
+//    into Adam, which requires one: the source does not say what the step was).
+//  - zero 1: a held parameter missing one of the states reads as zeros in that state's flat
+//    tensor, so partitions stay aligned; a state no held parameter has is omitted.
+//  - Floats in param_groups are pickled as BINFLOAT: torch 1.13's weights_only=True refuses
+//    them (torch_writer.h); plain torch.load accepts them.
+// Invariants: pure and deterministic; the files of a rank depend only on the input, the layout
+// and the rank (identical DP replicas give identical bytes).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/dtype.h"
+#include "core/layout/layout.h"
+#include "core/layout/patterns.h"
+#include "core/slice/slice.h"
+#include "core/status.h"
+
+namespace ucpfs::views {
+
+// The states of a parameter, in the order of index::StateKind.
+enum class TargetState : uint8_t { kWeight = 0, kFp32 = 1, kExpAvg = 2, kExpAvgSq = 3, kStep = 4 };
+inline constexpr int kNumTargetStates = 5;
+const char* TargetStateName(TargetState s);  // "weight", "fp32", "exp_avg", "exp_avg_sq", "step"
+
+// A hyper-parameter value of an optimizer param group: None, bool, int, float, tuple of floats.
+using HyperValue = std::variant<std::monostate, bool, int64_t, double, std::vector<double>>;
+using HyperParam = std::pair<std::string, HyperValue>;  // (field, value), e.g. ("lr", 3e-4)
+
+// Parses a torch.save blob (a DCP BYTE_IO item) whose root is a hyper-parameter value.
+// Errors: those of format::TorchFile::Open; kUnsupported for any other kind of value.
+Result<HyperValue> ParseHyperValue(std::shared_ptr<const ByteSource> blob);
+
+struct TargetParam {
+  std::string name;  // model fqn (global)
+  // Global layouts per TargetState (null: the source has no such state). Every present layout
+  // must have the same global shape, except step (one element).
+  std::array<std::shared_ptr<const slice::TensorLayout>, kNumTargetStates> states;
+  std::array<DType, kNumTargetStates> dtypes{};        // each state's dtype in the source
+  std::array<std::string, kNumTargetStates> keys;      // each state's source key (ucp_info.json)
+  std::vector<HyperParam> hyper;  // the param group's hyper-parameters, in source field order
+};
+
+struct TargetInput {
+  std::vector<TargetParam> params;  // in the source's parameter order
+  std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files;  // fragment file ids
+  layout::Preset preset = layout::Preset::kAuto;  // kAuto: DetectPreset over the names
+  std::vector<layout::Rule> rules;                // user pattern rules, tried first
+  std::optional<std::vector<int>> pp_split;       // --pp-split: layers per stage
+};
+
+struct RankFiles {
+  std::shared_ptr<const ByteSource> model;  // model.pt
+  std::shared_ptr<const ByteSource> optim;  // optim.pt; null when the source has no optimizer state
+  std::shared_ptr<const ByteSource> info;   // ucp_info.json
+};
+
+// The per-layout work done once (preset, model info, patterns, stage bounds), so that the
+// files of many ranks are built without repeating it. Keeps `input` alive.
+class TargetPlan {
+ public:
+  // Errors (kInvalidArgument naming the layout or the parameter): no parameter; a layout the
+  // model refuses (CheckLayoutForModel, PipelineSplit); a rule that does not fit a parameter's
+  // shape; a pattern that conflicts with the source geometry (CheckGeometry); states of one
+  // parameter with different shapes.
+  static Result<TargetPlan> Make(std::shared_ptr<const TargetInput> input, layout::Layout layout);
+
+  // The three files of `rank` (0 <= rank < World(), else kInvalidArgument). Errors: those of
+  // TargetSlice and LocalLayout naming the parameter; kUnsupported when a stored dtype cannot be
+  // converted to the file's dtype; LazyTorchFile::Build's.
+  Result<RankFiles> Build(int rank) const;
+
+  const layout::Layout& layout() const { return layout_; }
+  layout::Preset preset() const { return preset_; }
+  const std::vector<layout::ParamPattern>& patterns() const { return patterns_; }
+
+ private:
+  std::shared_ptr<const TargetInput> input_;
+  layout::Layout layout_;
+  layout::Preset preset_ = layout::Preset::kAuto;
+  std::vector<int> stage_bounds_;
+  std::vector<layout::ParamPattern> patterns_;  // per input param
+  bool has_optim_ = false;
+};
+
+// One-shot convenience: TargetPlan::Make(input, layout) then Build(rank).
+Result<RankFiles> BuildRankFiles(std::shared_ptr<const TargetInput> input,
+                                 const layout::Layout& layout, int rank);
+
+}  // namespace ucpfs::views

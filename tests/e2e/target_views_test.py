@@ -1,0 +1,450 @@
+"""End-to-end: `ucpfs convert SRC DST --layout=L ...` writes target views that torch loads and resumes.
+
+Fixtures: one tiny Llama (torchtitan names, 4 layers, GQA, vocab 37) trained K steps with Adam,
+saved by real torch 1.13 gloo DCP with several shardings of the SAME state (2 ranks rows, 2 ranks
+cols, 3 ranks mixed, 4 ranks 2x2 grid) by fixtures/gen_llama_train.py. For every source and every
+layout (tp2_pp2_dp2, tp1_pp4_dp1, tp2_pp1_dp2_zero1, tp3_pp3_dp1, tp1_pp1_dp1):
+- DST/target/<L>/ holds exactly rank_0..rank_{T*P*D-1}, each exactly model.pt, optim.pt,
+  ucp_info.json;
+- model.pt loads with torch.load(weights_only=True) and (weights_only=False), is an OrderedDict
+  fqn -> fp32 tensor in parameter order, with only this pipeline stage's parameters, each equal
+  bit for bit to a reference slice computed here from the expected full tensors (pipeline split
+  floor(s*L/P); torchtitan TP plan with torch.chunk/DTensor semantics; rank = tp + T*(dp + D*pp));
+- optim.pt (zero0) is a torch.optim state_dict: state[i] = {step, exp_avg, exp_avg_sq} for the
+  i-th model.pt tensor, one param group with params 0..n-1, param_names and the Adam fields; no
+  'fp32' (the source has no separate masters); (zero1) fp32/exp_avg/exp_avg_sq are this DP rank's
+  equal, zero-padded partition of the TP/PP-local tensors flattened in model.pt order;
+- ucp_info.json names layout, rank, coords, and for every model.pt tensor the global shape and
+  pieces covering exactly the reference TP box.
+Across sources: every layout's model.pt/optim.pt (and ucp_info.json) are byte-identical.
+Resume: tp1_pp1_dp1 rank_0 model.pt/optim.pt loaded into a fresh model and a fresh Adam continue
+training with losses equal bit for bit (float.hex) to the generator's uninterrupted run (and
+differ when the optimizer state is not loaded: the check is not vacuous).
+Also: --atomic gives the same target files; a malformed layout is refused.
+
+Run by hand: UCPFS_BIN=build/cli/ucpfs /usr/bin/python3 tests/e2e/target_views_test.py
+`--self-check` validates this test without ucpfs: it writes the target views itself from the
+reference slicer, checks that everything passes on them, and that deliberately wrong files fail.
+"""
+import collections
+import contextlib
+import filecmp
+import io
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+from e2e_common import Results, run, seeded_rng, tmpdir, ucpfs_bin
+from mount_common import FIXTURES, PY
+
+sys.path.insert(0, FIXTURES)
+import gen_llama_train as gen  # noqa: E402  (model, batches, train_step)
+
+NAME = "e2e_target_views"
+LAYOUTS = ["tp2_pp2_dp2", "tp1_pp4_dp1", "tp2_pp1_dp2_zero1", "tp3_pp3_dp1", "tp1_pp1_dp1"]
+SOURCES = [("r2_rows", 2, "rows"), ("r2_cols", 2, "cols"), ("r3_mixed", 3, "mixed"),
+           ("r4_grid", 4, "grid")]
+FILES = ["model.pt", "optim.pt", "ucp_info.json"]
+
+
+# ---------------------------------------------------------------- reference slicer (independent)
+
+def parse_layout(name):
+    parts = name.split("_")
+    vals = {}
+    for p in parts:
+        key = p.rstrip("0123456789")
+        assert key in ("tp", "pp", "dp", "ep", "zero") and key not in vals and p[len(key):], name
+        vals[key] = int(p[len(key):])
+    assert all(k in vals for k in ("tp", "pp", "dp")), name
+    return {"T": vals["tp"], "P": vals["pp"], "D": vals["dp"], "E": vals.get("ep", 1),
+            "Z": vals.get("zero", 0)}
+
+
+def n_ranks(lay):
+    return lay["T"] * lay["P"] * lay["D"]
+
+
+def coords(lay, rank):
+    T, D = lay["T"], lay["D"]
+    return {"tp": rank % T, "dp": (rank // T) % D, "pp": rank // (T * D), "ep": 0}
+
+
+def stage_of(fqn, P):
+    if fqn.startswith("tok_embeddings."):
+        return 0
+    if fqn.startswith("layers."):
+        layer = int(fqn.split(".")[1])
+        L = gen.LAYERS
+        return next(s for s in range(P) if s * L // P <= layer < (s + 1) * L // P)
+    assert fqn in ("norm.weight", "output.weight"), fqn
+    return P - 1
+
+
+def tp_dim(fqn):
+    """torchtitan's TP plan: None = replicated."""
+    if fqn == "tok_embeddings.weight" or fqn == "output.weight":
+        return 0
+    leaf = fqn.split(".")[-2]
+    if leaf in ("wq", "wk", "wv", "w1", "w3"):
+        return 0
+    if leaf in ("wo", "w2"):
+        return 1
+    assert fqn.endswith("norm.weight"), fqn
+    return None
+
+
+def tp_box(shape, fqn, T, tp):
+    """(offsets, sizes) of TP rank tp's piece: DTensor Shard(dim) = tensor.chunk(T, dim)[tp],
+    empty when torch.chunk returns fewer than T chunks."""
+    offs, sizes = [0] * len(shape), list(shape)
+    d = tp_dim(fqn)
+    if d is not None:
+        n = shape[d]
+        c = -(-n // T)
+        offs[d] = min(tp * c, n)
+        sizes[d] = max(0, min(c, n - tp * c))
+    return offs, sizes
+
+
+def tp_slice(t, fqn, T, tp):
+    offs, sizes = tp_box(list(t.shape), fqn, T, tp)
+    d = tp_dim(fqn)
+    if d is not None and T > 0 and tp < len(t.chunk(T, d)):  # cross-check against torch.chunk
+        assert torch.equal(t.chunk(T, d)[tp], t.narrow(d, offs[d], sizes[d]))
+    return t[tuple(slice(o, o + s) for o, s in zip(offs, sizes))].clone()
+
+
+def reference_rank(full, info, lay, rank):
+    """The expected model.pt / optim.pt objects of one rank."""
+    c = coords(lay, rank)
+    names = [n for n in info["param_order"] if stage_of(n, lay["P"]) == c["pp"]]
+    model = collections.OrderedDict((n, tp_slice(full[n], n, lay["T"], c["tp"])) for n in names)
+    moments = {s: [tp_slice(full[f"optimizer.state.{n}.{s}"], n, lay["T"], c["tp"]) for n in names]
+               for s in ("exp_avg", "exp_avg_sq")}
+    group = dict(info["param_group"])
+    group["betas"] = tuple(group["betas"])
+    step = full[f"optimizer.state.{info['param_order'][0]}.step"]
+    if lay["Z"] == 0:
+        optim = {"state": {i: {"step": step.clone(), "exp_avg": moments["exp_avg"][i],
+                               "exp_avg_sq": moments["exp_avg_sq"][i]} for i in range(len(names))},
+                 "param_groups": [dict(group, params=list(range(len(names))), param_names=names)]}
+    else:
+        D, dp = lay["D"], c["dp"]
+
+        def part(ts):
+            flat = torch.cat([t.reshape(-1) for t in ts]) if ts else torch.zeros(0)
+            p = -(-flat.numel() // D)
+            flat = torch.cat([flat, torch.zeros(p * D - flat.numel())])
+            return flat[dp * p:(dp + 1) * p].clone()
+        optim = {"fp32": part(list(model.values())), "exp_avg": part(moments["exp_avg"]),
+                 "exp_avg_sq": part(moments["exp_avg_sq"]), "step": step.clone(),
+                 "param_groups": [dict(group, params=list(range(len(names))), param_names=names)]}
+    return model, optim, names
+
+
+def same_bits(a, b, what):
+    assert isinstance(a, torch.Tensor), f"{what}: not a tensor ({type(a).__name__})"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert tuple(a.shape) == tuple(b.shape), f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32)), \
+        f"{what}: values differ"
+
+
+def check_step(v, k, what):
+    if isinstance(v, torch.Tensor):
+        assert v.dim() == 0 and v.is_floating_point(), f"{what}: step {v.dtype} {tuple(v.shape)}"
+        v = v.item()
+    assert float(v) == float(k), f"{what}: step {v} != {k}"
+
+
+def check_group(g, want, what, zero):
+    assert isinstance(g, dict), f"{what}: param group is {type(g).__name__}"
+    for f in gen.GROUP_FIELDS:
+        assert f in g, f"{what}: param group lacks {f}"
+        got, exp = g[f], want[f]
+        if f == "betas":
+            got, exp = tuple(got), tuple(exp)
+        ok = (got is exp) if (exp is None or isinstance(exp, bool)) else \
+            (got == exp and not isinstance(got, bool))
+        assert ok, f"{what}: {f} = {got!r}, want {exp!r}"
+    if zero == 0:
+        assert g["params"] == want["params"], f"{what}: params {g['params']} != {want['params']}"
+        assert list(g.get("param_names", [])) == want["param_names"], \
+            f"{what}: param_names {g.get('param_names')} != {want['param_names']}"
+    elif "param_names" in g:
+        assert list(g["param_names"]) == want["param_names"], f"{what}: param_names"
+
+
+def check_model(path, want, what):
+    for wo in (True, False):
+        m = torch.load(path, weights_only=wo)
+        assert type(m) is collections.OrderedDict, f"{what}: model.pt is {type(m).__name__}"
+        assert list(m) == list(want), f"{what}: keys {list(m)} != {list(want)}"
+        for k, t in want.items():
+            same_bits(m[k], t, f"{what}: {k}")
+
+
+def check_optim(path, want, lay, steps, what):
+    o = torch.load(path, weights_only=False)
+    assert isinstance(o, dict), f"{what}: optim.pt is {type(o).__name__}"
+    if lay["Z"] == 0:
+        assert sorted(o) == ["param_groups", "state"], f"{what}: optim.pt keys {sorted(o)}"
+        st = o["state"]
+        assert sorted(st) == sorted(want["state"]) and all(type(i) is int for i in st), \
+            f"{what}: state indices {sorted(st)} != {sorted(want['state'])}"
+        for i, ws in want["state"].items():
+            assert sorted(st[i]) == ["exp_avg", "exp_avg_sq", "step"], f"{what}: state[{i}] {sorted(st[i])}"
+            check_step(st[i]["step"], steps, f"{what}: state[{i}]")
+            for s in ("exp_avg", "exp_avg_sq"):
+                same_bits(st[i][s], ws[s], f"{what}: state[{i}].{s}")
+    else:
+        need = ["exp_avg", "exp_avg_sq", "fp32", "param_groups", "step"]
+        assert all(k in o for k in need), f"{what}: optim.pt keys {sorted(o)}, need {need}"
+        for s in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert o[s].dim() == 1, f"{what}: {s} is {o[s].dim()}-D"
+            same_bits(o[s], want[s], f"{what}: {s}")
+        check_step(o["step"], steps, what)
+    assert isinstance(o["param_groups"], list) and len(o["param_groups"]) == 1, \
+        f"{what}: {len(o['param_groups'])} param groups"
+    check_group(o["param_groups"][0], want["param_groups"][0], what, lay["Z"])
+
+
+def check_info(path, lay_name, lay, rank, full, names, what):
+    info = json.load(open(path))
+    assert info.get("layout") == lay_name and info.get("rank") == rank, \
+        f"{what}: layout/rank {info.get('layout')}/{info.get('rank')}"
+    c = coords(lay, rank)
+    assert {k: info["coords"].get(k) for k in ("tp", "pp", "dp", "ep")} == c, \
+        f"{what}: coords {info['coords']} != {c}"
+    keys = ("param", "state", "file", "key", "dtype", "global_shape", "pattern", "pieces", "flat_range")
+    in_model = {}
+    for e in info["tensors"]:
+        miss = [k for k in keys if k not in e]
+        assert not miss, f"{what}: tensor entry {e.get('param')} lacks {miss}"
+        assert e["file"] in ("model.pt", "optim.pt"), f"{what}: file {e['file']}"
+        if e["file"] == "model.pt":
+            assert e["key"] not in in_model, f"{what}: model.pt key {e['key']} listed twice"
+            in_model[e["key"]] = e
+    assert sorted(in_model) == sorted(names), f"{what}: model.pt entries {sorted(in_model)}"
+    for n in names:
+        e = in_model[n]
+        shape = list(full[n].shape)
+        assert e["param"] == n and list(e["global_shape"]) == shape, \
+            f"{what}: {n}: param {e['param']} global_shape {e['global_shape']}"
+        offs, sizes = tp_box(shape, n, lay["T"], c["tp"])
+        want = torch.zeros(shape, dtype=torch.int32)
+        want[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = 1
+        got = torch.zeros(shape, dtype=torch.int32)
+        numel = 0
+        for p in e["pieces"]:
+            numel += int(torch.tensor(p["sizes"]).prod().item()) if p["sizes"] else 1
+            if list(p["view_shape"]) == shape:
+                got[tuple(slice(o, o + s) for o, s in zip(p["offsets"], p["sizes"]))] += 1
+        assert numel == int(want.sum()), f"{what}: {n}: pieces hold {numel} elements, want {int(want.sum())}"
+        if all(list(p["view_shape"]) == shape for p in e["pieces"]):
+            assert torch.equal(got, want), f"{what}: {n}: pieces {e['pieces']} != box {offs}+{sizes}"
+
+
+def check_layout(res, label, dst, lay_name, full, info):
+    lay = parse_layout(lay_name)
+    root = os.path.join(dst, "target", lay_name)
+    res.check(f"{label} {lay_name}: exactly ranks 0..{n_ranks(lay) - 1}, each {FILES}", lambda: (
+        _eq(sorted(os.listdir(root)), sorted(f"rank_{r}" for r in range(n_ranks(lay))), root),
+        [_eq(sorted(os.listdir(os.path.join(root, f"rank_{r}"))), FILES, f"rank_{r}")
+         for r in range(n_ranks(lay))]))
+    for r in range(n_ranks(lay)):
+        d = os.path.join(root, f"rank_{r}")
+        model, optim, names = reference_rank(full, info, lay, r)
+        what = f"{label} {lay_name} rank_{r}"
+        res.check(f"{what}: model.pt", lambda: check_model(os.path.join(d, "model.pt"), model, what))
+        res.check(f"{what}: optim.pt", lambda: check_optim(os.path.join(d, "optim.pt"), optim, lay,
+                                                            info["steps"], what))
+        res.check(f"{what}: ucp_info.json", lambda: check_info(os.path.join(d, "ucp_info.json"), lay_name,
+                                                                lay, r, full, names, what))
+
+
+def _eq(a, b, what):
+    assert a == b, f"{what}: {a} != {b}"
+
+
+def same_files(a, b, lay_name, names):
+    root_a, root_b = (os.path.join(x, "target", lay_name) for x in (a, b))
+    diff = []
+    for r in sorted(os.listdir(root_a)):
+        for f in names:
+            pa, pb = os.path.join(root_a, r, f), os.path.join(root_b, r, f)
+            if not os.path.exists(pb) or not filecmp.cmp(pa, pb, shallow=False):
+                diff.append(f"{r}/{f}")
+    assert not diff, f"differ: {diff}"
+
+
+def resume(dst, info, load_optim=True):
+    torch.set_num_threads(1)
+    d = os.path.join(dst, "target", "tp1_pp1_dp1", "rank_0")
+    model = gen.Llama()
+    model.load_state_dict(torch.load(os.path.join(d, "model.pt"), weights_only=True))
+    opt = gen.make_optimizer(model)
+    if load_optim:
+        opt.load_state_dict(torch.load(os.path.join(d, "optim.pt"), weights_only=False))
+    k = info["steps"]
+    return [float(gen.train_step(model, opt, gen.batch(info["seed"], k + j))).hex()
+            for j in range(info["continue_steps"])]
+
+
+def check_resume(dst, info):
+    got = resume(dst, info)
+    assert got == info["continue_losses"], f"losses {got} != uninterrupted {info['continue_losses']}"
+
+
+def check_resume_sensitive(dst, info):
+    got = resume(dst, info, load_optim=False)
+    assert got != info["continue_losses"], "losses match even without the optimizer state"
+
+
+# ---------------------------------------------------------------- self-check (no ucpfs needed)
+
+def write_reference(full, info, dst, wrong=None):
+    """Writes DST/target/<L>/rank_<N>/ from the reference slicer. wrong: a deliberate bug."""
+    for lay_name in LAYOUTS:
+        lay = parse_layout(lay_name)
+        for r in range(n_ranks(lay)):
+            model, optim, names = reference_rank(full, info, lay, r)
+            c = coords(lay, r)
+            if wrong == "wo_dim0" and lay["T"] > 1:
+                for n in names:
+                    if n.endswith("attention.wo.weight"):
+                        model[n] = full[n].chunk(lay["T"], 0)[c["tp"]].clone()
+            if wrong == "zero1_per_tensor" and lay["Z"] == 1:  # each tensor split over DP instead
+                optim["fp32"] = torch.cat([t.reshape(-1).tensor_split(lay["D"])[c["dp"]]
+                                           for t in model.values()])
+            if wrong == "step" and lay["Z"] == 0:
+                for s in optim["state"].values():
+                    s["step"] = s["step"] + 1
+            d = os.path.join(dst, "target", lay_name, f"rank_{r}")
+            os.makedirs(d, exist_ok=True)
+            torch.save(model, os.path.join(d, "model.pt"))
+            torch.save(optim, os.path.join(d, "optim.pt"))
+            tensors = []
+            for n in names:
+                offs, sizes = tp_box(list(full[n].shape), n, lay["T"], c["tp"])
+                tensors.append({"param": n, "state": "weight", "file": "model.pt", "key": n,
+                                "dtype": "float32", "global_shape": list(full[n].shape),
+                                "pattern": "shard" if tp_dim(n) is not None else "replicate",
+                                "pieces": [{"view_shape": list(full[n].shape), "offsets": offs,
+                                            "sizes": sizes}], "flat_range": None})
+            with open(os.path.join(d, "ucp_info.json"), "w") as f:
+                json.dump({"layout": lay_name, "rank": r, "coords": c, "tensors": tensors}, f)
+
+
+def expect_failure(fn):
+    sub = Results("sub")
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        fn(sub)
+    assert sub.failed > 0, "the deliberately wrong files passed every check"
+    first = log.getvalue().splitlines()[0]
+    print(f"  self-check caught {sub.failed} failing checks, e.g. {first}", flush=True)
+
+
+# ---------------------------------------------------------------- main
+
+def main():
+    self_check = "--self-check" in sys.argv[1:]
+    res = Results(NAME)
+    rng = seeded_rng(NAME)
+    seed, steps = rng.randrange(1000), rng.randrange(2, 5)
+    print(f"{NAME}: model seed {seed}, {steps} training steps", flush=True)
+    t0 = time.monotonic()
+    with tmpdir("ucpfs-target-") as d:
+        srcs = []
+        for name, ranks, sharding in SOURCES:
+            src = os.path.join(d, name)
+            expected = src + "_expected.pt"
+            run([PY, os.path.join(FIXTURES, "gen_llama_train.py"), src, "--ranks", str(ranks),
+                 "--sharding", sharding, "--steps", str(steps), "--seed", str(seed),
+                 "--expected", expected], timeout=300)
+            srcs.append((name, src, expected))
+        full = torch.load(srcs[0][2])
+        info = json.load(open(os.path.splitext(srcs[0][2])[0] + "_resume.json"))
+        print(f"{NAME}: fixtures in {time.monotonic() - t0:.1f} s", flush=True)
+        for _, _, expected in srcs[1:]:
+            other = torch.load(expected)
+            assert list(other) == list(full) and all(torch.equal(other[k], full[k]) for k in full), \
+                "generator: shardings of the same model differ"
+
+        outs = []
+        for name, src, _ in srcs:
+            out = os.path.join(d, f"out_{name}")
+            if self_check:
+                write_reference(full, info, out)
+            else:
+                t1, failed = time.monotonic(), res.failed
+                res.check(f"{name}: ucpfs convert exits 0",
+                          lambda: run([ucpfs_bin(), "convert", src, out] +
+                                      [f"--layout={x}" for x in LAYOUTS], timeout=600))
+                print(f"{NAME}: convert {name} in {time.monotonic() - t1:.1f} s", flush=True)
+                if res.failed > failed:
+                    continue  # one failure per source, not one per rank file
+            outs.append((name, out))
+            for lay_name in LAYOUTS:
+                check_layout(res, name, out, lay_name, full, info)
+            res.check(f"{name}: resume from tp1_pp1_dp1 continues bit for bit",
+                      lambda: check_resume(out, info))
+        res.check("every source converted", lambda: _eq(len(outs), len(srcs), "converted sources"))
+        if outs:
+            res.check("resume check is not vacuous (no optimizer state -> other losses)",
+                      lambda: check_resume_sensitive(outs[0][1], info))
+        for lay_name in LAYOUTS if outs else []:
+            for name, out in outs[1:]:
+                res.check(f"{lay_name}: model.pt/optim.pt byte-identical {outs[0][0]} vs {name}",
+                          lambda: same_files(outs[0][1], out, lay_name, ["model.pt", "optim.pt"]))
+                res.check(f"{lay_name}: ucp_info.json identical {outs[0][0]} vs {name}",
+                          lambda: same_files(outs[0][1], out, lay_name, ["ucp_info.json"]))
+
+        if self_check:
+            for wrong in ("wo_dim0", "zero1_per_tensor", "step"):
+                def caught(wrong=wrong):
+                    bad = os.path.join(d, f"bad_{wrong}")
+                    write_reference(full, info, bad, wrong=wrong)
+                    expect_failure(lambda sub: [check_layout(sub, wrong, bad, x, full, info)
+                                                for x in LAYOUTS])
+                res.check(f"self-check: deliberately wrong '{wrong}' files fail", caught)
+
+            def resume_caught():
+                bad = os.path.join(d, "bad_resume")
+                shutil.copytree(outs[0][1], bad)
+                p = os.path.join(bad, "target", "tp1_pp1_dp1", "rank_0", "optim.pt")
+                o = torch.load(p)
+                o["state"][0]["exp_avg_sq"] = o["state"][0]["exp_avg_sq"] * (1 + 2 ** -20)
+                torch.save(o, p)
+                got = resume(bad, info)
+                assert got != info["continue_losses"], "a perturbed exp_avg_sq resumed bit for bit"
+            res.check("self-check: a 1-ulp-ish perturbed moment breaks resume equality", resume_caught)
+        else:
+            name, src, _ = srcs[-1]
+            out_a = os.path.join(d, "out_atomic")
+
+            def atomic():
+                run([ucpfs_bin(), "convert", src, out_a, "--layout=tp2_pp2_dp2", "--atomic"], timeout=600)
+                assert name in dict(outs), f"convert of {name} failed above"
+                same_files(dict(outs)[name], out_a, "tp2_pp2_dp2", ["model.pt", "optim.pt"])
+            res.check("--atomic: same target files", atomic)
+            for bad in ("tp0_pp1_dp1", "tp2_dp2", "bogus"):
+                def refused(bad=bad):
+                    out_b = os.path.join(d, f"out_bad_{bad}")
+                    r = run([ucpfs_bin(), "convert", src, out_b, f"--layout={bad}"], check=False, timeout=120)
+                    assert r.returncode != 0, f"exit 0 for --layout={bad}"
+                    assert r.stderr.strip(), "no error message"
+                    assert not os.path.exists(os.path.join(out_b, "target", bad)), "wrote a target dir"
+                res.check(f"malformed layout '{bad}' is refused", refused)
+    print(f"{NAME}: {time.monotonic() - t0:.1f} s", flush=True)
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()
