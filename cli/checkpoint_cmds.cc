@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -16,6 +17,8 @@
 #include <sstream>
 
 #include "cli/text.h"
+#include "core/layout/layout.h"
+#include "core/layout/patterns.h"
 #include "core/views/atomic.h"
 #include "fs/fuse_mount.h"
 #include "fs/namespace.h"
@@ -171,6 +174,28 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
 
 namespace {
 
+// Parses the target-view options (before the daemon forks, so typos fail at once).
+Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
+  fs::TargetOptions t;
+  for (const auto& name : args.layouts) {
+    UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
+    t.layouts.push_back(std::move(l));
+  }
+  UCPFS_ASSIGN_OR_RETURN(t.preset, layout::ParsePreset(args.preset));
+  if (!args.pattern_rules.empty()) {
+    std::ifstream f(args.pattern_rules);
+    if (!f) return NotFoundError(args.pattern_rules + ": cannot open pattern rules file");
+    std::stringstream text;
+    text << f.rdbuf();
+    UCPFS_ASSIGN_OR_RETURN(t.rules, layout::ParseRules(text.str(), args.pattern_rules));
+  }
+  if (!args.pp_split.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(auto split, layout::ParsePpSplit(args.pp_split));
+    t.pp_split = std::move(split);
+  }
+  return t;
+}
+
 // Builds the namespace and serves it; reports failure through `ready_fd` as text when >= 0.
 int ServeMount(const MountArgs& args, int ready_fd) {
   auto report = [&](const char* what, const Status& s) {
@@ -186,15 +211,17 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   };
   auto l = Load(args.source, /*progress=*/ready_fd < 0);
   if (!l.ok()) return report("index", l.error());
+  auto targets = ParseTargetOptions(args);
+  if (!targets.ok()) return report("options", targets.error());
   fs::NamespaceInfo info;
-  auto tree = fs::BuildNamespace(AbsPath(args.source.src), l->opened, l->mapping, &info);
+  auto tree = fs::BuildNamespace(AbsPath(args.source.src), l->opened, l->mapping, *targets, &info);
   if (!tree.ok()) return report("namespace", tree.error());
   fs::MountOptions mo;
   mo.mountpoint = args.mountpoint;
   mo.fuse_options = args.fuse_options;
   mo.ready_fd = ready_fd;
   std::cerr << "ucpfs mount: serving " << info.source_dir << " at " << args.mountpoint << " ("
-            << info.n_atomic_files << " atomic files, index " << index::IndexStateName(l->opened.state)
+            << info.n_atomic_files << " atomic files, " << info.n_target_files << " target files, index " << index::IndexStateName(l->opened.state)
             << " in " << l->opened.elapsed_s << " s)\n";
   Status s = fs::ServeTree(std::move(*tree), mo);
   if (!s.ok()) return report("serve", s);
@@ -210,6 +237,8 @@ int RunMount(const MountArgs& mount_args) {
   args.mountpoint = AbsPath(args.mountpoint);
   if (!args.source.index_dir.empty()) args.source.index_dir = AbsPath(args.source.index_dir);
   if (!args.source.rules.empty()) args.source.rules = AbsPath(args.source.rules);
+  if (!args.pattern_rules.empty()) args.pattern_rules = AbsPath(args.pattern_rules);
+  if (auto t = ParseTargetOptions(args); !t.ok()) return Fail("mount", t.error());
   if (!args.log_file.empty() && args.log_file[0] != '/') {
     char cwd[PATH_MAX];
     if (::getcwd(cwd, sizeof(cwd)) != nullptr) args.log_file = std::string(cwd) + "/" + args.log_file;

@@ -24,7 +24,11 @@ struct MountArgs {
   std::string mountpoint;
   bool foreground = false;
   std::vector<std::string> fuse_options;  // -o a,b,c (split on ',')
-  std::string log_file;                   // daemon stderr; empty: <index dir>/mount.log
+  std::string log_file;                   // daemon stderr; empty: discarded
+  std::vector<std::string> layouts;       // --layout: target views to serve
+  std::string preset = "auto";            // --preset
+  std::string pattern_rules;              // --pattern-rules FILE
+  std::string pp_split;                   // --pp-split a,b,...
 };
 
 // Returns once the mount is live (the daemon keeps serving), or serves in the foreground.

@@ -37,6 +37,11 @@ int main(int argc, char** argv) {
   mount_cmd->add_flag("-f,--foreground", mount.foreground, "stay in the foreground");
   mount_cmd->add_option("-o", fuse_opts, "FUSE mount options, comma-separated (e.g. allow_other)");
   mount_cmd->add_option("--log", mount.log_file, "daemon log file (default: discarded)");
+  mount_cmd->add_option("--layout", mount.layouts,
+                        "serve target/<LAYOUT>/rank_N/ for this layout, e.g. tp2_pp2_dp4 (repeatable)");
+  mount_cmd->add_option("--preset", mount.preset, "naming preset: auto, torchtitan, megatron, hf");
+  mount_cmd->add_option("--pattern-rules", mount.pattern_rules, "pattern rules file (JSON) for target views");
+  mount_cmd->add_option("--pp-split", mount.pp_split, "layers per pipeline stage, e.g. 5,6,6,5");
   AddSourceOptions(mount_cmd, mount.source);
 
   std::string umount_path;

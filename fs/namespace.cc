@@ -4,6 +4,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <map>
+#include <tuple>
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -11,6 +14,8 @@
 #include "core/io/file_source.h"
 #include "core/io/lazy_file_source.h"
 #include "core/views/atomic.h"
+#include "core/views/target.h"
+#include "index/target_input.h"
 
 namespace ucpfs::fs {
 namespace {
@@ -27,7 +32,7 @@ Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::
   while (struct dirent* e = ::readdir(d)) {
     std::string name = e->d_name;
     if (name == "." || name == "..") continue;
-    if (rel.empty() && (name == ".ucpfs" || name == "atomic" || name == "target")) continue;
+    if (rel.empty() && (name == ".ucpfs" || name == "atomic" || name == "target")) continue;  // shadowed
     names.push_back(std::move(name));
   }
   ::closedir(d);
@@ -81,7 +86,7 @@ std::string ParamDirName(const std::string& fqn) {
 Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
                                              const index::OpenedIndex& opened,
                                              const index::KeyMapping& mapping,
-                                             NamespaceInfo* info) {
+                                             const TargetOptions& targets, NamespaceInfo* info) {
   auto tree = std::make_shared<Tree>();
   const auto& ckpt = opened.checkpoint;
   struct stat src_st;
@@ -136,6 +141,47 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     }
   }
 
+  // target/<layout>/rank_<N>/: rank files depend on (tp, pp, ep) for model.pt and, without
+  // ZeRO partitioning, optim.pt; DP replicas link to the first such file.
+  UCPFS_ASSIGN_OR_RETURN(Ino target, tree->AddDir(kRootIno, "target", mtime));
+  size_t n_target = 0;
+  if (!targets.layouts.empty()) {
+    auto input_or = index::MakeTargetInput(ckpt, mapping, files, [](const std::string& w) {
+      std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
+    });
+    UCPFS_RETURN_IF_ERROR(input_or.status());
+    std::shared_ptr<views::TargetInput> input = *input_or;
+    input->preset = targets.preset;
+    input->rules = targets.rules;
+    input->pp_split = targets.pp_split;
+    std::shared_ptr<const views::TargetInput> shared = input;
+    for (const auto& l : targets.layouts) {
+      UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
+      UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
+      std::map<std::tuple<int, int, int>, std::pair<Ino, Ino>> shared_files;  // (tp,pp,ep) -> model, optim
+      for (int rank = 0; rank < l.World(); ++rank) {
+        UCPFS_ASSIGN_OR_RETURN(auto files_of_rank, plan.Build(rank));
+        UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree->AddDir(ldir, "rank_" + std::to_string(rank), mtime));
+        const auto c = layout::CoordsOf(l, rank);
+        auto [it, first] = shared_files.try_emplace({c.tp, c.pp, c.ep}, 0, 0);
+        auto add = [&](const char* name, std::shared_ptr<const ByteSource> src, Ino* share) -> Status {
+          if (share != nullptr && *share != 0) return tree->AddLink(rdir, name, *share);
+          const uint64_t n_bytes = src->Size();
+          UCPFS_ASSIGN_OR_RETURN(Ino ino, tree->AddFile(rdir, name, n_bytes, mtime, FixedSource(std::move(src))));
+          if (share != nullptr) *share = ino;
+          ++n_target;
+          return Status::Ok();
+        };
+        UCPFS_RETURN_IF_ERROR(add("model.pt", files_of_rank.model, &it->second.first));
+        if (files_of_rank.optim) {
+          UCPFS_RETURN_IF_ERROR(add("optim.pt", files_of_rank.optim, l.zero == 0 ? &it->second.second : nullptr));
+        }
+        UCPFS_RETURN_IF_ERROR(add("ucp_info.json", files_of_rank.info, nullptr));
+        (void)first;
+      }
+    }
+  }
+
   nlohmann::ordered_json status;
   status["source"] = source_dir;
   status["format"] = ckpt.format;
@@ -146,10 +192,13 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
                      {"open_seconds", opened.elapsed_s}};
   status["counts"] = {{"params", mapping.params.size()},
                       {"atomic_files", n_atomic},
+                      {"target_files", n_target},
                       {"atomic_bytes", atomic_bytes},
                       {"source_files", n_passthrough},
                       {"items", ckpt.items.size()},
                       {"unmapped_keys", mapping.unmapped_keys.size()}};
+  status["target_layouts"] = nlohmann::ordered_json::array();
+  for (const auto& l : targets.layouts) status["target_layouts"].push_back(l.name);
   status["unmapped_keys"] = mapping.unmapped_keys;
   std::string status_text = status.dump(2) + "\n";
   UCPFS_ASSIGN_OR_RETURN(Ino meta, tree->AddDir(kRootIno, ".ucpfs", mtime));
@@ -183,6 +232,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     info->source_dir = source_dir;
     info->n_atomic_files = n_atomic;
     info->n_passthrough_files = n_passthrough;
+    info->n_target_files = n_target;
     info->status_json = std::move(status_text);
   }
   return tree;

@@ -5,9 +5,13 @@
 #pragma once
 
 #include <memory>
+#include <optional>
+#include <vector>
 #include <string>
 
 #include "core/status.h"
+#include "core/layout/layout.h"
+#include "core/layout/patterns.h"
 #include "fs/tree.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
@@ -18,7 +22,16 @@ struct NamespaceInfo {
   std::string source_dir;  // absolute
   size_t n_atomic_files = 0;
   size_t n_passthrough_files = 0;
+  size_t n_target_files = 0;      // distinct inodes under target/
   std::string status_json;  // the content of .ucpfs/status.json
+};
+
+// Which target views to build, and how to slice parameters for them.
+struct TargetOptions {
+  std::vector<layout::Layout> layouts;   // --layout (may repeat)
+  layout::Preset preset = layout::Preset::kAuto;
+  std::vector<layout::Rule> rules;       // --pattern-rules
+  std::optional<std::vector<int>> pp_split;
 };
 
 // `<param>` directory name: the fqn with '/' written as "%2F" (and '%' as "%25").
@@ -26,9 +39,15 @@ std::string ParamDirName(const std::string& fqn);
 
 // Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored
 // dtype cannot be converted to fp32 (names the parameter).
+// With target layouts: `target/<layout>/rank_<N>/{model.pt,optim.pt,ucp_info.json}`. Ranks
+// that differ only in their data-parallel coordinate get the very same model.pt (and, without
+// ZeRO partitioning, optim.pt): those share one inode, so the page cache holds them once.
+// Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored
+// dtype cannot be converted (names the parameter); kInvalidArgument when a layout does not fit
+// the model (names the layout and why).
 Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
                                              const index::OpenedIndex& opened,
                                              const index::KeyMapping& mapping,
-                                             NamespaceInfo* info);
+                                             const TargetOptions& targets, NamespaceInfo* info);
 
 }  // namespace ucpfs::fs

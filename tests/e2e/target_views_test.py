@@ -353,6 +353,39 @@ def expect_failure(fn):
 
 # ---------------------------------------------------------------- main
 
+def check_mount(src, out, workdir):
+    """The mount serves the same bytes as `ucpfs convert` (the oracle), sizes come before data,
+    and data-parallel replicas of a rank file share one inode."""
+    from mount_common import mounted, stats  # noqa: PLC0415 - only the mount check needs it
+    mnt = os.path.join(workdir, "mnt-target")
+    with mounted(src, mnt, *[f"--layout={x}" for x in LAYOUTS]) as (m, _):
+        before = stats(m)["source_bytes_read"]
+        run(["ls", "-lR", os.path.join(m, "target")])
+        run(["du", "-sh", os.path.join(m, "target")])
+        assert stats(m)["source_bytes_read"] == before, "ls/du of target/ read tensor data"
+        for lay_name in LAYOUTS:
+            lay = parse_layout(lay_name)
+            ranks = sorted(os.listdir(os.path.join(m, "target", lay_name)))
+            assert ranks == sorted(f"rank_{r}" for r in range(n_ranks(lay))), (lay_name, ranks)
+            for r in ranks:
+                for f in sorted(os.listdir(os.path.join(out, "target", lay_name, r))):
+                    a = os.path.join(m, "target", lay_name, r, f)
+                    b = os.path.join(out, "target", lay_name, r, f)
+                    assert os.path.getsize(a) == os.path.getsize(b), (a, os.path.getsize(a), os.path.getsize(b))
+                    assert open(a, "rb").read() == open(b, "rb").read(), f"{a} differs from convert's {b}"
+        # tp2_pp2_dp2: rank = tp + 2*(dp + 2*pp); ranks 0 and 2 differ only in dp.
+        d = os.path.join(m, "target", "tp2_pp2_dp2")
+        for f in ("model.pt", "optim.pt"):
+            assert os.stat(os.path.join(d, "rank_0", f)).st_ino == os.stat(os.path.join(d, "rank_2", f)).st_ino, f
+        assert os.stat(os.path.join(d, "rank_0", "model.pt")).st_ino != os.stat(os.path.join(d, "rank_1", "model.pt")).st_ino
+        z = os.path.join(m, "target", "tp2_pp1_dp2_zero1")
+        assert os.stat(os.path.join(z, "rank_0", "optim.pt")).st_ino != os.stat(os.path.join(z, "rank_2", "optim.pt")).st_ino
+        # An invalid layout is refused at mount time with the reason.
+        os.makedirs(mnt + "-bad", exist_ok=True)
+        r = run([ucpfs_bin(), "mount", src, mnt + "-bad", "--layout=tp2_pp9_dp1"], check=False, timeout=120)
+        assert r.returncode != 0 and "tp2_pp9_dp1" in r.stderr, r.stderr
+
+
 def main():
     self_check = "--self-check" in sys.argv[1:]
     res = Results(NAME)
@@ -434,6 +467,9 @@ def main():
                 assert name in dict(outs), f"convert of {name} failed above"
                 same_files(dict(outs)[name], out_a, "tp2_pp2_dp2", ["model.pt", "optim.pt"])
             res.check("--atomic: same target files", atomic)
+            if outs:
+                res.check("mount serves convert's bytes; DP replicas share inodes; no data read by ls/du",
+                          lambda: check_mount(srcs[0][1], outs[0][1], d))
             for bad in ("tp0_pp1_dp1", "tp2_dp2", "bogus"):
                 def refused(bad=bad):
                     out_b = os.path.join(d, f"out_bad_{bad}")
