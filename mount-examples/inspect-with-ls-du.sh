@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Inspect a checkpoint through the mount with ls, du and stat: every size is exact before any
+# tensor byte is read (.ucpfs/stats.json shows the source bytes read: none).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tests/install-deps.sh
+tests/build.sh build
+UCPFS=$PWD/build/cli/ucpfs
+work=$(mktemp -d /tmp/ucpfs-lsdu.XXXXXX)
+mnt=$work/mnt
+cleanup() {
+  if mountpoint -q "$mnt" 2>/dev/null; then "$UCPFS" umount "$mnt" || umount -l "$mnt"; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+/usr/bin/python3 tests/e2e/fixtures/gen_dcp113_llama.py "$work/ckpt" --ranks 4 --seed 1 \
+  --expected "$work/expected.pt" >/dev/null
+mkdir -p "$mnt"
+"$UCPFS" mount "$work/ckpt" "$mnt" --layout=tp2_pp2_dp1
+echo "== du -sh of each view"
+du -sh "$mnt/atomic" "$mnt/target/tp2_pp2_dp1"
+echo
+echo "== du -s --apparent-size --block-size=1 per rank"
+du -s --apparent-size --block-size=1 "$mnt"/target/tp2_pp2_dp1/rank_*
+echo
+echo "== stat of one rank file"
+stat -c '%n: %s bytes, inode %i, %h link(s)' "$mnt"/target/tp2_pp2_dp1/rank_0/*
+echo
+echo "== find the exp_avg views"
+find "$mnt/atomic" -name exp_avg.pt | head -n 5
+echo
+echo "== .ucpfs/stats.json (nothing above read tensor data)"
+cat "$mnt/.ucpfs/stats.json" | tr -s ' \n' ' '; echo
+bytes=$(/usr/bin/python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['source_bytes_read'])" "$mnt/.ucpfs/stats.json")
+[ "$bytes" = 0 ] || { echo "ls/du/stat/find read $bytes source bytes"; exit 1; }
+"$UCPFS" umount "$mnt"
