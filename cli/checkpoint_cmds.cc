@@ -220,6 +220,9 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   mo.mountpoint = args.mountpoint;
   mo.fuse_options = args.fuse_options;
   mo.ready_fd = ready_fd;
+  // target/<layout>/ for layouts not given with --layout: built on first lookup.
+  mo.dynamic_dir = info.target_dir;
+  mo.resolve = info.resolve_target;
   std::cerr << "ucpfs mount: serving " << info.source_dir << " at " << args.mountpoint << " ("
             << info.n_atomic_files << " atomic files, " << info.n_target_files << " target files, index " << index::IndexStateName(l->opened.state)
             << " in " << l->opened.elapsed_s << " s)\n";

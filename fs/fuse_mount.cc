@@ -14,6 +14,10 @@
 // - Status codes become errnos in ErrnoFromStatus() and nowhere else.
 // - Inodes are never forgotten: the tree lives as long as the session, so forget is a no-op
 //   and lookup counts are not tracked.
+// - The optional dynamic directory's subtrees (MountOptions::resolve) are immutable Trees too,
+//   kept in an append-only registry for the whole session: its lock is held only to find or
+//   add a subtree, never while one is built or read. Inode numbers carry the subtree in their
+//   high 32 bits (0: the main tree); Find() is the one place they are decoded.
 #define FUSE_USE_VERSION 35
 #include "fs/fuse_mount.h"
 
@@ -34,7 +38,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <span>
 #include <string_view>
 #include <thread>
@@ -55,6 +61,10 @@ constexpr uint32_t kDefaultMaxReadBytes = 1u << 20;
 constexpr blksize_t kStatBlockSize = 1 << 20;
 constexpr unsigned long kStatfsBlockSize = 4096;
 constexpr unsigned long kNameMax = 255;
+// Inode numbers of dynamic subtrees: (k + 1) << kSubtreeShift | local inode, for subtree k.
+constexpr int kSubtreeShift = 32;
+constexpr Ino kLocalInoMask = (Ino{1} << kSubtreeShift) - 1;
+constexpr size_t kMaxSubtrees = size_t{1} << 20;
 
 // ---- the one Status -> errno mapping ----
 
@@ -129,13 +139,118 @@ class HandleRegistry {
   std::unordered_set<OpenHandle*> live_;
 };
 
+struct Subtree {
+  std::shared_ptr<const Tree> tree;
+  const std::string* name = nullptr;  // the key in Server::subtree_index (stable)
+};
+
 struct Server {
   std::shared_ptr<const Tree> tree;
   uid_t uid = 0;
   gid_t gid = 0;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;
   HandleRegistry handles;
+  Ino dynamic_dir = 0;  // 0: none
+  SubtreeResolver resolve;
+  // Append-only: a subtree, once added, is served (at the same index) until the session ends.
+  mutable std::shared_mutex subtrees_mu;
+  std::vector<Subtree> subtrees;                           // guarded by subtrees_mu
+  std::map<std::string, size_t, std::less<>> subtree_index;  // name -> index; guarded
 };
+
+// A node found by its (global) inode number.
+struct Found {
+  const Tree* tree = nullptr;      // the tree holding it
+  const TreeNode* node = nullptr;  // nullptr: no such inode
+  Ino base = 0;                    // (k + 1) << kSubtreeShift in subtree k; 0 in the main tree
+};
+
+Ino GlobalIno(const Found& f) { return f.base | f.node->ino; }
+
+Ino GlobalParent(const Server& server, const Found& f) {
+  if (f.base == 0) return f.node->parent;
+  return f.node->ino == kRootIno ? server.dynamic_dir : (f.base | f.node->parent);
+}
+
+Found Find(const Server& server, Ino ino) {
+  Found f;
+  const Ino high = ino >> kSubtreeShift;
+  if (high == 0) {
+    f.tree = server.tree.get();
+  } else {
+    std::shared_lock lock(server.subtrees_mu);
+    if (high > server.subtrees.size()) return f;
+    f.tree = server.subtrees[high - 1].tree.get();  // lives as long as the session
+    f.base = high << kSubtreeShift;
+  }
+  f.node = f.tree->Get(ino & kLocalInoMask);
+  return f;
+}
+
+// The child `local` of a found directory.
+Found ChildOf(const Found& dir, const TreeNode* local) { return {dir.tree, local, dir.base}; }
+
+// "/a/b/c" for messages, through subtrees too.
+std::string PathOf(const Server& server, Ino ino) {
+  const Ino high = ino >> kSubtreeShift;
+  if (high == 0) return server.tree->PathOf(ino);
+  const Tree* tree = nullptr;
+  std::string name;
+  {
+    std::shared_lock lock(server.subtrees_mu);
+    if (high > server.subtrees.size()) return "<ino " + std::to_string(ino) + ">";
+    tree = server.subtrees[high - 1].tree.get();
+    name = *server.subtrees[high - 1].name;
+  }
+  const std::string base = server.tree->PathOf(server.dynamic_dir) + "/" + name;
+  const std::string rest = tree->PathOf(ino & kLocalInoMask);
+  return rest == "/" ? base : base + rest;
+}
+
+Found SubtreeRoot(const Server& server, size_t k) {
+  return {server.subtrees[k].tree.get(), server.subtrees[k].tree->Get(kRootIno),
+          static_cast<Ino>(k + 1) << kSubtreeShift};
+}
+
+// The dynamic child `name` of server.dynamic_dir: registered, or resolved and registered now.
+// Returns 0 and sets *out, or an errno (a resolve failure is logged and is ENOENT).
+int ResolveChild(Server& server, const std::string& name, Found* out) {
+  {
+    std::shared_lock lock(server.subtrees_mu);
+    const auto it = server.subtree_index.find(name);
+    if (it != server.subtree_index.end()) {
+      *out = SubtreeRoot(server, it->second);
+      return 0;
+    }
+  }
+  std::string dir_path = server.tree->PathOf(server.dynamic_dir);
+  if (!dir_path.empty() && dir_path[0] == '/') dir_path.erase(0, 1);
+  const std::string label = dir_path.empty() ? name : dir_path + "/" + name;
+  Result<std::shared_ptr<const Tree>> made = server.resolve(name);  // outside the lock
+  if (!made.ok()) {
+    std::fprintf(stderr, "ucpfs: %s: %s\n", label.c_str(), made.error().ToString().c_str());
+    return ENOENT;
+  }
+  std::shared_ptr<const Tree> sub = std::move(*made);
+  if (sub == nullptr || sub->size() > kLocalInoMask) {
+    std::fprintf(stderr, "ucpfs: %s: resolver returned %s\n", label.c_str(),
+                 sub == nullptr ? "no tree" : "too many nodes");
+    return ENOENT;
+  }
+  std::unique_lock lock(server.subtrees_mu);
+  auto it = server.subtree_index.find(name);
+  if (it == server.subtree_index.end()) {  // else another worker won the race: use theirs
+    if (server.subtrees.size() >= kMaxSubtrees) {
+      std::fprintf(stderr, "ucpfs: %s: too many directories resolved (%zu)\n", label.c_str(),
+                   kMaxSubtrees);
+      return ENOSPC;
+    }
+    it = server.subtree_index.emplace(name, server.subtrees.size()).first;
+    server.subtrees.push_back({std::move(sub), &it->first});
+  }
+  *out = SubtreeRoot(server, it->second);
+  return 0;
+}
 
 Server& ServerOf(fuse_req_t req) { return *static_cast<Server*>(fuse_req_userdata(req)); }
 
@@ -167,11 +282,13 @@ void Handle(fuse_req_t req, const char* op, Body&& body) noexcept {
   if (err != 0) fuse_reply_err(req, err);
 }
 
-struct stat StatOf(const Server& server, const TreeNode& node) {
+struct stat StatOf(const Server& server, const Found& found) {
+  const TreeNode& node = *found.node;
   struct stat st = {};
-  st.st_ino = node.ino;
+  st.st_ino = GlobalIno(found);
   st.st_mode = static_cast<mode_t>((node.is_dir ? S_IFDIR : S_IFREG) | (node.mode & 07777));
-  st.st_nlink = node.nlink;
+  // The dynamic directory's subdirectory count is unknown: 1 tells find(1) not to count.
+  st.st_nlink = server.dynamic_dir != 0 && st.st_ino == server.dynamic_dir ? 1 : node.nlink;
   st.st_uid = server.uid;
   st.st_gid = server.gid;
   st.st_size = static_cast<off_t>(node.size);
@@ -184,12 +301,12 @@ struct stat StatOf(const Server& server, const TreeNode& node) {
   return st;
 }
 
-fuse_entry_param EntryOf(const Server& server, const TreeNode* node) {
+fuse_entry_param EntryOf(const Server& server, const Found& found) {
   fuse_entry_param e = {};
   // node == nullptr: ino 0 is a negative entry, cached for entry_timeout like a positive one.
-  if (node != nullptr) {
-    e.ino = node->ino;
-    e.attr = StatOf(server, *node);
+  if (found.node != nullptr) {
+    e.ino = GlobalIno(found);
+    e.attr = StatOf(server, found);
     e.attr_timeout = kCacheTimeoutS;
   }
   e.entry_timeout = kCacheTimeoutS;
@@ -215,15 +332,25 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Handle(req, "lookup", [&] {
-    const Server& server = ServerOf(req);
-    const TreeNode* dir = server.tree->Get(parent);
-    if (dir == nullptr) return ENOENT;
-    if (!dir->is_dir) return ENOTDIR;
+    Server& server = ServerOf(req);
+    const Found dir = Find(server, parent);
+    if (dir.node == nullptr) return ENOENT;
+    if (!dir.node->is_dir) return ENOTDIR;
     const std::string_view name_view(name);
-    const TreeNode* node = name_view == "."    ? dir
-                           : name_view == ".." ? server.tree->Get(dir->parent)
-                                               : server.tree->Lookup(parent, std::string(name));
-    const fuse_entry_param e = EntryOf(server, node);
+    Found child;
+    if (name_view == ".") {
+      child = dir;
+    } else if (name_view == "..") {
+      child = Find(server, GlobalParent(server, dir));
+    } else {
+      const std::string name_str(name);
+      child = ChildOf(dir, dir.tree->Lookup(dir.node->ino, name_str));
+      if (child.node == nullptr && server.dynamic_dir != 0 && parent == server.dynamic_dir) {
+        const int err = ResolveChild(server, name_str, &child);
+        if (err != 0) return err;  // not a negative entry: a later lookup tries again
+      }
+    }
+    const fuse_entry_param e = EntryOf(server, child);
     fuse_reply_entry(req, &e);
     return 0;
   });
@@ -236,9 +363,9 @@ void OpForgetMulti(fuse_req_t req, size_t, fuse_forget_data*) { fuse_reply_none(
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   Handle(req, "getattr", [&] {
     const Server& server = ServerOf(req);
-    const TreeNode* node = server.tree->Get(ino);
-    if (node == nullptr) return ENOENT;
-    const struct stat st = StatOf(server, *node);
+    const Found found = Find(server, ino);
+    if (found.node == nullptr) return ENOENT;
+    const struct stat st = StatOf(server, found);
     fuse_reply_attr(req, &st, kCacheTimeoutS);
     return 0;
   });
@@ -254,13 +381,13 @@ void OpReadOnly(fuse_req_t req, Args...) {
 void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Handle(req, "open", [&] {
     const Server& server = ServerOf(req);
-    const TreeNode* node = server.tree->Get(ino);
+    const TreeNode* node = Find(server, ino).node;
     if (node == nullptr) return ENOENT;
     if (node->is_dir) return EISDIR;
     if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & (O_TRUNC | O_APPEND)) != 0) {
       return EROFS;
     }
-    const std::string path = server.tree->PathOf(ino);
+    const std::string path = PathOf(server, ino);
     if (!node->open) {
       std::fprintf(stderr, "ucpfs: open %s: file has no opener\n", path.c_str());
       return EIO;
@@ -277,7 +404,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
                    static_cast<unsigned long long>(node->size));
       return EIO;
     }
-    auto handle = std::make_unique<OpenFile>(std::move(*source), node->ino, node->size);
+    auto handle = std::make_unique<OpenFile>(std::move(*source), ino, node->size);
     if (node->volatile_content) {
       fi->direct_io = 1;  // produced at open time: never serve stale cached pages
     } else {
@@ -306,7 +433,7 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
     const Status status = file.source->ReadAt(byte_offset, std::span(buffer.data(), n_bytes));
     if (!status.ok()) {
       std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n",
-                   ServerOf(req).tree->PathOf(file.ino).c_str(),
+                   PathOf(ServerOf(req), file.ino).c_str(),
                    static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
       return ErrnoFromStatus(status);
     }
@@ -323,16 +450,32 @@ void OpRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Handle(req, "opendir", [&] {
     const Server& server = ServerOf(req);
-    const TreeNode* node = server.tree->Get(ino);
+    const Found found = Find(server, ino);
+    const TreeNode* node = found.node;
     if (node == nullptr) return ENOENT;
     if (!node->is_dir) return ENOTDIR;
     auto dir = std::make_unique<OpenDir>();
     dir->entries.reserve(node->children.size() + 2);
-    dir->entries.push_back({".", node->ino});
-    dir->entries.push_back({"..", node->parent});
-    for (const auto& [name, child] : node->children) dir->entries.push_back({name, child});
-    fi->cache_readdir = 1;  // listings never change: let the kernel cache them
-    fi->keep_cache = 1;
+    dir->entries.push_back({".", GlobalIno(found)});
+    dir->entries.push_back({"..", GlobalParent(server, found)});
+    for (const auto& [name, child] : node->children) {
+      dir->entries.push_back({name, found.base | child});
+    }
+    const bool dynamic = server.dynamic_dir != 0 && ino == server.dynamic_dir;
+    if (dynamic) {  // plus the subtrees resolved so far, merged in name order
+      {
+        std::shared_lock lock(server.subtrees_mu);
+        for (const auto& [name, k] : server.subtree_index) {
+          if (node->children.contains(name)) continue;  // shadowed (never resolved, in fact)
+          dir->entries.push_back({name, static_cast<Ino>(k + 1) << kSubtreeShift | kRootIno});
+        }
+      }
+      std::sort(dir->entries.begin() + 2, dir->entries.end(),
+                [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
+    } else {
+      fi->cache_readdir = 1;  // listings never change: let the kernel cache them
+      fi->keep_cache = 1;
+    }
     ReplyOpen(req, fi, std::move(dir));
     return 0;
   });
@@ -348,19 +491,19 @@ void ReadDir(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi, bool pl
     // Offsets are snapshot indices: the entry at index i carries offset i + 1 ("next").
     for (auto i = static_cast<size_t>(off); i < dir.entries.size(); ++i) {
       const DirEntry& entry = dir.entries[i];
-      const TreeNode* node = server.tree->Get(entry.ino);
-      if (node == nullptr) continue;  // cannot happen in a well-formed tree
+      const Found found = Find(server, entry.ino);
+      if (found.node == nullptr) continue;  // cannot happen in a well-formed tree
       const std::string name(entry.name);
       const auto next = static_cast<off_t>(i + 1);
       size_t n_bytes;
       if (plus) {
-        fuse_entry_param e = EntryOf(server, node);
+        fuse_entry_param e = EntryOf(server, found);
         // "." and ".." are not looked up by the kernel (their lookup count is not taken).
         if (entry.name == "." || entry.name == "..") e.ino = 0;
         n_bytes = fuse_add_direntry_plus(req, buf.data() + used, size - used, name.c_str(), &e,
                                          next);
       } else {
-        const struct stat st = StatOf(server, *node);
+        const struct stat st = StatOf(server, found);
         n_bytes = fuse_add_direntry(req, buf.data() + used, size - used, name.c_str(), &st, next);
       }
       if (n_bytes > size - used) break;  // full: the kernel asks again from `next`
@@ -415,7 +558,7 @@ void OpListxattr(fuse_req_t req, fuse_ino_t, size_t size) {
 
 void OpAccess(fuse_req_t req, fuse_ino_t ino, int mask) {
   Handle(req, "access", [&] {
-    if (ServerOf(req).tree->Get(ino) == nullptr) return ENOENT;
+    if (Find(ServerOf(req), ino).node == nullptr) return ENOENT;
     if ((mask & W_OK) != 0) return EROFS;
     fuse_reply_err(req, 0);
     return 0;
@@ -564,8 +707,20 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   Result<uint32_t> user_max_read = MaxReadFromOptions(options.fuse_options);
   if (!user_max_read.ok()) return user_max_read.error();
 
+  if (options.dynamic_dir != 0) {
+    const TreeNode* dir = tree->Get(options.dynamic_dir);
+    if (dir == nullptr || !dir->is_dir || !options.resolve) {
+      return InvalidArgumentError("ServeTree: dynamic_dir is not a directory or has no resolver");
+    }
+    if (tree->size() > kLocalInoMask) {
+      return InvalidArgumentError("ServeTree: a tree with a dynamic directory needs < 2^32 nodes");
+    }
+  }
+
   Server server;
   server.tree = std::move(tree);
+  server.dynamic_dir = options.dynamic_dir;
+  server.resolve = options.resolve;
   server.uid = getuid();
   server.gid = getgid();
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;

@@ -27,6 +27,16 @@ struct MountOptions {
   int ready_fd = -1;
   int max_threads = 16;     // FUSE worker threads
   std::string fsname = "ucpfs";
+  // Optional dynamic directory (both set, or dynamic_dir 0 for none): a lookup in directory
+  // `dynamic_dir` of a name the tree lacks calls resolve(name) (outside any lock, possibly on
+  // several workers at once); its Tree's root then serves as that child, for the rest of the
+  // session (the first result registered wins a race). A resolve error is ENOENT plus a log line
+  // "ucpfs: <dir>/<name>: <reason>", not remembered (the next lookup tries again). readdir of
+  // `dynamic_dir` lists the names resolved so far; its nlink is 1 (unknown), and its listing is
+  // not cached by the kernel. Inode numbers: subtree k (in resolve order) serves its local
+  // inode i as (k + 1) << 32 | i, so the tree itself must have fewer than 2^32 nodes.
+  Ino dynamic_dir = 0;
+  SubtreeResolver resolve;
 };
 
 // Mounts and serves until the filesystem is unmounted (ucpfs umount / fusermount3 -u) or the

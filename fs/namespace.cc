@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <cerrno>
 #include <cstring>
@@ -69,6 +70,61 @@ struct timespec Now() {
 
 Opener FixedSource(std::shared_ptr<const ByteSource> src) {
   return [src]() -> Result<std::shared_ptr<const ByteSource>> { return src; };
+}
+
+// The target views' input, made on first need (a mount without --layout pays nothing until a
+// layout is looked up). Refers to the index's checkpoint and mapping, which outlive the mount.
+struct LazyTargetInput {
+  const index::Checkpoint* checkpoint = nullptr;
+  const index::KeyMapping* mapping = nullptr;
+  index::FileTable files;
+  TargetOptions targets;
+  std::mutex mu;
+  std::shared_ptr<const views::TargetInput> input;  // guarded by mu; set once made
+
+  Result<std::shared_ptr<const views::TargetInput>> Get() {
+    std::lock_guard lock(mu);
+    if (input != nullptr) return input;
+    auto made = index::MakeTargetInput(*checkpoint, *mapping, files, [](const std::string& w) {
+      std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
+    });
+    UCPFS_RETURN_IF_ERROR(made.status());
+    std::shared_ptr<views::TargetInput> in = *made;
+    in->preset = targets.preset;
+    in->rules = targets.rules;
+    in->pp_split = targets.pp_split;
+    input = std::move(in);
+    return input;
+  }
+};
+
+// Adds `rank_<N>/{model.pt,optim.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
+// Rank files depend on (tp, pp, ep) for model.pt and, without ZeRO partitioning, optim.pt; DP
+// replicas link to the first such file. Counts the distinct files added in *n_files.
+Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struct timespec mtime,
+                      size_t* n_files) {
+  const layout::Layout& l = plan.layout();
+  std::map<std::tuple<int, int, int>, std::pair<Ino, Ino>> shared_files;  // (tp,pp,ep) -> model, optim
+  for (int rank = 0; rank < l.World(); ++rank) {
+    UCPFS_ASSIGN_OR_RETURN(auto files_of_rank, plan.Build(rank));
+    UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree.AddDir(ldir, "rank_" + std::to_string(rank), mtime));
+    const auto c = layout::CoordsOf(l, rank);
+    auto it = shared_files.try_emplace({c.tp, c.pp, c.ep}, 0, 0).first;
+    auto add = [&](const char* name, std::shared_ptr<const ByteSource> src, Ino* share) -> Status {
+      if (share != nullptr && *share != 0) return tree.AddLink(rdir, name, *share);
+      const uint64_t n_bytes = src->Size();
+      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(rdir, name, n_bytes, mtime, FixedSource(std::move(src))));
+      if (share != nullptr) *share = ino;
+      ++*n_files;
+      return Status::Ok();
+    };
+    UCPFS_RETURN_IF_ERROR(add("model.pt", files_of_rank.model, &it->second.first));
+    if (files_of_rank.optim) {
+      UCPFS_RETURN_IF_ERROR(add("optim.pt", files_of_rank.optim, l.zero == 0 ? &it->second.second : nullptr));
+    }
+    UCPFS_RETURN_IF_ERROR(add("ucp_info.json", files_of_rank.info, nullptr));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -141,46 +197,45 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     }
   }
 
-  // target/<layout>/rank_<N>/: rank files depend on (tp, pp, ep) for model.pt and, without
-  // ZeRO partitioning, optim.pt; DP replicas link to the first such file.
+  // target/<layout>/rank_<N>/: the --layout views now; any other valid layout name when it is
+  // first looked up (NamespaceInfo::resolve_target).
   UCPFS_ASSIGN_OR_RETURN(Ino target, tree->AddDir(kRootIno, "target", mtime));
   size_t n_target = 0;
+  auto lazy_input = std::make_shared<LazyTargetInput>();
+  lazy_input->checkpoint = &ckpt;
+  lazy_input->mapping = &mapping;
+  lazy_input->files = files;
+  lazy_input->targets = targets;
   if (!targets.layouts.empty()) {
-    auto input_or = index::MakeTargetInput(ckpt, mapping, files, [](const std::string& w) {
-      std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
-    });
-    UCPFS_RETURN_IF_ERROR(input_or.status());
-    std::shared_ptr<views::TargetInput> input = *input_or;
-    input->preset = targets.preset;
-    input->rules = targets.rules;
-    input->pp_split = targets.pp_split;
-    std::shared_ptr<const views::TargetInput> shared = input;
+    UCPFS_ASSIGN_OR_RETURN(auto shared, lazy_input->Get());
     for (const auto& l : targets.layouts) {
       UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
       UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
-      std::map<std::tuple<int, int, int>, std::pair<Ino, Ino>> shared_files;  // (tp,pp,ep) -> model, optim
-      for (int rank = 0; rank < l.World(); ++rank) {
-        UCPFS_ASSIGN_OR_RETURN(auto files_of_rank, plan.Build(rank));
-        UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree->AddDir(ldir, "rank_" + std::to_string(rank), mtime));
-        const auto c = layout::CoordsOf(l, rank);
-        auto [it, first] = shared_files.try_emplace({c.tp, c.pp, c.ep}, 0, 0);
-        auto add = [&](const char* name, std::shared_ptr<const ByteSource> src, Ino* share) -> Status {
-          if (share != nullptr && *share != 0) return tree->AddLink(rdir, name, *share);
-          const uint64_t n_bytes = src->Size();
-          UCPFS_ASSIGN_OR_RETURN(Ino ino, tree->AddFile(rdir, name, n_bytes, mtime, FixedSource(std::move(src))));
-          if (share != nullptr) *share = ino;
-          ++n_target;
-          return Status::Ok();
-        };
-        UCPFS_RETURN_IF_ERROR(add("model.pt", files_of_rank.model, &it->second.first));
-        if (files_of_rank.optim) {
-          UCPFS_RETURN_IF_ERROR(add("optim.pt", files_of_rank.optim, l.zero == 0 ? &it->second.second : nullptr));
-        }
-        UCPFS_RETURN_IF_ERROR(add("ucp_info.json", files_of_rank.info, nullptr));
-        (void)first;
-      }
+      UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, &n_target));
     }
   }
+  SubtreeResolver resolve_target =
+      [lazy_input, mtime](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+    UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
+    if (l.name != name) {
+      return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
+                                  l.name + "')");
+    }
+    // A stray lookup must not make the daemon build millions of rank directories; larger
+    // layouts can still be given explicitly with --layout.
+    constexpr int kMaxLookupWorld = 65536;
+    if (l.World() > kMaxLookupWorld) {
+      return InvalidArgumentError("layout " + l.name + " has " + std::to_string(l.World()) +
+                                  " ranks; layouts built on lookup are limited to " +
+                                  std::to_string(kMaxLookupWorld) + " (use --layout)");
+    }
+    UCPFS_ASSIGN_OR_RETURN(auto shared, lazy_input->Get());
+    UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
+    auto sub = std::make_shared<Tree>(mtime);
+    size_t n_files = 0;
+    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*sub, kRootIno, plan, mtime, &n_files));
+    return std::shared_ptr<const Tree>(std::move(sub));
+  };
 
   nlohmann::ordered_json status;
   status["source"] = source_dir;
@@ -234,6 +289,8 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     info->n_passthrough_files = n_passthrough;
     info->n_target_files = n_target;
     info->status_json = std::move(status_text);
+    info->target_dir = target;
+    info->resolve_target = std::move(resolve_target);
   }
   return tree;
 }

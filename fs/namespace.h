@@ -24,6 +24,13 @@ struct NamespaceInfo {
   size_t n_passthrough_files = 0;
   size_t n_target_files = 0;      // distinct inodes under target/
   std::string status_json;  // the content of .ucpfs/status.json
+  // target/ and the builder of its layouts not given with --layout, for ServeTree's
+  // MountOptions::dynamic_dir / resolve. The resolver builds `target/<name>/` as a Tree of its
+  // own (rank_<N>/ under its root); errors (kInvalidArgument) name the layout and why: not a
+  // layout name, not its canonical spelling, or one the model refuses. It refers to the
+  // `opened` index and `mapping` given to BuildNamespace, which must outlive it; thread-safe.
+  Ino target_dir = 0;
+  SubtreeResolver resolve_target;
 };
 
 // Which target views to build, and how to slice parameters for them.
@@ -39,7 +46,8 @@ std::string ParamDirName(const std::string& fqn);
 
 // Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored
 // dtype cannot be converted to fp32 (names the parameter).
-// With target layouts: `target/<layout>/rank_<N>/{model.pt,optim.pt,ucp_info.json}`. Ranks
+// With target layouts: `target/<layout>/rank_<N>/{model.pt,optim.pt,ucp_info.json}` (other
+// layouts on first lookup through info->resolve_target). Ranks
 // that differ only in their data-parallel coordinate get the very same model.pt (and, without
 // ZeRO partitioning, optim.pt): those share one inode, so the page cache holds them once.
 // Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored

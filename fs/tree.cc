@@ -30,8 +30,9 @@ Status ValidateName(const std::string& name) {
 
 }  // namespace
 
-Tree::Tree() {
+Tree::Tree(struct timespec root_mtime) {
   TreeNode root;
+  root.mtime = root_mtime;
   root.ino = kRootIno;
   root.is_dir = true;
   root.mode = 0555;

@@ -43,9 +43,15 @@ struct TreeNode {
   std::string name;          // first name under `parent` ("" for the root); for messages
 };
 
+// Builds the Tree of one directory whose content is only known when it is first looked up
+// (see MountOptions::resolve): its root becomes the directory `name`.
+class Tree;
+using SubtreeResolver =
+    std::function<Result<std::shared_ptr<const Tree>>(const std::string& name)>;
+
 class Tree {
  public:
-  Tree();  // creates the root directory (ino 1)
+  explicit Tree(struct timespec root_mtime = {});  // creates the root directory (ino 1)
 
   // Adds a directory / file under `parent`. Errors: kInvalidArgument (parent not a
   // directory, empty name or one with '/'), kAlreadyExists-like kInvalidArgument on a clash.

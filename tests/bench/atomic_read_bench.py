@@ -60,12 +60,12 @@ def files_under(d, skip=(".ucpfs",)):
 
 
 class Mount:
-    def __init__(self, ucpfs, src, mnt):
-        self.ucpfs, self.src, self.mnt = ucpfs, src, mnt
+    def __init__(self, ucpfs, src, mnt, *extra):
+        self.ucpfs, self.src, self.mnt, self.extra = ucpfs, src, mnt, list(extra)
 
     def __enter__(self):
         os.makedirs(self.mnt, exist_ok=True)
-        subprocess.run([self.ucpfs, "mount", self.src, self.mnt], check=True)
+        subprocess.run([self.ucpfs, "mount", self.src, self.mnt, *self.extra], check=True)
         return self.mnt
 
     def __exit__(self, *exc):

@@ -30,7 +30,10 @@ def worker(rank, world, init, outdir, n, rows, cols):
         off[dim] = rank * size
         local = full.narrow(dim, rank * size, size).contiguous()
         shard = Shard(local, ShardMetadata(off, list(local.shape), f"rank:{rank}/cpu"))
-        sd[f"layers.{i}.weight"] = init_from_local_shards([shard], rows, cols)
+        # torchtitan names, so the target-view presets apply: even tensors are column-parallel
+        # (wq, split along dim 0 in the source), odd ones row-parallel (wo, split along dim 1).
+        name = f"layers.{i // 2}.attention.{'wq' if i % 2 == 0 else 'wo'}.weight"
+        sd[name] = init_from_local_shards([shard], rows, cols)
     save_state_dict(sd, FileSystemWriter(outdir, single_file_per_rank=True))
     dist.barrier()
     dist.destroy_process_group()

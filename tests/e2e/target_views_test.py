@@ -384,6 +384,76 @@ def check_mount(src, out, workdir):
         os.makedirs(mnt + "-bad", exist_ok=True)
         r = run([ucpfs_bin(), "mount", src, mnt + "-bad", "--layout=tp2_pp9_dp1"], check=False, timeout=120)
         assert r.returncode != 0 and "tp2_pp9_dp1" in r.stderr, r.stderr
+    try:
+        check_mount_dynamic(src, out, workdir)
+    except Exception:
+        log = os.path.join(workdir, "mnt-target-dyn.log")
+        if os.path.exists(log):
+            print(f"--- daemon log {log}:\n{open(log).read()}", file=sys.stderr)
+        raise
+
+
+def check_mount_dynamic(src, out, workdir):
+    """Layouts not given with --layout appear under target/ on first lookup, with convert's
+    bytes; invalid names are ENOENT plus a log line with the reason; concurrent first lookups
+    agree on the inodes."""
+    import threading  # noqa: PLC0415
+    from mount_common import mounted  # noqa: PLC0415
+    mnt = os.path.join(workdir, "mnt-target-dyn")
+    log = mnt + ".log"
+    with mounted(src, mnt, "--layout=tp2_pp2_dp2") as (m, _):
+        target = os.path.join(m, "target")
+        assert sorted(os.listdir(target)) == ["tp2_pp2_dp2"], os.listdir(target)
+        for lay_name in ("tp1_pp4_dp1", "tp2_pp1_dp2_zero1"):
+            lay = parse_layout(lay_name)
+            ranks = sorted(os.listdir(os.path.join(target, lay_name)))
+            assert ranks == sorted(f"rank_{r}" for r in range(n_ranks(lay))), (lay_name, ranks)
+            for r in ranks:
+                names = sorted(os.listdir(os.path.join(target, lay_name, r)))
+                assert names == sorted(os.listdir(os.path.join(out, "target", lay_name, r))), names
+                for f in names:
+                    a = os.path.join(target, lay_name, r, f)
+                    b = os.path.join(out, "target", lay_name, r, f)
+                    assert open(a, "rb").read() == open(b, "rb").read(), f"{a} differs from convert's {b}"
+        assert sorted(os.listdir(target)) == ["tp1_pp4_dp1", "tp2_pp1_dp2_zero1", "tp2_pp2_dp2"], \
+            os.listdir(target)
+        z = os.path.join(target, "tp2_pp1_dp2_zero1")
+        assert os.stat(os.path.join(z, "rank_0", "model.pt")).st_ino == os.stat(os.path.join(z, "rank_2", "model.pt")).st_ino
+        assert os.stat(os.path.join(z, "rank_0", "optim.pt")).st_ino != os.stat(os.path.join(z, "rank_2", "optim.pt")).st_ino
+        assert os.path.realpath(os.path.join(z, "..")) == os.path.realpath(target)
+        assert os.stat(os.path.join(z, "..")).st_ino == os.stat(target).st_ino
+        for bad in ("tp2_pp9_dp1", "bogus", "tp02_pp2_dp2"):
+            try:
+                os.stat(os.path.join(target, bad))
+                raise AssertionError(f"target/{bad} exists")
+            except FileNotFoundError:
+                pass
+            lines = [x for x in open(log).read().splitlines() if f"target/{bad}: " in x]
+            assert lines and lines[-1].split(f"target/{bad}: ", 1)[1].strip(), f"no reason logged for {bad}"
+            print(f"  target/{bad}: {lines[-1]}", flush=True)
+        assert "bogus" not in os.listdir(target)
+        # 8 threads looking up one new layout at once see the same inodes.
+        new = "tp1_pp1_dp1"
+        seen, errors = [], []
+        barrier = threading.Barrier(8)
+
+        def look():
+            try:
+                barrier.wait()
+                d = os.path.join(target, new)
+                seen.append((os.stat(d).st_ino, os.stat(os.path.join(d, "rank_0", "model.pt")).st_ino,
+                             os.stat(os.path.join(d, "rank_0", "optim.pt")).st_ino))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+        threads = [threading.Thread(target=look) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(seen) == 8 and len(set(seen)) == 1, (errors, seen)
+        assert new in os.listdir(target)
+        a = os.path.join(target, new, "rank_0", "model.pt")
+        assert open(a, "rb").read() == open(os.path.join(out, "target", new, "rank_0", "model.pt"), "rb").read()
 
 
 def main():
