@@ -23,4 +23,5 @@ echo "== ucpfs inspect $work/sample.pt"
 build/cli/ucpfs inspect "$work/sample.pt"
 echo
 echo "== ucpfs inspect --json (first tensors)"
-build/cli/ucpfs inspect --json "$work/sample.pt" | head -n 24
+build/cli/ucpfs inspect --json "$work/sample.pt" > "$work/sample.json"
+head -n 24 "$work/sample.json"   # (not a pipe: with pipefail, head closing early is a SIGPIPE)

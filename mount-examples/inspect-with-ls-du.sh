@@ -28,7 +28,7 @@ echo "== stat of one rank file"
 stat -c '%n: %s bytes, inode %i, %h link(s)' "$mnt"/target/tp2_pp2_dp1/rank_0/*
 echo
 echo "== find the exp_avg views"
-find "$mnt/atomic" -name exp_avg.pt | head -n 5
+find "$mnt/atomic" -name exp_avg.pt | sed -n 1,5p   # sed reads all input: no SIGPIPE under pipefail
 echo
 echo "== .ucpfs/stats.json (nothing above read tensor data)"
 cat "$mnt/.ucpfs/stats.json" | tr -s ' \n' ' '; echo
