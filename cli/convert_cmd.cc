@@ -41,18 +41,6 @@ std::string AbsPath(const std::string& p) {
   return p;
 }
 
-// fs::ParamDirName's escaping (fs/namespace.cc), copied so that cli need not link fs for it:
-// '/' -> %2F, '%' -> %25.
-std::string ParamDirName(const std::string& fqn) {
-  std::string out;
-  for (char c : fqn) {
-    if (c == '/') out += "%2F";
-    else if (c == '%') out += "%25";
-    else out += c;
-  }
-  return out;
-}
-
 struct Job {
   std::string path;  // relative to DST
   std::shared_ptr<const ByteSource> src;
@@ -213,7 +201,7 @@ int RunConvert(const ConvertArgs& args) {
         if (it.kind != index::ItemKind::kTensor) continue;
         auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
         auto pattern = views::AtomicPatternFor(p.name, it.layout);
-        const std::string vpath = "atomic/" + ParamDirName(p.name) + "/" + s.file;
+        const std::string vpath = "atomic/" + views::AtomicDirName(p.name) + "/" + s.file;
         auto file = views::BuildAtomicFile(layout, pattern, files, vpath);
         if (!file.ok()) return Fail(file.error());
         jobs.push_back({vpath, *file});

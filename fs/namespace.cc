@@ -129,15 +129,6 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
 
 }  // namespace
 
-std::string ParamDirName(const std::string& fqn) {
-  std::string out;
-  for (char c : fqn) {
-    if (c == '/') out += "%2F";
-    else if (c == '%') out += "%25";
-    else out += c;
-  }
-  return out;
-}
 
 Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
                                              const index::OpenedIndex& opened,
@@ -183,11 +174,11 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
       const auto& it = ckpt.items[static_cast<size_t>(item)];
       if (it.kind != index::ItemKind::kTensor) continue;
       if (dir == 0) {
-        UCPFS_ASSIGN_OR_RETURN(dir, tree->AddDir(atomic, ParamDirName(p.name), mtime));
+        UCPFS_ASSIGN_OR_RETURN(dir, tree->AddDir(atomic, views::AtomicDirName(p.name), mtime));
       }
       auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
       auto pattern = views::AtomicPatternFor(p.name, it.layout);
-      const std::string vpath = "atomic/" + ParamDirName(p.name) + "/" + s.file;
+      const std::string vpath = "atomic/" + views::AtomicDirName(p.name) + "/" + s.file;
       UCPFS_ASSIGN_OR_RETURN(auto file, views::BuildAtomicFile(layout, pattern, files, vpath));
       const uint64_t n_bytes = file->Size();
       atomic_bytes += n_bytes;

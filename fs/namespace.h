@@ -41,8 +41,6 @@ struct TargetOptions {
   std::optional<std::vector<int>> pp_split;
 };
 
-// `<param>` directory name: the fqn with '/' written as "%2F" (and '%' as "%25").
-std::string ParamDirName(const std::string& fqn);
 
 // Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored
 // dtype cannot be converted to fp32 (names the parameter).

@@ -5,6 +5,16 @@
 
 namespace ucpfs::views {
 
+std::string AtomicDirName(const std::string& fqn) {
+  std::string out;
+  for (char c : fqn) {
+    if (c == '/') out += "%2F";
+    else if (c == '%') out += "%25";
+    else out += c;
+  }
+  return out;
+}
+
 const char* TpKindName(TpKind kind) {
   switch (kind) {
     case TpKind::kUnknown: return "unknown";

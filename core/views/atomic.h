@@ -19,6 +19,10 @@
 
 namespace ucpfs::views {
 
+// The `atomic/<param>` directory name of a parameter: its fqn with '/' written as "%2F" and
+// '%' as "%25" (the mount and `ucpfs convert --atomic` both use it).
+std::string AtomicDirName(const std::string& fqn);
+
 // How a parameter is split for tensor parallelism, as far as ucpfs knows.
 enum class TpKind { kUnknown, kColumn, kRow, kVocab, kReplicate };
 const char* TpKindName(TpKind kind);
