@@ -26,7 +26,7 @@
 #include "core/views/target.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
-#include "index/target_input.h"
+#include "index/view_inputs.h"
 
 namespace ucpfs::cli {
 namespace {
@@ -182,31 +182,9 @@ int RunConvert(const ConvertArgs& args) {
     }
   }
   if (args.atomic) {
-    // As fs/namespace.cc builds atomic/: fp32 (else the weight), exp_avg, exp_avg_sq.
-    struct AtomicState {
-      const char* file;
-      index::StateKind primary;
-      int fallback;
-    };
-    const AtomicState kStates[] = {
-        {"fp32.pt", index::StateKind::kFp32, static_cast<int>(index::StateKind::kWeight)},
-        {"exp_avg.pt", index::StateKind::kExpAvg, -1},
-        {"exp_avg_sq.pt", index::StateKind::kExpAvgSq, -1}};
-    for (const auto& p : mapping->params) {
-      for (const auto& s : kStates) {
-        int32_t item = p.item[static_cast<int>(s.primary)];
-        if (item < 0 && s.fallback >= 0) item = p.item[s.fallback];
-        if (item < 0) continue;
-        const auto& it = ckpt.items[static_cast<size_t>(item)];
-        if (it.kind != index::ItemKind::kTensor) continue;
-        auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
-        auto pattern = views::AtomicPatternFor(p.name, it.layout);
-        const std::string vpath = "atomic/" + views::AtomicDirName(p.name) + "/" + s.file;
-        auto file = views::BuildAtomicFile(layout, pattern, files, vpath);
-        if (!file.ok()) return Fail(file.error());
-        jobs.push_back({vpath, *file});
-      }
-    }
+    auto views = index::BuildAtomicViews(ckpt, *mapping, files);
+    if (!views.ok()) return Fail(views.error());
+    for (auto& v : *views) jobs.push_back({"atomic/" + v.dir + "/" + v.file, std::move(v.source)});
   }
 
   // Balance by size: largest first onto the least loaded worker.

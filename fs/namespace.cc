@@ -16,12 +16,11 @@
 #include "core/io/lazy_file_source.h"
 #include "core/views/atomic.h"
 #include "core/views/target.h"
-#include "index/target_input.h"
+#include "index/view_inputs.h"
 
 namespace ucpfs::fs {
 namespace {
 
-using index::StateKind;
 
 // Mirrors `dir` (relative `rel`) into the tree under `parent`, skipping the index directory.
 Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::string& rel,
@@ -157,35 +156,18 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));
   size_t n_atomic = 0;
   uint64_t atomic_bytes = 0;
-  struct AtomicState {
-    const char* file;
-    StateKind primary;
-    int fallback;  // another state kind used when primary is absent, or -1
-  };
-  const AtomicState kStates[] = {{"fp32.pt", StateKind::kFp32, static_cast<int>(StateKind::kWeight)},
-                                 {"exp_avg.pt", StateKind::kExpAvg, -1},
-                                 {"exp_avg_sq.pt", StateKind::kExpAvgSq, -1}};
-  for (const auto& p : mapping.params) {
-    Ino dir = 0;
-    for (const auto& s : kStates) {
-      int32_t item = p.item[static_cast<int>(s.primary)];
-      if (item < 0 && s.fallback >= 0) item = p.item[s.fallback];
-      if (item < 0) continue;
-      const auto& it = ckpt.items[static_cast<size_t>(item)];
-      if (it.kind != index::ItemKind::kTensor) continue;
-      if (dir == 0) {
-        UCPFS_ASSIGN_OR_RETURN(dir, tree->AddDir(atomic, views::AtomicDirName(p.name), mtime));
-      }
-      auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
-      auto pattern = views::AtomicPatternFor(p.name, it.layout);
-      const std::string vpath = "atomic/" + views::AtomicDirName(p.name) + "/" + s.file;
-      UCPFS_ASSIGN_OR_RETURN(auto file, views::BuildAtomicFile(layout, pattern, files, vpath));
-      const uint64_t n_bytes = file->Size();
-      atomic_bytes += n_bytes;
-      UCPFS_RETURN_IF_ERROR(
-          tree->AddFile(dir, s.file, n_bytes, mtime, FixedSource(std::move(file))).status());
-      ++n_atomic;
+  UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, mapping, files));
+  std::map<std::string, Ino> param_dirs;
+  for (auto& v : atomic_views) {
+    auto [dir, fresh] = param_dirs.try_emplace(v.dir, 0);
+    if (fresh) {
+      UCPFS_ASSIGN_OR_RETURN(dir->second, tree->AddDir(atomic, v.dir, mtime));
     }
+    const uint64_t n_bytes = v.source->Size();
+    atomic_bytes += n_bytes;
+    UCPFS_RETURN_IF_ERROR(
+        tree->AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))).status());
+    ++n_atomic;
   }
 
   // target/<layout>/rank_<N>/: the --layout views now; any other valid layout name when it is

@@ -1,6 +1,8 @@
-#include "index/target_input.h"
+#include "index/view_inputs.h"
 
 #include <map>
+
+#include "core/views/atomic.h"
 
 namespace ucpfs::index {
 
@@ -46,5 +48,33 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
   return in;
 }
 
+
+Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyMapping& mapping,
+                                                 const FileTable& files) {
+  struct AtomicState {
+    const char* file;
+    StateKind primary;
+    int fallback;  // the state used when `primary` is absent, or -1
+  };
+  const AtomicState kStates[] = {{"fp32.pt", StateKind::kFp32, static_cast<int>(StateKind::kWeight)},
+                                 {"exp_avg.pt", StateKind::kExpAvg, -1},
+                                 {"exp_avg_sq.pt", StateKind::kExpAvgSq, -1}};
+  std::vector<AtomicView> out;
+  for (const auto& p : mapping.params) {
+    for (const auto& s : kStates) {
+      int32_t item = p.item[static_cast<int>(s.primary)];
+      if (item < 0 && s.fallback >= 0) item = p.item[s.fallback];
+      if (item < 0) continue;
+      const auto& it = c.items[static_cast<size_t>(item)];
+      if (it.kind != ItemKind::kTensor) continue;
+      AtomicView v{views::AtomicDirName(p.name), s.file, nullptr};
+      auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
+      UCPFS_ASSIGN_OR_RETURN(v.source, views::BuildAtomicFile(layout, views::AtomicPatternFor(p.name, it.layout),
+                                                              files, "atomic/" + v.dir + "/" + v.file));
+      out.push_back(std::move(v));
+    }
+  }
+  return out;
+}
 
 }  // namespace ucpfs::index

@@ -1,0 +1,42 @@
+// What the views are built from, derived from an indexed checkpoint; shared by the mount
+// (fs/namespace) and `ucpfs convert`, so both serve exactly the same files:
+//  - the atomic files (core/views/atomic.h) of every mapped parameter;
+//  - the input of target views (core/views/target.h): each mapped parameter's tensor states,
+//    and the optimizer hyper-parameters torchtitan flattens into BYTE_IO items
+//    `optimizer.param_groups.<fqn>.<field>`.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/status.h"
+#include "core/views/target.h"
+#include "index/checkpoint.h"
+#include "index/key_map.h"
+
+namespace ucpfs::index {
+
+using FileTable = std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>>;
+
+// `warn` receives one line per hyper-parameter item that cannot be read (it is left out of
+// param_groups). Errors: kOutOfRange when a BYTE_IO item lies outside its file.
+Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
+    const Checkpoint& checkpoint, const KeyMapping& mapping, const FileTable& files,
+    const std::function<void(const std::string&)>& warn);
+
+// One atomic file: `atomic/<dir>/<file>`.
+struct AtomicView {
+  std::string dir;   // views::AtomicDirName(param)
+  std::string file;  // "fp32.pt" (the fp32 master, else the weight), "exp_avg.pt", "exp_avg_sq.pt"
+  std::shared_ptr<const ByteSource> source;  // a lazy torch.save file, exactly sized
+};
+
+// The atomic files of every mapped parameter, in parameter order. Errors: kUnsupported when a
+// stored dtype cannot be converted to fp32 (names the file).
+Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint,
+                                                 const KeyMapping& mapping, const FileTable& files);
+
+}  // namespace ucpfs::index
