@@ -21,7 +21,6 @@
 namespace ucpfs::fs {
 namespace {
 
-
 // Mirrors `dir` (relative `rel`) into the tree under `parent`, skipping the index directory.
 Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::string& rel,
                     size_t* n_files) {
