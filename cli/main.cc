@@ -24,6 +24,7 @@ void AddSourceOptions(CLI::App* cmd, ucpfs::cli::SourceArgs& a) {
 int main(int argc, char** argv) {
   CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP) as resharded views:\n"
                "  MNT/atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt   consolidated per-parameter state\n"
+               "  MNT/target/<layout>/rank_N/{model,optim}.pt       each rank's shard for a new layout\n"
                "  MNT/<source files>                                the checkpoint's own files, read-only\n"
                "  MNT/.ucpfs/status.json                            what is mounted"};
   app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION);
