@@ -164,29 +164,26 @@ Result<KeyRule> RuleFromRaw(const RawRule& raw) {
   return rule;
 }
 
-Result<std::vector<KeyRule>> ParseJsonRules(const std::string& path, const std::string& text) {
+// Rules from a parsed document {"rules": [{pattern, param, state, ignore}, ...]}: a JSON file,
+// or a TOML file converted to JSON, so both formats share one validation.
+Result<std::vector<KeyRule>> RulesFromDoc(const std::string& path, const nlohmann::json& doc,
+                                          const std::string& expected) {
   using nlohmann::json;
-  json doc;
-  try {
-    doc = json::parse(text);
-  } catch (const json::exception& e) {
-    return InvalidArgumentError(path + ": invalid JSON: " + e.what());
-  }
   if (!doc.is_object() || !doc.contains("rules") || !doc["rules"].is_array()) {
-    return InvalidArgumentError(path + ": expected an object with a \"rules\" array");
+    return InvalidArgumentError(path + ": " + expected);
   }
   std::vector<KeyRule> rules;
   const json& list = doc["rules"];
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string where = path + ": rules[" + std::to_string(i) + "]";
     const json& r = list[i];
-    if (!r.is_object()) return InvalidArgumentError(where + ": expected an object");
+    if (!r.is_object()) return InvalidArgumentError(where + ": expected an object (a table in TOML)");
     RawRule raw;
     for (const auto& [name, value] : r.items()) {
       if (name == "pattern" || name == "param" || name == "state") {
         if (!value.is_string()) return InvalidArgumentError(where + ": \"" + name + "\" must be a string");
-        std::string s = value.get<std::string>();
-        (name == "pattern" ? raw.pattern : name == "param" ? raw.param : raw.state) = std::move(s);
+        std::string text = value.get<std::string>();
+        (name == "pattern" ? raw.pattern : name == "param" ? raw.param : raw.state) = std::move(text);
       } else if (name == "ignore") {
         if (!value.is_boolean()) return InvalidArgumentError(where + ": \"ignore\" must be true or false");
         raw.ignore = value.get<bool>();
@@ -202,6 +199,16 @@ Result<std::vector<KeyRule>> ParseJsonRules(const std::string& path, const std::
   return rules;
 }
 
+Result<std::vector<KeyRule>> ParseJsonRules(const std::string& path, const std::string& text) {
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    return InvalidArgumentError(path + ": invalid JSON: " + e.what());
+  }
+  return RulesFromDoc(path, doc, "expected an object with a \"rules\" array");
+}
+
 Result<std::vector<KeyRule>> ParseTomlRules(const std::string& path, const std::string& text) {
   toml::table doc;
   try {
@@ -212,41 +219,17 @@ Result<std::vector<KeyRule>> ParseTomlRules(const std::string& path, const std::
                                 ", column " + std::to_string(where.column) + ": " +
                                 std::string(e.description()));
   }
-  const toml::node* list_node = doc.get("rules");
-  const toml::array* list = list_node != nullptr ? list_node->as_array() : nullptr;
-  if (list == nullptr) return InvalidArgumentError(path + ": expected [[rules]] tables");
+  const toml::node* list = doc.get("rules");
+  if (list == nullptr || !list->is_array()) return InvalidArgumentError(path + ": expected [[rules]] tables");
   for (const auto& [name, value] : doc) {
     (void)value;
     if (name.str() != "rules") {
       return InvalidArgumentError(path + ": unknown top-level key \"" + std::string(name.str()) + "\"");
     }
   }
-  std::vector<KeyRule> rules;
-  for (size_t i = 0; i < list->size(); ++i) {
-    const std::string where = path + ": rules[" + std::to_string(i) + "]";
-    const toml::table* t = (*list)[i].as_table();
-    if (t == nullptr) return InvalidArgumentError(where + ": expected a table");
-    RawRule raw;
-    for (const auto& [key, value] : *t) {
-      const std::string name(key.str());
-      if (name == "pattern" || name == "param" || name == "state") {
-        const auto* s = value.as_string();
-        if (s == nullptr) return InvalidArgumentError(where + ": \"" + name + "\" must be a string");
-        (name == "pattern" ? raw.pattern : name == "param" ? raw.param : raw.state) = s->get();
-      } else if (name == "ignore") {
-        const auto* b = value.as_boolean();
-        if (b == nullptr) return InvalidArgumentError(where + ": \"ignore\" must be true or false");
-        raw.ignore = b->get();
-      } else {
-        return InvalidArgumentError(where + ": unknown field \"" + name +
-                                    "\" (expected pattern, param, state, ignore)");
-      }
-    }
-    Result<KeyRule> rule = RuleFromRaw(raw);
-    if (!rule.ok()) return rule.error().WithContext(where);
-    rules.push_back(std::move(rule).value());
-  }
-  return rules;
+  std::ostringstream as_json;
+  as_json << toml::json_formatter{doc};
+  return RulesFromDoc(path, nlohmann::json::parse(as_json.str()), "expected [[rules]] tables");
 }
 
 }  // namespace
