@@ -11,7 +11,8 @@ import time
 from e2e_common import run, ucpfs_bin
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-PY = "/usr/bin/python3"
+# Fixture generators run under the interpreter (and so the torch) of the test itself.
+PY = sys.executable
 
 
 def gen_fixture(script, outdir, *args):
