@@ -1,8 +1,8 @@
 // Key mapping (see key_map.h): rules, rules files, and the mapping of a checkpoint's keys.
 //
 // Not for: anything about layouts or bytes; a rule names a parameter and a state, nothing else.
-// Invariants: every tensor key ends up in exactly one of params / unmapped_keys /
-// ignored_keys; every kBytes key in ignored_keys; the result depends only on the key order.
+// Invariants: every item ends up in exactly one of params / unmapped_keys / other_items (a
+// kBytes item is a parameter's state only as its step); the result depends only on the key order.
 // GCC 12 with -fsanitize=address,undefined -O2 reports a false -Wmaybe-uninitialized inside
 // libstdc++'s <regex> compiler (std::function in _State, GCC PR 105562); it must be off
 // before <regex> is first included (by key_map.h) to cover the header's locations.
@@ -279,7 +279,7 @@ std::vector<KeyRule> BuiltinRules() {
   std::vector<KeyRule> rules = {
       // Optimizer state, most specific first.
       // torchtitan: optimizer.state.<fqn>.<k>
-      Rule(R"(^optimizer\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
+      Rule(R"(^optim(?:izer)?\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
       // torch.distributed.checkpoint.state_dict flattening: state.<fqn>.<k>
       Rule(R"(^state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
       // fp32 masters kept beside the moments (mixed-precision trainers on top of torchtitan).
@@ -288,9 +288,9 @@ std::vector<KeyRule> BuiltinRules() {
       Rule(R"(^optimizer\.state\.(param|fp32_param)\.(.+)$)", "$2", StateKind::kFp32),
       // Megatron: optimizer.state.{exp_avg,exp_avg_sq}.<key>
       Rule(R"(^optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$)", "$2", StateKind::kWeight, "$1"),
-      // Known non-parameter state.
-      IgnoreRule(R"(^optimizer\.param_groups\..*$)"),
-      IgnoreRule(R"(^param_groups\..*$)"),
+      // Known non-parameter state (served in extra_state.pt, or as optim.pt's param_groups).
+      IgnoreRule(R"(^optim(?:izer)?\.param_groups(\..*)?$)"),
+      IgnoreRule(R"(^param_groups(\..*)?$)"),
       IgnoreRule(R"(^lr_scheduler(\..*)?$)"),
       IgnoreRule(R"(^dataloader(\..*)?$)"),
       IgnoreRule(R"(^train_state(\..*)?$)"),
@@ -372,12 +372,13 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
   std::smatch m;
   for (size_t i = 0; i < checkpoint.items.size(); ++i) {
     const Item& item = checkpoint.items[i];
-    if (item.kind != ItemKind::kTensor) {
-      out.ignored_keys.push_back(item.key);
-      continue;
-    }
+    const bool tensor = item.kind == ItemKind::kTensor;
     if (item.key.size() > kMaxMatchedKeyBytes) {
-      unmatched.push_back(i);
+      if (tensor) {
+        unmatched.push_back(i);
+      } else {
+        out.other_items.push_back(static_cast<int32_t>(i));
+      }
       continue;
     }
     const MatcherRule* hit = nullptr;
@@ -389,12 +390,16 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
       }
     }
     if (hit == nullptr) {
-      unmatched.push_back(i);
+      if (tensor) {
+        unmatched.push_back(i);
+      } else {
+        out.other_items.push_back(static_cast<int32_t>(i));
+      }
       continue;
     }
     const KeyRule& rule = *hit->rule;
     if (rule.ignore) {
-      out.ignored_keys.push_back(item.key);
+      out.other_items.push_back(static_cast<int32_t>(i));
       continue;
     }
     std::string name = m.format(rule.param);
@@ -411,6 +416,12 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
                                     state_name + "\" (expected " + kStateNamesHelp + ")");
       }
       state = *kind;
+    }
+    // A non-tensor value is a parameter's state only as its step (an int or float some
+    // optimizers keep); any other non-tensor item is non-parameter state.
+    if (!tensor && state != StateKind::kStep) {
+      out.other_items.push_back(static_cast<int32_t>(i));
+      continue;
     }
     UCPFS_RETURN_IF_ERROR(assign(name, state, i));
   }
