@@ -275,6 +275,58 @@ Status CompileRule(KeyRule* rule) {
   return Status::Ok();
 }
 
+namespace {
+
+bool IsPosition(const std::string& name) {
+  return !name.empty() && name.size() <= 9 &&
+         std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// torch.optim's own state_dict (saved as is, e.g. `{"optim": optimizer.state_dict()}`) keys
+// each parameter's state by its position in model.parameters(): `optim.state.<i>.exp_avg`.
+// When the checkpoint's model tensors are exactly those positions (as many, in the saved
+// order: every tensor a parameter, no buffers), position i is the i-th of them; otherwise the
+// positions stay unmatched and the views report them.
+void MatchPositionalOptimizerState(KeyMapping* m) {
+  auto has_model_tensor = [](const ParamEntry& p) {
+    return p.item[static_cast<size_t>(StateKind::kWeight)] >= 0 ||
+           p.item[static_cast<size_t>(StateKind::kFp32)] >= 0;
+  };
+  std::vector<size_t> weights, positions;
+  int64_t max_position = -1;
+  for (size_t i = 0; i < m->params.size(); ++i) {
+    const ParamEntry& p = m->params[i];
+    if (has_model_tensor(p)) {
+      weights.push_back(i);
+    } else if (IsPosition(p.name)) {
+      positions.push_back(i);
+      max_position = std::max<int64_t>(max_position, std::stoll(p.name));
+    }
+  }
+  if (positions.empty() || max_position + 1 != static_cast<int64_t>(weights.size())) return;
+  for (size_t i : positions) {
+    ParamEntry& target = m->params[weights[static_cast<size_t>(std::stoll(m->params[i].name))]];
+    for (int k = 0; k < kNumStateKinds; ++k) {
+      if (target.item[static_cast<size_t>(k)] >= 0 && m->params[i].item[static_cast<size_t>(k)] >= 0) return;
+    }
+  }
+  for (size_t i : positions) {
+    ParamEntry& target = m->params[weights[static_cast<size_t>(std::stoll(m->params[i].name))]];
+    for (int k = 0; k < kNumStateKinds; ++k) {
+      if (m->params[i].item[static_cast<size_t>(k)] >= 0) target.item[static_cast<size_t>(k)] = m->params[i].item[static_cast<size_t>(k)];
+    }
+  }
+  m->positional_names.clear();
+  for (size_t i : weights) m->positional_names.push_back(m->params[i].name);
+  std::vector<ParamEntry> kept;
+  for (size_t i = 0; i < m->params.size(); ++i) {
+    if (has_model_tensor(m->params[i])) kept.push_back(std::move(m->params[i]));
+  }
+  m->params = std::move(kept);
+}
+
+}  // namespace
+
 std::vector<KeyRule> BuiltinRules() {
   std::vector<KeyRule> rules = {
       // Optimizer state, most specific first.
@@ -448,6 +500,7 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
   };
   std::stable_sort(out.params.begin(), out.params.end(),
                    [&](const ParamEntry& a, const ParamEntry& b) { return first_item(a) < first_item(b); });
+  MatchPositionalOptimizerState(&out);
   return out;
 }
 

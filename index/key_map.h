@@ -58,6 +58,9 @@ struct KeyMapping {
   // Items that are not parameter states, in source order (indices into Checkpoint::items):
   // every non-tensor item except a parameter's step, and tensors matched by an `ignore` rule.
   std::vector<int32_t> other_items;
+  // When the optimizer state was keyed by parameter position (torch.optim's own state_dict,
+  // `optim.state.<i>.<k>`) and matched to the model tensors: position i -> name. Else empty.
+  std::vector<std::string> positional_names;
 };
 
 // Parses a rules file. JSON: {"rules": [{"pattern": "...", "param": "$1", "state": "exp_avg"},
@@ -78,7 +81,10 @@ std::vector<KeyRule> BuiltinRules();
 // Python int); every other non-tensor item goes to other_items whatever the rules say. A tensor key no rule matches that
 // is exactly the name of a parameter found through other keys (e.g. torchtitan's MoE
 // `layers.0.moe.experts.w1` next to `optimizer.state.layers.0.moe.experts.w1.exp_avg`) is
-// that parameter's weight. User rules are compiled here from their `pattern` (CompileRule),
+// that parameter's weight. Optimizer state keyed by parameter position (torch.optim's own
+// state_dict) is matched to the i-th parameter when the model tensors are exactly as many as the
+// positions (KeyMapping::positional_names); otherwise it stays under the position's name and the
+// views report it. User rules are compiled here from their `pattern` (CompileRule),
 // so a hand-built rule need not fill `compiled`. Keys longer than 1024 bytes are reported
 // unmapped without being matched (std::regex recursion grows with the key's length).
 Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRule>& user_rules);

@@ -79,18 +79,25 @@ std::vector<views::HyperParam> GroupFields(const SaveValue& group) {
   return out;
 }
 
-// The parameter names of a param group's `params` value, or an error saying why not.
-Result<std::vector<std::string>> GroupParams(const SaveValue& params) {
+// The parameter names of a param group's `params` value, or an error saying why not. Positions
+// (torch.optim's own state_dict) are names through `positional` (KeyMapping::positional_names).
+Result<std::vector<std::string>> GroupParams(const SaveValue& params,
+                                             const std::vector<std::string>& positional) {
   if (params.kind() != SaveValue::Kind::kList && params.kind() != SaveValue::Kind::kTuple) {
     return InvalidArgumentError("'params' is not a list");
   }
   std::vector<std::string> names;
   for (const auto& p : params.items()) {
-    if (p.kind() != SaveValue::Kind::kString) {
-      return InvalidArgumentError("'params' holds parameter indices, not names (torch.optim's own "
-                                  "state_dict): they cannot be matched to the checkpoint's parameters");
+    if (p.kind() == SaveValue::Kind::kString) {
+      names.push_back(p.string_value());
+    } else if (p.kind() == SaveValue::Kind::kInt && p.int_value() >= 0 &&
+               static_cast<uint64_t>(p.int_value()) < positional.size()) {
+      names.push_back(positional[static_cast<size_t>(p.int_value())]);
+    } else {
+      return InvalidArgumentError("'params' holds parameter positions (torch.optim's own state_dict) "
+                                  "that cannot be matched to the checkpoint's " +
+                                  std::to_string(positional.size()) + " matched parameters");
     }
-    names.push_back(p.string_value());
   }
   return names;
 }
@@ -132,7 +139,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     for (auto& f : GroupFields(dict)) g.fields.push_back(std::move(f));
     for (const auto& [k, v] : dict.dict_items()) {
       if (k.kind() == SaveValue::Kind::kString && k.string_value() == "params") {
-        auto names = GroupParams(v);
+        auto names = GroupParams(v, mapping.positional_names);
         if (names.ok()) {
           g.params = std::move(*names);
         } else {
@@ -183,7 +190,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
           Group& g = group_of(base + "." + owner);
           g.item_keys.push_back(it.key);
           if (field == "params") {
-            auto names = GroupParams(*value);
+            auto names = GroupParams(*value, mapping.positional_names);
             if (names.ok()) {
               g.params = std::move(*names);
             } else {

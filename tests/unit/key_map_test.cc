@@ -253,6 +253,28 @@ TEST(KeyMap, ParamOrderIsFirstAppearanceOfAnyKey) {
   EXPECT_EQ(m->params[2].name, "c.bias");
 }
 
+TEST(KeyMap, PositionalOptimizerStateMatchesParametersInOrder) {
+  // {"model": model.state_dict(), "optim": optimizer.state_dict()} saved as is.
+  Checkpoint cp = Keys({"model.0.weight", "model.0.bias", "model.2.weight", "optim.state.0.exp_avg",
+                        "#optim.state.0.step", "optim.state.2.exp_avg", "optim.state.1.exp_avg",
+                        "#optim.param_groups.0.params"});
+  Result<KeyMapping> m = MapKeys(cp, {});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(Describe(cp, *m), (Strings{"0.weight: weight=model.0.weight exp_avg=optim.state.0.exp_avg "
+                                       "step=optim.state.0.step",
+                                       "0.bias: weight=model.0.bias exp_avg=optim.state.1.exp_avg",
+                                       "2.weight: weight=model.2.weight exp_avg=optim.state.2.exp_avg"}));
+  EXPECT_EQ(m->positional_names, (Strings{"0.weight", "0.bias", "2.weight"}));
+
+  // A buffer among the model tensors makes positions ambiguous: they stay unmatched.
+  Checkpoint buf = Keys({"model.0.weight", "model.bn.running_mean.weight", "optim.state.0.exp_avg"});
+  m = MapKeys(buf, {});
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(m->positional_names.empty());
+  ASSERT_EQ(m->params.size(), 3u);
+  EXPECT_EQ(m->params[2].name, "0");
+}
+
 TEST(KeyMap, BytesItemsAreOnlySteps) {
   Checkpoint cp = Keys({"#blob.weight", "#model.extra", "x.weight", "#optim.state.x.weight.step",
                         "#optimizer.state.x.weight.exp_avg"});
