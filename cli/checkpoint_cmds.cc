@@ -173,7 +173,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
     for (const auto& [state, s] : p["states"].items()) {
       std::cout << "  " << state << ": ";
       if (s["dtype"] == "bytes") {
-        std::cout << "bytes, " << s["nbytes"] << " B\n";
+        std::cout << "a pickled Python value (served as a 0-d float32 tensor), " << s["nbytes"] << " B\n";
         continue;
       }
       std::string files;
