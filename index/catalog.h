@@ -19,7 +19,9 @@
 
 namespace ucpfs::index {
 
-inline constexpr uint32_t kCatalogSchemaVersion = 1;
+// 2: items of torch 2.x checkpoints in the saved state dict's order (planner_data), not the
+// metadata's.
+inline constexpr uint32_t kCatalogSchemaVersion = 2;
 
 // xxHash3-64 over the sorted (relative path, size, mtime) of every file under `dir` (the
 // index directory `.ucpfs/` excluded) and the bytes of its metadata files (`.metadata`,

@@ -58,6 +58,13 @@ class Walker {
       }
     }
 
+    const NodeId planner = Field(root, "planner_data", 1);
+    if (planner != kNoNode && g_.kind(planner) == Kind::kDict) {
+      for (const auto& [k, v] : g_.dict_items(planner)) {
+        if (g_.kind(k) == Kind::kString) md.saved_order.emplace_back(g_.text(k));
+      }
+    }
+
     const NodeId mcore = Field(root, "mcore_data", -1);
     if (mcore != kNoNode && g_.kind(mcore) == Kind::kDict) {
       for (const auto& [k, v] : g_.dict_items(mcore)) {

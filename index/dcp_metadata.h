@@ -55,6 +55,10 @@ struct DcpStorage {
 struct DcpMetadata {
   std::string flavor;                           // "torch-1.13" (_shard.checkpoint) or "torch-2.x"
   std::vector<DcpEntry> entries;                // state_dict_metadata order
+  // The keys of planner_data (torch 2.x: flattened key -> path of the saved state dict), in
+  // its order, which is the saving state dict's order; state_dict_metadata's order is not
+  // (it follows the deduplicated per-rank save plans). Empty when absent.
+  std::vector<std::string> saved_order;
   std::map<DcpStorageKey, DcpStorage> storage;  // a repeated key: the last one wins (as in Python)
   // Megatron-Core mcore_data[key]['nd_reformulated_orig_global_shape'].
   std::map<std::string, std::vector<int64_t>> nd_orig_shape;

@@ -230,7 +230,26 @@ class Scanner {
       }
       for (auto& [key, shape] : metas_[mi].nd_orig_shape) nd_orig_shape_.emplace(key, shape);
     }
+    ApplySavedOrder();
     return Status::Ok();
+  }
+
+  // Items in the order of the state dict that was saved, where the metadata records it
+  // (planner_data, the first metadata file's first): model.pt lists parameters in that order,
+  // which is model.parameters()' order, so an optimizer built from the model matches optim.pt.
+  // Entries no planner_data names keep their metadata order, after the others.
+  void ApplySavedOrder() {
+    std::map<std::string, size_t> rank;
+    for (const DcpMetadata& md : metas_) {
+      for (const std::string& key : md.saved_order) rank.emplace(key, rank.size());
+    }
+    if (rank.empty()) return;
+    auto pos = [&](const Merged& m) {
+      auto it = rank.find(m.entry.fqn);
+      return it == rank.end() ? rank.size() : it->second;
+    };
+    std::stable_sort(entries_.begin(), entries_.end(),
+                     [&](const Merged& a, const Merged& b) { return pos(a) < pos(b); });
   }
 
   // Storage for `key`, looked up first in metadata file `mi`, then in the others.
