@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "cli/text.h"
+#include "core/io/lazy_file_source.h"
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "core/views/atomic.h"
@@ -24,6 +25,7 @@
 #include "fs/namespace.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
+#include "index/view_inputs.h"
 
 namespace ucpfs::cli {
 namespace {
@@ -143,7 +145,23 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   }
   out["params"] = std::move(params);
   out["unmapped_keys"] = l->mapping.unmapped_keys;
-  out["ignored_keys"] = l->mapping.ignored_keys;
+  // Non-parameter state: what target views serve in extra_state.pt, and what no view serves.
+  auto table = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+  for (const auto& f : c.files) {
+    table->push_back(std::make_shared<LazyFileSource>(AbsPath(args.src) + "/" + f.rel_path, f.n_bytes, nullptr));
+  }
+  auto input = index::MakeTargetInput(c, l->mapping, table, nullptr);
+  if (!input.ok()) return Fail("inspect", input.error());
+  auto extra = nlohmann::ordered_json::array();
+  for (const auto& e : (*input)->extras) {
+    nlohmann::ordered_json j = {{"key", e.key}};
+    if (e.dp_rank >= 0) j["source_dp_rank"] = e.dp_rank;
+    extra.push_back(std::move(j));
+  }
+  auto not_served = nlohmann::ordered_json::array();
+  for (const auto& n : (*input)->not_served) not_served.push_back({{"key", n.key}, {"reason", n.reason}});
+  out["extra_state"] = std::move(extra);
+  out["not_served"] = std::move(not_served);
   if (json) {
     std::cout << out.dump(2) << '\n';
     return 0;
@@ -155,7 +173,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
     for (const auto& [state, s] : p["states"].items()) {
       std::cout << "  " << state << ": ";
       if (s["dtype"] == "bytes") {
-        std::cout << "bytes, " << s["nbytes"] << " B\n";
+        std::cout << "a pickled Python value (served as a 0-d float32 tensor), " << s["nbytes"] << " B\n";
         continue;
       }
       std::string files;
@@ -168,6 +186,21 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   if (!l->mapping.unmapped_keys.empty()) {
     std::cout << "unmapped keys (" << l->mapping.unmapped_keys.size() << "):\n";
     for (const auto& k : l->mapping.unmapped_keys) std::cout << "  " << k << '\n';
+  }
+  if (!out["extra_state"].empty()) {
+    std::cout << "extra state, served in target/<layout>/rank_N/extra_state.pt (" << out["extra_state"].size()
+              << "):\n";
+    for (const auto& e : out["extra_state"]) {
+      std::cout << "  " << e["key"].get<std::string>();
+      if (e.contains("source_dp_rank")) std::cout << "  (rank-local: dp rank " << e["source_dp_rank"] << ")";
+      std::cout << '\n';
+    }
+  }
+  if (!out["not_served"].empty()) {
+    std::cout << "not served (" << out["not_served"].size() << "):\n";
+    for (const auto& n : out["not_served"]) {
+      std::cout << "  " << n["key"].get<std::string>() << ": " << n["reason"].get<std::string>() << '\n';
+    }
   }
   return 0;
 }

@@ -177,6 +177,7 @@ int RunConvert(const ConvertArgs& args) {
         const std::string dir = "target/" + l.name + "/rank_" + std::to_string(r) + "/";
         jobs.push_back({dir + "model.pt", rf->model});
         if (rf->optim) jobs.push_back({dir + "optim.pt", rf->optim});
+        if (rf->extra) jobs.push_back({dir + "extra_state.pt", rf->extra});
         jobs.push_back({dir + "ucp_info.json", rf->info});
       }
     }

@@ -70,8 +70,8 @@ Opener FixedSource(std::shared_ptr<const ByteSource> src) {
   return [src]() -> Result<std::shared_ptr<const ByteSource>> { return src; };
 }
 
-// The target views' input, made on first need (a mount without --layout pays nothing until a
-// layout is looked up). Refers to the index's checkpoint and mapping, which outlive the mount.
+// The target views' input, made once when the namespace is built (status.json reports its
+// extra state and unserved items) and shared by every layout. Refers to the index's checkpoint and mapping, which outlive the mount.
 struct LazyTargetInput {
   const index::Checkpoint* checkpoint = nullptr;
   const index::KeyMapping* mapping = nullptr;
@@ -96,7 +96,7 @@ struct LazyTargetInput {
   }
 };
 
-// Adds `rank_<N>/{model.pt,optim.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
+// Adds `rank_<N>/{model.pt,optim.pt,extra_state.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
 // Rank files depend on (tp, pp, ep) for model.pt and, without ZeRO partitioning, optim.pt; DP
 // replicas link to the first such file. Counts the distinct files added in *n_files.
 Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struct timespec mtime,
@@ -120,6 +120,7 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
     if (files_of_rank.optim) {
       UCPFS_RETURN_IF_ERROR(add("optim.pt", files_of_rank.optim, l.zero == 0 ? &it->second.second : nullptr));
     }
+    if (files_of_rank.extra) UCPFS_RETURN_IF_ERROR(add("extra_state.pt", files_of_rank.extra, nullptr));
     UCPFS_RETURN_IF_ERROR(add("ucp_info.json", files_of_rank.info, nullptr));
   }
   return Status::Ok();
@@ -178,8 +179,11 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   lazy_input->mapping = &mapping;
   lazy_input->files = files;
   lazy_input->targets = targets;
-  if (!targets.layouts.empty()) {
-    UCPFS_ASSIGN_OR_RETURN(auto shared, lazy_input->Get());
+  // Made now, not on first lookup: status.json lists the extra state and what is not served,
+  // which takes decoding the small non-tensor items (tensor bytes stay unread).
+  UCPFS_ASSIGN_OR_RETURN(auto target_input, lazy_input->Get());
+  {
+    const auto& shared = target_input;
     for (const auto& l : targets.layouts) {
       UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
       UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
@@ -227,6 +231,16 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   status["target_layouts"] = nlohmann::ordered_json::array();
   for (const auto& l : targets.layouts) status["target_layouts"].push_back(l.name);
   status["unmapped_keys"] = mapping.unmapped_keys;
+  status["extra_state"] = nlohmann::ordered_json::array();
+  for (const auto& e : target_input->extras) {
+    nlohmann::ordered_json j = {{"key", e.key}};
+    if (e.dp_rank >= 0) j["source_dp_rank"] = e.dp_rank;
+    status["extra_state"].push_back(std::move(j));
+  }
+  status["not_served"] = nlohmann::ordered_json::array();
+  for (const auto& n : target_input->not_served) {
+    status["not_served"].push_back({{"key", n.key}, {"reason", n.reason}});
+  }
   std::string status_text = status.dump(2) + "\n";
   UCPFS_ASSIGN_OR_RETURN(Ino meta, tree->AddDir(kRootIno, ".ucpfs", mtime));
   auto status_src = std::make_shared<MemorySource>(

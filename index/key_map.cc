@@ -1,8 +1,8 @@
 // Key mapping (see key_map.h): rules, rules files, and the mapping of a checkpoint's keys.
 //
 // Not for: anything about layouts or bytes; a rule names a parameter and a state, nothing else.
-// Invariants: every tensor key ends up in exactly one of params / unmapped_keys /
-// ignored_keys; every kBytes key in ignored_keys; the result depends only on the key order.
+// Invariants: every item ends up in exactly one of params / unmapped_keys / other_items (a
+// kBytes item is a parameter's state only as its step); the result depends only on the key order.
 // GCC 12 with -fsanitize=address,undefined -O2 reports a false -Wmaybe-uninitialized inside
 // libstdc++'s <regex> compiler (std::function in _State, GCC PR 105562); it must be off
 // before <regex> is first included (by key_map.h) to cover the header's locations.
@@ -275,11 +275,63 @@ Status CompileRule(KeyRule* rule) {
   return Status::Ok();
 }
 
+namespace {
+
+bool IsPosition(const std::string& name) {
+  return !name.empty() && name.size() <= 9 &&
+         std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// torch.optim's own state_dict (saved as is, e.g. `{"optim": optimizer.state_dict()}`) keys
+// each parameter's state by its position in model.parameters(): `optim.state.<i>.exp_avg`.
+// When the checkpoint's model tensors are exactly those positions (as many, in the saved
+// order: every tensor a parameter, no buffers), position i is the i-th of them; otherwise the
+// positions stay unmatched and the views report them.
+void MatchPositionalOptimizerState(KeyMapping* m) {
+  auto has_model_tensor = [](const ParamEntry& p) {
+    return p.item[static_cast<size_t>(StateKind::kWeight)] >= 0 ||
+           p.item[static_cast<size_t>(StateKind::kFp32)] >= 0;
+  };
+  std::vector<size_t> weights, positions;
+  int64_t max_position = -1;
+  for (size_t i = 0; i < m->params.size(); ++i) {
+    const ParamEntry& p = m->params[i];
+    if (has_model_tensor(p)) {
+      weights.push_back(i);
+    } else if (IsPosition(p.name)) {
+      positions.push_back(i);
+      max_position = std::max<int64_t>(max_position, std::stoll(p.name));
+    }
+  }
+  if (positions.empty() || max_position + 1 != static_cast<int64_t>(weights.size())) return;
+  for (size_t i : positions) {
+    ParamEntry& target = m->params[weights[static_cast<size_t>(std::stoll(m->params[i].name))]];
+    for (int k = 0; k < kNumStateKinds; ++k) {
+      if (target.item[static_cast<size_t>(k)] >= 0 && m->params[i].item[static_cast<size_t>(k)] >= 0) return;
+    }
+  }
+  for (size_t i : positions) {
+    ParamEntry& target = m->params[weights[static_cast<size_t>(std::stoll(m->params[i].name))]];
+    for (int k = 0; k < kNumStateKinds; ++k) {
+      if (m->params[i].item[static_cast<size_t>(k)] >= 0) target.item[static_cast<size_t>(k)] = m->params[i].item[static_cast<size_t>(k)];
+    }
+  }
+  m->positional_names.clear();
+  for (size_t i : weights) m->positional_names.push_back(m->params[i].name);
+  std::vector<ParamEntry> kept;
+  for (size_t i = 0; i < m->params.size(); ++i) {
+    if (has_model_tensor(m->params[i])) kept.push_back(std::move(m->params[i]));
+  }
+  m->params = std::move(kept);
+}
+
+}  // namespace
+
 std::vector<KeyRule> BuiltinRules() {
   std::vector<KeyRule> rules = {
       // Optimizer state, most specific first.
       // torchtitan: optimizer.state.<fqn>.<k>
-      Rule(R"(^optimizer\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
+      Rule(R"(^optim(?:izer)?\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
       // torch.distributed.checkpoint.state_dict flattening: state.<fqn>.<k>
       Rule(R"(^state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
       // fp32 masters kept beside the moments (mixed-precision trainers on top of torchtitan).
@@ -288,9 +340,9 @@ std::vector<KeyRule> BuiltinRules() {
       Rule(R"(^optimizer\.state\.(param|fp32_param)\.(.+)$)", "$2", StateKind::kFp32),
       // Megatron: optimizer.state.{exp_avg,exp_avg_sq}.<key>
       Rule(R"(^optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$)", "$2", StateKind::kWeight, "$1"),
-      // Known non-parameter state.
-      IgnoreRule(R"(^optimizer\.param_groups\..*$)"),
-      IgnoreRule(R"(^param_groups\..*$)"),
+      // Known non-parameter state (served in extra_state.pt, or as optim.pt's param_groups).
+      IgnoreRule(R"(^optim(?:izer)?\.param_groups(\..*)?$)"),
+      IgnoreRule(R"(^param_groups(\..*)?$)"),
       IgnoreRule(R"(^lr_scheduler(\..*)?$)"),
       IgnoreRule(R"(^dataloader(\..*)?$)"),
       IgnoreRule(R"(^train_state(\..*)?$)"),
@@ -372,12 +424,13 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
   std::smatch m;
   for (size_t i = 0; i < checkpoint.items.size(); ++i) {
     const Item& item = checkpoint.items[i];
-    if (item.kind != ItemKind::kTensor) {
-      out.ignored_keys.push_back(item.key);
-      continue;
-    }
+    const bool tensor = item.kind == ItemKind::kTensor;
     if (item.key.size() > kMaxMatchedKeyBytes) {
-      unmatched.push_back(i);
+      if (tensor) {
+        unmatched.push_back(i);
+      } else {
+        out.other_items.push_back(static_cast<int32_t>(i));
+      }
       continue;
     }
     const MatcherRule* hit = nullptr;
@@ -389,12 +442,16 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
       }
     }
     if (hit == nullptr) {
-      unmatched.push_back(i);
+      if (tensor) {
+        unmatched.push_back(i);
+      } else {
+        out.other_items.push_back(static_cast<int32_t>(i));
+      }
       continue;
     }
     const KeyRule& rule = *hit->rule;
     if (rule.ignore) {
-      out.ignored_keys.push_back(item.key);
+      out.other_items.push_back(static_cast<int32_t>(i));
       continue;
     }
     std::string name = m.format(rule.param);
@@ -411,6 +468,12 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
                                     state_name + "\" (expected " + kStateNamesHelp + ")");
       }
       state = *kind;
+    }
+    // A non-tensor value is a parameter's state only as its step (an int or float some
+    // optimizers keep); any other non-tensor item is non-parameter state.
+    if (!tensor && state != StateKind::kStep) {
+      out.other_items.push_back(static_cast<int32_t>(i));
+      continue;
     }
     UCPFS_RETURN_IF_ERROR(assign(name, state, i));
   }
@@ -437,6 +500,7 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
   };
   std::stable_sort(out.params.begin(), out.params.end(),
                    [&](const ParamEntry& a, const ParamEntry& b) { return first_item(a) < first_item(b); });
+  MatchPositionalOptimizerState(&out);
   return out;
 }
 

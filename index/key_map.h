@@ -4,7 +4,8 @@
 // helpers (`state.<fqn>.<k>`, `param_groups.<fqn>.<field>`) and Megatron (`<key>`,
 // `optimizer.state.{param,fp32_param,exp_avg,exp_avg_sq}.<key>`). A rules file (--rules, JSON
 // or TOML) adds rules that are tried before the built-ins. Keys that match nothing are
-// reported, never silently dropped.
+// reported, never silently dropped; non-parameter items (optimizer param_groups, LR scheduler,
+// dataloader, RNG, train state, user extras) are kept as other_items for the views to serve.
 #pragma once
 
 #include <array>
@@ -35,7 +36,9 @@ struct KeyRule {
   // When non-empty, the state comes from the match instead of `state`: a replacement such as
   // "$2" whose result must be a ParseStateKind name (e.g. from "(exp_avg|exp_avg_sq)").
   std::string state_ref;
-  bool ignore = false;      // matched keys are known non-parameter state (not "unmapped")
+  // Matched keys are known non-parameter state (not "unmapped"): they go to other_items, from
+  // which the target views serve param_groups and extra_state.pt. Spelt "ignore" in rules files.
+  bool ignore = false;
   std::regex compiled;
 };
 
@@ -52,7 +55,12 @@ struct ParamEntry {
 struct KeyMapping {
   std::vector<ParamEntry> params;          // in the order of their first key in the source
   std::vector<std::string> unmapped_keys;  // tensor keys no rule matched
-  std::vector<std::string> ignored_keys;   // keys matched by an `ignore` rule or non-tensor items
+  // Items that are not parameter states, in source order (indices into Checkpoint::items):
+  // every non-tensor item except a parameter's step, and tensors matched by an `ignore` rule.
+  std::vector<int32_t> other_items;
+  // When the optimizer state was keyed by parameter position (torch.optim's own state_dict,
+  // `optim.state.<i>.<k>`) and matched to the model tensors: position i -> name. Else empty.
+  std::vector<std::string> positional_names;
 };
 
 // Parses a rules file. JSON: {"rules": [{"pattern": "...", "param": "$1", "state": "exp_avg"},
@@ -68,11 +76,15 @@ std::vector<KeyRule> BuiltinRules();
 
 // Maps every item of `checkpoint`: user rules first, then built-ins; the first matching rule
 // wins. A tensor key matching a rule whose state is already taken for that parameter is an
-// error naming both keys (kInvalidArgument). Non-tensor (kBytes) items are never parameters:
-// they are listed in ignored_keys whatever the rules say. A tensor key no rule matches that
+// error naming both keys (kInvalidArgument). A non-tensor (kBytes) item is a parameter's state
+// only when a rule makes it that parameter's step (e.g. `optimizer.state.<fqn>.step` saved as a
+// Python int); every other non-tensor item goes to other_items whatever the rules say. A tensor key no rule matches that
 // is exactly the name of a parameter found through other keys (e.g. torchtitan's MoE
 // `layers.0.moe.experts.w1` next to `optimizer.state.layers.0.moe.experts.w1.exp_avg`) is
-// that parameter's weight. User rules are compiled here from their `pattern` (CompileRule),
+// that parameter's weight. Optimizer state keyed by parameter position (torch.optim's own
+// state_dict) is matched to the i-th parameter when the model tensors are exactly as many as the
+// positions (KeyMapping::positional_names); otherwise it stays under the position's name and the
+// views report it. User rules are compiled here from their `pattern` (CompileRule),
 // so a hand-built rule need not fill `compiled`. Keys longer than 1024 bytes are reported
 // unmapped without being matched (std::regex recursion grows with the key's length).
 Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRule>& user_rules);

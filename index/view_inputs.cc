@@ -1,53 +1,272 @@
+// GCC 12 with -fsanitize=address,undefined -O2 reports a false -Wmaybe-uninitialized inside
+// libstdc++'s <regex> (GCC PR 105562; see key_map.cc): off before <regex> is first included.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #include "index/view_inputs.h"
 
+#include <algorithm>
 #include <map>
+#include <optional>
+#include <regex>
+#include <unordered_set>
+#include <utility>
 
+#include "core/format/plain_value.h"
 #include "core/views/atomic.h"
 
 namespace ucpfs::index {
 
-// Builds the target input from the index: every mapped parameter's tensor states, and the
-// hyper-parameters torchtitan flattens into BYTE_IO items `optimizer.param_groups.<fqn>.<field>`.
+namespace {
+
+using format::SaveValue;
+
+// Non-tensor items larger than this are not decoded (they are reported instead).
+constexpr uint64_t kMaxOtherItemBytes = 64ull << 20;
+
+// `<prefix>param_groups[.<rest>]` with prefix "", "optimizer." or "optim.": returns the prefix
+// (with its dot) and rest, or nothing for any other key.
+std::optional<std::pair<std::string, std::string>> SplitParamGroups(const std::string& key) {
+  static const std::regex kRe(R"(^((?:optim(?:izer)?\.)?)param_groups(?:\.(.+))?$)");
+  std::smatch m;
+  if (!std::regex_match(key, m, kRe)) return std::nullopt;
+  return std::make_pair(m[1].str(), m[2].matched ? m[2].str() : std::string());
+}
+
+bool AllDigits(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// A `dp_rank_<d>` component of a key (torchtitan keeps each DP rank's dataloader state under
+// `dataloader.dp_rank_<d>`): d, and the key with that component written `dp_rank_*`.
+std::optional<std::pair<int, std::string>> RankLocal(const std::string& key) {
+  static const std::regex kRe(R"((^|\.)dp_rank_([0-9]{1,9})(\.|$))");
+  std::smatch m;
+  if (!std::regex_search(key, m, kRe)) return std::nullopt;
+  const int d = std::stoi(m[2].str());
+  const std::string group = m.prefix().str() + m[1].str() + "dp_rank_*" + m[3].str() + m.suffix().str();
+  return std::make_pair(d, group);
+}
+
+// The value of an item: a decoded blob, or a tensor read lazily from its fragments.
+Result<SaveValue> ItemValue(const Item& it, const FileTable& files) {
+  if (it.kind == ItemKind::kTensor) {
+    return SaveValue::Tensor(it.dtype, it.layout.shape,
+                             std::make_shared<views::LayoutProvider>(
+                                 std::make_shared<const slice::TensorLayout>(it.layout), it.dtype, files));
+  }
+  if (it.n_bytes > kMaxOtherItemBytes) {
+    return ResourceExhaustedError("a non-tensor item of " + std::to_string(it.n_bytes) +
+                                  " bytes, over the " + std::to_string(kMaxOtherItemBytes >> 20) +
+                                  " MiB that are decoded");
+  }
+  if (it.file_id >= files->size()) return CorruptError("item file id out of range");
+  UCPFS_ASSIGN_OR_RETURN(auto blob, SliceSource::Make((*files)[it.file_id], it.byte_offset, it.n_bytes));
+  return format::DecodePlainValue(std::move(blob));
+}
+
+// The fields of one param group dict (everything but params / param_names), in order.
+std::vector<views::HyperParam> GroupFields(const SaveValue& group) {
+  std::vector<views::HyperParam> out;
+  for (const auto& [k, v] : group.dict_items()) {
+    if (k.kind() != SaveValue::Kind::kString || k.string_value() == "params" ||
+        k.string_value() == "param_names") {
+      continue;
+    }
+    out.emplace_back(k.string_value(), v);
+  }
+  return out;
+}
+
+// The parameter names of a param group's `params` value, or an error saying why not. Positions
+// (torch.optim's own state_dict) are names through `positional` (KeyMapping::positional_names).
+Result<std::vector<std::string>> GroupParams(const SaveValue& params,
+                                             const std::vector<std::string>& positional) {
+  if (params.kind() != SaveValue::Kind::kList && params.kind() != SaveValue::Kind::kTuple) {
+    return InvalidArgumentError("'params' is not a list");
+  }
+  std::vector<std::string> names;
+  for (const auto& p : params.items()) {
+    if (p.kind() == SaveValue::Kind::kString) {
+      names.push_back(p.string_value());
+    } else if (p.kind() == SaveValue::Kind::kInt && p.int_value() >= 0 &&
+               static_cast<uint64_t>(p.int_value()) < positional.size()) {
+      names.push_back(positional[static_cast<size_t>(p.int_value())]);
+    } else {
+      return InvalidArgumentError("'params' holds parameter positions (torch.optim's own state_dict) "
+                                  "that cannot be matched to the checkpoint's " +
+                                  std::to_string(positional.size()) + " matched parameters");
+    }
+  }
+  return names;
+}
+
+}  // namespace
+
+// Builds the target input from the index: every mapped parameter's tensor states and step, the
+// optimizer hyper-parameters, and every other item as extra state or as a reported item.
 Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     const Checkpoint& c, const KeyMapping& mapping, const FileTable& files,
     const std::function<void(const std::string&)>& warn) {
   auto in = std::make_shared<views::TargetInput>();
   in->files = files;
+  std::unordered_set<std::string> param_names;
+  for (const auto& p : mapping.params) param_names.insert(p.name);
+
+  // Hyper-parameters per parameter fqn. Two spellings: torchtitan's flattened
+  // `<prefix>param_groups.<fqn>.<field>`, and torch.distributed.checkpoint's flattening of
+  // get_optimizer_state_dict, `<prefix>param_groups.<i>.<field>` next to
+  // `<prefix>param_groups.<i>.params` (the group's fqns); also a whole group or the whole list
+  // in one item.
   std::map<std::string, std::vector<views::HyperParam>> hyper;
-  const std::string kPrefix = "optimizer.param_groups.";
-  for (const auto& it : c.items) {
-    if (it.kind != ItemKind::kBytes || it.key.rfind(kPrefix, 0) != 0) continue;
-    const size_t dot = it.key.rfind('.');
-    if (dot == std::string::npos || dot <= kPrefix.size()) continue;
-    const std::string fqn = it.key.substr(kPrefix.size(), dot - kPrefix.size());
-    const std::string field = it.key.substr(dot + 1);
-    if (field == "params" || field == "param_names") continue;
-    UCPFS_ASSIGN_OR_RETURN(auto blob, SliceSource::Make((*files)[it.file_id], it.byte_offset, it.n_bytes));
-    auto value = views::ParseHyperValue(blob);
+  struct Group {
+    std::vector<std::string> item_keys;
+    std::optional<std::vector<std::string>> params;
+    std::string params_error;
+    std::vector<views::HyperParam> fields;
+  };
+  std::map<std::string, Group> groups;  // "<prefix>param_groups.<i>" -> group, in key order
+  std::vector<std::string> group_order;
+  auto group_of = [&](const std::string& id) -> Group& {
+    auto [it, inserted] = groups.try_emplace(id);
+    if (inserted) group_order.push_back(id);
+    return it->second;
+  };
+  auto add_group_dict = [&](const std::string& id, const std::string& key, const SaveValue& dict) {
+    Group& g = group_of(id);
+    g.item_keys.push_back(key);
+    for (auto& f : GroupFields(dict)) g.fields.push_back(std::move(f));
+    for (const auto& [k, v] : dict.dict_items()) {
+      if (k.kind() == SaveValue::Kind::kString && k.string_value() == "params") {
+        auto names = GroupParams(v, mapping.positional_names);
+        if (names.ok()) {
+          g.params = std::move(*names);
+        } else {
+          g.params_error = names.error().message();
+        }
+      }
+    }
+  };
+  auto report = [&](const std::string& key, const std::string& reason) {
+    in->not_served.push_back({key, reason});
+    if (warn) warn(key + ": not served: " + reason);
+  };
+
+  for (int32_t idx : mapping.other_items) {
+    const Item& it = c.items[static_cast<size_t>(idx)];
+    auto value = ItemValue(it, files);
     if (!value.ok()) {
-      if (warn) warn(it.key + ": " + value.error().ToString() + " (left out of param_groups)");
+      report(it.key, value.error().message());
       continue;
     }
-    hyper[fqn].emplace_back(field, std::move(*value));
+    if (auto pg = SplitParamGroups(it.key)) {
+      const auto& [prefix, rest] = *pg;
+      const std::string base = prefix + "param_groups";
+      if (rest.empty()) {  // the whole list of groups
+        if (value->kind() != SaveValue::Kind::kList) {
+          report(it.key, "param_groups is not a list of dicts");
+          continue;
+        }
+        for (size_t g = 0; g < value->items().size(); ++g) {
+          if (value->items()[g].kind() == SaveValue::Kind::kDict) {
+            add_group_dict(base + "." + std::to_string(g), it.key, value->items()[g]);
+          }
+        }
+        continue;
+      }
+      if (AllDigits(rest) && value->kind() == SaveValue::Kind::kDict) {  // one group
+        add_group_dict(base + "." + rest, it.key, *value);
+        continue;
+      }
+      const size_t dot = rest.rfind('.');
+      if (dot != std::string::npos) {
+        const std::string owner = rest.substr(0, dot), field = rest.substr(dot + 1);
+        if (param_names.count(owner) != 0) {  // torchtitan: param_groups.<fqn>.<field>
+          if (field != "params" && field != "param_names") hyper[owner].emplace_back(field, std::move(*value));
+          continue;
+        }
+        if (AllDigits(owner)) {  // param_groups.<i>.<field>
+          Group& g = group_of(base + "." + owner);
+          g.item_keys.push_back(it.key);
+          if (field == "params") {
+            auto names = GroupParams(*value, mapping.positional_names);
+            if (names.ok()) {
+              g.params = std::move(*names);
+            } else {
+              g.params_error = names.error().message();
+            }
+          } else if (field != "param_names") {
+            g.fields.emplace_back(field, std::move(*value));
+          }
+          continue;
+        }
+      }
+      report(it.key, "an optimizer param_groups entry of no known parameter or group");
+      continue;
+    }
+    views::ExtraItem e;
+    e.key = it.key;
+    e.value = std::move(*value);
+    if (auto rl = RankLocal(it.key)) {
+      e.dp_rank = rl->first;
+      e.group = rl->second;
+    }
+    in->extras.push_back(std::move(e));
   }
+  for (const std::string& id : group_order) {
+    Group& g = groups[id];
+    if (!g.params) {
+      const std::string why = g.params_error.empty() ? "the group has no 'params' list naming its parameters"
+                                                     : g.params_error;
+      for (const auto& k : g.item_keys) report(k, "hyper-parameters of " + id + " left out of optim.pt: " + why);
+      continue;
+    }
+    for (const auto& name : *g.params) {
+      auto& h = hyper[name];
+      if (h.empty()) h = g.fields;
+    }
+  }
+
   for (const auto& p : mapping.params) {
     views::TargetParam tp;
     tp.name = p.name;
     for (int k = 0; k < kNumStateKinds; ++k) {
       if (p.item[k] < 0) continue;
       const auto& it = c.items[static_cast<size_t>(p.item[k])];
-      if (it.kind != ItemKind::kTensor) continue;
-      tp.states[k] = std::make_shared<const slice::TensorLayout>(it.layout);
-      tp.dtypes[k] = it.dtype;
       tp.keys[k] = it.key;
+      if (it.kind == ItemKind::kTensor) {
+        tp.states[k] = std::make_shared<const slice::TensorLayout>(it.layout);
+        tp.dtypes[k] = it.dtype;
+        continue;
+      }
+      // A step stored as a Python number (MapKeys lets no other state be a non-tensor item).
+      auto value = ItemValue(it, files);
+      if (value.ok() && value->kind() == SaveValue::Kind::kInt) {
+        tp.step_value = static_cast<double>(value->int_value());
+      } else if (value.ok() && value->kind() == SaveValue::Kind::kFloat) {
+        tp.step_value = value->float_value();
+      } else {
+        tp.keys[k].clear();
+        report(it.key, value.ok() ? "an optimizer step that is not a number or a tensor"
+                                  : value.error().message());
+      }
     }
-    if (!tp.states[0] && !tp.states[1]) continue;  // optimizer-only leftovers: no model tensor
+    if (!tp.states[0] && !tp.states[1]) {
+      // Optimizer-only leftovers: state for a parameter with no model tensor.
+      for (int k = 0; k < kNumStateKinds; ++k) {
+        if (p.item[k] >= 0) {
+          report(c.items[static_cast<size_t>(p.item[k])].key,
+                 "optimizer state of parameter '" + p.name + "', which has no weight in the checkpoint");
+        }
+      }
+      continue;
+    }
     if (auto h = hyper.find(p.name); h != hyper.end()) tp.hyper = h->second;
     in->params.push_back(std::move(tp));
   }
   return in;
 }
-
 
 Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyMapping& mapping,
                                                  const FileTable& files) {

@@ -1,9 +1,13 @@
 // What the views are built from, derived from an indexed checkpoint; shared by the mount
 // (fs/namespace) and `ucpfs convert`, so both serve exactly the same files:
 //  - the atomic files (core/views/atomic.h) of every mapped parameter;
-//  - the input of target views (core/views/target.h): each mapped parameter's tensor states,
-//    and the optimizer hyper-parameters torchtitan flattens into BYTE_IO items
-//    `optimizer.param_groups.<fqn>.<field>`.
+//  - the input of target views (core/views/target.h): each mapped parameter's tensor states and
+//    step (a tensor, or a Python int/float), the optimizer hyper-parameters (torchtitan's
+//    `optimizer.param_groups.<fqn>.<field>`, or DCP's flattening of get_optimizer_state_dict,
+//    `optimizer.param_groups.<i>.<field>` with `.params` naming the group's parameters), and
+//    every other non-parameter item: decoded as extra state (extra_state.pt), or reported in
+//    TargetInput::not_served with the reason (not plain data, too large, optimizer state of no
+//    weight, hyper-parameters of a group whose parameters cannot be named).
 #pragma once
 
 #include <functional>
@@ -21,8 +25,9 @@ namespace ucpfs::index {
 
 using FileTable = std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>>;
 
-// `warn` receives one line per hyper-parameter item that cannot be read (it is left out of
-// param_groups). Errors: kOutOfRange when a BYTE_IO item lies outside its file.
+// Reads and decodes the non-tensor items (small blobs; tensor bytes stay lazy). `warn` receives
+// one line per item that is not served, with the reason (also in TargetInput::not_served).
+// Errors: none today beyond allocation; bad items are reported, not fatal.
 Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     const Checkpoint& checkpoint, const KeyMapping& mapping, const FileTable& files,
     const std::function<void(const std::string&)>& warn);

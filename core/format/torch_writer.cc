@@ -45,6 +45,45 @@ SaveValue SaveValue::Str(std::string v) {
   return s;
 }
 
+bool SaveValue::SameAs(const SaveValue& o) const {
+  if (kind_ != o.kind_ || ordered_ != o.ordered_) return false;
+  switch (kind_) {
+    case Kind::kNone: return true;
+    case Kind::kBool: return bool_ == o.bool_;
+    case Kind::kInt: return int_ == o.int_;
+    case Kind::kFloat: return std::bit_cast<uint64_t>(float_) == std::bit_cast<uint64_t>(o.float_);
+    case Kind::kString:
+    case Kind::kBytes: return string_ == o.string_;
+    case Kind::kList:
+    case Kind::kTuple:
+      if (items_.size() != o.items_.size()) return false;
+      for (size_t i = 0; i < items_.size(); ++i) {
+        if (!items_[i].SameAs(o.items_[i])) return false;
+      }
+      return true;
+    case Kind::kDict:
+      if (dict_items_.size() != o.dict_items_.size()) return false;
+      for (size_t i = 0; i < dict_items_.size(); ++i) {
+        if (!dict_items_[i].first.SameAs(o.dict_items_[i].first) ||
+            !dict_items_[i].second.SameAs(o.dict_items_[i].second)) {
+          return false;
+        }
+      }
+      return true;
+    case Kind::kTensor:
+      return tensor_.dtype == o.tensor_.dtype && tensor_.shape == o.tensor_.shape &&
+             tensor_.provider == o.tensor_.provider;
+  }
+  return false;
+}
+
+SaveValue SaveValue::Bytes(std::string v) {
+  SaveValue s;
+  s.kind_ = Kind::kBytes;
+  s.string_ = std::move(v);
+  return s;
+}
+
 SaveValue SaveValue::List(std::vector<SaveValue> items) {
   SaveValue s;
   s.kind_ = Kind::kList;
@@ -415,6 +454,27 @@ class PickleEncoder {
         }
         Str(v.string_value());
         return Status::Ok();
+      case SaveValue::Kind::kBytes: {
+        // What CPython's protocol 2 writes for bytes: _codecs.encode(text, 'latin1'), where
+        // text holds one code point per byte (UTF-8 encoded in BINUNICODE).
+        std::string latin1;
+        latin1.reserve(v.string_value().size() * 2);
+        for (char c : v.string_value()) {
+          const auto b = static_cast<uint8_t>(c);
+          if (b < 0x80) {
+            latin1.push_back(c);
+          } else {
+            latin1.push_back(static_cast<char>(0xC0 | (b >> 6)));
+            latin1.push_back(static_cast<char>(0x80 | (b & 0x3F)));
+          }
+        }
+        Global("_codecs", "encode");
+        Str(latin1);
+        Str("latin1");
+        Op(op::kTuple2);
+        Op(op::kReduce);
+        return Status::Ok();
+      }
       case SaveValue::Kind::kTuple: {
         const auto& items = v.items();
         if (items.size() > 3) Op(op::kMark);

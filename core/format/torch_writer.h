@@ -1,6 +1,6 @@
 // LazyTorchFile: a virtual torch.save file synthesized from a description of the object
-// (nested dicts / OrderedDicts / lists / tuples, ints, strings, bools, None, floats and tensor
-// placeholders). Build() computes the exact size and every non-tensor byte (zip headers,
+// (nested dicts / OrderedDicts / lists / tuples, ints, strings, bytes, bools, None, floats and
+// tensor placeholders). Build() computes the exact size and every non-tensor byte (zip headers,
 // data.pkl, version, byteorder, ...) without touching tensor data; ReadAt() then serves any
 // byte range, filling tensor bytes from each tensor's TensorBytesProvider.
 //
@@ -87,7 +87,7 @@ struct SaveTensor {
 // Description of the object to pickle. A value type; containers own their children.
 class SaveValue {
  public:
-  enum class Kind : uint8_t { kNone, kBool, kInt, kFloat, kString, kList, kTuple, kDict, kTensor };
+  enum class Kind : uint8_t { kNone, kBool, kInt, kFloat, kString, kBytes, kList, kTuple, kDict, kTensor };
   using DictItems = std::vector<std::pair<SaveValue, SaveValue>>;
 
   SaveValue() = default;  // None
@@ -97,6 +97,9 @@ class SaveValue {
   static SaveValue Int(int64_t v);
   static SaveValue Float(double v);
   static SaveValue Str(std::string v);  // must be valid UTF-8
+  // Python bytes. Pickled as protocol 2 does, `_codecs.encode(<latin-1 text>, 'latin1')`,
+  // which torch >= 2.x's weights_only unpickler accepts and torch 1.13's refuses.
+  static SaveValue Bytes(std::string v);
   static SaveValue List(std::vector<SaveValue> items = {});
   static SaveValue Tuple(std::vector<SaveValue> items = {});
   // Keys must be strings or ints and distinct (checked by Build). `Dict` pickles as a plain
@@ -115,12 +118,16 @@ class SaveValue {
     return Set(Str(std::move(key)), std::move(value));
   }
 
+  // Deep equality: same kinds, values and item order; tensors equal when dtype, shape and
+  // provider (the same object) are.
+  bool SameAs(const SaveValue& other) const;
+
   Kind kind() const { return kind_; }
   bool ordered() const { return ordered_; }  // dicts: OrderedDict
   bool bool_value() const { return bool_; }
   int64_t int_value() const { return int_; }
   double float_value() const { return float_; }
-  const std::string& string_value() const { return string_; }
+  const std::string& string_value() const { return string_; }  // kString, kBytes
   const std::vector<SaveValue>& items() const { return items_; }  // list, tuple
   const DictItems& dict_items() const { return dict_items_; }     // dict
   const SaveTensor& tensor() const { return tensor_; }

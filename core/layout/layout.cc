@@ -128,7 +128,8 @@ Result<std::vector<int>> PipelineSplit(int n_layers, int pp,
   if (pp < 1) return InvalidArgumentError("pipeline split: pp must be >= 1");
   std::vector<int> bounds(static_cast<size_t>(pp) + 1, 0);
   if (!layers_per_stage.has_value()) {
-    if (pp > n_layers) {
+    // One stage holds everything, layers or not (a model with no numbered layers, e.g. an MLP).
+    if (pp > n_layers && pp > 1) {
       return InvalidArgumentError("pipeline split: pp" + std::to_string(pp) + " exceeds the " +
                                   std::to_string(n_layers) +
                                   " layers (a stage would hold no layer; give --pp-split to "

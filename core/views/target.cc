@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -22,38 +23,6 @@ const char* TargetStateName(TargetState s) {
     case TargetState::kStep: return "step";
   }
   return "weight";
-}
-
-Result<HyperValue> ParseHyperValue(std::shared_ptr<const ByteSource> blob) {
-  const std::string name = blob->Name();
-  UCPFS_ASSIGN_OR_RETURN(auto tf, format::TorchFile::Open(std::move(blob)));
-  const auto& g = tf.graph();
-  const pickle::NodeId root = g.root();
-  switch (g.kind(root)) {
-    case pickle::Kind::kNone: return HyperValue(std::monostate{});
-    case pickle::Kind::kBool: return HyperValue(g.bool_value(root));
-    case pickle::Kind::kInt: return HyperValue(g.int_value(root));
-    case pickle::Kind::kFloat: return HyperValue(g.float_value(root));
-    case pickle::Kind::kTuple:
-    case pickle::Kind::kList: {
-      std::vector<double> values;
-      for (pickle::NodeId item : g.items(root)) {
-        if (g.kind(item) == pickle::Kind::kFloat) {
-          values.push_back(g.float_value(item));
-        } else if (g.kind(item) == pickle::Kind::kInt) {
-          values.push_back(static_cast<double>(g.int_value(item)));
-        } else {
-          return UnsupportedError(name + ": hyper-parameter tuple holds a " +
-                                  pickle::KindName(g.kind(item)));
-        }
-      }
-      return HyperValue(std::move(values));
-    }
-    default:
-      return UnsupportedError(name + ": hyper-parameter of kind " +
-                              std::string(pickle::KindName(g.kind(root))) +
-                              " (supported: float, int, bool, None, tuple of floats)");
-  }
 }
 
 namespace {
@@ -119,17 +88,23 @@ std::string DescribeTargetPattern(const layout::ParamPattern& p) {
   return s;
 }
 
-SaveValue HyperToSave(const HyperValue& v) {
-  if (std::holds_alternative<bool>(v)) return SaveValue::Bool(std::get<bool>(v));
-  if (std::holds_alternative<int64_t>(v)) return SaveValue::Int(std::get<int64_t>(v));
-  if (std::holds_alternative<double>(v)) return SaveValue::Float(std::get<double>(v));
-  if (std::holds_alternative<std::vector<double>>(v)) {
-    SaveValue t = SaveValue::Tuple();
-    for (double d : std::get<std::vector<double>>(v)) t.Append(SaveValue::Float(d));
-    return t;
+// A float32 scalar known when the file is planned (a step the source stored as a number).
+class ScalarF32Provider final : public format::TensorBytesProvider {
+ public:
+  explicit ScalarF32Provider(float value) : value_(value) {}
+  Status Read(uint64_t byte_offset, std::span<std::byte> out) const override {
+    std::byte bytes[sizeof(float)];
+    std::memcpy(bytes, &value_, sizeof(float));
+    if (byte_offset > sizeof(float) || out.size() > sizeof(float) - byte_offset) {
+      return OutOfRangeError("scalar step: read past its 4 bytes");
+    }
+    std::memcpy(out.data(), bytes + byte_offset, out.size());
+    return Status::Ok();
   }
-  return SaveValue::None();
-}
+
+ private:
+  float value_;
+};
 
 // One held parameter of a rank.
 struct Held {
@@ -137,9 +112,19 @@ struct Held {
   layout::LocalView view;
   // Local layouts per state (null when absent); step is the global (one-element) layout.
   std::array<std::shared_ptr<const slice::TensorLayout>, kNumTargetStates> local;
+  // The step as a 0-d float32 tensor, from the step layout or the source's number; or null.
+  std::shared_ptr<const format::TensorBytesProvider> step;
 };
 
 constexpr int S(TargetState s) { return static_cast<int>(s); }
+
+bool SameHyper(const std::vector<HyperParam>& a, const std::vector<HyperParam>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].first != b[i].first || !a[i].second.SameAs(b[i].second)) return false;
+  }
+  return true;
+}
 
 // param_groups: parameters with identical hyper-parameters share a group, groups in order of
 // their first parameter (model.pt order).
@@ -149,7 +134,7 @@ SaveValue ParamGroups(const TargetInput& in, const std::vector<Held>& held) {
   for (size_t i = 0; i < held.size(); ++i) {
     const auto& h = in.params[held[i].param].hyper;
     size_t g = 0;
-    while (g < keys.size() && *keys[g] != h) ++g;
+    while (g < keys.size() && !SameHyper(*keys[g], h)) ++g;
     if (g == keys.size()) {
       keys.push_back(&h);
       members.emplace_back();
@@ -169,7 +154,7 @@ SaveValue ParamGroups(const TargetInput& in, const std::vector<Held>& held) {
     group.Set("param_names", std::move(names));
     for (const auto& [field, value] : *keys[g]) {
       if (field == "params" || field == "param_names") continue;
-      group.Set(field, HyperToSave(value));
+      group.Set(field, value);
     }
     groups.Append(std::move(group));
   }
@@ -271,11 +256,15 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
         }
         UCPFS_RETURN_IF_ERROR(CheckConvertible(*p.states[s], DType::kFloat32, p.keys[s]));
         h.local[s] = p.states[s];
+        h.step = std::make_shared<LayoutProvider>(p.states[s], DType::kFloat32, in.files);
         continue;
       }
       auto local = slice::LocalLayout(*p.states[s], view.local_shape, view.cat_dim, view.pieces);
       if (!local.ok()) return local.error().WithContext("parameter '" + p.name + "'");
       h.local[s] = std::make_shared<const slice::TensorLayout>(std::move(*local));
+    }
+    if (!h.step && p.step_value) {
+      h.step = std::make_shared<ScalarF32Provider>(static_cast<float>(*p.step_value));
     }
     h.view = std::move(view);
     held.push_back(std::move(h));
@@ -286,12 +275,15 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
                       DType dtype, const nlohmann::ordered_json& flat_range) {
     const auto& p = in.params[h.param];
     const bool step = s == TargetState::kStep;
+    const std::vector<int64_t> global_shape =
+        p.states[S(s)] ? p.states[S(s)]->shape : std::vector<int64_t>{};  // a stored number: 0-d
     tensors.push_back({{"param", p.name},
                        {"state", TargetStateName(s)},
                        {"file", file},
                        {"key", key},
+                       {"source_key", p.keys[S(s)]},
                        {"dtype", std::string(TorchName(dtype))},
-                       {"global_shape", p.states[S(s)]->shape},
+                       {"global_shape", global_shape},
                        {"pattern", step ? std::string("replicate") : DescribeTargetPattern(patterns_[h.param])},
                        {"pieces", step ? nlohmann::ordered_json::array()
                                        : PiecesJson(p.states[S(s)]->shape, h.view.pieces)},
@@ -327,10 +319,8 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
         const auto& p = in.params[h.param];
         SaveValue entry = SaveValue::Dict();
         bool any = false;
-        if (h.local[S(TargetState::kStep)]) {
-          entry.Set("step", SaveValue::Tensor(DType::kFloat32, {},
-                                              std::make_shared<LayoutProvider>(
-                                                  h.local[S(TargetState::kStep)], DType::kFloat32, in.files)));
+        if (h.step) {
+          entry.Set("step", SaveValue::Tensor(DType::kFloat32, {}, h.step));
           add_info(h, TargetState::kStep, "optim.pt", "state." + std::to_string(i) + ".step",
                    DType::kFloat32, nullptr);
           any = true;
@@ -411,10 +401,8 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
                                                                      lo * ItemSize(DType::kFloat32), in.files)));
       }
       for (const auto& h : held) {
-        if (!h.local[S(TargetState::kStep)]) continue;
-        optim.Set("step", SaveValue::Tensor(DType::kFloat32, {},
-                                            std::make_shared<LayoutProvider>(h.local[S(TargetState::kStep)],
-                                                                             DType::kFloat32, in.files)));
+        if (!h.step) continue;
+        optim.Set("step", SaveValue::Tensor(DType::kFloat32, {}, h.step));
         add_info(h, TargetState::kStep, "optim.pt", "step", DType::kFloat32, nullptr);
         break;
       }
@@ -424,11 +412,53 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
     out.optim = std::move(optim_file);
   }
 
+  // extra_state.pt: replicated items everywhere; a rank-local group only when it has exactly one
+  // item per DP rank of this layout (source DP ranks 0..dp-1), else it is ambiguous and reported.
+  std::map<std::string, std::vector<int>> group_ranks;
+  for (const auto& e : in.extras) {
+    if (e.dp_rank >= 0) group_ranks[e.group].push_back(e.dp_rank);
+  }
+  auto group_fits = [&](const std::string& group) {
+    std::vector<int> r = group_ranks[group];
+    std::sort(r.begin(), r.end());
+    if (static_cast<int>(r.size()) != layout_.dp) return false;
+    for (int i = 0; i < layout_.dp; ++i) {
+      if (r[static_cast<size_t>(i)] != i) return false;
+    }
+    return true;
+  };
+  SaveValue extra = SaveValue::Dict();
+  auto extra_keys = nlohmann::ordered_json::array();
+  auto not_served = nlohmann::ordered_json::array();
+  for (const auto& n : in.not_served) not_served.push_back({{"key", n.key}, {"reason", n.reason}});
+  for (const auto& e : in.extras) {
+    if (e.dp_rank >= 0) {
+      if (!group_fits(e.group)) {
+        not_served.push_back(
+            {{"key", e.key},
+             {"reason", "rank-local state of source data-parallel rank " + std::to_string(e.dp_rank) + " of " +
+                            std::to_string(group_ranks[e.group].size()) + " ('" + e.group + "'); layout " +
+                            layout_.name + " has " + std::to_string(layout_.dp) +
+                            " data-parallel ranks, so which rank gets it is ambiguous"}});
+        continue;
+      }
+      if (e.dp_rank != coords.dp) continue;
+    }
+    extra.Set(e.key, e.value);
+    extra_keys.push_back(e.key);
+  }
+  if (!extra_keys.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(auto extra_file, format::LazyTorchFile::Build(extra, dir + "extra_state.pt"));
+    out.extra = std::move(extra_file);
+  }
+
   nlohmann::ordered_json info;
   info["layout"] = layout_.name;
   info["rank"] = rank;
   info["coords"] = {{"tp", coords.tp}, {"pp", coords.pp}, {"dp", coords.dp}, {"ep", coords.ep}};
   info["tensors"] = std::move(tensors);
+  info["extra_state"] = std::move(extra_keys);
+  info["not_served"] = std::move(not_served);
   const std::string text = info.dump(2) + "\n";
   std::vector<std::byte> bytes(text.size());
   std::memcpy(bytes.data(), text.data(), text.size());

@@ -10,7 +10,13 @@
 //                 three a 1-D float32 tensor: this DP rank's ZeRO-1 partition of the rank's local
 //                 tensors flattened and concatenated in model.pt order (research/deepspeed.md
 //                 §2.5: padded with zeros at the end to a multiple of 2·dp, equal partitions);
-//   ucp_info.json where every tensor of the two files comes from (UcpInfo).
+//   extra_state.pt only when the source has non-parameter state for this rank: a dict
+//                 {source key: value} of the source's other items (LR scheduler, dataloader,
+//                 RNG, train state, user extras) in source order; replicated items on every
+//                 rank, rank-local items (a `dp_rank_<d>` key component) on the ranks whose DP
+//                 coordinate is d when the source has one such item per DP rank of the layout;
+//   ucp_info.json where every tensor of the files comes from (UcpInfo), which items
+//                 extra_state.pt holds, and which source items this rank does not get, and why.
 // Sizes and every non-tensor byte are known when Build returns; tensor bytes are gathered
 // from the source fragments on read (LazyTorchFile + slice::LocalLayout / ReadConcatBytes).
 //
@@ -20,7 +26,9 @@
 //  - param_groups carry the source's hyper-parameters only where the caller found them
 //    (TargetParam::hyper); with none, a group holds only 'params' and 'param_names', and
 //    torch's Optimizer.load_state_dict then keeps the optimizer's constructor defaults.
-//  - A parameter with an Adam moment but no step gets no 'step' (torch then fails to load it
+//  - 'step' is always a 0-d float32 tensor (what torch.optim's Adam keeps, on torch 1.13 and
+//    2.x), whether the source stored a tensor or a Python number (TargetParam::step_value).
+//    A parameter with an Adam moment but no step gets no 'step' (torch then fails to load it
 //    into Adam, which requires one: the source does not say what the step was).
 //  - zero 1: a held parameter missing one of the states reads as zeros in that state's flat
 //    tensor, so partitions stay aligned; a state no held parameter has is omitted.
@@ -41,6 +49,7 @@
 
 #include "core/byte_source.h"
 #include "core/dtype.h"
+#include "core/format/torch_writer.h"
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "core/slice/slice.h"
@@ -53,13 +62,9 @@ enum class TargetState : uint8_t { kWeight = 0, kFp32 = 1, kExpAvg = 2, kExpAvgS
 inline constexpr int kNumTargetStates = 5;
 const char* TargetStateName(TargetState s);  // "weight", "fp32", "exp_avg", "exp_avg_sq", "step"
 
-// A hyper-parameter value of an optimizer param group: None, bool, int, float, tuple of floats.
-using HyperValue = std::variant<std::monostate, bool, int64_t, double, std::vector<double>>;
-using HyperParam = std::pair<std::string, HyperValue>;  // (field, value), e.g. ("lr", 3e-4)
-
-// Parses a torch.save blob (a DCP BYTE_IO item) whose root is a hyper-parameter value.
-// Errors: those of format::TorchFile::Open; kUnsupported for any other kind of value.
-Result<HyperValue> ParseHyperValue(std::shared_ptr<const ByteSource> blob);
+// A hyper-parameter of an optimizer param group: (field, value), e.g. ("lr", 3e-4),
+// ("betas", (0.9, 0.95)), ("foreach", None); any plain value (format/plain_value.h).
+using HyperParam = std::pair<std::string, format::SaveValue>;
 
 struct TargetParam {
   std::string name;  // model fqn (global)
@@ -69,6 +74,24 @@ struct TargetParam {
   std::array<DType, kNumTargetStates> dtypes{};        // each state's dtype in the source
   std::array<std::string, kNumTargetStates> keys;      // each state's source key (ucp_info.json)
   std::vector<HyperParam> hyper;  // the param group's hyper-parameters, in source field order
+  // The step when the source stored it as a Python int or float (states[kStep] is then null).
+  std::optional<double> step_value;
+};
+
+// A non-parameter item of the source, decoded (format::DecodePlainValue or a tensor layout).
+struct ExtraItem {
+  std::string key;          // the source's key
+  format::SaveValue value;  // tensors in it read lazily from the source
+  // Rank-local items: the source DP rank of a `dp_rank_<d>` key component, and the key with
+  // that component written `dp_rank_*` (items of one group are spread over the DP ranks).
+  int dp_rank = -1;         // -1: replicated, served on every rank
+  std::string group;
+};
+
+// A source item no view serves, and why (listed in status.json, inspect and ucp_info.json).
+struct NotServed {
+  std::string key;
+  std::string reason;
 };
 
 struct TargetInput {
@@ -77,12 +100,15 @@ struct TargetInput {
   layout::Preset preset = layout::Preset::kAuto;  // kAuto: DetectPreset over the names
   std::vector<layout::Rule> rules;                // user pattern rules, tried first
   std::optional<std::vector<int>> pp_split;       // --pp-split: layers per stage
+  std::vector<ExtraItem> extras;       // served in extra_state.pt, in source order
+  std::vector<NotServed> not_served;   // items no layout serves
 };
 
 struct RankFiles {
   std::shared_ptr<const ByteSource> model;  // model.pt
   std::shared_ptr<const ByteSource> optim;  // optim.pt; null when the source has no optimizer state
   std::shared_ptr<const ByteSource> info;   // ucp_info.json
+  std::shared_ptr<const ByteSource> extra;  // extra_state.pt; null when the rank gets no extra item
 };
 
 // The per-layout work done once (preset, model info, patterns, stage bounds), so that the

@@ -54,6 +54,13 @@ std::vector<std::string> Describe(const Checkpoint& cp, const KeyMapping& m) {
   return out;
 }
 
+// The keys of other_items (non-parameter state), in order.
+std::vector<std::string> Others(const Checkpoint& cp, const KeyMapping& m) {
+  std::vector<std::string> out;
+  for (int32_t i : m.other_items) out.push_back(cp.items[static_cast<size_t>(i)].key);
+  return out;
+}
+
 KeyRule UserRule(std::string pattern, std::string param, StateKind state = StateKind::kWeight,
                  std::string state_ref = "", bool ignore = false) {
   KeyRule r;
@@ -104,7 +111,7 @@ TEST(KeyMap, Torchtitan) {
       "optimizer.state.layers.0.attention.wq.weight.exp_avg_sq",
       "optimizer.state.layers.0.moe.experts.w1.exp_avg",
       "optimizer.state.layers.0.moe.experts.w1.exp_avg_sq",
-      "#optimizer.state.norm.weight.step",  // non-capturable Adam: BYTE_IO step, not a param state
+      "#optimizer.state.norm.weight.step",  // a step kept as a Python number: a BYTE_IO item
       "#optimizer.param_groups.tok_embeddings.weight.lr",
       "#optimizer.param_groups.tok_embeddings.weight.betas",
       "#lr_scheduler",
@@ -125,10 +132,11 @@ TEST(KeyMap, Torchtitan) {
                      "layers.0.moe.experts.w1: weight=layers.0.moe.experts.w1 "
                      "exp_avg=optimizer.state.layers.0.moe.experts.w1.exp_avg "
                      "exp_avg_sq=optimizer.state.layers.0.moe.experts.w1.exp_avg_sq",
-                     "norm.weight: weight=norm.weight", "output.weight: weight=output.weight"}));
+                     "norm.weight: weight=norm.weight step=optimizer.state.norm.weight.step",
+                     "output.weight: weight=output.weight"}));
   EXPECT_EQ(m->unmapped_keys, (Strings{"layers.0.moe.expert_bias"}));
-  EXPECT_EQ(m->ignored_keys,
-            (Strings{"optimizer.state.norm.weight.step", "optimizer.param_groups.tok_embeddings.weight.lr",
+  EXPECT_EQ(Others(cp, *m),
+            (Strings{"optimizer.param_groups.tok_embeddings.weight.lr",
                      "optimizer.param_groups.tok_embeddings.weight.betas", "lr_scheduler",
                      "dataloader.dp_rank_0", "train_state"}));
   // Item indices, not just names.
@@ -190,7 +198,7 @@ TEST(KeyMap, Megatron) {
                      "decoder.final_layernorm.weight: weight=decoder.final_layernorm.weight",
                      "output_layer.weight: weight=output_layer.weight"}));
   EXPECT_TRUE(m->unmapped_keys.empty()) << m->unmapped_keys.front();
-  EXPECT_EQ(m->ignored_keys,
+  EXPECT_EQ(Others(cp, *m),
             (Strings{"decoder.layers.self_attention.linear_qkv._extra_state/shard_0.0_1.2",
                      "decoder.layers.mlp.linear_fc1._extra_state", dist, "common_state/shard_0_1",
                      "rng_state/shard_0.0_1.8"}));
@@ -218,7 +226,7 @@ TEST(KeyMap, StateDictHelpers) {
                      "layers.0.bias: weight=model.layers.0.bias exp_avg=state.layers.0.bias.exp_avg",
                      "pos_embeddings: weight=model.pos_embeddings",
                      "encoder.pos_embeddings: weight=encoder.pos_embeddings"}));
-  EXPECT_EQ(m->ignored_keys,
+  EXPECT_EQ(Others(cp, *m),
             (Strings{"param_groups.layers.0.weight.lr", "param_groups.layers.0.weight.weight_decay"}));
   EXPECT_TRUE(m->unmapped_keys.empty());
 }
@@ -245,13 +253,37 @@ TEST(KeyMap, ParamOrderIsFirstAppearanceOfAnyKey) {
   EXPECT_EQ(m->params[2].name, "c.bias");
 }
 
-TEST(KeyMap, BytesItemsAreNeverParams) {
-  Checkpoint cp = Keys({"#blob.weight", "#model.extra", "x.weight"});
-  // Even a user rule that matches them does not make them parameters.
+TEST(KeyMap, PositionalOptimizerStateMatchesParametersInOrder) {
+  // {"model": model.state_dict(), "optim": optimizer.state_dict()} saved as is.
+  Checkpoint cp = Keys({"model.0.weight", "model.0.bias", "model.2.weight", "optim.state.0.exp_avg",
+                        "#optim.state.0.step", "optim.state.2.exp_avg", "optim.state.1.exp_avg",
+                        "#optim.param_groups.0.params"});
+  Result<KeyMapping> m = MapKeys(cp, {});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(Describe(cp, *m), (Strings{"0.weight: weight=model.0.weight exp_avg=optim.state.0.exp_avg "
+                                       "step=optim.state.0.step",
+                                       "0.bias: weight=model.0.bias exp_avg=optim.state.1.exp_avg",
+                                       "2.weight: weight=model.2.weight exp_avg=optim.state.2.exp_avg"}));
+  EXPECT_EQ(m->positional_names, (Strings{"0.weight", "0.bias", "2.weight"}));
+
+  // A buffer among the model tensors makes positions ambiguous: they stay unmatched.
+  Checkpoint buf = Keys({"model.0.weight", "model.bn.running_mean.weight", "optim.state.0.exp_avg"});
+  m = MapKeys(buf, {});
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(m->positional_names.empty());
+  ASSERT_EQ(m->params.size(), 3u);
+  EXPECT_EQ(m->params[2].name, "0");
+}
+
+TEST(KeyMap, BytesItemsAreOnlySteps) {
+  Checkpoint cp = Keys({"#blob.weight", "#model.extra", "x.weight", "#optim.state.x.weight.step",
+                        "#optimizer.state.x.weight.exp_avg"});
+  // Even a user rule that matches them does not make them weights; a step may be a number, and
+  // torch.distributed.checkpoint's `optim.` spelling is recognised.
   Result<KeyMapping> m = MapKeys(cp, {UserRule(R"(^blob\.(.+)$)", "$1")});
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  EXPECT_EQ(Describe(cp, *m), (Strings{"x.weight: weight=x.weight"}));
-  EXPECT_EQ(m->ignored_keys, (Strings{"blob.weight", "model.extra"}));
+  EXPECT_EQ(Describe(cp, *m), (Strings{"x.weight: weight=x.weight step=optim.state.x.weight.step"}));
+  EXPECT_EQ(Others(cp, *m), (Strings{"blob.weight", "model.extra", "optimizer.state.x.weight.exp_avg"}));
   EXPECT_TRUE(m->unmapped_keys.empty());
 }
 
@@ -272,7 +304,7 @@ TEST(KeyMap, UserRulesComeFirst) {
   EXPECT_EQ(Describe(cp, *m),
             (Strings{"layers.0.w: weight=layers.0.w.weight exp_avg=optimizer.state.layers.0.w.weight.exp_avg",
                      "renamed: weight=odd.name"}));
-  EXPECT_EQ(m->ignored_keys, (Strings{"bn.running_mean", "bn.running_var", "ema.layers.0.w.weight"}));
+  EXPECT_EQ(Others(cp, *m), (Strings{"bn.running_mean", "bn.running_var", "ema.layers.0.w.weight"}));
 }
 
 TEST(KeyMap, StateFromACaptureGroup) {
@@ -422,7 +454,7 @@ TEST_F(RulesFiles, JsonRules) {
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   EXPECT_EQ(Describe(cp, *m), (Strings{"dense.weight: weight=dense.kernel",
                                        "dense: fp32=master.dense exp_avg=opt.dense.exp_avg"}));
-  EXPECT_EQ(m->ignored_keys, (Strings{"ema.dense.kernel"}));
+  EXPECT_EQ(Others(cp, *m), (Strings{"ema.dense.kernel"}));
 }
 
 TEST_F(RulesFiles, TomlRules) {
@@ -453,7 +485,7 @@ state = "fp32_param"
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   EXPECT_EQ(Describe(cp, *m), (Strings{"dense: weight=dense fp32=master.dense exp_avg=opt.dense.exp_avg "
                                        "exp_avg_sq=opt.dense.exp_avg_sq"}));
-  EXPECT_EQ(m->ignored_keys, (Strings{"ema.x"}));
+  EXPECT_EQ(Others(cp, *m), (Strings{"ema.x"}));
 
   // An empty rules list is valid in both formats.
   EXPECT_TRUE(LoadRules(Write("empty.json", R"({"rules": []})")).ok());
@@ -531,7 +563,7 @@ TEST(KeyMap, ManyKeysMapQuickly) {
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   EXPECT_EQ(m->params.size(), n_params);
   EXPECT_TRUE(m->unmapped_keys.empty());
-  EXPECT_EQ(m->ignored_keys.size(), n_params * 4);
+  EXPECT_EQ(m->other_items.size(), n_params * 4);
   for (const ParamEntry& p : m->params) {
     for (StateKind s : {StateKind::kWeight, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kStep}) {
       EXPECT_GE(p.item[static_cast<size_t>(s)], 0) << p.name;

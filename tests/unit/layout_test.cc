@@ -136,6 +136,9 @@ TEST(PipelineSplit, Errors) {
   EXPECT_NE(r.status().message().find("pp4 exceeds the 3 layers"), std::string::npos);
   EXPECT_FALSE(PipelineSplit(-1, 1, std::nullopt).ok());
   EXPECT_FALSE(PipelineSplit(4, 0, std::nullopt).ok());
+  // A model without numbered layers fits one stage, and only one.
+  EXPECT_EQ(PipelineSplit(0, 1, std::nullopt).value(), (std::vector<int>{0, 0}));
+  EXPECT_FALSE(PipelineSplit(0, 2, std::nullopt).ok());
 }
 
 TEST(PipelineSplit, ExplicitLayersPerStage) {

@@ -96,8 +96,11 @@ std::unique_ptr<Fixture> MakeModel() {
       tp.keys[s] = "key." + tp.name + "." + TargetStateName(static_cast<TargetState>(s));
     }
     const bool norm = tp.name.find("norm") != std::string::npos;
-    tp.hyper = {{"lr", 0.001}, {"betas", std::vector<double>{0.9, 0.95}},
-                {"weight_decay", norm ? 0.0 : 0.1}, {"foreach", std::monostate{}}};
+    using format::SaveValue;
+    tp.hyper = {{"lr", SaveValue::Float(0.001)},
+                {"betas", SaveValue::Tuple({SaveValue::Float(0.9), SaveValue::Float(0.95)})},
+                {"weight_decay", SaveValue::Float(norm ? 0.0 : 0.1)},
+                {"foreach", SaveValue::None()}};
     in->params.push_back(std::move(tp));
   }
   in->files = files;

@@ -1,0 +1,134 @@
+#include "core/format/plain_value.h"
+
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "core/format/pickle.h"
+#include "core/format/torch_file.h"
+
+namespace ucpfs::format {
+namespace {
+
+// A tensor's contiguous bytes inside the blob.
+class BlobTensorProvider final : public TensorBytesProvider {
+ public:
+  BlobTensorProvider(std::shared_ptr<const ByteSource> blob, uint64_t data_offset)
+      : blob_(std::move(blob)), data_offset_(data_offset) {}
+  Status Read(uint64_t byte_offset, std::span<std::byte> out) const override {
+    return blob_->ReadAt(data_offset_ + byte_offset, out);
+  }
+
+ private:
+  std::shared_ptr<const ByteSource> blob_;
+  uint64_t data_offset_;
+};
+
+class Decoder {
+ public:
+  Decoder(const TorchFile& tf, std::shared_ptr<const ByteSource> blob, const PlainValueLimits& limits)
+      : tf_(tf), g_(tf.graph()), blob_(std::move(blob)), limits_(limits) {}
+
+  Result<SaveValue> Value(pickle::NodeId id, const std::string& path, uint32_t depth) {
+    if (depth > limits_.max_depth) {
+      return ResourceExhaustedError(Where(path) + "nesting deeper than " + std::to_string(limits_.max_depth));
+    }
+    if (++visited_ > limits_.max_nodes) {
+      return ResourceExhaustedError(Where(path) + "more than " + std::to_string(limits_.max_nodes) +
+                                    " values");
+    }
+    switch (g_.kind(id)) {
+      case pickle::Kind::kNone: return SaveValue::None();
+      case pickle::Kind::kBool: return SaveValue::Bool(g_.bool_value(id));
+      case pickle::Kind::kInt: return SaveValue::Int(g_.int_value(id));
+      case pickle::Kind::kFloat: return SaveValue::Float(g_.float_value(id));
+      case pickle::Kind::kString: return SaveValue::Str(std::string(g_.text(id)));
+      case pickle::Kind::kBytes: return SaveValue::Bytes(std::string(g_.text(id)));
+      case pickle::Kind::kTuple:
+      case pickle::Kind::kList: {
+        std::vector<SaveValue> items;
+        size_t i = 0;
+        for (pickle::NodeId item : g_.items(id)) {
+          UCPFS_ASSIGN_OR_RETURN(auto v, Value(item, Child(path, std::to_string(i++)), depth + 1));
+          items.push_back(std::move(v));
+        }
+        return g_.kind(id) == pickle::Kind::kList ? SaveValue::List(std::move(items))
+                                                  : SaveValue::Tuple(std::move(items));
+      }
+      case pickle::Kind::kDict: {
+        if (g_.state(id) != pickle::kNoNode) return Unsupported(path, "a dict subclass with state");
+        SaveValue::DictItems items;
+        for (const auto& [k, v] : g_.dict_items(id)) {
+          SaveValue key;
+          std::string key_text;
+          if (g_.kind(k) == pickle::Kind::kString) {
+            key_text = std::string(g_.text(k));
+            key = SaveValue::Str(key_text);
+          } else if (g_.kind(k) == pickle::Kind::kInt) {
+            key_text = std::to_string(g_.int_value(k));
+            key = SaveValue::Int(g_.int_value(k));
+          } else {
+            return Unsupported(path, std::string("a dict key of kind ") + pickle::KindName(g_.kind(k)));
+          }
+          UCPFS_ASSIGN_OR_RETURN(auto value, Value(v, Child(path, key_text), depth + 1));
+          // A repeated key (several SETITEMs) keeps its last value, as Python would.
+          bool replaced = false;
+          for (auto& [ek, ev] : items) {
+            if (ek.kind() == key.kind() && ek.string_value() == key.string_value() &&
+                ek.int_value() == key.int_value()) {
+              ev = std::move(value);
+              replaced = true;
+              break;
+            }
+          }
+          if (!replaced) items.emplace_back(std::move(key), std::move(value));
+        }
+        return g_.ordered(id) ? SaveValue::OrderedDict(std::move(items)) : SaveValue::Dict(std::move(items));
+      }
+      case pickle::Kind::kTensor: {
+        UCPFS_ASSIGN_OR_RETURN(auto rec, ResolveTensor(*blob_, tf_.archive(), g_, id, path));
+        if (!rec.contiguous) return Unsupported(path, "a tensor that is not contiguous");
+        return SaveValue::Tensor(rec.dtype, rec.shape,
+                                 std::make_shared<BlobTensorProvider>(blob_, rec.data_offset));
+      }
+      case pickle::Kind::kObject: {
+        const pickle::NodeId callable = g_.object(id).callable;
+        std::string what = "an object";
+        if (g_.kind(callable) == pickle::Kind::kGlobal) {
+          what = "a " + std::string(g_.module(callable)) + "." + std::string(g_.name(callable)) + " object";
+        }
+        return Unsupported(path, what);
+      }
+      default:
+        return Unsupported(path, std::string("a value of kind ") + pickle::KindName(g_.kind(id)));
+    }
+  }
+
+ private:
+  std::string Where(const std::string& path) const {
+    return blob_->Name() + ": at " + (path.empty() ? std::string("the root") : "'" + path + "'") + ": ";
+  }
+  static std::string Child(const std::string& path, const std::string& part) {
+    return path.empty() ? part : path + "." + part;
+  }
+  Status Unsupported(const std::string& path, const std::string& what) const {
+    return UnsupportedError(Where(path) + what +
+                            " is not plain data (a weights_only torch.load refuses it)");
+  }
+
+  const TorchFile& tf_;
+  const pickle::PickleGraph& g_;
+  std::shared_ptr<const ByteSource> blob_;
+  const PlainValueLimits& limits_;
+  uint64_t visited_ = 0;
+};
+
+}  // namespace
+
+Result<SaveValue> DecodePlainValue(std::shared_ptr<const ByteSource> blob, const PlainValueLimits& limits) {
+  UCPFS_ASSIGN_OR_RETURN(auto tf, TorchFile::Open(blob));
+  Decoder d(tf, blob, limits);
+  return d.Value(tf.graph().root(), "", 0);
+}
+
+}  // namespace ucpfs::format

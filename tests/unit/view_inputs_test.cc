@@ -1,0 +1,183 @@
+// The target input from an index: a step stored as a Python number, param_groups in DCP's
+// flattening of get_optimizer_state_dict, extra state (replicated and rank-local) and every
+// item no view serves reported with its reason; then what the rank files of two layouts hold.
+#include "index/view_inputs.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/format/torch_file.h"
+#include "core/format/torch_writer.h"
+
+namespace ucpfs::index {
+namespace {
+
+using format::SaveValue;
+
+// One source "file" holding back-to-back torch.save blobs, plus the items that point at them.
+struct Source {
+  std::vector<std::byte> bytes;
+  Checkpoint ckpt;
+
+  void Blob(const std::string& key, const SaveValue& v) {
+    auto lazy = format::LazyTorchFile::Build(v, key);
+    ASSERT_TRUE(lazy.ok()) << lazy.error().ToString();
+    Item it;
+    it.key = key;
+    it.kind = ItemKind::kBytes;
+    it.file_id = 0;
+    it.byte_offset = bytes.size();
+    it.n_bytes = (*lazy)->Size();
+    bytes.resize(bytes.size() + it.n_bytes);
+    ASSERT_TRUE((*lazy)->ReadAt(0, std::span(bytes).subspan(it.byte_offset)).ok());
+    ckpt.items.push_back(std::move(it));
+  }
+  // A float32 tensor [n] whose element e is base + e, stored in this file.
+  void Tensor(const std::string& key, int n, float base) {
+    Item it;
+    it.key = key;
+    it.kind = ItemKind::kTensor;
+    it.dtype = DType::kFloat32;
+    it.layout.shape = {n};
+    slice::Fragment f;
+    f.box.offsets = {0};
+    f.box.sizes = {n};
+    f.flat_hi = static_cast<uint64_t>(n);
+    f.file_id = 0;
+    f.byte_offset = bytes.size();
+    for (int e = 0; e < n; ++e) {
+      const float v = base + static_cast<float>(e);
+      const size_t at = bytes.size();
+      bytes.resize(at + 4);
+      std::memcpy(bytes.data() + at, &v, 4);
+    }
+    it.layout.fragments.push_back(f);
+    ckpt.items.push_back(std::move(it));
+  }
+};
+
+std::vector<std::string> Keys(const views::TargetInput& in) {
+  std::vector<std::string> out;
+  for (const auto& e : in.extras) out.push_back(e.key);
+  return out;
+}
+
+// A torch.save blob whose root is an instance of some class (not plain data).
+SaveValue Marker() {
+  SaveValue v = SaveValue::OrderedDict();
+  v.Set("last_epoch", SaveValue::Int(3));
+  return v;
+}
+
+TEST(MakeTargetInput, NoItemIsDropped) {
+  Source s;
+  s.Tensor("model.w.weight", 4, 1.0f);
+  s.Tensor("optimizer.state.w.weight.exp_avg", 4, 10.0f);
+  s.Tensor("optimizer.state.w.weight.exp_avg_sq", 4, 20.0f);
+  s.Blob("optimizer.state.w.weight.step", SaveValue::Int(7));
+  s.Blob("optimizer.param_groups.0.lr", SaveValue::Float(0.01));
+  s.Blob("optimizer.param_groups.0.betas", SaveValue::Tuple({SaveValue::Float(0.9), SaveValue::Float(0.95)}));
+  s.Blob("optimizer.param_groups.0.params", SaveValue::List({SaveValue::Str("w.weight")}));
+  s.Blob("optimizer.param_groups.1.lr", SaveValue::Float(0.5));  // a group that names no parameter
+  s.Blob("dataloader.dp_rank_0", SaveValue::Bytes("state-of-rank-0"));
+  s.Blob("dataloader.dp_rank_1", SaveValue::Bytes("state-of-rank-1"));
+  SaveValue train = SaveValue::Dict();
+  train.Set("step", SaveValue::Int(12));
+  s.Blob("train_state", train);
+  s.Blob("lr_scheduler", Marker());
+  s.Tensor("rng_state", 3, 0.0f);  // a tensor matched by a known non-parameter rule
+  s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
+
+  // The scheduler blob becomes an arbitrary class instance: rename OrderedDict in its pickle.
+  const std::string from = "collections\nOrderedDict", to = "torch.optim\nSchedulerX_";
+  ASSERT_EQ(from.size(), to.size());
+  const Item& sched = s.ckpt.items[11];
+  auto* begin = reinterpret_cast<char*>(s.bytes.data()) + sched.byte_offset;
+  auto hit = std::search(begin, begin + sched.n_bytes, from.begin(), from.end());
+  ASSERT_NE(hit, begin + sched.n_bytes);
+  std::copy(to.begin(), to.end(), hit);
+
+  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+  files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
+  auto mapping = MapKeys(s.ckpt, {});
+  ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
+  std::vector<std::string> warnings;
+  auto in = MakeTargetInput(s.ckpt, *mapping, files, [&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(in.ok()) << in.error().ToString();
+
+  ASSERT_EQ((*in)->params.size(), 1u);
+  const auto& p = (*in)->params[0];
+  EXPECT_EQ(p.name, "w.weight");
+  ASSERT_TRUE(p.step_value.has_value());
+  EXPECT_EQ(*p.step_value, 7.0);
+  ASSERT_EQ(p.hyper.size(), 2u);
+  EXPECT_EQ(p.hyper[0].first, "lr");
+  EXPECT_EQ(p.hyper[0].second.float_value(), 0.01);
+  EXPECT_EQ(p.hyper[1].first, "betas");
+
+  EXPECT_EQ(Keys(**in), (std::vector<std::string>{"dataloader.dp_rank_0", "dataloader.dp_rank_1", "train_state",
+                                                  "rng_state"}));
+  EXPECT_EQ((*in)->extras[1].dp_rank, 1);
+  EXPECT_EQ((*in)->extras[1].group, "dataloader.dp_rank_*");
+  EXPECT_EQ((*in)->extras[2].dp_rank, -1);
+  ASSERT_EQ((*in)->not_served.size(), 2u);
+  EXPECT_EQ((*in)->not_served[0].key, "lr_scheduler");
+  EXPECT_NE((*in)->not_served[0].reason.find("torch.optim.SchedulerX_"), std::string::npos)
+      << (*in)->not_served[0].reason;
+  EXPECT_EQ((*in)->not_served[1].key, "optimizer.param_groups.1.lr");
+  EXPECT_NE((*in)->not_served[1].reason.find("no 'params'"), std::string::npos) << (*in)->not_served[1].reason;
+  EXPECT_EQ(warnings.size(), 2u);
+
+  // dp2: each DP rank gets its own dataloader state; dp1 cannot place them and says so.
+  for (int dp : {1, 2}) {
+    auto layout = layout::ParseLayout("tp1_pp1_dp" + std::to_string(dp));
+    ASSERT_TRUE(layout.ok());
+    auto plan = views::TargetPlan::Make(*in, *layout);
+    ASSERT_TRUE(plan.ok()) << plan.error().ToString();
+    for (int rank = 0; rank < dp; ++rank) {
+      auto rf = plan->Build(rank);
+      ASSERT_TRUE(rf.ok()) << rf.error().ToString();
+      ASSERT_TRUE(rf->extra);
+      auto extra = format::TorchFile::Open(rf->extra);
+      ASSERT_TRUE(extra.ok()) << extra.error().ToString();
+      const auto& g = extra->graph();
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : g.dict_items(g.root())) keys.emplace_back(g.text(k));
+      std::vector<std::string> want = {"train_state", "rng_state"};
+      if (dp == 2) want.insert(want.begin(), "dataloader.dp_rank_" + std::to_string(rank));
+      EXPECT_EQ(keys, want) << "dp" << dp << " rank " << rank;
+      if (dp == 2) {
+        EXPECT_EQ(g.text(g.DictGet(g.root(), want[0])), "state-of-rank-" + std::to_string(rank));
+      }
+      ASSERT_EQ(extra->tensors().size(), 1u);  // rng_state, with the source's bytes
+      std::vector<std::byte> rng(12);
+      ASSERT_TRUE(rf->extra->ReadAt(extra->tensors()[0].data_offset, rng).ok());
+      float first;
+      std::memcpy(&first, rng.data() + 4, 4);
+      EXPECT_EQ(first, 1.0f);
+
+      // The step is torch's 0-d float32 tensor holding the stored int.
+      auto optim = format::TorchFile::Open(rf->optim);
+      ASSERT_TRUE(optim.ok()) << optim.error().ToString();
+      auto step = std::find_if(optim->tensors().begin(), optim->tensors().end(),
+                               [](const format::TensorRecord& t) { return t.key == "state.0.step"; });
+      ASSERT_NE(step, optim->tensors().end());
+      EXPECT_EQ(step->dtype, DType::kFloat32);
+      EXPECT_TRUE(step->shape.empty());
+      float value = 0;
+      ASSERT_TRUE(rf->optim->ReadAt(step->data_offset, std::as_writable_bytes(std::span(&value, 1))).ok());
+      EXPECT_EQ(value, 7.0f);
+
+      std::vector<std::byte> info(rf->info->Size());
+      ASSERT_TRUE(rf->info->ReadAt(0, info).ok());
+      const std::string text(reinterpret_cast<const char*>(info.data()), info.size());
+      EXPECT_NE(text.find("\"lr_scheduler\""), std::string::npos);
+      EXPECT_EQ(text.find("\"key\": \"dataloader.dp_rank_1\"") != std::string::npos, dp == 1) << text;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ucpfs::index
