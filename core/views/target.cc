@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -418,20 +419,34 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
   for (const auto& e : in.extras) {
     if (e.dp_rank >= 0) group_ranks[e.group].push_back(e.dp_rank);
   }
-  auto group_fits = [&](const std::string& group) {
-    std::vector<int> r = group_ranks[group];
+  std::map<std::string, bool> fits;
+  for (auto& [group, r] : group_ranks) {
     std::sort(r.begin(), r.end());
-    if (static_cast<int>(r.size()) != layout_.dp) return false;
-    for (int i = 0; i < layout_.dp; ++i) {
-      if (r[static_cast<size_t>(i)] != i) return false;
-    }
-    return true;
-  };
+    bool ok = static_cast<int>(r.size()) == layout_.dp;
+    for (size_t i = 0; ok && i < r.size(); ++i) ok = r[i] == static_cast<int>(i);
+    fits[group] = ok;
+  }
+  auto group_fits = [&](const std::string& group) { return fits[group]; };
   SaveValue extra = SaveValue::Dict();
   auto extra_keys = nlohmann::ordered_json::array();
   auto not_served = nlohmann::ordered_json::array();
   for (const auto& n : in.not_served) not_served.push_back({{"key", n.key}, {"reason", n.reason}});
+  // A rank-local item takes the place of its group's first item, so a rank's extra_state.pt
+  // lists its keys in the order that rank's state dict had.
+  std::map<std::string, const ExtraItem*> mine;  // group -> the item of this rank's DP coordinate
   for (const auto& e : in.extras) {
+    if (e.dp_rank >= 0 && e.dp_rank == coords.dp) mine.emplace(e.group, &e);
+  }
+  std::set<std::string> placed;
+  for (const auto& item : in.extras) {
+    const ExtraItem* ep = &item;
+    if (item.dp_rank >= 0 && group_fits(item.group)) {
+      if (!placed.insert(item.group).second) continue;
+      auto it = mine.find(item.group);
+      if (it == mine.end()) continue;
+      ep = it->second;
+    }
+    const ExtraItem& e = *ep;
     if (e.dp_rank >= 0) {
       if (!group_fits(e.group)) {
         not_served.push_back(

@@ -82,6 +82,7 @@ class Fixture:
         self.group = {k.rsplit(".", 1)[1]: v for k, v in self.objects.items()
                       if k.startswith("optimizer.param_groups.0.") and not k.endswith(".params")}
         self.loadable = {k: weights_only_loadable(v) for k, v in self.objects.items()}
+        self.saved_order = saved_order(src)
 
 
 # ---------------------------------------------------------------- comparing loaded objects
@@ -153,13 +154,39 @@ def rank_local(key):
     return None
 
 
+def saved_order(src):
+    """Keys in the order of the state dict that was saved: DCP's planner_data (the saving
+    state dict's flattened keys, in order), the first metadata file's first for rank-local
+    checkpoints. state_dict_metadata's own order follows the deduplicated save plans instead."""
+    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
+    reader = FileSystemReader(src)
+    if os.path.exists(os.path.join(src, ".metadata")):
+        mds = [reader.read_metadata()]
+    else:
+        ranks = sorted(int(m[1]) for m in (re.fullmatch(r"__(\d+)\.metadata", n) for n in os.listdir(src)) if m)
+        mds = [reader.read_metadata(rank=r) for r in ranks]
+    order = {}
+    for md in mds:
+        order.update(dict.fromkeys(k for k in (md.planner_data or {}) if k not in order))
+    return list(order)
+
+
 def expected_extra(fx, lay, rank):
-    """(OrderedDict served to this rank, set of keys not served on this layout)."""
-    cands = extra_candidates(fx)
+    """(OrderedDict served to this rank, set of keys not served on this layout). Keys come in the
+    saved state dict's order; a rank's own dp_rank_<d> item takes the place of its group's
+    first item (the place it had in that rank's state dict)."""
+    pos = {k: i for i, k in enumerate(fx.saved_order)}
+    cands = sorted(extra_candidates(fx), key=lambda k: pos.get(k, len(pos)))
     groups = collections.Counter(rank_local(k)[0] for k in cands if rank_local(k))
-    served, not_served = collections.OrderedDict(), set()
+    served, not_served, placed = collections.OrderedDict(), set(), set()
     dp = coords(lay, rank)["dp"]
     for k in cands:
+        rl = rank_local(k)
+        if rl and groups[rl[0]] == lay["D"]:
+            if rl[0] in placed:
+                continue
+            placed.add(rl[0])
+            k = next(c for c in cands if rank_local(c) == (rl[0], dp))
         if not fx.loadable[k]:
             not_served.add(k)
             continue
