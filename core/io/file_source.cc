@@ -12,10 +12,14 @@
 namespace ucpfs {
 
 Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; O_NOFOLLOW: a
+  // checkpoint's file that is a symlink is refused, never followed out of the checkpoint.
+  // Nothing is read before fstat shows a regular file.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
   if (fd < 0) {
     int e = errno;
     if (e == ENOENT) return Status(StatusCode::kNotFound, path + ": no such file", e);
+    if (e == ELOOP) return InvalidArgumentError(path + ": is a symbolic link (not followed)");
     return IoError(path + ": open: " + std::strerror(e), e);
   }
   struct stat st;
@@ -26,7 +30,13 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    return InvalidArgumentError(path + ": not a regular file");
+    const char* what = S_ISFIFO(st.st_mode)  ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISDIR(st.st_mode)  ? "a directory"
+                                              : "not a regular file";
+    return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
   return std::shared_ptr<FileSource>(new FileSource(path, fd, static_cast<uint64_t>(st.st_size)));
 }

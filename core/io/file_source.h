@@ -11,8 +11,10 @@ namespace ucpfs {
 
 class FileSource final : public ByteSource {
  public:
-  // Opens `path` read-only. Errors: kNotFound (ENOENT), kIo (other errno, sys_errno set),
-  // kInvalidArgument when the path is not a regular file.
+  // Opens `path` read-only without blocking and without following a final symlink, and checks
+  // it is a regular file before anything reads it. Errors: kNotFound (ENOENT), kIo (other
+  // errno, sys_errno set), kInvalidArgument naming the file when it is a symlink, a FIFO, a
+  // socket, a device or a directory.
   static Result<std::shared_ptr<FileSource>> Open(const std::string& path);
   ~FileSource() override;
   FileSource(const FileSource&) = delete;
