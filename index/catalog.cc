@@ -369,6 +369,8 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
     std::string path;
     uint64_t n_bytes;
     int64_t mtime_ns;
+    int64_t ctime_ns;
+    uint64_t ino;
     bool is_metadata;
   };
   std::vector<Entry> entries;
@@ -383,16 +385,19 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
       it.disable_recursion_pending();
       continue;
     }
+    // lstat: a symlink is not followed (the scan refuses it by name); FIFOs, sockets and
+    // devices are never opened.
     struct stat st;
-    if (::stat(p.c_str(), &st) != 0) {
-      if (errno == ENOENT) continue;  // vanished while walking (or a dangling symlink)
+    if (::lstat(p.c_str(), &st) != 0) {
+      if (errno == ENOENT) continue;  // vanished while walking
       return IoError("fingerprint: stat " + p.string() + ": " + std::strerror(errno), errno);
     }
     if (!S_ISREG(st.st_mode)) continue;
     entries.push_back(Entry{p.lexically_relative(dir).string(), p.string(),
                             static_cast<uint64_t>(st.st_size),
                             static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
-                            IsMetadataFile(name)});
+                            static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec,
+                            static_cast<uint64_t>(st.st_ino), IsMetadataFile(name)});
   }
   if (ec) return IoError("fingerprint: listing " + dir + ": " + ec.message(), ec.value());
   std::sort(entries.begin(), entries.end(),
@@ -407,6 +412,10 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
     XXH3_64bits_update(state.get(), e.rel_path.data(), e.rel_path.size());
     HashU64(state.get(), e.n_bytes);
     HashU64(state.get(), static_cast<uint64_t>(e.mtime_ns));
+    // ctime and inode too: a file replaced or edited in place (even with its size and mtime
+    // restored) is re-indexed, so a remount clears the EIO its changed bytes gave.
+    HashU64(state.get(), static_cast<uint64_t>(e.ctime_ns));
+    HashU64(state.get(), e.ino);
     if (e.is_metadata) UCPFS_RETURN_IF_ERROR(HashFileBytes(state.get(), e.path));
   }
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));

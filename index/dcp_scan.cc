@@ -250,12 +250,14 @@ class Scanner {
     const std::string path = dir_ + "/" + rel_path;
     auto src = FileSource::Open(path);
     if (!src.ok()) return src.status();
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) return IoError(path + ": stat failed", errno);
+    const FileIdentity& ident = (*src)->identity();  // fstat of the descriptor that is read
     SourceFile f;
     f.rel_path = rel_path;
-    f.n_bytes = (*src)->Size();
-    f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    f.n_bytes = ident.n_bytes;
+    f.mtime_ns = ident.mtime_ns;
+    f.dev = ident.dev;
+    f.ino = ident.ino;
+    f.ctime_ns = ident.ctime_ns;
     const auto id = static_cast<uint32_t>(ckpt_.files.size());
     ckpt_.files.push_back(std::move(f));
     sources_.push_back(std::move(*src));

@@ -10,6 +10,34 @@
 #include "core/checked.h"
 
 namespace ucpfs {
+namespace {
+
+FileIdentity IdentityOf(const struct stat& st) {
+  FileIdentity id;
+  id.dev = static_cast<uint64_t>(st.st_dev);
+  id.ino = static_cast<uint64_t>(st.st_ino);
+  id.n_bytes = static_cast<uint64_t>(st.st_size);
+  id.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  id.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
+  return id;
+}
+
+}  // namespace
+
+std::string FileIdentity::Differences(const FileIdentity& now) const {
+  std::string out;
+  auto add = [&out](const char* what, auto a, auto b) {
+    if (a == b) return;
+    out += (out.empty() ? "" : ", ") + std::string(what) + " " + std::to_string(a) + " -> " + std::to_string(b);
+  };
+  add("size", n_bytes, now.n_bytes);
+  add("mtime_ns", mtime_ns, now.mtime_ns);
+  // The device number is not compared: it differs between machines that mount one shared
+  // filesystem and share its index (--read-only-index); inode numbers and ctime do not.
+  if (ino != 0) add("inode", ino, now.ino);
+  if (ctime_ns != 0) add("ctime_ns", ctime_ns, now.ctime_ns);
+  return out;
+}
 
 Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
   // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; O_NOFOLLOW: a
@@ -38,7 +66,20 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
                                               : "not a regular file";
     return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
-  return std::shared_ptr<FileSource>(new FileSource(path, fd, static_cast<uint64_t>(st.st_size)));
+  return std::shared_ptr<FileSource>(new FileSource(path, fd, IdentityOf(st)));
+}
+
+Status FileSource::CheckUnchanged() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) {
+    int e = errno;
+    return IoError(path_ + ": fstat: " + std::strerror(e), e);
+  }
+  const std::string diff = identity_.Differences(IdentityOf(st));
+  if (!diff.empty()) {
+    return Status(StatusCode::kDataLoss, path_ + ": changed while open (" + diff + "); remount to re-index it");
+  }
+  return Status::Ok();
 }
 
 FileSource::~FileSource() { ::close(fd_); }

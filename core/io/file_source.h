@@ -9,6 +9,22 @@
 
 namespace ucpfs {
 
+// What identifies one version of a file: recorded when a checkpoint is indexed, compared when
+// the file is opened to serve it and after every read, so bytes of a file that was replaced or
+// edited in place are never served as the indexed ones. dev is recorded but not compared (it
+// differs between machines sharing one index on a parallel filesystem); zero ino/ctime mean
+// "not recorded", and are not compared.
+struct FileIdentity {
+  uint64_t dev = 0;
+  uint64_t ino = 0;
+  uint64_t n_bytes = 0;
+  int64_t mtime_ns = 0;
+  int64_t ctime_ns = 0;
+
+  // "" when `now` is the same version as *this, else what differs, e.g. "size 10 -> 12".
+  std::string Differences(const FileIdentity& now) const;
+};
+
 class FileSource final : public ByteSource {
  public:
   // Opens `path` read-only without blocking and without following a final symlink, and checks
@@ -24,12 +40,19 @@ class FileSource final : public ByteSource {
   const std::string& Name() const override { return path_; }
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
 
+  // The file's identity when it was opened.
+  const FileIdentity& identity() const { return identity_; }
+  // fstat again: kDataLoss naming the file and what changed since it was opened (an edit in
+  // place changes mtime and ctime), kIo when fstat fails.
+  Status CheckUnchanged() const;
+
  private:
-  FileSource(std::string path, int fd, uint64_t n_bytes)
-      : path_(std::move(path)), fd_(fd), n_bytes_(n_bytes) {}
+  FileSource(std::string path, int fd, FileIdentity identity)
+      : path_(std::move(path)), fd_(fd), n_bytes_(identity.n_bytes), identity_(identity) {}
   std::string path_;
   int fd_;
   uint64_t n_bytes_;
+  FileIdentity identity_;
 };
 
 }  // namespace ucpfs
