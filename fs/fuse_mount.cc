@@ -39,6 +39,7 @@
 #include <cstring>
 #include <exception>
 #include <map>
+#include <set>
 #include <mutex>
 #include <shared_mutex>
 #include <span>
@@ -156,6 +157,10 @@ struct Server {
   mutable std::shared_mutex subtrees_mu;
   std::vector<Subtree> subtrees;                           // guarded by subtrees_mu
   std::map<std::string, size_t, std::less<>> subtree_index;  // name -> index; guarded
+  // Source data-loss errors already logged (a changed source file is logged once, not at every
+  // read, until a remount re-indexes it), bounded so a storm of distinct ones cannot grow it.
+  std::mutex logged_mu;
+  std::set<std::string> logged_data_loss;  // guarded by logged_mu
 };
 
 // A node found by its (global) inode number.
@@ -432,9 +437,16 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
     if (buffer.size() < n_bytes) buffer.resize(n_bytes);
     const Status status = file.source->ReadAt(byte_offset, std::span(buffer.data(), n_bytes));
     if (!status.ok()) {
-      std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n",
-                   PathOf(ServerOf(req), file.ino).c_str(),
-                   static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
+      Server& server = ServerOf(req);
+      bool log = true;
+      if (status.code() == StatusCode::kDataLoss) {
+        std::lock_guard lock(server.logged_mu);
+        log = server.logged_data_loss.size() < 4096 && server.logged_data_loss.insert(status.message()).second;
+      }
+      if (log) {
+        std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n", PathOf(server, file.ino).c_str(),
+                     static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
+      }
       return ErrnoFromStatus(status);
     }
     fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), n_bytes);
