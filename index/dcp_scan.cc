@@ -27,6 +27,7 @@
 #include "core/checked.h"
 #include "core/format/torch_file.h"
 #include "core/io/file_source.h"
+#include "core/io/lazy_file_source.h"
 #include "index/dcp_metadata.h"
 
 namespace ucpfs::index {
@@ -259,8 +260,10 @@ class Scanner {
     f.ino = ident.ino;
     f.ctime_ns = ident.ctime_ns;
     const auto id = static_cast<uint32_t>(ckpt_.files.size());
+    // Read through the scan's bounded descriptor cache (a checkpoint may have more files than
+    // the open-file limit); the descriptor opened here closes now.
+    sources_.push_back(std::make_shared<LazyFileSource>(path, f.Identity(), nullptr, fd_cache_));
     ckpt_.files.push_back(std::move(f));
-    sources_.push_back(std::move(*src));
     file_ids_.emplace(rel_path, id);
     return id;
   }
@@ -586,6 +589,7 @@ class Scanner {
   bool megatron_ = false;
   Checkpoint ckpt_;
   std::vector<std::shared_ptr<const ByteSource>> sources_;  // by file id
+  std::shared_ptr<FdCache> fd_cache_ = std::make_shared<FdCache>(FdCache::DefaultCapacity());
   std::map<std::string, uint32_t> file_ids_;                // rel_path -> file id
   std::vector<DcpMetadata> metas_;
   std::vector<std::string> meta_names_;

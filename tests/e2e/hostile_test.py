@@ -1,0 +1,149 @@
+"""End-to-end: hostile checkpoints and hostile situations (issue 8), with real mounts.
+
+- A FIFO, a socket or a symlink in place of a data file: `ucpfs index` and `ucpfs mount` end at
+  once with an error naming the file; nothing blocks.
+- A source file edited in place after mounting (same size, mtime put back, even the same
+  bytes): reads that need it give EIO and the daemon logs the file once; a remount re-indexes
+  and serves again.
+- A checkpoint with more data files than the open-file limit (hard limit 64, 128 files) indexes,
+  mounts and serves every atomic file bit for bit.
+Every probe has a hard timeout: a hang is a failure, never a stuck CI.
+"""
+import errno
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import torch
+
+from e2e_common import Results, run, tmpdir, ucpfs_bin
+from mount_common import expected_atomic, gen_fixture, mounted
+
+
+def clean_error(cmd, must, timeout_s=20):
+    """Runs cmd; it must fail within timeout_s with an error that contains every string of must."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{cmd} hung for {timeout_s} s") from e
+    assert p.returncode != 0, f"{cmd} succeeded: {p.stdout}"
+    for m in must:
+        assert m in p.stderr, f"{cmd}: error lacks {m!r}: {p.stderr}"
+    return time.monotonic() - t0
+
+
+def copy_of(src, dst):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".ucpfs"))
+    return dst
+
+
+def biggest_shard(d):
+    return max((f for f in os.listdir(d) if f.endswith(".distcp")), key=lambda f: os.path.getsize(os.path.join(d, f)))
+
+
+def special_files_refused(work, src):
+    for kind in ("fifo", "socket", "symlink"):
+        d = copy_of(src, os.path.join(work, f"special-{kind}"))
+        shard = biggest_shard(d)
+        path = os.path.join(d, shard)
+        os.remove(path)
+        keep = None
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "socket":
+            keep = socket.socket(socket.AF_UNIX)
+            keep.bind(path)
+        else:
+            outside = os.path.join(work, f"outside-{kind}")
+            shutil.copy(os.path.join(src, shard), outside)
+            os.symlink(outside, path)
+        try:
+            clean_error([ucpfs_bin(), "index", d], [shard])
+            mnt = os.path.join(work, f"mnt-special-{kind}")
+            os.makedirs(mnt, exist_ok=True)
+            clean_error([ucpfs_bin(), "mount", d, mnt], [shard])
+            with open("/proc/self/mounts") as f:
+                assert not any(line.split()[1] == mnt for line in f), "a refused mount is mounted"
+        finally:
+            if keep:
+                keep.close()
+
+
+def edited_in_place(work, src, expected):
+    d = copy_of(src, os.path.join(work, "edited"))
+    mnt = os.path.join(work, "mnt-edited")
+    want = expected_atomic(torch.load(expected))
+    files = [os.path.join(p.replace("/", "%2F"), n) for p, fs in want.items() for n in fs]
+    with mounted(d, mnt) as (m, _):
+        first = open(os.path.join(m, "atomic", files[0]), "rb").read()
+        assert first
+        # Rewrite every shard with its own bytes, mtime put back: only ctime moves.
+        for f in os.listdir(d):
+            if f.endswith(".distcp"):
+                p = os.path.join(d, f)
+                st = os.stat(p)
+                data = open(p, "rb").read()
+                with open(p, "r+b") as h:
+                    h.write(data)
+                os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        failed = 0
+        for name in files[1:]:
+            try:
+                open(os.path.join(m, "atomic", name), "rb").read()
+            except OSError as e:
+                assert e.errno == errno.EIO, e
+                failed += 1
+        assert failed == len(files) - 1, f"{failed} of {len(files) - 1} reads failed after the edit"
+        log = open(mnt + ".log").read()
+        lines = [x for x in log.splitlines() if "remount to re-index" in x]
+        shards = {x.split(": read ")[1].split(" offset")[0] for x in lines} if lines else set()
+        assert lines, log
+        distinct = {x.split(" offset ")[1].split(": ", 1)[1] for x in lines}
+        assert len(lines) == len(distinct), f"the same change was logged more than once:\n{log}"
+        del shards
+    # A remount re-indexes the changed source and serves it.
+    with mounted(d, mnt) as (m, _):
+        for name in files:
+            open(os.path.join(m, "atomic", name), "rb").read()
+
+
+def many_files_small_limit(work, src, expected):
+    d = copy_of(src, os.path.join(work, "many"))
+    n_files = len(os.listdir(d))
+    assert n_files > 64, n_files
+    limit = ["prlimit", "--nofile=64:64", "--"]
+    r = run(limit + [ucpfs_bin(), "index", d], timeout=120)
+    assert "items" in r.stdout, r.stdout
+    mnt = os.path.join(work, "mnt-many")
+    os.makedirs(mnt, exist_ok=True)
+    r = run(limit + [ucpfs_bin(), "mount", d, mnt, "--log", mnt + ".log"], timeout=120)
+    try:
+        want = expected_atomic(torch.load(expected))
+        for param, fs in want.items():
+            for name, t in fs.items():
+                obj = torch.load(os.path.join(mnt, "atomic", param.replace("/", "%2F"), name), weights_only=True)
+                assert torch.equal(obj["param"].reshape(-1).view(torch.int32), t.reshape(-1).view(torch.int32)), \
+                    (param, name)
+    finally:
+        subprocess.run([ucpfs_bin(), "umount", mnt])
+
+
+def main():
+    res = Results("hostile")
+    with tmpdir("ucpfs-hostile-") as work:
+        src = os.path.join(work, "src")
+        expected = gen_fixture("gen_dcp113_llama.py", src, "--ranks", "2", "--single-file-per-rank", "0")
+        res.check("FIFO, socket and symlink data files: index and mount fail at once naming the file",
+                  lambda: special_files_refused(work, src))
+        res.check("a source edited in place gives EIO, is logged once per change, and a remount serves it",
+                  lambda: edited_in_place(work, src, expected))
+        res.check("more data files than the descriptor limit: index, mount and serve every atomic file",
+                  lambda: many_files_small_limit(work, src, expected))
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()
