@@ -5,6 +5,9 @@
 - A source file edited in place after mounting (same size, mtime put back, even the same
   bytes): reads that need it give EIO and the daemon logs the file once; a remount re-indexes
   and serves again.
+- Mount safety: MNT equal to or inside SRC, or SRC inside MNT, is refused; a dead ucpfs mount
+  (daemon killed) is cleared by the next mount; a second mount over a live one is refused;
+  `ucpfs umount` refuses a filesystem that is not ucpfs.
 - A checkpoint with more data files than the open-file limit (hard limit 64, 128 files) indexes,
   mounts and serves every atomic file bit for bit.
 Every probe has a hard timeout: a hang is a failure, never a stuck CI.
@@ -131,6 +134,51 @@ def many_files_small_limit(work, src, expected):
         subprocess.run([ucpfs_bin(), "umount", mnt])
 
 
+def mount_safety(work, src):
+    d = copy_of(src, os.path.join(work, "self"))
+    os.makedirs(os.path.join(d, "inner"))
+    outer = os.path.join(work, "outer")
+    os.makedirs(os.path.join(outer, "ckpt"))
+    nested = copy_of(src, os.path.join(outer, "ckpt", "src"))
+    clean_error([ucpfs_bin(), "mount", d, d], ["is the checkpoint itself"])
+    clean_error([ucpfs_bin(), "mount", d, os.path.join(d, "inner")], ["inside the checkpoint"])
+    clean_error([ucpfs_bin(), "mount", nested, outer], ["inside the mount point"])
+
+    # A dead ucpfs mount (daemon killed) is cleared by the next mount, which serves.
+    mnt = os.path.join(work, "mnt-dead")
+    os.makedirs(mnt)
+    run([ucpfs_bin(), "mount", d, mnt], timeout=120)
+    daemons = run(["pgrep", "-f", f"ucpfs mount {d} {mnt}"], check=False).stdout.split()
+    assert daemons, "no daemon found"
+    for pid in daemons:
+        os.kill(int(pid), 9)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.listdir(mnt)
+        except OSError as e:
+            assert e.errno in (errno.ENOTCONN, errno.ECONNABORTED), e
+            break
+        time.sleep(0.05)
+    with mounted(d, mnt) as (m, _):
+        assert "atomic" in os.listdir(m)
+        # A second mount over a live one is refused, saying how to clear it.
+        clean_error([ucpfs_bin(), "mount", d, m], ["already mounted", "ucpfs umount"])
+    with open("/proc/self/mountinfo") as f:
+        assert sum(line.split()[4] == mnt for line in f) == 0, "mounts stacked at the mount point"
+
+    # `ucpfs umount` of something that is not ucpfs is refused, and it stays mounted.
+    foreign = os.path.join(work, "foreign")
+    os.makedirs(foreign)
+    run(["mount", "-t", "tmpfs", "ucpfs-test-tmpfs", foreign])
+    try:
+        clean_error([ucpfs_bin(), "umount", foreign], ["not a ucpfs mount", "tmpfs"])
+        assert run(["mountpoint", "-q", foreign], check=False).returncode == 0, "the tmpfs was unmounted"
+    finally:
+        subprocess.run(["umount", foreign])
+    clean_error([ucpfs_bin(), "umount", foreign], ["nothing is mounted there"])
+
+
 def main():
     res = Results("hostile")
     with tmpdir("ucpfs-hostile-") as work:
@@ -140,6 +188,8 @@ def main():
                   lambda: special_files_refused(work, src))
         res.check("a source edited in place gives EIO, is logged once per change, and a remount serves it",
                   lambda: edited_in_place(work, src, expected))
+        res.check("self-mounts refused; a dead mount is cleared; no stacking; umount only unmounts ucpfs",
+                  lambda: mount_safety(work, src))
         res.check("more data files than the descriptor limit: index, mount and serve every atomic file",
                   lambda: many_files_small_limit(work, src, expected))
     res.finish()
