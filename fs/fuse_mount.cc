@@ -294,8 +294,8 @@ struct stat StatOf(const Server& server, const Found& found) {
   st.st_mode = static_cast<mode_t>((node.is_dir ? S_IFDIR : S_IFREG) | (node.mode & 07777));
   // The dynamic directory's subdirectory count is unknown: 1 tells find(1) not to count.
   st.st_nlink = server.dynamic_dir != 0 && st.st_ino == server.dynamic_dir ? 1 : node.nlink;
-  st.st_uid = server.uid;
-  st.st_gid = server.gid;
+  st.st_uid = node.uid >= 0 ? static_cast<uid_t>(node.uid) : server.uid;
+  st.st_gid = node.gid >= 0 ? static_cast<gid_t>(node.gid) : server.gid;
   st.st_size = static_cast<off_t>(node.size);
   // In 512-byte units whatever st_blksize says; `du` reports the virtual size from this.
   st.st_blocks = static_cast<blkcnt_t>(node.size / 512 + (node.size % 512 != 0 ? 1 : 0));

@@ -43,15 +43,16 @@ Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::
     if (::lstat(child_path.c_str(), &st) != 0) continue;  // vanished: skip
     if (S_ISDIR(st.st_mode)) {
       UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddDir(parent, name, st.st_mtim));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, st.st_mode, st.st_uid, st.st_gid));  // the source's
       UCPFS_RETURN_IF_ERROR(MirrorSource(tree, ino, root, child_rel, n_files));
     } else if (S_ISREG(st.st_mode)) {
       Opener open = [child_path]() -> Result<std::shared_ptr<const ByteSource>> {
         UCPFS_ASSIGN_OR_RETURN(auto f, FileSource::Open(child_path));
         return std::shared_ptr<const ByteSource>(std::move(f));
       };
-      UCPFS_RETURN_IF_ERROR(
-          tree.AddFile(parent, name, static_cast<uint64_t>(st.st_size), st.st_mtim, std::move(open))
-              .status());
+      UCPFS_ASSIGN_OR_RETURN(
+          Ino ino, tree.AddFile(parent, name, static_cast<uint64_t>(st.st_size), st.st_mtim, std::move(open)));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, st.st_mode, st.st_uid, st.st_gid));  // the source's
       ++*n_files;
     }
   }
@@ -96,11 +97,48 @@ struct LazyTargetInput {
   }
 };
 
+// Who may read view files: never more than every source file allows. All sources readable by
+// others: 0444 for the mounting user (the default). Otherwise the bits every source grants to
+// a common owner and a common group, with that owner and group (root where they differ).
+struct ViewAccess {
+  uint32_t mode = 0444;
+  int64_t uid = -1;
+  int64_t gid = -1;
+};
+
+ViewAccess AccessOfSources(const std::string& source_dir, const index::Checkpoint& ckpt) {
+  ViewAccess a;
+  bool all_other = true, all_user = true, all_group = true, first = true;
+  int64_t uid = -1, gid = -1;
+  bool same_uid = true, same_gid = true;
+  for (const auto& f : ckpt.files) {
+    struct stat st;
+    if (::lstat((source_dir + "/" + f.rel_path).c_str(), &st) != 0) continue;  // read fails later
+    all_other = all_other && (st.st_mode & S_IROTH);
+    all_user = all_user && (st.st_mode & S_IRUSR);
+    all_group = all_group && (st.st_mode & S_IRGRP);
+    if (first) {
+      uid = st.st_uid;
+      gid = st.st_gid;
+      first = false;
+    }
+    same_uid = same_uid && uid == static_cast<int64_t>(st.st_uid);
+    same_gid = same_gid && gid == static_cast<int64_t>(st.st_gid);
+  }
+  if (all_other) return a;
+  a.mode = 0;
+  a.uid = same_uid ? uid : 0;
+  a.gid = same_gid ? gid : 0;
+  if (same_uid && all_user) a.mode |= 0400;
+  if (same_gid && all_group) a.mode |= 0040;
+  return a;
+}
+
 // Adds `rank_<N>/{model.pt,optim.pt,extra_state.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
 // Rank files depend on (tp, pp, ep) for model.pt and, without ZeRO partitioning, optim.pt; DP
 // replicas link to the first such file. Counts the distinct files added in *n_files.
 Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struct timespec mtime,
-                      size_t* n_files) {
+                      const ViewAccess& access, size_t* n_files) {
   const layout::Layout& l = plan.layout();
   std::map<std::tuple<int, int, int>, std::pair<Ino, Ino>> shared_files;  // (tp,pp,ep) -> model, optim
   for (int rank = 0; rank < l.World(); ++rank) {
@@ -112,6 +150,7 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
       if (share != nullptr && *share != 0) return tree.AddLink(rdir, name, *share);
       const uint64_t n_bytes = src->Size();
       UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(rdir, name, n_bytes, mtime, FixedSource(std::move(src))));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
       if (share != nullptr) *share = ino;
       ++*n_files;
       return Status::Ok();
@@ -154,6 +193,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
         std::make_shared<LazyFileSource>(source_dir + "/" + f.rel_path, f.Identity(), counters, fd_cache));
   }
 
+  const ViewAccess access = AccessOfSources(source_dir, ckpt);
   UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));
   size_t n_atomic = 0;
   uint64_t atomic_bytes = 0;
@@ -166,8 +206,8 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     }
     const uint64_t n_bytes = v.source->Size();
     atomic_bytes += n_bytes;
-    UCPFS_RETURN_IF_ERROR(
-        tree->AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))).status());
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree->AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))));
+    UCPFS_RETURN_IF_ERROR(tree->SetAccess(ino, access.mode, access.uid, access.gid));
     ++n_atomic;
   }
 
@@ -188,11 +228,11 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     for (const auto& l : targets.layouts) {
       UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
       UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
-      UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, &n_target));
+      UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
     }
   }
   SubtreeResolver resolve_target =
-      [lazy_input, mtime](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+      [lazy_input, mtime, access](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
     UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
     if (l.name != name) {
       return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
@@ -210,7 +250,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
     auto sub = std::make_shared<Tree>(mtime);
     size_t n_files = 0;
-    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*sub, kRootIno, plan, mtime, &n_files));
+    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*sub, kRootIno, plan, mtime, access, &n_files));
     return std::shared_ptr<const Tree>(std::move(sub));
   };
 

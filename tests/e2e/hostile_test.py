@@ -8,6 +8,9 @@
 - Mount safety: MNT equal to or inside SRC, or SRC inside MNT, is refused; a dead ucpfs mount
   (daemon killed) is cleared by the next mount; a second mount over a live one is refused;
   `ucpfs umount` refuses a filesystem that is not ucpfs.
+- Permissions with `-o allow_other`: passthrough files keep the source's mode and owner, views
+  are never more readable than the source files (user `nobody` is refused where a source is
+  private to root).
 - A checkpoint with more data files than the open-file limit (hard limit 64, 128 files) indexes,
   mounts and serves every atomic file bit for bit.
 Every probe has a hard timeout: a hang is a failure, never a stuck CI.
@@ -179,6 +182,52 @@ def mount_safety(work, src):
     clean_error([ucpfs_bin(), "umount", foreign], ["nothing is mounted there"])
 
 
+def as_nobody(*cmd):
+    """Runs cmd as user nobody; stdout is discarded, stderr returned as text."""
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
+    p.stderr = p.stderr.decode(errors="replace")
+    return p
+
+
+def permissions_allow_other(work, src):
+    os.chmod(work, 0o755)  # let `nobody` reach the mount point
+    d = copy_of(src, os.path.join(work, "perm"))
+    for root, dirs, files in os.walk(d):
+        for x in dirs:
+            os.chmod(os.path.join(root, x), 0o755)
+        for x in files:
+            os.chmod(os.path.join(root, x), 0o644)
+    os.chmod(d, 0o755)
+    mnt = os.path.join(work, "mnt-perm")
+    # All sources world-readable: nobody reads views and passthrough files.
+    with mounted(d, mnt, "-o", "allow_other") as (m, _):
+        atomic = os.path.join(m, "atomic", sorted(os.listdir(os.path.join(m, "atomic")))[0])
+        view = os.path.join(atomic, sorted(os.listdir(atomic))[0])
+        assert as_nobody("cat", view).returncode == 0, as_nobody("cat", view).stderr
+        shard = biggest_shard(d)
+        assert as_nobody("cat", os.path.join(m, shard)).returncode == 0
+    # One private shard (root, 0600): its passthrough keeps mode and owner, and no view is more
+    # readable than it; root still reads everything.
+    shard = biggest_shard(d)
+    os.chmod(os.path.join(d, shard), 0o600)
+    with mounted(d, mnt, "-o", "allow_other") as (m, _):
+        st = os.stat(os.path.join(m, shard))
+        assert (st.st_mode & 0o777, st.st_uid) == (0o400, 0), (oct(st.st_mode), st.st_uid)
+        r = as_nobody("cat", os.path.join(m, shard))
+        assert r.returncode != 0 and "Permission denied" in r.stderr, r
+        for root, _, files in os.walk(os.path.join(m, "atomic")):
+            for f in files:
+                p = os.path.join(root, f)
+                assert os.stat(p).st_mode & 0o077 == 0, (p, oct(os.stat(p).st_mode))
+                r = as_nobody("cat", p)
+                assert r.returncode != 0 and "Permission denied" in r.stderr, (p, r)
+                open(p, "rb").read()  # root may
+        lay = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0", "model.pt")
+        r = as_nobody("cat", lay)
+        assert r.returncode != 0 and "Permission denied" in r.stderr, r
+
+
 def main():
     res = Results("hostile")
     with tmpdir("ucpfs-hostile-") as work:
@@ -190,6 +239,8 @@ def main():
                   lambda: edited_in_place(work, src, expected))
         res.check("self-mounts refused; a dead mount is cleared; no stacking; umount only unmounts ucpfs",
                   lambda: mount_safety(work, src))
+        res.check("allow_other: passthrough keeps mode and owner; views never more readable than sources",
+                  lambda: permissions_allow_other(work, src))
         res.check("more data files than the descriptor limit: index, mount and serve every atomic file",
                   lambda: many_files_small_limit(work, src, expected))
     res.finish()
