@@ -1,4 +1,5 @@
 #include "cli/checkpoint_cmds.h"
+#include "core/json_text.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -177,7 +178,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   out["extra_state"] = std::move(extra);
   out["not_served"] = std::move(not_served);
   if (json) {
-    std::cout << out.dump(2) << '\n';
+    std::cout << JsonText(out) << '\n';
     return 0;
   }
   std::cout << out["path"].get<std::string>() << ": " << c.format << " (" << c.flavor << "), "

@@ -1,4 +1,5 @@
 #include "fs/namespace.h"
+#include "core/json_text.h"
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -278,11 +279,17 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     if (e.dp_rank >= 0) j["source_dp_rank"] = e.dp_rank;
     status["extra_state"].push_back(std::move(j));
   }
+  // Parameters whose atomic/ directory name is not their fqn (views::AtomicDirName).
+  status["escaped_names"] = nlohmann::ordered_json::array();
+  for (const auto& p : mapping.params) {
+    const std::string dir = views::AtomicDirName(p.name);
+    if (dir != p.name) status["escaped_names"].push_back({{"param", p.name}, {"dir", "atomic/" + dir}});
+  }
   status["not_served"] = nlohmann::ordered_json::array();
   for (const auto& n : target_input->not_served) {
     status["not_served"].push_back({{"key", n.key}, {"reason", n.reason}});
   }
-  std::string status_text = status.dump(2) + "\n";
+  std::string status_text = JsonText(status) + "\n";
   UCPFS_ASSIGN_OR_RETURN(Ino meta, tree->AddDir(kRootIno, ".ucpfs", mtime));
   auto status_src = std::make_shared<MemorySource>(
       ".ucpfs/status.json",
@@ -299,7 +306,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     j["source_reads"] = counters->source_reads.load();
     j["source_read_errors"] = counters->source_read_errors.load();
     j["source_files_opened"] = counters->files_opened.load();
-    std::string text = j.dump(2) + "\n";
+    std::string text = JsonText(j) + "\n";
     text.resize(kStatsJsonBytes, ' ');
     text.back() = '\n';
     return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>(

@@ -11,6 +11,9 @@
 - Permissions with `-o allow_other`: passthrough files keep the source's mode and owner, views
   are never more readable than the source files (user `nobody` is refused where a source is
   private to root).
+- Names: parameter keys that cannot be file names (".", "..", NUL, over 255 bytes, not UTF-8),
+  a source directory and a file whose names are not UTF-8: served under escaped names listed in
+  status.json; every JSON output stays valid.
 - A checkpoint with more data files than the open-file limit (hard limit 64, 128 files) indexes,
   mounts and serves every atomic file bit for bit.
 Every probe has a hard timeout: a hang is a failure, never a stuck CI.
@@ -228,6 +231,71 @@ def permissions_allow_other(work, src):
         assert r.returncode != 0 and "Permission denied" in r.stderr, r
 
 
+ODD_NAMES = {  # key -> the atomic/ directory name ucpfs must give it (views::AtomicDirName)
+    "model..": b"%2E",
+    "model...": b"%2E%2E",
+    "model.a\x00b": b"a%00b",
+    # Not UTF-8: pickled with surrogatepass, kept as the key's bytes.
+    "model.\udcff\udcfe.weight": "\udcff\udcfe.weight".encode("utf-8", "surrogatepass"),
+    "model." + "w" * 300: None,  # over NAME_MAX: a prefix, '~' and a hash
+}
+
+
+# Writes the odd-names checkpoint with gen_dcp2x (which must run without torch imported): argv
+# fixtures_dir, out (bytes via surrogateescape), keys as JSON; prints the tensors' bytes in hex.
+_ODD_WRITER = """
+import json, os, random, sys
+sys.path.insert(0, sys.argv[1])
+import gen_dcp2x as g
+rng = random.Random(7)
+save = g.Save(1)
+out = {}
+for key in json.loads(sys.argv[3]):
+    t = g.random_tensor(rng, "float32", (3, 4))
+    out[key] = t.data.hex()
+    save.tensor(key, t.dtype, t.shape, g.whole_chunk(t, 0))
+save.write(sys.argv[2])
+print(json.dumps(out))
+"""
+
+
+def odd_names(work):
+    """Keys that cannot be file names as they are, a source directory and a file whose names are
+    not UTF-8: the mount serves them under escaped names listed in status.json, and every JSON
+    output stays valid."""
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from mount_common import FIXTURES  # noqa: PLC0415
+    src = os.fsencode(os.path.join(work, "odd")) + b"-\xff\xfe"
+    r = subprocess.run([sys.executable, "-c", _ODD_WRITER, FIXTURES, src, json.dumps(list(ODD_NAMES))],
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    truth = {k: bytes.fromhex(v) for k, v in json.loads(r.stdout).items()}
+    with open(src + b"/notes-\xc3\x28.txt", "wb") as f:
+        f.write(b"passthrough")
+    mnt = os.path.join(work, "mnt-odd")
+    p = subprocess.run([ucpfs_bin(), "inspect", src, "--json"], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    json.loads(p.stdout)
+    with mounted(os.fsdecode(src), mnt) as (m, _):
+        st = json.load(open(os.path.join(m, ".ucpfs", "status.json"), "rb"))
+        escaped = [e["dir"] for e in st["escaped_names"]]
+        names = set(os.listdir(os.path.join(os.fsencode(m), b"atomic")))
+        assert len(names) == len(ODD_NAMES), names
+        assert len(escaped) == len(ODD_NAMES) - 1, escaped  # all but the non-UTF-8 one (kept as bytes)
+        for key, want in ODD_NAMES.items():
+            if want is None:
+                long = [n for n in names if len(n) > 200]
+                assert len(long) == 1 and len(long[0]) <= 255 and b"~" in long[0], long
+                want = long[0]
+            assert want in names, (key, want, names)
+            obj = torch.load(os.fsdecode(os.path.join(os.fsencode(m), b"atomic", want, b"fp32.pt")), weights_only=True)
+            assert obj["param"].numpy().tobytes() == truth[key], key
+        assert open(os.path.join(os.fsencode(m), b"notes-\xc3\x28.txt"), "rb").read() == b"passthrough"
+        json.loads(open(os.path.join(m, ".ucpfs", "stats.json")).read())
+        run(["ls", "-lR", m])
+
+
 def main():
     res = Results("hostile")
     with tmpdir("ucpfs-hostile-") as work:
@@ -241,6 +309,8 @@ def main():
                   lambda: mount_safety(work, src))
         res.check("allow_other: passthrough keeps mode and owner; views never more readable than sources",
                   lambda: permissions_allow_other(work, src))
+        res.check("odd names (., .., NUL, > 255 bytes, not UTF-8) are served under escaped names",
+                  lambda: odd_names(work))
         res.check("more data files than the descriptor limit: index, mount and serve every atomic file",
                   lambda: many_files_small_limit(work, src, expected))
     res.finish()
