@@ -241,6 +241,7 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
     UCPFS_ASSIGN_OR_RETURN(auto split, layout::ParsePpSplit(args.pp_split));
     t.pp_split = std::move(split);
   }
+  t.lookup_budget_bytes = args.lookup_memory_mib << 20;
   return t;
 }
 

@@ -47,6 +47,9 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--preset", mount.preset, "naming preset: auto, torchtitan, megatron, hf");
   mount_cmd->add_option("--pattern-rules", mount.pattern_rules, "pattern rules file (JSON) for target views");
   mount_cmd->add_option("--pp-split", mount.pp_split, "layers per pipeline stage, e.g. 5,6,6,5");
+  mount_cmd->add_option("--lookup-memory-mib", mount.lookup_memory_mib,
+                        "memory for layouts built on lookup under target/, together (default 256); "
+                        "a layout that would pass it is refused");
   AddSourceOptions(mount_cmd, mount.source);
 
   std::string umount_path;

@@ -2,6 +2,7 @@
 #include "core/json_text.h"
 
 #include <dirent.h>
+#include <malloc.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -232,8 +233,15 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
       UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
     }
   }
+  struct LookupBudget {
+    std::mutex mu;
+    uint64_t limit = 0;
+    uint64_t used = 0;  // guarded by mu
+  };
+  auto budget = std::make_shared<LookupBudget>();
+  budget->limit = targets.lookup_budget_bytes;
   SubtreeResolver resolve_target =
-      [lazy_input, mtime, access](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+      [lazy_input, mtime, access, budget](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
     UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
     if (l.name != name) {
       return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
@@ -249,9 +257,35 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     }
     UCPFS_ASSIGN_OR_RETURN(auto shared, lazy_input->Get());
     UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
+    // Bounded memory: estimate the layout from what rank 0's files take on the heap (pickles,
+    // zip headers, local layouts) before building any more, and refuse a layout that would
+    // pass the budget shared by all layouts built on lookup.
+    const size_t heap_before = ::mallinfo2().uordblks;
+    UCPFS_ASSIGN_OR_RETURN(auto probe, plan.Build(0));
+    const size_t heap_after = ::mallinfo2().uordblks;
+    constexpr uint64_t kNodeBytes = 512;  // a rank directory and its files in the tree
+    const uint64_t per_rank =
+        std::max<uint64_t>(heap_after > heap_before ? heap_after - heap_before : 0, 4096) + 5 * kNodeBytes;
+    const uint64_t estimate = per_rank * static_cast<uint64_t>(l.World());
+    {
+      std::lock_guard lock(budget->mu);
+      if (budget->used + estimate > budget->limit) {
+        return ResourceExhaustedError(
+            "layout " + l.name + " would take about " + std::to_string(estimate >> 20) + " MiB (" +
+            std::to_string(l.World()) + " ranks); layouts built on lookup may take " +
+            std::to_string(budget->limit >> 20) + " MiB together and " + std::to_string(budget->used >> 20) +
+            " MiB are in use (raise --lookup-memory-mib, or give it with --layout)");
+      }
+      budget->used += estimate;  // reserved now, so racing lookups cannot both pass
+    }
     auto sub = std::make_shared<Tree>(mtime);
     size_t n_files = 0;
-    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*sub, kRootIno, plan, mtime, access, &n_files));
+    Status built = AddLayoutRanks(*sub, kRootIno, plan, mtime, access, &n_files);
+    if (!built.ok()) {
+      std::lock_guard lock(budget->mu);
+      budget->used -= estimate;
+      return built;
+    }
     return std::shared_ptr<const Tree>(std::move(sub));
   };
 

@@ -14,6 +14,8 @@
 - Names: parameter keys that cannot be file names (".", "..", NUL, over 255 bytes, not UTF-8),
   a source directory and a file whose names are not UTF-8: served under escaped names listed in
   status.json; every JSON output stays valid.
+- Memory: a lookup of a 65536-rank layout is refused (over --lookup-memory-mib) within 20 s,
+  and the daemon does not grow; a layout that fits is still built on lookup.
 - A checkpoint with more data files than the open-file limit (hard limit 64, 128 files) indexes,
   mounts and serves every atomic file bit for bit.
 Every probe has a hard timeout: a hang is a failure, never a stuck CI.
@@ -296,6 +298,36 @@ def odd_names(work):
         run(["ls", "-lR", m])
 
 
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
+
+
+def huge_layout_lookup(work, src):
+    mnt = os.path.join(work, "mnt-huge")
+    with mounted(src, mnt, "--lookup-memory-mib", "128") as (m, _):
+        pid = int(run(["pgrep", "-f", f"ucpfs mount {src} {mnt}"]).stdout.split()[0])
+        before = rss_kib(pid)
+        t0 = time.monotonic()
+        p = subprocess.run(["ls", os.path.join(m, "target", "tp1_pp1_dp65536")], capture_output=True,
+                           text=True, timeout=60)
+        took = time.monotonic() - t0
+        assert p.returncode != 0 and "No such file" in p.stderr, p
+        assert took < 20, f"the refusal took {took:.1f} s"
+        grown = rss_kib(pid) - before
+        assert grown < 64 * 1024, f"the daemon grew by {grown} KiB"
+        log = open(mnt + ".log").read()
+        assert "tp1_pp1_dp65536" in log and "lookup-memory-mib" in log, log
+        # A layout that fits is still built on lookup and served.
+        assert sorted(os.listdir(os.path.join(m, "target", "tp2_pp1_dp2"))) == ["rank_0", "rank_1", "rank_2", "rank_3"]
+        assert status_ok(m)
+
+
+def status_ok(m):
+    import json  # noqa: PLC0415
+    return json.load(open(os.path.join(m, ".ucpfs", "status.json")))["format"] == "dcp"
+
+
 def main():
     res = Results("hostile")
     with tmpdir("ucpfs-hostile-") as work:
@@ -311,6 +343,8 @@ def main():
                   lambda: permissions_allow_other(work, src))
         res.check("odd names (., .., NUL, > 255 bytes, not UTF-8) are served under escaped names",
                   lambda: odd_names(work))
+        res.check("a 65536-rank layout lookup is refused within 20 s without growing the daemon",
+                  lambda: huge_layout_lookup(work, src))
         res.check("more data files than the descriptor limit: index, mount and serve every atomic file",
                   lambda: many_files_small_limit(work, src, expected))
     res.finish()
