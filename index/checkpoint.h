@@ -43,6 +43,10 @@ struct Item {
   uint64_t n_bytes = 0;
 };
 
+// A relative path that stays inside the checkpoint directory: not empty, not absolute, no NUL
+// and no ".." component.
+bool SafeRelativePath(const std::string& p);
+
 struct Checkpoint {
   std::string format;  // "dcp"
   std::string flavor;  // "torch-1.13", "torch-2.x", "megatron-torch_dist"

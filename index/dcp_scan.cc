@@ -31,6 +31,18 @@
 #include "index/dcp_metadata.h"
 
 namespace ucpfs::index {
+bool SafeRelativePath(const std::string& p) {
+  if (p.empty() || p.front() == '/' || p.find('\0') != std::string::npos) return false;
+  size_t start = 0;
+  while (start <= p.size()) {
+    size_t end = p.find('/', start);
+    if (end == std::string::npos) end = p.size();
+    if (p.compare(start, end - start, "..") == 0 && end - start == 2) return false;
+    start = end + 1;
+  }
+  return true;
+}
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -80,18 +92,6 @@ std::vector<std::string> RankLocalMetadataFiles(const std::string& dir) {
   return out;
 }
 
-// A relative path that stays inside the checkpoint directory.
-bool SafeRelativePath(const std::string& p) {
-  if (p.empty() || p.front() == '/' || p.find('\0') != std::string::npos) return false;
-  size_t start = 0;
-  while (start <= p.size()) {
-    size_t end = p.find('/', start);
-    if (end == std::string::npos) end = p.size();
-    if (p.compare(start, end - start, "..") == 0 && end - start == 2) return false;
-    start = end + 1;
-  }
-  return true;
-}
 
 // Shape without its leading size-1 axes (Megatron prepends singleton axes to chunk views).
 std::vector<int64_t> StripLeadingOnes(const std::vector<int64_t>& v) {
@@ -426,6 +426,11 @@ class Scanner {
       if (empty) continue;  // torch.chunk leaves the last ranks empty: no elements, no fragment
       UCPFS_ASSIGN_OR_RETURN(Stored st, OpenChunk(*s, id, c.sizes, what));
 
+      if (st.rec.dtype != e.dtype) {
+        return CorruptError(sources_[id]->Name() + ": " + what + ": the metadata says " +
+                            std::string(TorchName(e.dtype)) + " but the stored tensor is " +
+                            std::string(TorchName(st.rec.dtype)));
+      }
       slice::Fragment f;
       f.file_id = st.file_id;
       f.byte_offset = st.byte_offset;
