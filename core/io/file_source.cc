@@ -39,7 +39,7 @@ std::string FileIdentity::Differences(const FileIdentity& now) const {
   return out;
 }
 
-Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
+Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, PreadFn pread_fn) {
   // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; O_NOFOLLOW: a
   // checkpoint's file that is a symlink is refused, never followed out of the checkpoint.
   // Nothing is read before fstat shows a regular file.
@@ -66,7 +66,7 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
                                               : "not a regular file";
     return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
-  return std::shared_ptr<FileSource>(new FileSource(path, fd, IdentityOf(st)));
+  return std::shared_ptr<FileSource>(new FileSource(path, fd, IdentityOf(st), pread_fn ? pread_fn : &::pread));
 }
 
 Status FileSource::CheckUnchanged() const {
@@ -92,8 +92,7 @@ Status FileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const 
   }
   size_t done = 0;
   while (done < out.size()) {
-    ssize_t n = ::pread(fd_, out.data() + done, out.size() - done,
-                        static_cast<off_t>(byte_offset + done));
+    ssize_t n = pread_(fd_, out.data() + done, out.size() - done, static_cast<off_t>(byte_offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       int e = errno;

@@ -2,6 +2,8 @@
 // that touches file descriptors for reading (besides the io_uring executor, later).
 #pragma once
 
+#include <sys/types.h>
+
 #include <memory>
 #include <string>
 
@@ -25,13 +27,17 @@ struct FileIdentity {
   std::string Differences(const FileIdentity& now) const;
 };
 
+// The pread(2) a FileSource calls: the system's, or a test's that injects faults (short reads,
+// EINTR, EIO at chosen offsets) to exercise the read path.
+using PreadFn = ssize_t (*)(int fd, void* buf, size_t n_bytes, off_t byte_offset);
+
 class FileSource final : public ByteSource {
  public:
   // Opens `path` read-only without blocking and without following a final symlink, and checks
   // it is a regular file before anything reads it. Errors: kNotFound (ENOENT), kIo (other
   // errno, sys_errno set), kInvalidArgument naming the file when it is a symlink, a FIFO, a
   // socket, a device or a directory.
-  static Result<std::shared_ptr<FileSource>> Open(const std::string& path);
+  static Result<std::shared_ptr<FileSource>> Open(const std::string& path, PreadFn pread_fn = nullptr);
   ~FileSource() override;
   FileSource(const FileSource&) = delete;
   FileSource& operator=(const FileSource&) = delete;
@@ -47,12 +53,13 @@ class FileSource final : public ByteSource {
   Status CheckUnchanged() const;
 
  private:
-  FileSource(std::string path, int fd, FileIdentity identity)
-      : path_(std::move(path)), fd_(fd), n_bytes_(identity.n_bytes), identity_(identity) {}
+  FileSource(std::string path, int fd, FileIdentity identity, PreadFn pread_fn)
+      : path_(std::move(path)), fd_(fd), n_bytes_(identity.n_bytes), identity_(identity), pread_(pread_fn) {}
   std::string path_;
   int fd_;
   uint64_t n_bytes_;
   FileIdentity identity_;
+  PreadFn pread_;
 };
 
 }  // namespace ucpfs
