@@ -1,4 +1,5 @@
 #include "cli/checkpoint_cmds.h"
+#include "core/json_text.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -22,6 +23,7 @@
 #include "core/layout/patterns.h"
 #include "core/views/atomic.h"
 #include "fs/fuse_mount.h"
+#include "fs/mounts.h"
 #include "fs/namespace.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
@@ -34,6 +36,18 @@ std::string AbsPath(const std::string& p) {
   char buf[PATH_MAX];
   if (::realpath(p.c_str(), buf) != nullptr) return buf;
   return p;
+}
+
+// AbsPath, or, where realpath fails (a dead FUSE mount point answers ENOTCONN), the path made
+// absolute against the working directory, without trailing slashes.
+std::string AbsPathOrJoined(const std::string& p) {
+  std::string out = AbsPath(p);
+  if (out.empty() || out[0] != '/') {
+    char cwd[PATH_MAX];
+    if (::getcwd(cwd, sizeof(cwd)) != nullptr) out = std::string(cwd) + "/" + out;
+  }
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  return out;
 }
 
 // Progress on stderr for long scans: at most ~10 updates a second, only on a terminal or when
@@ -146,9 +160,10 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   out["params"] = std::move(params);
   out["unmapped_keys"] = l->mapping.unmapped_keys;
   // Non-parameter state: what target views serve in extra_state.pt, and what no view serves.
+  auto fd_cache = std::make_shared<FdCache>(FdCache::DefaultCapacity());
   auto table = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
   for (const auto& f : c.files) {
-    table->push_back(std::make_shared<LazyFileSource>(AbsPath(args.src) + "/" + f.rel_path, f.n_bytes, nullptr));
+    table->push_back(std::make_shared<LazyFileSource>(AbsPath(args.src) + "/" + f.rel_path, f.Identity(), nullptr, fd_cache));
   }
   auto input = index::MakeTargetInput(c, l->mapping, table, nullptr);
   if (!input.ok()) return Fail("inspect", input.error());
@@ -163,7 +178,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   out["extra_state"] = std::move(extra);
   out["not_served"] = std::move(not_served);
   if (json) {
-    std::cout << out.dump(2) << '\n';
+    std::cout << JsonText(out) << '\n';
     return 0;
   }
   std::cout << out["path"].get<std::string>() << ": " << c.format << " (" << c.flavor << "), "
@@ -226,6 +241,7 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
     UCPFS_ASSIGN_OR_RETURN(auto split, layout::ParsePpSplit(args.pp_split));
     t.pp_split = std::move(split);
   }
+  t.lookup_budget_bytes = args.lookup_memory_mib << 20;
   return t;
 }
 
@@ -270,7 +286,7 @@ int RunMount(const MountArgs& mount_args) {
   // The daemon changes to "/": make every path absolute first.
   MountArgs args = mount_args;
   args.source.src = AbsPath(args.source.src);
-  args.mountpoint = AbsPath(args.mountpoint);
+  args.mountpoint = AbsPathOrJoined(args.mountpoint);
   if (!args.source.index_dir.empty()) args.source.index_dir = AbsPath(args.source.index_dir);
   if (!args.source.rules.empty()) args.source.rules = AbsPath(args.source.rules);
   if (!args.pattern_rules.empty()) args.pattern_rules = AbsPath(args.pattern_rules);
@@ -279,10 +295,17 @@ int RunMount(const MountArgs& mount_args) {
     char cwd[PATH_MAX];
     if (::getcwd(cwd, sizeof(cwd)) != nullptr) args.log_file = std::string(cwd) + "/" + args.log_file;
   }
+  // A dead ucpfs mount at MNT (its daemon gone) is cleared; a live one, or another
+  // filesystem, is refused with how to clear it. Then MNT must be a directory, outside SRC.
+  if (Status ready = fs::PrepareMountPoint(args.mountpoint); !ready.ok()) return Fail("mount", ready);
+  args.mountpoint = AbsPath(args.mountpoint);  // resolvable now that a dead mount is gone
   struct stat st;
   if (::stat(args.mountpoint.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     std::cerr << "ucpfs mount: " << args.mountpoint << ": mount point is not a directory\n";
     return 1;
+  }
+  if (Status apart = fs::CheckMountPointAgainstSource(args.source.src, args.mountpoint); !apart.ok()) {
+    return Fail("mount", apart);
   }
   if (args.foreground) return ServeMount(args, -1);
 
@@ -333,7 +356,8 @@ int RunMount(const MountArgs& mount_args) {
 }
 
 int RunUmount(const std::string& mountpoint) {
-  Status s = fs::Unmount(mountpoint);
+  // Only ucpfs mounts: `ucpfs umount` of another filesystem is refused, naming its type.
+  Status s = fs::UnmountUcpfs(AbsPathOrJoined(mountpoint));
   if (!s.ok()) return Fail("umount", s);
   return 0;
 }

@@ -29,6 +29,7 @@ struct MountArgs {
   std::string preset = "auto";            // --preset
   std::string pattern_rules;              // --pattern-rules FILE
   std::string pp_split;                   // --pp-split a,b,...
+  uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib
 };
 
 // Returns once the mount is live (the daemon keeps serving), or serves in the foreground.

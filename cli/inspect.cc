@@ -1,4 +1,5 @@
 #include "cli/inspect.h"
+#include "core/json_text.h"
 
 #include <iomanip>
 #include <nlohmann/json.hpp>
@@ -45,7 +46,7 @@ void PrintJson(const std::string& path, const format::TorchFile& f, std::ostream
     tensors.push_back(std::move(e));
   }
   j["tensors"] = std::move(tensors);
-  out << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+  out << JsonText(j) << '\n';
 }
 
 void PrintTable(const std::string& path, const format::TorchFile& f, std::ostream& out) {

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <string>
 
+#include "core/io/lazy_file_source.h"
 #include "cli/checkpoint_cmds.h"
 #include "cli/convert_cmd.h"
 #include "cli/inspect.h"
@@ -22,6 +23,9 @@ void AddSourceOptions(CLI::App* cmd, ucpfs::cli::SourceArgs& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A checkpoint may have more files than the default soft limit; source files are reached
+  // through a bounded descriptor cache sized from the limit in force (FdCache).
+  ucpfs::RaiseOpenFileLimit();
   CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP) as resharded views:\n"
                "  MNT/atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt   consolidated per-parameter state\n"
                "  MNT/target/<layout>/rank_N/{model,optim}.pt       each rank's shard for a new layout\n"
@@ -43,6 +47,9 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--preset", mount.preset, "naming preset: auto, torchtitan, megatron, hf");
   mount_cmd->add_option("--pattern-rules", mount.pattern_rules, "pattern rules file (JSON) for target views");
   mount_cmd->add_option("--pp-split", mount.pp_split, "layers per pipeline stage, e.g. 5,6,6,5");
+  mount_cmd->add_option("--lookup-memory-mib", mount.lookup_memory_mib,
+                        "memory for layouts built on lookup under target/, together (default 256); "
+                        "a layout that would pass it is refused");
   AddSourceOptions(mount_cmd, mount.source);
 
   std::string umount_path;

@@ -39,6 +39,7 @@
 #include <cstring>
 #include <exception>
 #include <map>
+#include <set>
 #include <mutex>
 #include <shared_mutex>
 #include <span>
@@ -156,6 +157,10 @@ struct Server {
   mutable std::shared_mutex subtrees_mu;
   std::vector<Subtree> subtrees;                           // guarded by subtrees_mu
   std::map<std::string, size_t, std::less<>> subtree_index;  // name -> index; guarded
+  // Source data-loss errors already logged (a changed source file is logged once, not at every
+  // read, until a remount re-indexes it), bounded so a storm of distinct ones cannot grow it.
+  std::mutex logged_mu;
+  std::set<std::string> logged_data_loss;  // guarded by logged_mu
 };
 
 // A node found by its (global) inode number.
@@ -289,8 +294,8 @@ struct stat StatOf(const Server& server, const Found& found) {
   st.st_mode = static_cast<mode_t>((node.is_dir ? S_IFDIR : S_IFREG) | (node.mode & 07777));
   // The dynamic directory's subdirectory count is unknown: 1 tells find(1) not to count.
   st.st_nlink = server.dynamic_dir != 0 && st.st_ino == server.dynamic_dir ? 1 : node.nlink;
-  st.st_uid = server.uid;
-  st.st_gid = server.gid;
+  st.st_uid = node.uid >= 0 ? static_cast<uid_t>(node.uid) : server.uid;
+  st.st_gid = node.gid >= 0 ? static_cast<gid_t>(node.gid) : server.gid;
   st.st_size = static_cast<off_t>(node.size);
   // In 512-byte units whatever st_blksize says; `du` reports the virtual size from this.
   st.st_blocks = static_cast<blkcnt_t>(node.size / 512 + (node.size % 512 != 0 ? 1 : 0));
@@ -432,9 +437,16 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
     if (buffer.size() < n_bytes) buffer.resize(n_bytes);
     const Status status = file.source->ReadAt(byte_offset, std::span(buffer.data(), n_bytes));
     if (!status.ok()) {
-      std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n",
-                   PathOf(ServerOf(req), file.ino).c_str(),
-                   static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
+      Server& server = ServerOf(req);
+      bool log = true;
+      if (status.code() == StatusCode::kDataLoss) {
+        std::lock_guard lock(server.logged_mu);
+        log = server.logged_data_loss.size() < 4096 && server.logged_data_loss.insert(status.message()).second;
+      }
+      if (log) {
+        std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n", PathOf(server, file.ino).c_str(),
+                     static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
+      }
       return ErrnoFromStatus(status);
     }
     fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), n_bytes);

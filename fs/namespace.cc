@@ -1,6 +1,8 @@
 #include "fs/namespace.h"
+#include "core/json_text.h"
 
 #include <dirent.h>
+#include <malloc.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -43,15 +45,16 @@ Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::
     if (::lstat(child_path.c_str(), &st) != 0) continue;  // vanished: skip
     if (S_ISDIR(st.st_mode)) {
       UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddDir(parent, name, st.st_mtim));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, st.st_mode, st.st_uid, st.st_gid));  // the source's
       UCPFS_RETURN_IF_ERROR(MirrorSource(tree, ino, root, child_rel, n_files));
     } else if (S_ISREG(st.st_mode)) {
       Opener open = [child_path]() -> Result<std::shared_ptr<const ByteSource>> {
         UCPFS_ASSIGN_OR_RETURN(auto f, FileSource::Open(child_path));
         return std::shared_ptr<const ByteSource>(std::move(f));
       };
-      UCPFS_RETURN_IF_ERROR(
-          tree.AddFile(parent, name, static_cast<uint64_t>(st.st_size), st.st_mtim, std::move(open))
-              .status());
+      UCPFS_ASSIGN_OR_RETURN(
+          Ino ino, tree.AddFile(parent, name, static_cast<uint64_t>(st.st_size), st.st_mtim, std::move(open)));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, st.st_mode, st.st_uid, st.st_gid));  // the source's
       ++*n_files;
     }
   }
@@ -96,11 +99,48 @@ struct LazyTargetInput {
   }
 };
 
+// Who may read view files: never more than every source file allows. All sources readable by
+// others: 0444 for the mounting user (the default). Otherwise the bits every source grants to
+// a common owner and a common group, with that owner and group (root where they differ).
+struct ViewAccess {
+  uint32_t mode = 0444;
+  int64_t uid = -1;
+  int64_t gid = -1;
+};
+
+ViewAccess AccessOfSources(const std::string& source_dir, const index::Checkpoint& ckpt) {
+  ViewAccess a;
+  bool all_other = true, all_user = true, all_group = true, first = true;
+  int64_t uid = -1, gid = -1;
+  bool same_uid = true, same_gid = true;
+  for (const auto& f : ckpt.files) {
+    struct stat st;
+    if (::lstat((source_dir + "/" + f.rel_path).c_str(), &st) != 0) continue;  // read fails later
+    all_other = all_other && (st.st_mode & S_IROTH);
+    all_user = all_user && (st.st_mode & S_IRUSR);
+    all_group = all_group && (st.st_mode & S_IRGRP);
+    if (first) {
+      uid = st.st_uid;
+      gid = st.st_gid;
+      first = false;
+    }
+    same_uid = same_uid && uid == static_cast<int64_t>(st.st_uid);
+    same_gid = same_gid && gid == static_cast<int64_t>(st.st_gid);
+  }
+  if (all_other) return a;
+  a.mode = 0;
+  a.uid = same_uid ? uid : 0;
+  a.gid = same_gid ? gid : 0;
+  if (same_uid && all_user) a.mode |= 0400;
+  if (same_gid && all_group) a.mode |= 0040;
+  return a;
+}
+
 // Adds `rank_<N>/{model.pt,optim.pt,extra_state.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
 // Rank files depend on (tp, pp, ep) for model.pt and, without ZeRO partitioning, optim.pt; DP
 // replicas link to the first such file. Counts the distinct files added in *n_files.
 Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struct timespec mtime,
-                      size_t* n_files) {
+                      const ViewAccess& access, size_t* n_files) {
   const layout::Layout& l = plan.layout();
   std::map<std::tuple<int, int, int>, std::pair<Ino, Ino>> shared_files;  // (tp,pp,ep) -> model, optim
   for (int rank = 0; rank < l.World(); ++rank) {
@@ -112,6 +152,7 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
       if (share != nullptr && *share != 0) return tree.AddLink(rdir, name, *share);
       const uint64_t n_bytes = src->Size();
       UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(rdir, name, n_bytes, mtime, FixedSource(std::move(src))));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
       if (share != nullptr) *share = ino;
       ++*n_files;
       return Status::Ok();
@@ -146,13 +187,15 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
 
   // Source files by id, opened on first read.
   auto counters = std::make_shared<IoCounters>();
+  auto fd_cache = std::make_shared<FdCache>(FdCache::DefaultCapacity());
   auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
   files->reserve(ckpt.files.size());
   for (const auto& f : ckpt.files) {
     files->push_back(
-        std::make_shared<LazyFileSource>(source_dir + "/" + f.rel_path, f.n_bytes, counters));
+        std::make_shared<LazyFileSource>(source_dir + "/" + f.rel_path, f.Identity(), counters, fd_cache));
   }
 
+  const ViewAccess access = AccessOfSources(source_dir, ckpt);
   UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));
   size_t n_atomic = 0;
   uint64_t atomic_bytes = 0;
@@ -165,8 +208,8 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     }
     const uint64_t n_bytes = v.source->Size();
     atomic_bytes += n_bytes;
-    UCPFS_RETURN_IF_ERROR(
-        tree->AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))).status());
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree->AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))));
+    UCPFS_RETURN_IF_ERROR(tree->SetAccess(ino, access.mode, access.uid, access.gid));
     ++n_atomic;
   }
 
@@ -187,11 +230,18 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     for (const auto& l : targets.layouts) {
       UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
       UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
-      UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, &n_target));
+      UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
     }
   }
+  struct LookupBudget {
+    std::mutex mu;
+    uint64_t limit = 0;
+    uint64_t used = 0;  // guarded by mu
+  };
+  auto budget = std::make_shared<LookupBudget>();
+  budget->limit = targets.lookup_budget_bytes;
   SubtreeResolver resolve_target =
-      [lazy_input, mtime](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+      [lazy_input, mtime, access, budget](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
     UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
     if (l.name != name) {
       return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
@@ -207,9 +257,35 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     }
     UCPFS_ASSIGN_OR_RETURN(auto shared, lazy_input->Get());
     UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
+    // Bounded memory: estimate the layout from what rank 0's files take on the heap (pickles,
+    // zip headers, local layouts) before building any more, and refuse a layout that would
+    // pass the budget shared by all layouts built on lookup.
+    const size_t heap_before = ::mallinfo2().uordblks;
+    UCPFS_ASSIGN_OR_RETURN(auto probe, plan.Build(0));
+    const size_t heap_after = ::mallinfo2().uordblks;
+    constexpr uint64_t kNodeBytes = 512;  // a rank directory and its files in the tree
+    const uint64_t per_rank =
+        std::max<uint64_t>(heap_after > heap_before ? heap_after - heap_before : 0, 4096) + 5 * kNodeBytes;
+    const uint64_t estimate = per_rank * static_cast<uint64_t>(l.World());
+    {
+      std::lock_guard lock(budget->mu);
+      if (budget->used + estimate > budget->limit) {
+        return ResourceExhaustedError(
+            "layout " + l.name + " would take about " + std::to_string(estimate >> 20) + " MiB (" +
+            std::to_string(l.World()) + " ranks); layouts built on lookup may take " +
+            std::to_string(budget->limit >> 20) + " MiB together and " + std::to_string(budget->used >> 20) +
+            " MiB are in use (raise --lookup-memory-mib, or give it with --layout)");
+      }
+      budget->used += estimate;  // reserved now, so racing lookups cannot both pass
+    }
     auto sub = std::make_shared<Tree>(mtime);
     size_t n_files = 0;
-    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*sub, kRootIno, plan, mtime, &n_files));
+    Status built = AddLayoutRanks(*sub, kRootIno, plan, mtime, access, &n_files);
+    if (!built.ok()) {
+      std::lock_guard lock(budget->mu);
+      budget->used -= estimate;
+      return built;
+    }
     return std::shared_ptr<const Tree>(std::move(sub));
   };
 
@@ -237,11 +313,17 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     if (e.dp_rank >= 0) j["source_dp_rank"] = e.dp_rank;
     status["extra_state"].push_back(std::move(j));
   }
+  // Parameters whose atomic/ directory name is not their fqn (views::AtomicDirName).
+  status["escaped_names"] = nlohmann::ordered_json::array();
+  for (const auto& p : mapping.params) {
+    const std::string dir = views::AtomicDirName(p.name);
+    if (dir != p.name) status["escaped_names"].push_back({{"param", p.name}, {"dir", "atomic/" + dir}});
+  }
   status["not_served"] = nlohmann::ordered_json::array();
   for (const auto& n : target_input->not_served) {
     status["not_served"].push_back({{"key", n.key}, {"reason", n.reason}});
   }
-  std::string status_text = status.dump(2) + "\n";
+  std::string status_text = JsonText(status) + "\n";
   UCPFS_ASSIGN_OR_RETURN(Ino meta, tree->AddDir(kRootIno, ".ucpfs", mtime));
   auto status_src = std::make_shared<MemorySource>(
       ".ucpfs/status.json",
@@ -258,7 +340,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     j["source_reads"] = counters->source_reads.load();
     j["source_read_errors"] = counters->source_read_errors.load();
     j["source_files_opened"] = counters->files_opened.load();
-    std::string text = j.dump(2) + "\n";
+    std::string text = JsonText(j) + "\n";
     text.resize(kStatsJsonBytes, ' ');
     text.back() = '\n';
     return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>(

@@ -39,6 +39,9 @@ struct TargetOptions {
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;       // --pattern-rules
   std::optional<std::vector<int>> pp_split;
+  // Memory that layouts built on lookup may take together (--lookup-memory-mib). A layout
+  // whose estimate (rank 0's heap bytes × ranks) would pass it is refused, not built.
+  uint64_t lookup_budget_bytes = uint64_t{256} << 20;
 };
 
 

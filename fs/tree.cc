@@ -157,4 +157,13 @@ Status Tree::MarkVolatile(Ino ino) {
   return Status::Ok();
 }
 
+Status Tree::SetAccess(Ino ino, uint32_t mode, int64_t uid, int64_t gid) {
+  if (ino == 0 || ino > nodes_.size()) return InvalidArgumentError("inode " + std::to_string(ino) + " does not exist");
+  TreeNode& n = nodes_[ino - 1];
+  n.mode = mode & 0555u;  // no write bits, no setuid/setgid/sticky
+  n.uid = uid;
+  n.gid = gid;
+  return Status::Ok();
+}
+
 }  // namespace ucpfs::fs

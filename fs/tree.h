@@ -30,7 +30,9 @@ using Opener = std::function<Result<std::shared_ptr<const ByteSource>>()>;
 struct TreeNode {
   Ino ino = 0;
   bool is_dir = false;
-  uint32_t mode = 0;         // permission bits only (0555 dirs, 0444 files)
+  uint32_t mode = 0;         // permission bits only (0555 dirs, 0444 files, or SetAccess's)
+  int64_t uid = -1;          // owner; -1: the mounting user
+  int64_t gid = -1;          // group; -1: the mounting user's group
   uint64_t size = 0;         // files: exact byte size
   struct timespec mtime = {};
   uint32_t nlink = 1;
@@ -62,6 +64,9 @@ class Tree {
                       Opener open);
   // Marks a file as volatile (see TreeNode::volatile_content). Errors: kInvalidArgument.
   Status MarkVolatile(Ino ino);
+  // Sets a node's permission bits (write bits are always cleared: the tree is read-only) and
+  // owner (-1: the mounting user's). Errors: kInvalidArgument for an unknown inode.
+  Status SetAccess(Ino ino, uint32_t mode, int64_t uid, int64_t gid);
   // Another name for an existing file inode (hard link; nlink is incremented).
   Status AddLink(Ino parent, const std::string& name, Ino target);
   // Creates missing directories along `rel_path` ("a/b/c") under `parent`; returns the last.

@@ -30,6 +30,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <system_error>
 #include <vector>
@@ -37,6 +38,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "core/checked.h"
 #include "index/catalog_codec.h"
 
 namespace ucpfs::index {
@@ -120,14 +122,55 @@ class Cursor {
   MDB_cursor* cursor_ = nullptr;
 };
 
+// The index directory and the files ucpfs keeps in it are never reached through a symlink
+// (a checkpoint that ships `.ucpfs/data.mdb -> /etc/passwd` must not make ucpfs write there),
+// and nothing but a directory and regular files is accepted. Errors: kInvalidArgument naming
+// the entry and saying it is not followed.
+Status CheckIndexDirSafe(const std::string& dir) {
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT) return Status::Ok();
+    return IoError("index directory " + dir + ": " + std::strerror(errno), errno);
+  }
+  if (S_ISLNK(st.st_mode)) {
+    return InvalidArgumentError("index directory " + dir +
+                                " is a symbolic link: not followed (remove it, or give --index-dir)");
+  }
+  if (!S_ISDIR(st.st_mode)) return InvalidArgumentError("index directory " + dir + " is not a directory");
+  for (const char* name : {"data.mdb", "lock.mdb", "lock"}) {
+    const std::string path = dir + "/" + name;
+    if (::lstat(path.c_str(), &st) != 0) continue;
+    if (!S_ISREG(st.st_mode)) {
+      return InvalidArgumentError("index file " + path + " is " +
+                                  (S_ISLNK(st.st_mode) ? "a symbolic link" : "not a regular file") +
+                                  ": not followed (remove it, or give --index-dir)");
+    }
+  }
+  return Status::Ok();
+}
+
 Result<EnvPtr> OpenEnv(const std::string& dir, unsigned flags) {
+  UCPFS_RETURN_IF_ERROR(CheckIndexDirSafe(dir));
+  // LMDB opens files by path: hand it the directory we opened without following a symlink, so
+  // the directory cannot be swapped for a link between the check and the open.
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir_fd < 0) {
+    const int e = errno;
+    if (e == ENOENT) return Status(StatusCode::kNotFound, "no index at " + dir, e);
+    return IoError("opening index directory " + dir + ": " + std::strerror(e), e);
+  }
+  struct CloseFd {
+    int fd;
+    ~CloseFd() { ::close(fd); }
+  } close_dir{dir_fd};
+  const std::string fd_path = "/proc/self/fd/" + std::to_string(dir_fd);
   MDB_env* raw = nullptr;
   int rc = mdb_env_create(&raw);
   if (rc != 0) return LmdbError(rc, "mdb_env_create");
   EnvPtr env(raw);
   if ((rc = mdb_env_set_maxdbs(env.get(), kMaxDbs)) != 0) return LmdbError(rc, dir);
   if ((rc = mdb_env_set_mapsize(env.get(), kMapSizeBytes)) != 0) return LmdbError(rc, dir);
-  rc = mdb_env_open(env.get(), dir.c_str(), flags | MDB_NOTLS, 0644);
+  rc = mdb_env_open(env.get(), fd_path.c_str(), flags | MDB_NOTLS, 0644);
   if (rc != 0) return LmdbError(rc, "opening index " + dir);
   return env;
 }
@@ -241,6 +284,7 @@ Status ReadTable(MDB_txn* txn, MDB_dbi dbi, const std::string& dir, const char* 
 }
 
 Status RemoveEnvFiles(const std::string& dir) {
+  UCPFS_RETURN_IF_ERROR(CheckIndexDirSafe(dir));
   for (const char* name : {"data.mdb", "lock.mdb"}) {
     std::string path = dir + "/" + name;
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
@@ -269,7 +313,8 @@ class BuildLock {
 
   Status Acquire(const std::string& dir) {
     std::string path = dir + "/lock";
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    UCPFS_RETURN_IF_ERROR(CheckIndexDirSafe(dir));
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd_ < 0) return IoError("opening index lock " + path + ": " + std::strerror(errno), errno);
     while (::flock(fd_, LOCK_EX) != 0) {
       if (errno == EINTR) continue;
@@ -326,8 +371,9 @@ bool CanCreateIndexDirIn(const std::string& src_dir) {
   std::string dir = src_dir + "/" + kIndexDirName;
   if (::mkdir(dir.c_str(), 0755) == 0) return true;
   if (errno != EEXIST) return false;
-  struct stat st;
-  return ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(dir.c_str(), W_OK) == 0;
+  struct stat st;  // lstat: a symlinked SRC/.ucpfs is refused later (CheckIndexDirSafe)
+  return ::lstat(dir.c_str(), &st) == 0 && (S_ISLNK(st.st_mode) || (S_ISDIR(st.st_mode) &&
+                                                                    ::access(dir.c_str(), W_OK) == 0));
 }
 
 // Read-only mode writes nothing, not even the probe directory: SRC/.ucpfs when it holds an
@@ -335,7 +381,7 @@ bool CanCreateIndexDirIn(const std::string& src_dir) {
 std::string ReadOnlyIndexDir(const std::string& src_dir) {
   std::string dir = src_dir + "/" + kIndexDirName;
   struct stat st;
-  if (::stat((dir + "/data.mdb").c_str(), &st) == 0) return dir;
+  if (::lstat((dir + "/data.mdb").c_str(), &st) == 0) return dir;  // checked when opened
   return CacheIndexDir(src_dir);
 }
 
@@ -369,6 +415,8 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
     std::string path;
     uint64_t n_bytes;
     int64_t mtime_ns;
+    int64_t ctime_ns;
+    uint64_t ino;
     bool is_metadata;
   };
   std::vector<Entry> entries;
@@ -383,16 +431,19 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
       it.disable_recursion_pending();
       continue;
     }
+    // lstat: a symlink is not followed (the scan refuses it by name); FIFOs, sockets and
+    // devices are never opened.
     struct stat st;
-    if (::stat(p.c_str(), &st) != 0) {
-      if (errno == ENOENT) continue;  // vanished while walking (or a dangling symlink)
+    if (::lstat(p.c_str(), &st) != 0) {
+      if (errno == ENOENT) continue;  // vanished while walking
       return IoError("fingerprint: stat " + p.string() + ": " + std::strerror(errno), errno);
     }
     if (!S_ISREG(st.st_mode)) continue;
     entries.push_back(Entry{p.lexically_relative(dir).string(), p.string(),
                             static_cast<uint64_t>(st.st_size),
                             static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
-                            IsMetadataFile(name)});
+                            static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec,
+                            static_cast<uint64_t>(st.st_ino), IsMetadataFile(name)});
   }
   if (ec) return IoError("fingerprint: listing " + dir + ": " + ec.message(), ec.value());
   std::sort(entries.begin(), entries.end(),
@@ -407,6 +458,10 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
     XXH3_64bits_update(state.get(), e.rel_path.data(), e.rel_path.size());
     HashU64(state.get(), e.n_bytes);
     HashU64(state.get(), static_cast<uint64_t>(e.mtime_ns));
+    // ctime and inode too: a file replaced or edited in place (even with its size and mtime
+    // restored) is re-indexed, so a remount clears the EIO its changed bytes gave.
+    HashU64(state.get(), static_cast<uint64_t>(e.ctime_ns));
+    HashU64(state.get(), e.ino);
     if (e.is_metadata) UCPFS_RETURN_IF_ERROR(HashFileBytes(state.get(), e.path));
   }
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
@@ -503,7 +558,7 @@ Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool read_only,
                                   uint64_t* fingerprint) {
   const std::string data_path = index_dir + "/data.mdb";
   struct stat st;
-  if (::stat(data_path.c_str(), &st) != 0) {
+  if (::lstat(data_path.c_str(), &st) != 0) {
     int err = errno;
     if (err == ENOENT || err == ENOTDIR) return NotFoundError("no index in " + index_dir);
     return IoError("index " + index_dir + ": stat data.mdb: " + std::strerror(err), err);
@@ -580,6 +635,64 @@ Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool read_only,
   return cp;
 }
 
+Status ValidateIndexRecords(const std::string& src_dir, const std::string& index_dir, const Checkpoint& c) {
+  auto bad = [&](const std::string& what) {
+    return Status(StatusCode::kDataLoss, "index " + index_dir + " does not match " + src_dir + ": " + what);
+  };
+  std::vector<uint64_t> sizes;
+  sizes.reserve(c.files.size());
+  for (const SourceFile& f : c.files) {
+    if (!SafeRelativePath(f.rel_path)) return bad("file path '" + f.rel_path + "' leaves the checkpoint");
+    struct stat st;
+    const std::string path = src_dir + "/" + f.rel_path;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      return bad("'" + f.rel_path + "' is not a regular file of the checkpoint");
+    }
+    if (static_cast<uint64_t>(st.st_size) != f.n_bytes) {
+      return bad("'" + f.rel_path + "' has " + std::to_string(st.st_size) + " bytes, the index says " +
+                 std::to_string(f.n_bytes));
+    }
+    sizes.push_back(f.n_bytes);
+  }
+  auto inside = [&](uint32_t file_id, uint64_t offset, uint64_t n) {
+    return file_id < sizes.size() && offset <= sizes[file_id] && n <= sizes[file_id] - offset;
+  };
+  for (const Item& it : c.items) {
+    if (it.kind == ItemKind::kBytes) {
+      if (!inside(it.file_id, it.byte_offset, it.n_bytes)) return bad("item '" + it.key + "' lies outside its file");
+      continue;
+    }
+    for (int64_t d : it.layout.shape) {
+      if (d < 0) return bad("item '" + it.key + "' has a negative dimension");
+    }
+    for (const slice::Fragment& f : it.layout.fragments) {
+      if (f.file_id == slice::kZeroFileId) continue;
+      if (f.box.sizes.size() != it.layout.shape.size() || f.flat_lo > f.flat_hi) {
+        return bad("item '" + it.key + "' has a malformed fragment");
+      }
+      // The stored extent: contiguous elements, or the farthest strided element.
+      std::optional<uint64_t> n_elems = f.NumElems();
+      if (!f.strides.empty()) {
+        if (f.strides.size() != f.box.sizes.size()) return bad("item '" + it.key + "' has malformed strides");
+        n_elems = f.box.Volume() == 0 ? 0 : 1;
+        for (size_t k = 0; k < f.strides.size() && n_elems && *n_elems > 0; ++k) {
+          if (f.strides[k] < 0 || f.box.sizes[k] < 0) return bad("item '" + it.key + "' has negative strides");
+          auto span = CheckedMul(static_cast<uint64_t>(f.box.sizes[k] - (f.box.sizes[k] > 0 ? 1 : 0)),
+                                 static_cast<uint64_t>(f.strides[k]));
+          n_elems = span ? CheckedAdd(*n_elems, *span) : std::nullopt;
+        }
+      }
+      std::optional<uint64_t> n_bytes = n_elems ? CheckedMul(*n_elems, ItemSize(f.dtype)) : std::nullopt;
+      if (!n_bytes || !inside(f.file_id, f.byte_offset, *n_bytes)) {
+        return bad("a fragment of '" + it.key + "' lies outside its file");
+      }
+    }
+    Status covered = slice::ValidateCoverage(it.layout, it.key);
+    if (!covered.ok()) return bad(covered.message());
+  }
+  return Status::Ok();
+}
+
 Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   UCPFS_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintSource(src_dir));
@@ -605,6 +718,10 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
       return Status(StatusCode::kDataLoss, "index " + out.index_dir + " is stale (" + src_dir +
                                                " changed since it was indexed)" + hint);
     }
+    // A prebuilt index is untrusted like the rest of the checkpoint: every record is checked
+    // against the real files before it is used.
+    Status valid = ValidateIndexRecords(src_dir, out.index_dir, loaded.value());
+    if (!valid.ok()) return Status(StatusCode::kDataLoss, valid.message() + hint);
     out.checkpoint = std::move(loaded).value();
     out.state = IndexState::kReused;
     out.elapsed_s = SecondsSince(t0);
@@ -614,6 +731,8 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
   out.index_dir = options.index_dir.empty() ? DefaultIndexDir(src_dir) : options.index_dir;
   auto try_reuse = [&](Result<Checkpoint>& loaded, uint64_t stored) -> bool {
     if (!loaded.ok() || stored != fingerprint) return false;
+    // Records that do not match the real files: rebuilt below, never served.
+    if (!ValidateIndexRecords(src_dir, out.index_dir, loaded.value()).ok()) return false;
     out.checkpoint = std::move(loaded).value();
     out.state = IndexState::kReused;
     out.elapsed_s = SecondsSince(t0);

@@ -20,12 +20,14 @@
 namespace ucpfs::index {
 
 // 2: items of torch 2.x checkpoints in the saved state dict's order (planner_data), not the
-// metadata's.
-inline constexpr uint32_t kCatalogSchemaVersion = 2;
+// metadata's. 3: source files record device, inode and ctime (checked before serving).
+inline constexpr uint32_t kCatalogSchemaVersion = 3;
 
-// xxHash3-64 over the sorted (relative path, size, mtime) of every file under `dir` (the
-// index directory `.ucpfs/` excluded) and the bytes of its metadata files (`.metadata`,
-// `__*.metadata`, `metadata.json`). Errors: kNotFound, kIo.
+// xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
+// under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not
+// followed or opened) and the bytes of its metadata files (`.metadata`, `__*.metadata`,
+// `metadata.json`). A file replaced or edited in place changes it, so the index is rebuilt.
+// Errors: kNotFound, kIo.
 Result<uint64_t> FingerprintSource(const std::string& dir);
 
 // Produces the Checkpoint of a source directory (ScanDcp's signature).

@@ -129,6 +129,9 @@ std::string EncodeSourceFile(const SourceFile& file) {
   w.Str(file.rel_path);
   w.U64(file.n_bytes);
   w.I64(file.mtime_ns);
+  w.U64(file.dev);
+  w.U64(file.ino);
+  w.I64(file.ctime_ns);
   return w.Take();
 }
 
@@ -168,6 +171,9 @@ Result<SourceFile> DecodeSourceFile(std::string_view record) {
   r.Str(&f.rel_path, "rel_path");
   r.U64(&f.n_bytes, "n_bytes");
   r.I64(&f.mtime_ns, "mtime_ns");
+  r.U64(&f.dev, "dev");
+  r.U64(&f.ino, "ino");
+  r.I64(&f.ctime_ns, "ctime_ns");
   if (r.ok() && r.remaining() != 0) {
     r.Fail(std::to_string(r.remaining()) + " trailing bytes after byte " + std::to_string(r.pos()));
   }

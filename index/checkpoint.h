@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/io/file_source.h"
 #include "core/slice/slice.h"
 
 namespace ucpfs::index {
@@ -20,6 +21,12 @@ struct SourceFile {
   std::string rel_path;  // relative to the checkpoint directory
   uint64_t n_bytes = 0;
   int64_t mtime_ns = 0;
+  // Identity at index time beyond size and mtime (checked before any byte is served).
+  uint64_t dev = 0;
+  uint64_t ino = 0;
+  int64_t ctime_ns = 0;
+
+  FileIdentity Identity() const { return {dev, ino, n_bytes, mtime_ns, ctime_ns}; }
 };
 
 enum class ItemKind : uint8_t { kTensor = 0, kBytes = 1 };
@@ -35,6 +42,10 @@ struct Item {
   uint64_t byte_offset = 0;
   uint64_t n_bytes = 0;
 };
+
+// A relative path that stays inside the checkpoint directory: not empty, not absolute, no NUL
+// and no ".." component.
+bool SafeRelativePath(const std::string& p);
 
 struct Checkpoint {
   std::string format;  // "dcp"

@@ -27,9 +27,22 @@
 #include "core/checked.h"
 #include "core/format/torch_file.h"
 #include "core/io/file_source.h"
+#include "core/io/lazy_file_source.h"
 #include "index/dcp_metadata.h"
 
 namespace ucpfs::index {
+bool SafeRelativePath(const std::string& p) {
+  if (p.empty() || p.front() == '/' || p.find('\0') != std::string::npos) return false;
+  size_t start = 0;
+  while (start <= p.size()) {
+    size_t end = p.find('/', start);
+    if (end == std::string::npos) end = p.size();
+    if (p.compare(start, end - start, "..") == 0 && end - start == 2) return false;
+    start = end + 1;
+  }
+  return true;
+}
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -79,18 +92,6 @@ std::vector<std::string> RankLocalMetadataFiles(const std::string& dir) {
   return out;
 }
 
-// A relative path that stays inside the checkpoint directory.
-bool SafeRelativePath(const std::string& p) {
-  if (p.empty() || p.front() == '/' || p.find('\0') != std::string::npos) return false;
-  size_t start = 0;
-  while (start <= p.size()) {
-    size_t end = p.find('/', start);
-    if (end == std::string::npos) end = p.size();
-    if (p.compare(start, end - start, "..") == 0 && end - start == 2) return false;
-    start = end + 1;
-  }
-  return true;
-}
 
 // Shape without its leading size-1 axes (Megatron prepends singleton axes to chunk views).
 std::vector<int64_t> StripLeadingOnes(const std::vector<int64_t>& v) {
@@ -269,15 +270,19 @@ class Scanner {
     const std::string path = dir_ + "/" + rel_path;
     auto src = FileSource::Open(path);
     if (!src.ok()) return src.status();
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) return IoError(path + ": stat failed", errno);
+    const FileIdentity& ident = (*src)->identity();  // fstat of the descriptor that is read
     SourceFile f;
     f.rel_path = rel_path;
-    f.n_bytes = (*src)->Size();
-    f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    f.n_bytes = ident.n_bytes;
+    f.mtime_ns = ident.mtime_ns;
+    f.dev = ident.dev;
+    f.ino = ident.ino;
+    f.ctime_ns = ident.ctime_ns;
     const auto id = static_cast<uint32_t>(ckpt_.files.size());
+    // Read through the scan's bounded descriptor cache (a checkpoint may have more files than
+    // the open-file limit); the descriptor opened here closes now.
+    sources_.push_back(std::make_shared<LazyFileSource>(path, f.Identity(), nullptr, fd_cache_));
     ckpt_.files.push_back(std::move(f));
-    sources_.push_back(std::move(*src));
     file_ids_.emplace(rel_path, id);
     return id;
   }
@@ -440,6 +445,11 @@ class Scanner {
       if (empty) continue;  // torch.chunk leaves the last ranks empty: no elements, no fragment
       UCPFS_ASSIGN_OR_RETURN(Stored st, OpenChunk(*s, id, c.sizes, what));
 
+      if (st.rec.dtype != e.dtype) {
+        return CorruptError(sources_[id]->Name() + ": " + what + ": the metadata says " +
+                            std::string(TorchName(e.dtype)) + " but the stored tensor is " +
+                            std::string(TorchName(st.rec.dtype)));
+      }
       slice::Fragment f;
       f.file_id = st.file_id;
       f.byte_offset = st.byte_offset;
@@ -603,6 +613,7 @@ class Scanner {
   bool megatron_ = false;
   Checkpoint ckpt_;
   std::vector<std::shared_ptr<const ByteSource>> sources_;  // by file id
+  std::shared_ptr<FdCache> fd_cache_ = std::make_shared<FdCache>(FdCache::DefaultCapacity());
   std::map<std::string, uint32_t> file_ids_;                // rel_path -> file id
   std::vector<DcpMetadata> metas_;
   std::vector<std::string> meta_names_;

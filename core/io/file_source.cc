@@ -10,12 +10,44 @@
 #include "core/checked.h"
 
 namespace ucpfs {
+namespace {
 
-Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+FileIdentity IdentityOf(const struct stat& st) {
+  FileIdentity id;
+  id.dev = static_cast<uint64_t>(st.st_dev);
+  id.ino = static_cast<uint64_t>(st.st_ino);
+  id.n_bytes = static_cast<uint64_t>(st.st_size);
+  id.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  id.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
+  return id;
+}
+
+}  // namespace
+
+std::string FileIdentity::Differences(const FileIdentity& now) const {
+  std::string out;
+  auto add = [&out](const char* what, auto a, auto b) {
+    if (a == b) return;
+    out += (out.empty() ? "" : ", ") + std::string(what) + " " + std::to_string(a) + " -> " + std::to_string(b);
+  };
+  add("size", n_bytes, now.n_bytes);
+  add("mtime_ns", mtime_ns, now.mtime_ns);
+  // The device number is not compared: it differs between machines that mount one shared
+  // filesystem and share its index (--read-only-index); inode numbers and ctime do not.
+  if (ino != 0) add("inode", ino, now.ino);
+  if (ctime_ns != 0) add("ctime_ns", ctime_ns, now.ctime_ns);
+  return out;
+}
+
+Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, PreadFn pread_fn) {
+  // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; O_NOFOLLOW: a
+  // checkpoint's file that is a symlink is refused, never followed out of the checkpoint.
+  // Nothing is read before fstat shows a regular file.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
   if (fd < 0) {
     int e = errno;
     if (e == ENOENT) return Status(StatusCode::kNotFound, path + ": no such file", e);
+    if (e == ELOOP) return InvalidArgumentError(path + ": is a symbolic link (not followed)");
     return IoError(path + ": open: " + std::strerror(e), e);
   }
   struct stat st;
@@ -26,9 +58,28 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    return InvalidArgumentError(path + ": not a regular file");
+    const char* what = S_ISFIFO(st.st_mode)  ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISDIR(st.st_mode)  ? "a directory"
+                                              : "not a regular file";
+    return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
-  return std::shared_ptr<FileSource>(new FileSource(path, fd, static_cast<uint64_t>(st.st_size)));
+  return std::shared_ptr<FileSource>(new FileSource(path, fd, IdentityOf(st), pread_fn ? pread_fn : &::pread));
+}
+
+Status FileSource::CheckUnchanged() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) {
+    int e = errno;
+    return IoError(path_ + ": fstat: " + std::strerror(e), e);
+  }
+  const std::string diff = identity_.Differences(IdentityOf(st));
+  if (!diff.empty()) {
+    return Status(StatusCode::kDataLoss, path_ + ": changed while open (" + diff + "); remount to re-index it");
+  }
+  return Status::Ok();
 }
 
 FileSource::~FileSource() { ::close(fd_); }
@@ -41,8 +92,7 @@ Status FileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const 
   }
   size_t done = 0;
   while (done < out.size()) {
-    ssize_t n = ::pread(fd_, out.data() + done, out.size() - done,
-                        static_cast<off_t>(byte_offset + done));
+    ssize_t n = pread_(fd_, out.data() + done, out.size() - done, static_cast<off_t>(byte_offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       int e = errno;

@@ -1,17 +1,82 @@
 #include "core/io/lazy_file_source.h"
 
+#include <sys/resource.h>
+
+#include <algorithm>
+
 namespace ucpfs {
+namespace {
+
+Result<std::shared_ptr<FileSource>> OpenChecked(const std::string& path, const FileIdentity& expected) {
+  UCPFS_ASSIGN_OR_RETURN(auto file, FileSource::Open(path));
+  const std::string diff = expected.Differences(file->identity());
+  if (!diff.empty()) {
+    return Status(StatusCode::kDataLoss,
+                  path + ": not the file that was indexed (" + diff + "); remount to re-index the source");
+  }
+  return file;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<FileSource>> FdCache::Get(const std::string& path, const FileIdentity& expected,
+                                                 bool* opened) {
+  if (opened != nullptr) *opened = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = open_.find(path); it != open_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second.pos);
+      return it->second.file;
+    }
+  }
+  // Opened outside the lock: a slow open must not stall reads of other files.
+  UCPFS_ASSIGN_OR_RETURN(auto file, OpenChecked(path, expected));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = open_.find(path); it != open_.end()) return it->second.file;  // a racing open won
+  while (open_.size() >= capacity_ && !lru_.empty()) {
+    open_.erase(lru_.back());
+    lru_.pop_back();
+  }
+  lru_.push_front(path);
+  open_.emplace(path, Entry{file, lru_.begin()});
+  if (opened != nullptr) *opened = true;
+  return file;
+}
+
+size_t FdCache::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return open_.size();
+}
+
+size_t FdCache::DefaultCapacity() {
+  struct rlimit rl {};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return 65536;
+  return std::clamp<size_t>(static_cast<size_t>(rl.rlim_cur / 2), 16, 65536);
+}
+
+uint64_t RaiseOpenFileLimit() {
+  struct rlimit rl {};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &rl);
+    (void)::getrlimit(RLIMIT_NOFILE, &rl);
+  }
+  return static_cast<uint64_t>(rl.rlim_cur);
+}
 
 Result<std::shared_ptr<FileSource>> LazyFileSource::Get() const {
+  if (cache_) {
+    bool opened = false;
+    auto file = cache_->Get(path_, expected_, &opened);
+    if (opened && counters_) {
+      counters_->files_opened.fetch_add(1, std::memory_order_relaxed);
+    }
+    return file;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (file_) return file_;
-  UCPFS_ASSIGN_OR_RETURN(auto file, FileSource::Open(path_));
-  if (file->Size() != n_bytes_) {
-    return Status(StatusCode::kDataLoss, path_ + ": size is " + std::to_string(file->Size()) +
-                                             " bytes but the index recorded " +
-                                             std::to_string(n_bytes_) + "; re-index the source");
-  }
-  file_ = std::move(file);
+  UCPFS_ASSIGN_OR_RETURN(file_, OpenChecked(path_, expected_));
   if (counters_) counters_->files_opened.fetch_add(1, std::memory_order_relaxed);
   return file_;
 }
@@ -19,10 +84,15 @@ Result<std::shared_ptr<FileSource>> LazyFileSource::Get() const {
 Status LazyFileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const {
   auto file = Get();
   Status s = file.ok() ? (*file)->ReadAt(byte_offset, out) : file.status();
+  // After the read: an edit in place before or during it shows in mtime/ctime now.
+  if (s.ok()) s = (*file)->CheckUnchanged();
   if (counters_) {
     counters_->source_reads.fetch_add(1, std::memory_order_relaxed);
-    if (s.ok()) counters_->source_bytes_read.fetch_add(out.size(), std::memory_order_relaxed);
-    else counters_->source_read_errors.fetch_add(1, std::memory_order_relaxed);
+    if (s.ok()) {
+      counters_->source_bytes_read.fetch_add(out.size(), std::memory_order_relaxed);
+    } else {
+      counters_->source_read_errors.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   return s;
 }

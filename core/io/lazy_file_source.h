@@ -1,13 +1,20 @@
-// LazyFileSource: a ByteSource over a file whose size is already known (from the index), opened
-// on first read. A mount may reference thousands of shard files; they cost no descriptor until
-// a read needs them. Thread-safe. The opened file's size must equal the expected size, else
-// every read fails with kDataLoss (the source changed under the index).
+// LazyFileSource: a ByteSource over a source file whose identity (size, mtime, device, inode,
+// ctime) was recorded when the checkpoint was indexed, opened on first read. A mount may
+// reference any number of shard files: their descriptors live in a bounded FdCache shared by
+// the mount, so a checkpoint with more files than the descriptor limit still serves.
+//
+// Reads fail with kDataLoss naming the file when it is not the indexed version (replaced,
+// resized, edited in place: checked when opened and after every read), so changed bytes are
+// never served as valid; the source must be re-indexed (a remount does it).
+// Thread-safe.
 #pragma once
 
 #include <atomic>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "core/byte_source.h"
 #include "core/io/file_source.h"
@@ -22,12 +29,49 @@ struct IoCounters {
   std::atomic<uint64_t> files_opened{0};
 };
 
+// At most `capacity` open source files, least recently used closed first. A file in use by a
+// read stays open until that read ends (shared ownership), so the bound can be exceeded by the
+// number of concurrent reads, never more.
+class FdCache {
+ public:
+  explicit FdCache(size_t capacity) : capacity_(capacity < 1 ? 1 : capacity) {}
+
+  // The open file at `path`, opened (FileSource::Open) when not cached and checked against
+  // `expected`. Errors: FileSource::Open's; kDataLoss naming the file and what differs.
+  // `*opened` (when given) tells whether this call opened the file.
+  Result<std::shared_ptr<FileSource>> Get(const std::string& path, const FileIdentity& expected,
+                                          bool* opened = nullptr);
+
+  size_t capacity() const { return capacity_; }
+  size_t size() const;
+
+  // A capacity that fits the process's open-file limit: half the soft RLIMIT_NOFILE (the rest
+  // for FUSE, LMDB and the daemon), at least 16, at most 65536.
+  static size_t DefaultCapacity();
+
+ private:
+  const size_t capacity_;
+  mutable std::mutex mu_;
+  std::list<std::string> lru_;  // front: most recent
+  struct Entry {
+    std::shared_ptr<FileSource> file;
+    std::list<std::string>::iterator pos;
+  };
+  std::unordered_map<std::string, Entry> open_;
+};
+
+// Raises the soft RLIMIT_NOFILE to the hard limit (what a daemon that opens many files should
+// do at start); returns the soft limit in force afterwards.
+uint64_t RaiseOpenFileLimit();
+
 class LazyFileSource final : public ByteSource {
  public:
-  LazyFileSource(std::string path, uint64_t n_bytes, std::shared_ptr<IoCounters> counters = nullptr)
-      : path_(std::move(path)), n_bytes_(n_bytes), counters_(std::move(counters)) {}
+  // `cache` null: the file keeps its own descriptor once opened.
+  LazyFileSource(std::string path, FileIdentity expected, std::shared_ptr<IoCounters> counters = nullptr,
+                 std::shared_ptr<FdCache> cache = nullptr)
+      : path_(std::move(path)), expected_(expected), counters_(std::move(counters)), cache_(std::move(cache)) {}
 
-  uint64_t Size() const override { return n_bytes_; }
+  uint64_t Size() const override { return expected_.n_bytes; }
   const std::string& Name() const override { return path_; }
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
 
@@ -35,10 +79,11 @@ class LazyFileSource final : public ByteSource {
   Result<std::shared_ptr<FileSource>> Get() const;
 
   std::string path_;
-  uint64_t n_bytes_;
+  FileIdentity expected_;
   std::shared_ptr<IoCounters> counters_;
+  std::shared_ptr<FdCache> cache_;
   mutable std::mutex mu_;
-  mutable std::shared_ptr<FileSource> file_;  // guarded by mu_ until set
+  mutable std::shared_ptr<FileSource> file_;  // without a cache: guarded by mu_ until set
 };
 
 }  // namespace ucpfs

@@ -10,7 +10,24 @@ std::string AtomicDirName(const std::string& fqn) {
   for (char c : fqn) {
     if (c == '/') out += "%2F";
     else if (c == '%') out += "%25";
+    else if (c == '\0') out += "%00";
     else out += c;
+  }
+  if (out.empty()) return "%00empty";
+  if (out == ".") return "%2E";
+  if (out == "..") return "%2E%2E";
+  constexpr size_t kNameMax = 255;
+  if (out.size() > kNameMax) {
+    // Deterministic: a prefix, then '~' and the FNV-1a 64 hash of the whole name in hex.
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : fqn) {
+      h ^= c;
+      h *= 1099511628211ull;
+    }
+    static const char kHex[] = "0123456789abcdef";
+    std::string tail = "~";
+    for (int i = 60; i >= 0; i -= 4) tail += kHex[(h >> i) & 0xF];
+    out = out.substr(0, kNameMax - tail.size()) + tail;
   }
   return out;
 }

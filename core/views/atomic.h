@@ -19,8 +19,11 @@
 
 namespace ucpfs::views {
 
-// The `atomic/<param>` directory name of a parameter: its fqn with '/' written as "%2F" and
-// '%' as "%25" (the mount and `ucpfs convert --atomic` both use it).
+// The `atomic/<param>` directory name of a parameter (the mount and `ucpfs convert --atomic`
+// both use it): its fqn with '/' written as "%2F", '%' as "%25" and NUL as "%00"; "." and ".."
+// become "%2E" and "%2E%2E"; a name over 255 bytes keeps its first bytes and ends in '~' and
+// 16 hex digits of a hash of the whole fqn. Deterministic; other bytes (non-UTF-8 included) are
+// kept as they are. The mount lists every name that differs from its fqn in status.json.
 std::string AtomicDirName(const std::string& fqn);
 
 // How a parameter is split for tensor parallelism, as far as ucpfs knows.

@@ -1,4 +1,5 @@
 #include "core/views/target.h"
+#include "core/json_text.h"
 
 #include <algorithm>
 #include <cstring>
@@ -474,7 +475,7 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
   info["tensors"] = std::move(tensors);
   info["extra_state"] = std::move(extra_keys);
   info["not_served"] = std::move(not_served);
-  const std::string text = info.dump(2) + "\n";
+  const std::string text = JsonText(info) + "\n";
   std::vector<std::byte> bytes(text.size());
   std::memcpy(bytes.data(), text.data(), text.size());
   out.info = std::make_shared<MemorySource>(dir + "ucp_info.json", std::move(bytes));

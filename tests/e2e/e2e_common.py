@@ -50,7 +50,7 @@ def random_tensor(rng, dtype, shape):
 
 
 def run(cmd, check=True, **kw):
-    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
     return p

@@ -53,7 +53,7 @@ def mounted(src, mnt, *extra, timeout_s=120):
         while is_mounted(mnt) and time.monotonic() < deadline:
             time.sleep(0.05)
         if os.path.exists(log):
-            text = open(log).read()
+            text = open(log, errors="replace").read()
             if "ERROR" in text or "error" in text.lower():
                 print(f"--- daemon log {log}:\n{text}", file=sys.stderr)
 

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <string>
@@ -483,47 +484,45 @@ TEST(Fingerprint, ChangesWithSizeMtimeAndMetadataBytesOnly) {
   WriteFile(src + "/nested/.ucpfs/lock", "");
   EXPECT_EQ(*FingerprintSource(src), *base);
 
-  // Non-metadata file: same size, same mtime, different bytes -> unchanged (not read).
+  // Every change below moves some file's ctime, so each gives a new fingerprint; `prev` follows.
+  uint64_t prev = *base;
+  auto changed = [&](const char* what) {
+    Result<uint64_t> now = FingerprintSource(src);
+    ASSERT_TRUE(now.ok()) << now.status().ToString();
+    EXPECT_NE(*now, prev) << what;
+    prev = *now;
+  };
+  // A file rewritten in place with the same size and mtime: its bytes are not read, but its
+  // ctime moved, so it is re-indexed (an edit in place is never served as the indexed bytes).
   WriteFile(src + "/__0_0.distcp", "9876543210");
   SetMtime(src + "/__0_0.distcp", 1700000000, 5);
-  EXPECT_EQ(*FingerprintSource(src), *base);
-
-  // Its mtime (by one nanosecond) -> changed; restored -> back.
+  changed("rewritten in place");
+  // Its mtime (by one nanosecond).
   SetMtime(src + "/__0_0.distcp", 1700000000, 6);
-  EXPECT_NE(*FingerprintSource(src), *base);
-  SetMtime(src + "/__0_0.distcp", 1700000000, 5);
-  EXPECT_EQ(*FingerprintSource(src), *base);
-
-  // Its size -> changed.
+  changed("mtime");
+  // Its size.
   WriteFile(src + "/__1_0.distcp", "abcdefghijk");
   SetMtime(src + "/__1_0.distcp", 1700000000, 5);
-  EXPECT_NE(*FingerprintSource(src), *base);
-  WriteFile(src + "/__1_0.distcp", "abcdefghij");
-  SetMtime(src + "/__1_0.distcp", 1700000000, 5);
-  EXPECT_EQ(*FingerprintSource(src), *base);
-
-  // Metadata bytes with the same size and mtime -> changed, for each metadata name.
+  changed("size");
+  // Metadata bytes, for each metadata name.
   for (const char* f : {"/.metadata", "/__3.metadata", "/metadata.json"}) {
     const std::string path = src + f;
-    const std::string orig = ReadFile(path);
-    std::string changed = orig;
-    changed[0] = static_cast<char>(changed[0] ^ 1);
-    WriteFile(path, changed);
+    std::string bytes = ReadFile(path);
+    bytes[0] = static_cast<char>(bytes[0] ^ 1);
+    WriteFile(path, bytes);
     SetMtime(path, 1700000000, 5);
-    EXPECT_NE(*FingerprintSource(src), *base) << f;
-    WriteFile(path, orig);
-    SetMtime(path, 1700000000, 5);
-    EXPECT_EQ(*FingerprintSource(src), *base) << f;
+    changed(f);
   }
-
-  // A new file or a renamed one -> changed.
+  // A new file, a renamed one, a removed one.
   WriteFile(src + "/__2_0.distcp", "");
   SetMtime(src + "/__2_0.distcp", 1700000000, 5);
-  EXPECT_NE(*FingerprintSource(src), *base);
+  changed("new file");
   fs::rename(src + "/__2_0.distcp", src + "/__2_1.distcp");
-  EXPECT_NE(*FingerprintSource(src), *base);
+  changed("renamed");
   fs::remove(src + "/__2_1.distcp");
-  EXPECT_EQ(*FingerprintSource(src), *base);
+  changed("removed");
+  // Nothing changed: the same fingerprint.
+  EXPECT_EQ(*FingerprintSource(src), prev);
 
   Result<uint64_t> missing = FingerprintSource(tmp / "nope");
   ASSERT_FALSE(missing.ok());
@@ -532,15 +531,37 @@ TEST(Fingerprint, ChangesWithSizeMtimeAndMetadataBytesOnly) {
 
 // ---- OpenOrBuildIndex ----
 
-// A fake scanner: returns RichCheckpoint() and counts its calls.
+// What a scan of `src` could find: every regular file (the index directory excluded), in path
+// order, each one BYTE_IO item covering it. Reused indexes are checked record by record
+// against the real files, so the fake scanners below describe the files that are there.
+Checkpoint SourceCheckpoint(const std::string& src) {
+  Checkpoint cp;
+  cp.format = "dcp";
+  cp.flavor = "torch-2.x";
+  std::vector<std::string> names;
+  for (const auto& e : fs::recursive_directory_iterator(src)) {
+    const std::string rel = fs::relative(e.path(), src).string();
+    if (rel.rfind(".ucpfs", 0) == 0 || !e.is_regular_file()) continue;
+    names.push_back(rel);
+  }
+  std::sort(names.begin(), names.end());
+  for (const auto& rel : names) {
+    const uint64_t n = fs::file_size(fs::path(src) / rel);
+    cp.items.push_back(Bytes("item:" + rel, static_cast<uint32_t>(cp.files.size()), 0, n));
+    cp.files.push_back({rel, n, 0});
+  }
+  return cp;
+}
+
+// A fake scanner: returns SourceCheckpoint(src) and counts its calls.
 struct FakeScanner {
   std::shared_ptr<std::atomic<int>> calls = std::make_shared<std::atomic<int>>(0);
   CheckpointScanner fn() const {
     auto c = calls;
-    return [c](const std::string&, const ScanProgress& progress) -> Result<Checkpoint> {
+    return [c](const std::string& src, const ScanProgress& progress) -> Result<Checkpoint> {
       ++*c;
       if (progress) progress(1, 1);
-      return RichCheckpoint();
+      return SourceCheckpoint(src);
     };
   }
 };
@@ -568,13 +589,13 @@ TEST(OpenOrBuild, BuildReuseRebuildOnChange) {
   EXPECT_EQ(first->fingerprint, *FingerprintSource(src));
   EXPECT_EQ(*scanner.calls, 1);
   EXPECT_EQ(progress_calls, 1u);
-  ExpectCheckpointEq(RichCheckpoint(), first->checkpoint);
+  ExpectCheckpointEq(SourceCheckpoint(src), first->checkpoint);
 
   Result<OpenedIndex> again = OpenOrBuildIndex(src, opts);
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->state, IndexState::kReused);
   EXPECT_EQ(*scanner.calls, 1);
-  ExpectCheckpointEq(RichCheckpoint(), again->checkpoint);
+  ExpectCheckpointEq(SourceCheckpoint(src), again->checkpoint);
   std::printf("reused open of a %zu-item index: %.3f ms\n", again->checkpoint.items.size(),
               again->elapsed_s * 1e3);
 
@@ -598,7 +619,13 @@ TEST(OpenOrBuild, ReusedOpenTakesMilliseconds) {
   Checkpoint cp;
   cp.format = "dcp";
   cp.flavor = "torch-2.x";
-  for (int r = 0; r < 8; ++r) cp.files.push_back({"__" + std::to_string(r) + "_0.distcp", 1 << 30, r});
+  for (int r = 0; r < 8; ++r) {
+    // Sparse 1 GiB files: a reused index is checked against the real file sizes.
+    const std::string name = "__" + std::to_string(r) + "_0.distcp";
+    WriteFile(src + "/" + name, "");
+    fs::resize_file(src + "/" + name, uint64_t{1} << 30);
+    cp.files.push_back({name, 1 << 30, r});
+  }
   for (int t = 0; t < 300; ++t) {
     std::vector<slice::Fragment> frags;
     for (int64_t r = 0; r < 8; ++r) {
@@ -657,7 +684,7 @@ TEST(OpenOrBuild, CorruptIndexIsRebuilt) {
     ASSERT_TRUE(r.ok()) << n_bytes << ": " << r.status().ToString();
     EXPECT_EQ(r->state, IndexState::kRebuiltCorrupt) << n_bytes;
     EXPECT_EQ(*scanner.calls, ++round);
-    ExpectCheckpointEq(RichCheckpoint(), r->checkpoint);
+    ExpectCheckpointEq(SourceCheckpoint(src), r->checkpoint);
     Result<OpenedIndex> reused = OpenOrBuildIndex(src, opts);
     ASSERT_TRUE(reused.ok()) << reused.status().ToString();
     EXPECT_EQ(reused->state, IndexState::kReused);
@@ -708,7 +735,7 @@ TEST(OpenOrBuild, ReadOnlyNeverWrites) {
 
   // Built elsewhere (as `ucpfs index` would), then only data.mdb is published, read-only.
   const std::string builder_dir = tmp / "builder";
-  ASSERT_TRUE(StoreCheckpoint(builder_dir, RichCheckpoint(), *FingerprintSource(src)).ok());
+  ASSERT_TRUE(StoreCheckpoint(builder_dir, SourceCheckpoint(src), *FingerprintSource(src)).ok());
   fs::create_directories(opts.index_dir);
   fs::copy_file(builder_dir + "/data.mdb", opts.index_dir + "/data.mdb");
   fs::permissions(opts.index_dir + "/data.mdb", fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read);
@@ -717,7 +744,7 @@ TEST(OpenOrBuild, ReadOnlyNeverWrites) {
   Result<OpenedIndex> ok = OpenOrBuildIndex(src, opts);
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_EQ(ok->state, IndexState::kReused);
-  ExpectCheckpointEq(RichCheckpoint(), ok->checkpoint);
+  ExpectCheckpointEq(SourceCheckpoint(src), ok->checkpoint);
   EXPECT_FALSE(fs::exists(opts.index_dir + "/lock.mdb"));  // MDB_NOLOCK: not even a lock file
   EXPECT_FALSE(fs::exists(opts.index_dir + "/lock"));
   EXPECT_EQ(*scanner.calls, 0);
@@ -796,13 +823,13 @@ TEST(OpenOrBuild, ConcurrentBuildersScanOnce) {
           ::close(fd);
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(300));
-        return RichCheckpoint();
+        return SourceCheckpoint(src);
       };
       Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
       int code = 3;
       if (r.ok() && r->state == IndexState::kBuilt) code = 0;
       if (r.ok() && r->state == IndexState::kReused) code = 1;
-      if (r.ok() && r->checkpoint.items.size() != RichCheckpoint().items.size()) code = 4;
+      if (r.ok() && r->checkpoint.items.size() != SourceCheckpoint(src).items.size()) code = 4;
       ::_exit(code);
     }
     children.push_back(pid);
@@ -899,6 +926,92 @@ TEST(OpenOrBuild, RealDcpDirectories) {
 
 // ---- default location ----
 
+// A prebuilt index is untrusted: records that leave the checkpoint or its files are never
+// served; a writable index is rebuilt, a read-only one refused.
+TEST(OpenOrBuild, CraftedIndexRecordsAreRebuiltOrRefused) {
+  TempDir tmp;
+  const std::string src = MakeSource(tmp);
+  const std::string outside = tmp / "outside";
+  WriteFile(outside, "secret bytes");
+  const uint64_t fp = *FingerprintSource(src);
+  struct Craft {
+    const char* what;
+    std::function<void(Checkpoint&)> edit;
+  };
+  const std::vector<Craft> crafts = {
+      {"a path out of the checkpoint", [](Checkpoint& c) { c.files[0].rel_path = "../outside"; }},
+      {"an absolute path", [&](Checkpoint& c) { c.files[0].rel_path = outside; }},
+      {"a size that is not the file's", [](Checkpoint& c) { c.files[1].n_bytes += 100; }},
+      {"an item past its file", [](Checkpoint& c) { c.items[1].byte_offset = 3; }},
+      {"a tensor fragment past its file",
+       [](Checkpoint& c) { c.items.push_back(Tensor("t", DType::kFloat32, {4}, {Frag({0}, {4}, 1, 2)})); }},
+      {"a tensor with a gap",
+       [](Checkpoint& c) { c.items.push_back(Tensor("g", DType::kUInt8, {4}, {Frag({0}, {2}, 1, 0, DType::kUInt8)})); }},
+  };
+  for (const Craft& craft : crafts) {
+    Checkpoint bad = SourceCheckpoint(src);
+    craft.edit(bad);
+    const std::string dir = tmp / "prebuilt";
+    fs::remove_all(dir);
+    ASSERT_TRUE(StoreCheckpoint(dir, bad, fp).ok()) << craft.what;
+
+    IndexOptions ro;
+    ro.index_dir = dir;
+    ro.read_only = true;
+    Result<OpenedIndex> refused = OpenOrBuildIndex(src, ro);
+    ASSERT_FALSE(refused.ok()) << craft.what;
+    EXPECT_EQ(refused.error().code(), StatusCode::kDataLoss) << craft.what;
+    EXPECT_NE(refused.error().message().find("does not match"), std::string::npos) << refused.error().message();
+
+    FakeScanner scanner;
+    IndexOptions rw;
+    rw.index_dir = dir;
+    rw.scanner = scanner.fn();
+    Result<OpenedIndex> rebuilt = OpenOrBuildIndex(src, rw);
+    ASSERT_TRUE(rebuilt.ok()) << craft.what << ": " << rebuilt.status().ToString();
+    EXPECT_EQ(*scanner.calls, 1) << craft.what;
+    ExpectCheckpointEq(SourceCheckpoint(src), rebuilt->checkpoint);
+  }
+  EXPECT_EQ(ReadFile(outside), "secret bytes");
+}
+
+// Symlinks in the index location are never followed: nothing outside is created, written or
+// removed, and the error says what was refused.
+TEST(OpenOrBuild, SymlinkedIndexLocationIsRefused) {
+  TempDir tmp;
+  const std::string src = MakeSource(tmp);
+  const std::string victim_dir = tmp / "victim";
+  fs::create_directories(victim_dir);
+  WriteFile(victim_dir + "/data.mdb", "not an index, must survive");
+  // SRC/.ucpfs -> a directory outside.
+  fs::create_directory_symlink(victim_dir, src + "/.ucpfs");
+  FakeScanner scanner;
+  IndexOptions opts;
+  opts.scanner = scanner.fn();
+  Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("symbolic link"), std::string::npos) << r.error().message();
+  EXPECT_EQ(ReadFile(victim_dir + "/data.mdb"), "not an index, must survive");
+  EXPECT_FALSE(fs::exists(victim_dir + "/lock.mdb"));
+  EXPECT_FALSE(fs::exists(victim_dir + "/lock"));
+
+  // SRC/.ucpfs/data.mdb and lock -> files outside.
+  fs::remove(src + "/.ucpfs");
+  fs::create_directories(src + "/.ucpfs");
+  const std::string victim = tmp / "victim-file";
+  WriteFile(victim, "precious");
+  for (const char* name : {"data.mdb", "lock.mdb", "lock"}) {
+    fs::create_symlink(victim, src + "/.ucpfs/" + name);
+    Result<OpenedIndex> again = OpenOrBuildIndex(src, opts);
+    ASSERT_FALSE(again.ok()) << name;
+    EXPECT_NE(again.error().message().find("symbolic link"), std::string::npos) << again.error().message();
+    EXPECT_EQ(ReadFile(victim), "precious") << name;
+    EXPECT_TRUE(fs::is_symlink(src + "/.ucpfs/" + name)) << name;  // not removed either
+    fs::remove(src + "/.ucpfs/" + name);
+  }
+  EXPECT_EQ(*scanner.calls, 0);
+}
+
 TEST(DefaultIndexDir, BesideTheSourceWhenWritable) {
   TempDir tmp;
   const std::string src = tmp / "ckpt";
@@ -963,7 +1076,7 @@ TEST(DefaultIndexDir, ReadOnlyMountFallsBackToCache) {
     if (DefaultIndexDir(src) != CacheIndexDir(src)) ::_exit(1);
     if (fs::exists(src + "/.ucpfs")) ::_exit(2);
     IndexOptions opts;
-    opts.scanner = [](const std::string&, const ScanProgress&) -> Result<Checkpoint> { return RichCheckpoint(); };
+    opts.scanner = [](const std::string& dir, const ScanProgress&) -> Result<Checkpoint> { return SourceCheckpoint(dir); };
     Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
     if (!r.ok() || r->state != IndexState::kBuilt || r->index_dir != CacheIndexDir(src)) ::_exit(3);
     r = OpenOrBuildIndex(src, opts);

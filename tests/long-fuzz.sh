@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Long fuzzing, outside CI: every parser's libFuzzer target (zip, pickle, torch file, DCP
+# metadata, index record decoder, plain values) built with ASan + UBSan, run for RUNS executions
+# each (default 1,000,000), one after another. Prints each target's executions, time and
+# coverage, and exits non-zero on the first crash (the crashing input is left in build-fuzz/).
+# Usage: tests/long-fuzz.sh [RUNS]   (after tests/install-deps.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${1:-1000000}
+targets=(fuzz_zip_reader fuzz_pickle fuzz_torch_file fuzz_dcp_metadata fuzz_index_record fuzz_plain_value)
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
+cmake --build build-fuzz -j"$(nproc)" --target "${targets[@]}"
+for t in "${targets[@]}"; do
+  corpus=build-fuzz/fuzz-corpus/$t
+  mkdir -p "$corpus"
+  start=$(date +%s)
+  log=build-fuzz/long-fuzz-$t.log
+  (cd build-fuzz && "./tests/$t" -runs="$runs" -rss_limit_mb=1024 -max_len=65536 -timeout=20 \
+      "fuzz-corpus/$t" ../tests/fuzz/seeds) >"$log" 2>&1 || { tail -40 "$log"; echo "long-fuzz: $t FAILED"; exit 1; }
+  done_line=$(grep -E "^#[0-9]+\s+DONE" "$log" | tail -1)
+  echo "long-fuzz: $t: $done_line ($(( $(date +%s) - start )) s)"
+done
+echo "long-fuzz: ${#targets[@]} targets, $runs runs each, no crash"
