@@ -1,19 +1,38 @@
-"""Shared helpers for ucpfs end-to-end tests (run with Debian's /usr/bin/python3 + torch 1.13).
+"""Shared helpers for ucpfs end-to-end tests.
 
-Binaries come from the environment CTest sets: UCPFS_BIN (the ucpfs executable) and
-UCPFS_TOOLS_DIR (build/tests, holding test tools). Each script prints one closing line
-"<name>: N passed, M failed" and exits non-zero on any failure.
+CTest runs each script that writes checkpoints twice: with Debian's /usr/bin/python3 (torch 1.13)
+and with the virtual environment's python (torch 2.13). Binaries come from the environment CTest
+sets: UCPFS_BIN (the ucpfs executable) and UCPFS_TOOLS_DIR (build/tests, holding test tools).
+Each script prints one closing line "<name>: N passed, M failed" and exits non-zero on any
+failure.
 """
 import os
 import random
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import torch
 
+# torch 2.x warns once per process when a complex32 tensor is made (random_tensor does).
+warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+
+# (major, minor) of the torch running the test.
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+# torch >= 2.6: torch.load defaults to weights_only=True, has mmap=True, and
+# torch.serialization.get_unsafe_globals_in_checkpoint.
+TORCH_2_6 = TORCH_VERSION >= (2, 6)
+
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+# dtypes torch 2.x saves through _rebuild_tensor_v3 (no legacy storage class); 1.13 has none.
+DTYPES_V3 = [getattr(torch, n) for n in (
+    "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz", "float8_e8m0fnu",
+    "uint16", "uint32", "uint64", "complex32") if TORCH_VERSION >= (2, 3) and hasattr(torch, n)]
+# Every dtype the running torch can save.
+ALL_DTYPES = DTYPES + DTYPES_V3
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def ucpfs_bin():
@@ -40,6 +59,10 @@ def seeded_rng(test_name):
 def random_tensor(rng, dtype, shape):
     if dtype == torch.bool:
         return torch.rand(shape) > 0.5
+    if dtype in DTYPES_V3:  # random bit patterns (NaNs included): compare with bits_equal
+        n = _SAME_SIZE_INT[dtype.itemsize]
+        bits = torch.randint(-2 ** 63, 2 ** 63 - 1, shape, dtype=torch.int64).to(n)
+        return bits.view(dtype)
     if dtype.is_complex:
         return torch.randn(shape, dtype=dtype)
     if dtype.is_floating_point:
@@ -47,6 +70,36 @@ def random_tensor(rng, dtype, shape):
     info = torch.iinfo(dtype)
     return torch.randint(info.min, info.max, shape, dtype=dtype) if dtype != torch.uint8 else \
         torch.randint(0, 256, shape, dtype=dtype)
+
+
+def bits_equal(a, b):
+    """torch.equal on the raw bits: same dtype, shape and bytes (NaN payloads and -0.0 included;
+    also for dtypes without torch.equal, e.g. complex32)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 16:  # complex128: compare its float64 halves
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    n = _SAME_SIZE_INT.get(a.element_size())
+    if n is None or a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.view(n), b.view(n))
+
+
+def served_loads(path, has_floats=False):
+    """Loads `path` (a .pt file ucpfs wrote or serves) as users of the running torch do; returns
+    [(how, object)], the objects to compare with the truth.
+    - torch >= 2.6: torch.load(path) (default weights_only=True), torch.load(path, mmap=True) and
+      torch.load(path, mmap=True, weights_only=True); and
+      torch.serialization.get_unsafe_globals_in_checkpoint(path) must be [].
+    - torch 1.13: weights_only=True when the file holds no Python floats (atomic files, model.pt).
+      A file with floats (optim.pt: lr, betas, eps in param_groups) needs weights_only=False,
+      because 1.13's weights_only unpickler refuses BINFLOAT (README, target views)."""
+    if not TORCH_2_6:
+        return [(f"weights_only={not has_floats}", torch.load(path, weights_only=not has_floats))]
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    assert unsafe == [], f"{path}: get_unsafe_globals_in_checkpoint = {unsafe}"
+    return [("default", torch.load(path)), ("mmap=True", torch.load(path, mmap=True)),
+            ("mmap=True, weights_only=True", torch.load(path, mmap=True, weights_only=True))]
 
 
 def run(cmd, check=True, **kw):

@@ -1,8 +1,11 @@
 """End-to-end: `ucpfs inspect --json` on torch.save files that ucpfs did not write.
 
-torch 1.13 writes random objects (every dtype, views into shared storages with offsets and
-strides, transposes, expanded stride-0 views, 0-d and empty tensors, Parameters, nested
-dicts/OrderedDicts/lists/tuples, argparse.Namespace, pickle protocols 2 and 4). For every
+The running torch (1.13 or 2.x; CTest runs both) writes random objects (every dtype it has:
+2.x adds float8_*, uint16/32/64 and complex32, saved through _rebuild_tensor_v3; views into
+shared storages with offsets and strides, transposes, expanded stride-0 views, 0-d and empty
+tensors, Parameters, nested dicts/OrderedDicts/lists/tuples, argparse.Namespace, pickle protocols
+2 and 4; 2.x also writes its extra records .format_version, .storage_alignment, byteorder,
+.data/serialization_id). For every
 tensor ucpfs reports, the raw file bytes at `data_offset`, read with the reported
 dtype/shape/stride, must equal the tensor torch wrote; the reported storage record must be the
 one Python's zipfile finds; and every tensor of the object must be reported exactly once per path.
@@ -16,7 +19,7 @@ import zipfile
 
 import torch
 
-from e2e_common import DTYPES, Results, random_tensor, run, seeded_rng, tmpdir, ucpfs_bin
+from e2e_common import ALL_DTYPES, Results, bits_equal, random_tensor, run, seeded_rng, tmpdir, ucpfs_bin
 
 
 def flatten(obj, path, out):
@@ -37,7 +40,7 @@ def flatten(obj, path, out):
 
 
 def random_leaf(rng):
-    dtype = rng.choice(DTYPES)
+    dtype = rng.choice(ALL_DTYPES)
     kind = rng.choice(["plain", "plain", "zero_d", "empty", "view", "transpose", "expand", "param"])
     if kind == "zero_d":
         return random_tensor(rng, dtype, ())
@@ -73,7 +76,7 @@ def random_tree(rng, depth=0):
     if kind == "tuple":
         return tuple(random_tree(rng, depth + 1) for _ in range(n))
     # Several views of one storage, at different offsets and strides.
-    dtype = rng.choice(DTYPES)
+    dtype = rng.choice(ALL_DTYPES)
     base = random_tensor(rng, dtype, (6, 8))
     return {"whole": base, "row": base[2], "col": base[:, 3], "block": base[1:4, 2:7],
             "strided": base[::2, ::3], "flat_tail": base.view(-1)[5:]}
@@ -117,7 +120,7 @@ def check_file(path, obj):
         assert len(raw) == extent * item, key
         flat = torch.frombuffer(raw, dtype=dtype)
         got_t = torch.as_strided(flat, t["shape"], t["stride"], 0)
-        assert torch.equal(got_t, want.detach()), f"{key}: bytes at data_offset differ"
+        assert bits_equal(got_t, want.detach()), f"{key}: bytes at data_offset differ"
 
 
 def main():
@@ -134,7 +137,7 @@ def main():
 
         # Every dtype, 0-d and empty, in one file.
         every = collections.OrderedDict()
-        for dt in DTYPES:
+        for dt in ALL_DTYPES:
             name = str(dt).split(".")[1]
             every[name] = random_tensor(rng, dt, (3, 5))
             every[name + "_0d"] = random_tensor(rng, dt, ())

@@ -1,11 +1,15 @@
 """End-to-end: mount real DCP checkpoints and read consolidated atomic files with torch.load.
 
-Fixtures: real multi-process torch 1.13 gloo saves of a small Llama-like model (2 and 4 ranks,
-row/column/uneven/grid shardings, replicated tensors, 0-d and BYTE_IO items, Adam moments),
-a torch 2.x-style DCP directory (uneven FSDP2 shards with an empty chunk, a transposed chunk,
-rank-local metadata variant) and a Megatron torch_dist directory (flattened-range optimizer
-chunks). For each: every MNT/atomic/<param>/*.pt loads with torch.load(weights_only=True) and
-equals the original full tensor bit for bit; ls -R / du / find / stat read no tensor data;
+Runs under torch 1.13 and torch 2.x (CTest registers both). Fixtures: real multi-process gloo
+saves of a small Llama-like model by the running torch (2 and 4 ranks, row/column/uneven/grid
+shardings, replicated tensors, 0-d and BYTE_IO items, Adam moments; torch 2.x's planner spreads
+replicated tensors and BYTE_IO items over the ranks' files and flattens the nested `train_state`),
+a synthetic torch 2.x-style DCP directory (uneven FSDP2 shards with an empty chunk, a transposed
+chunk, rank-local metadata variant) and a Megatron torch_dist directory (flattened-range
+optimizer chunks). For each: every MNT/atomic/<param>/*.pt loads and equals the original full
+tensor bit for bit, loaded the ways the running torch offers (e2e_common.served_loads: 1.13
+weights_only=True; torch >= 2.6 the default weights_only=True, mmap=True, mmap=True with
+weights_only=True, and no unsafe globals); ls -R / du / find / stat read no tensor data;
 8 concurrent readers read everything twice; writes fail with EROFS; mmap works; a remount
 reuses the index.
 """
@@ -20,7 +24,7 @@ import subprocess
 
 import torch
 
-from e2e_common import Results, run, tmpdir, ucpfs_bin
+from e2e_common import TORCH_VERSION, Results, bits_equal, run, served_loads, tmpdir, ucpfs_bin
 from mount_common import (FIXTURES, PY, expected_atomic, gen_fixture, is_mounted, mounted, param_state,
                           stats, status)
 
@@ -34,16 +38,15 @@ def check_atomic_files(mnt, expected):
         d = os.path.join(mnt, "atomic", param.replace("/", "%2F"))
         assert sorted(os.listdir(d)) == sorted(files), (param, os.listdir(d), sorted(files))
         for name, t in files.items():
-            obj = torch.load(os.path.join(d, name), weights_only=True)
-            assert isinstance(obj, dict) and list(obj)[-1] == "param", (param, name, list(obj))
-            p = obj["param"]
-            assert p.dtype == torch.float32, (param, name, p.dtype)
-            assert p.shape == t.shape, (param, name, p.shape, t.shape)
-            assert torch.equal(p.view(-1).view(torch.int32) if p.numel() else p,
-                               t.reshape(-1).view(torch.int32) if t.numel() else t.reshape(p.shape)), \
-                f"{param}/{name}: values differ"
-            for k in obj:
-                assert k in ("cat_dim", "vocab_tensor", "param"), (param, name, k)
+            for how, obj in served_loads(os.path.join(d, name)):
+                what = f"{param}/{name} ({how})"
+                assert isinstance(obj, dict) and list(obj)[-1] == "param", (what, list(obj))
+                p = obj["param"]
+                assert p.dtype == torch.float32, (what, p.dtype)
+                assert p.shape == t.shape, (what, p.shape, t.shape)
+                assert bits_equal(p, t), f"{what}: values differ"
+                for k in obj:
+                    assert k in ("cat_dim", "vocab_tensor", "param"), (what, k)
 
 
 def metadata_ops_read_no_data(mnt):
@@ -200,8 +203,8 @@ def main():
     with tmpdir("ucpfs-mount-") as d:
         cases = []
         for ranks in (2, 4):
-            src = os.path.join(d, f"dcp113_r{ranks}")
-            cases.append((f"torch1.13-{ranks}ranks", src,
+            src = os.path.join(d, f"dcp_torch_r{ranks}")
+            cases.append((f"torch{TORCH_VERSION[0]}.{TORCH_VERSION[1]}-{ranks}ranks", src,
                           gen_fixture("gen_dcp113_llama.py", src, "--ranks", str(ranks), "--seed", str(ranks))))
         for variant in ("2x", "ranklocal", "megatron"):
             src = os.path.join(d, f"dcp{variant}")

@@ -1,7 +1,8 @@
 """End-to-end: files from ucpfs's lazy torch.save writer load with unmodified torch.load.
 
-Run by CTest with Debian's /usr/bin/python3 (torch 1.13) and UCPFS_TOOLS_DIR = build/tests
-(holding write_torch); by hand: /usr/bin/python3 writer_torch_load.py --tools-dir build/tests.
+Run by CTest with Debian's /usr/bin/python3 (torch 1.13) and with torch 2.13 (.venv), and
+UCPFS_TOOLS_DIR = build/tests (holding write_torch); by hand:
+/usr/bin/python3 writer_torch_load.py --tools-dir build/tests.
 
 For each case: tensors made with torch have their raw bytes written to a temporary file, a JSON
 spec describes the object, `write_torch` renders the lazy file (with several --chunk sizes,
@@ -11,11 +12,15 @@ which must all give the same bytes), and then
     report, and each data/<k> record holds exactly the k-th tensor's bytes (first-use order),
   - torch.load(weights_only=False) and, for float-free specs written with --no-floats,
     torch.load(weights_only=True) give back the same structure (OrderedDict vs dict, list vs
-    tuple) with every tensor equal (dtype, shape, values).
+    tuple) with every tensor equal bit for bit (dtype, shape, bytes);
+  - on torch >= 2.6, every file (floats included) also loads with torch.load's default
+    (weights_only=True), mmap=True, and mmap=True with weights_only=True, and
+    get_unsafe_globals_in_checkpoint finds nothing. The dtypes case then also holds the dtypes
+    only torch 2.x has (float8_*, uint16/32/64, complex32: the _rebuild_tensor_v3 path).
 Documented caveats are asserted too: a spec with floats loads with weights_only=False but
-fails with weights_only=True on torch 1.13; --no-floats refuses it; zipfile.testzip() reports
-the tensor records' CRC 0 as bad; float8/uint16 tensors (the _rebuild_tensor_v3 path) do not
-load in torch 1.13.
+fails with weights_only=True on torch 1.13 (and loads on >= 2.6); --no-floats refuses it;
+zipfile.testzip() reports the tensor records' CRC 0 as bad; float8 tensors (the
+_rebuild_tensor_v3 path) do not load in torch 1.13 (and load bit for bit on >= 2.6).
 """
 import argparse
 import collections
@@ -29,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from e2e_common import DTYPES, Results, random_tensor, run, seeded_rng, tmpdir, tool  # noqa: E402
+from e2e_common import (ALL_DTYPES, TORCH_2_6, Results, bits_equal, random_tensor, run,  # noqa: E402
+                        seeded_rng, served_loads, tmpdir, tool)
 
 CHUNKS = (1, 4093, 1 << 20)
 
@@ -109,7 +115,7 @@ def same(got, want, path="root"):
         if got.dtype != want.dtype or got.shape != want.shape:
             raise AssertionError(f"{path}: {got.dtype}{tuple(got.shape)} != "
                                  f"{want.dtype}{tuple(want.shape)}")
-        if got.requires_grad or not torch.equal(got, want):
+        if got.requires_grad or not bits_equal(got, want):
             raise AssertionError(f"{path}: tensor values differ")
     elif isinstance(want, dict):
         if list(got.keys()) != list(want.keys()):
@@ -191,6 +197,12 @@ def run_case(res, case, d, chunks=CHUNKS):
     if no_floats:
         res.check(f"{case.name}: torch.load weights_only=True",
                   lambda: same(load(out, True), case.obj))
+    if TORCH_2_6:
+        def loads_2x():
+            for how, obj in served_loads(out, has_floats=case.floats):
+                same(obj, case.obj, f"root ({how})")
+        res.check(f"{case.name}: torch.load default, mmap=True, mmap+weights_only; no unsafe globals",
+                  loads_2x)
 
 
 def expect_raise(fn, what):
@@ -211,9 +223,9 @@ def main():
     res = Results("writer_torch_load")
     rng = seeded_rng("writer_torch_load")
     with tmpdir("ucpfs-writer-") as d:
-        # Every dtype torch 1.13 supports, in several shapes, plus a large-ish tensor.
+        # Every dtype the running torch supports, in several shapes, plus a large-ish tensor.
         dtypes = collections.OrderedDict()
-        for dt in DTYPES:
+        for dt in ALL_DTYPES:
             n = str(dt).replace("torch.", "")
             dtypes[f"{n}.2x3"] = random_tensor(rng, dt, (2, 3))
             dtypes[f"{n}.0d"] = random_tensor(rng, dt, ())
@@ -256,8 +268,12 @@ def main():
         fcase = Case("floats", floats, d, floats=True)
         run_case(res, fcase, d, chunks=(1 << 20,))
         fout = os.path.join(d, f"floats.{1 << 20}.pt")
-        res.check("floats: weights_only=True fails on torch 1.13 (documented caveat)",
-                  lambda: expect_raise(lambda: load(fout, True), "BINFLOAT with weights_only=True"))
+        if TORCH_2_6:  # weights_only=True (the default) accepts BINFLOAT
+            res.check("floats: weights_only=True loads on torch >= 2.6",
+                      lambda: same(load(fout, True), floats))
+        else:
+            res.check("floats: weights_only=True fails on torch 1.13 (documented caveat)",
+                      lambda: expect_raise(lambda: load(fout, True), "BINFLOAT with weights_only=True"))
 
         def no_floats_refused():
             p = run([tool("write_torch"), "--no-floats", fcase.spec_path, os.path.join(d, "nf.pt")],
@@ -271,7 +287,8 @@ def main():
         run_case(res, Case("prefix_align", other, d, prefix="other", alignment=4096), d,
                  chunks=(4093,))
 
-        # dtypes without a legacy storage class use _rebuild_tensor_v3: torch 1.13 cannot load.
+        # dtypes without a legacy storage class use _rebuild_tensor_v3: torch 1.13 cannot load,
+        # torch 2.x loads them.
         f8 = {"type": "tensor", "dtype": "float8_e4m3fn", "shape": [2], "file": small.raw_path,
               "offset": 0}
         v3spec = {"type": "dict", "items": [["f8", f8]]}
@@ -279,14 +296,21 @@ def main():
         with open(v3path, "w") as f:
             json.dump(v3spec, f)
 
-        def v3_not_loadable():
+        def v3_written():
             out = os.path.join(d, "v3.pt")
             run([tool("write_torch"), v3path, out])
             pk = zipfile.ZipFile(out).read("archive/data.pkl")
             assert b"_rebuild_tensor_v3" in pk and b"UntypedStorage" in pk
-            expect_raise(lambda: load(out, False), "_rebuild_tensor_v3 in torch 1.13")
-        res.check("v3 dtypes: written, not loadable by torch 1.13 (documented caveat)",
-                  v3_not_loadable)
+            if not TORCH_2_6:
+                expect_raise(lambda: load(out, False), "_rebuild_tensor_v3 in torch 1.13")
+                return
+            with open(small.raw_path, "rb") as f:
+                want = {"f8": torch.frombuffer(bytearray(f.read(2)), dtype=torch.float8_e4m3fn)}
+            same(load(out, False), want)
+            for how, obj in served_loads(out):
+                same(obj, want, f"root ({how})")
+        res.check("v3 dtypes: written; not loadable by torch 1.13 (documented caveat), "
+                  "bit for bit on torch >= 2.6", v3_written)
 
         def bad_spec():
             bad = os.path.join(d, "bad.json")

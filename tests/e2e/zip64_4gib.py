@@ -1,11 +1,14 @@
 """Slow end-to-end: files over 4 GiB (ZIP64).
 
-1. torch 1.13 writes a file whose first storage is 4 GiB + 64 bytes (ZIP64 size and offset
+Runs under torch 1.13 and torch 2.x (CTest registers both).
+1. torch writes a file whose first storage is 4 GiB + 64 bytes (ZIP64 size and offset
    extras) followed by small tensors whose local headers start past 4 GiB; `ucpfs inspect`
    must report offsets at which the small tensors' bytes equal what torch wrote, and the big
    tensor's offset must match the zip directory. The big tensor is zeros (calloc'd, so cheap).
 2. ucpfs's lazy writer produces a > 4 GiB file from a sparse source (written sparse by the
-   write_torch tool), and torch 1.13 loads it with every tensor equal.
+   write_torch tool), and torch loads it with every tensor equal: torch.load's default, and on
+   torch >= 2.6 also mmap=True (with and without an explicit weights_only=True), with no unsafe
+   globals.
 """
 import json
 import os
@@ -15,7 +18,7 @@ import zipfile
 
 import torch
 
-from e2e_common import Results, run, tmpdir, tool, ucpfs_bin
+from e2e_common import TORCH_2_6, TORCH_VERSION, Results, run, tmpdir, tool, ucpfs_bin
 
 BIG_ELEMS = (1 << 30) + 16  # float32: 4 GiB + 64 bytes
 
@@ -77,11 +80,18 @@ def main():
             run([tool("write_torch"), "--sparse", spec_path, out])
             os.unlink(raw)
             assert os.path.getsize(out) > (1 << 32)
-            loaded = torch.load(out)
-            assert loaded["step"] == 7
-            assert torch.equal(loaded["tail"], tail)
-            assert loaded["big"].shape == (BIG_ELEMS,) and not loaded["big"].any()
-        res.check("writer: > 4 GiB file loads in torch 1.13", writer)
+
+            def same(loaded, how):
+                assert loaded["step"] == 7, how
+                assert torch.equal(loaded["tail"], tail), how
+                assert loaded["big"].shape == (BIG_ELEMS,) and not loaded["big"].any(), how
+            same(torch.load(out), "default")
+            if TORCH_2_6:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(out)
+                assert unsafe == [], unsafe
+                same(torch.load(out, mmap=True), "mmap=True")
+                same(torch.load(out, mmap=True, weights_only=True), "mmap=True, weights_only=True")
+        res.check(f"writer: > 4 GiB file loads in torch {TORCH_VERSION[0]}.{TORCH_VERSION[1]}", writer)
     res.finish()
 
 
