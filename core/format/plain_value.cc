@@ -2,6 +2,7 @@
 
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 
 #include "core/format/pickle.h"
@@ -58,6 +59,7 @@ class Decoder {
       case pickle::Kind::kDict: {
         if (g_.state(id) != pickle::kNoNode) return Unsupported(path, "a dict subclass with state");
         SaveValue::DictItems items;
+        std::unordered_map<std::string, size_t> position;  // "s:<key>" / "i:<key>" -> index in items
         for (const auto& [k, v] : g_.dict_items(id)) {
           SaveValue key;
           std::string key_text;
@@ -71,17 +73,15 @@ class Decoder {
             return Unsupported(path, std::string("a dict key of kind ") + pickle::KindName(g_.kind(k)));
           }
           UCPFS_ASSIGN_OR_RETURN(auto value, Value(v, Child(path, key_text), depth + 1));
-          // A repeated key (several SETITEMs) keeps its last value, as Python would.
-          bool replaced = false;
-          for (auto& [ek, ev] : items) {
-            if (ek.kind() == key.kind() && ek.string_value() == key.string_value() &&
-                ek.int_value() == key.int_value()) {
-              ev = std::move(value);
-              replaced = true;
-              break;
-            }
+          // A repeated key (several SETITEMs) keeps its last value, as Python would; found by
+          // hash, so a hostile dict with many keys stays linear.
+          const std::string slot = (key.kind() == SaveValue::Kind::kInt ? "i:" : "s:") + key_text;
+          auto [it, fresh] = position.try_emplace(slot, items.size());
+          if (fresh) {
+            items.emplace_back(std::move(key), std::move(value));
+          } else {
+            items[it->second].second = std::move(value);
           }
-          if (!replaced) items.emplace_back(std::move(key), std::move(value));
         }
         return g_.ordered(id) ? SaveValue::OrderedDict(std::move(items)) : SaveValue::Dict(std::move(items));
       }
