@@ -74,30 +74,21 @@ Opener FixedSource(std::shared_ptr<const ByteSource> src) {
 }
 
 // The target views' input, made once when the namespace is built (status.json reports its
-// extra state and unserved items) and shared by every layout. Refers to the index's checkpoint and mapping, which outlive the mount.
-struct LazyTargetInput {
-  const index::Checkpoint* checkpoint = nullptr;
-  const index::KeyMapping* mapping = nullptr;
-  index::FileTable files;
-  TargetOptions targets;
-  std::mutex mu;
-  std::shared_ptr<const views::TargetInput> input;  // guarded by mu; set once made
-
-  Result<std::shared_ptr<const views::TargetInput>> Get() {
-    std::lock_guard lock(mu);
-    if (input != nullptr) return input;
-    auto made = index::MakeTargetInput(*checkpoint, *mapping, files, [](const std::string& w) {
-      std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
-    });
-    UCPFS_RETURN_IF_ERROR(made.status());
-    std::shared_ptr<views::TargetInput> in = *made;
-    in->preset = targets.preset;
-    in->rules = targets.rules;
-    in->pp_split = targets.pp_split;
-    input = std::move(in);
-    return input;
-  }
-};
+// extra state and unserved items) and shared by every layout, --layout or built on lookup.
+Result<std::shared_ptr<const views::TargetInput>> MakeSharedTargetInput(const index::Checkpoint& checkpoint,
+                                                                       const index::KeyMapping& mapping,
+                                                                       const index::FileTable& files,
+                                                                       const TargetOptions& targets) {
+  auto made = index::MakeTargetInput(checkpoint, mapping, files, [](const std::string& w) {
+    std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
+  });
+  UCPFS_RETURN_IF_ERROR(made.status());
+  std::shared_ptr<views::TargetInput> in = *made;
+  in->preset = targets.preset;
+  in->rules = targets.rules;
+  in->pp_split = targets.pp_split;
+  return std::shared_ptr<const views::TargetInput>(std::move(in));
+}
 
 // Who may read view files: never more than every source file allows. All sources readable by
 // others: 0444 for the mounting user (the default). Otherwise the bits every source grants to
@@ -217,18 +208,12 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   // first looked up (NamespaceInfo::resolve_target).
   UCPFS_ASSIGN_OR_RETURN(Ino target, tree->AddDir(kRootIno, "target", mtime));
   size_t n_target = 0;
-  auto lazy_input = std::make_shared<LazyTargetInput>();
-  lazy_input->checkpoint = &ckpt;
-  lazy_input->mapping = &mapping;
-  lazy_input->files = files;
-  lazy_input->targets = targets;
   // Made now, not on first lookup: status.json lists the extra state and what is not served,
   // which takes decoding the small non-tensor items (tensor bytes stay unread).
-  UCPFS_ASSIGN_OR_RETURN(auto target_input, lazy_input->Get());
+  UCPFS_ASSIGN_OR_RETURN(auto target_input, MakeSharedTargetInput(ckpt, mapping, files, targets));
   {
-    const auto& shared = target_input;
     for (const auto& l : targets.layouts) {
-      UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
+      UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(target_input, l));
       UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
       UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
     }
@@ -241,7 +226,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   auto budget = std::make_shared<LookupBudget>();
   budget->limit = targets.lookup_budget_bytes;
   SubtreeResolver resolve_target =
-      [lazy_input, mtime, access, budget](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+      [target_input, mtime, access, budget](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
     UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
     if (l.name != name) {
       return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
@@ -255,8 +240,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
                                   " ranks; layouts built on lookup are limited to " +
                                   std::to_string(kMaxLookupWorld) + " (use --layout)");
     }
-    UCPFS_ASSIGN_OR_RETURN(auto shared, lazy_input->Get());
-    UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(shared, l));
+    UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(target_input, l));
     // Bounded memory: estimate the layout from what rank 0's files take on the heap (pickles,
     // zip headers, local layouts) before building any more, and refuse a layout that would
     // pass the budget shared by all layouts built on lookup.
