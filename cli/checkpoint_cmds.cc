@@ -18,7 +18,6 @@
 #include <sstream>
 
 #include "cli/text.h"
-#include "core/io/lazy_file_source.h"
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "core/views/atomic.h"
@@ -160,12 +159,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   out["params"] = std::move(params);
   out["unmapped_keys"] = l->mapping.unmapped_keys;
   // Non-parameter state: what target views serve in extra_state.pt, and what no view serves.
-  auto fd_cache = std::make_shared<FdCache>(FdCache::DefaultCapacity());
-  auto table = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-  for (const auto& f : c.files) {
-    table->push_back(std::make_shared<LazyFileSource>(AbsPath(args.src) + "/" + f.rel_path, f.Identity(), nullptr, fd_cache));
-  }
-  auto input = index::MakeTargetInput(c, l->mapping, table, nullptr);
+  auto input = index::MakeTargetInput(c, l->mapping, index::OpenFileTable(AbsPath(args.src), c, nullptr), nullptr);
   if (!input.ok()) return Fail("inspect", input.error());
   auto extra = nlohmann::ordered_json::array();
   for (const auto& e : (*input)->extras) {

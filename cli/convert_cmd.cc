@@ -152,12 +152,7 @@ int RunConvert(const ConvertArgs& args) {
   const auto& ckpt = opened->checkpoint;
 
   auto counters = std::make_shared<IoCounters>();
-  auto fd_cache = std::make_shared<FdCache>(FdCache::DefaultCapacity());
-  auto table = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-  for (const auto& f : ckpt.files) {
-    table->push_back(std::make_shared<LazyFileSource>(src + "/" + f.rel_path, f.Identity(), counters, fd_cache));
-  }
-  const Files files = table;
+  const Files files = index::OpenFileTable(src, ckpt, counters);
 
   std::vector<Job> jobs;
   if (!layouts.empty()) {

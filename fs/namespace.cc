@@ -178,13 +178,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
 
   // Source files by id, opened on first read.
   auto counters = std::make_shared<IoCounters>();
-  auto fd_cache = std::make_shared<FdCache>(FdCache::DefaultCapacity());
-  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-  files->reserve(ckpt.files.size());
-  for (const auto& f : ckpt.files) {
-    files->push_back(
-        std::make_shared<LazyFileSource>(source_dir + "/" + f.rel_path, f.Identity(), counters, fd_cache));
-  }
+  const index::FileTable files = index::OpenFileTable(source_dir, ckpt, counters);
 
   const ViewAccess access = AccessOfSources(source_dir, ckpt);
   UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));

@@ -104,6 +104,17 @@ Result<std::vector<std::string>> GroupParams(const SaveValue& params,
 
 }  // namespace
 
+FileTable OpenFileTable(const std::string& source_dir, const Checkpoint& checkpoint,
+                        std::shared_ptr<IoCounters> counters) {
+  auto fd_cache = std::make_shared<FdCache>(FdCache::DefaultCapacity());
+  auto table = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+  table->reserve(checkpoint.files.size());
+  for (const auto& f : checkpoint.files) {
+    table->push_back(std::make_shared<LazyFileSource>(source_dir + "/" + f.rel_path, f.Identity(), counters, fd_cache));
+  }
+  return table;
+}
+
 // Builds the target input from the index: every mapped parameter's tensor states and step, the
 // optimizer hyper-parameters, and every other item as extra state or as a reported item.
 Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(

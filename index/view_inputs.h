@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/byte_source.h"
+#include "core/io/lazy_file_source.h"
 #include "core/status.h"
 #include "core/views/target.h"
 #include "index/checkpoint.h"
@@ -24,6 +25,12 @@
 namespace ucpfs::index {
 
 using FileTable = std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>>;
+
+// The checkpoint's files by id, each opened on first read and checked against its indexed
+// identity, all sharing one bounded descriptor cache (core/io/lazy_file_source.h). `counters`
+// may be null. The one file table of the mount, `ucpfs convert` and `ucpfs inspect`.
+FileTable OpenFileTable(const std::string& source_dir, const Checkpoint& checkpoint,
+                        std::shared_ptr<IoCounters> counters);
 
 // Reads and decodes the non-tensor items (small blobs; tensor bytes stay lazy). `warn` receives
 // one line per item that is not served, with the reason (also in TargetInput::not_served).
