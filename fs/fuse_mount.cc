@@ -1,23 +1,23 @@
-// Serves a Tree through the libfuse3 low-level API (multi-threaded loop). See fuse_mount.h.
+// Serves a Filesystem through the libfuse3 low-level API (multi-threaded loop). See
+// fuse_mount.h.
 //
-// Not for: building the namespace (tree.cc) or producing file bytes (ByteSource openers).
+// Not for: what is served (filesystem.cc), building the namespace (tree.cc, namespace.cc) or
+// producing file bytes (ByteSource openers).
 //
 // Invariants:
-// - The Tree is immutable while served, so handlers read it without locks from any worker.
-// - Every Op* handler replies exactly once. Handlers run their body through Handle(): the
-//   body either replies as its last statement and returns 0, or returns an errno that
-//   Handle() replies with. An exception can therefore only escape before any reply, and
-//   Handle() turns it into EIO; nothing ever propagates into libfuse.
-// - fi->fh of an open file is an OpenFile (one per open(2), freed by release); of an open
-//   directory an OpenDir snapshot (freed by releasedir). The session's HandleRegistry owns
-//   both, so handles still open when the mount goes away are freed too.
-// - Status codes become errnos in ErrnoFromStatus() and nowhere else.
-// - Inodes are never forgotten: the tree lives as long as the session, so forget is a no-op
-//   and lookup counts are not tracked.
-// - The optional dynamic directory's subtrees (MountOptions::resolve) are immutable Trees too,
-//   kept in an append-only registry for the whole session: its lock is held only to find or
-//   add a subtree, never while one is built or read. Inode numbers carry the subtree in their
-//   high 32 bits (0: the main tree); Find() is the one place they are decoded.
+// - Every Op* handler unpacks the request, calls one Filesystem method and replies exactly
+//   once. Handlers run their body through Handle(): the body either replies as its last
+//   statement and returns 0, or returns an errno that Handle() replies with. An exception can
+//   therefore only escape before any reply, and Handle() turns it into EIO; nothing ever
+//   propagates into libfuse.
+// - Errors become errnos in ErrnoFromStatus() (errno_map.cc) and nowhere else.
+// - Kernel references: every entry replied by lookup or readdirplus was counted by the
+//   Filesystem (Lookup/Reference); a reply that does not reach the kernel is given back at once
+//   (Forget), and forget/forget_multi give the kernel's back, so subtrees the kernel no longer
+//   knows are evicted.
+// - fi->fh of an open file is an OpenFileHandle (one per open(2), freed by release); of an open
+//   directory an OpenDirHandle snapshot (freed by releasedir). The session's HandleRegistry
+//   owns both, so handles still open when the mount goes away are freed too.
 #define FUSE_USE_VERSION 35
 #include "fs/fuse_mount.h"
 
@@ -38,15 +38,15 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <map>
-#include <set>
 #include <mutex>
-#include <shared_mutex>
 #include <span>
 #include <string_view>
 #include <thread>
 #include <unordered_set>
 #include <utility>
+
+#include "fs/errno_map.h"
+#include "fs/filesystem.h"
 
 extern char** environ;
 
@@ -58,28 +58,6 @@ constexpr double kCacheTimeoutS = 3600.0;
 // Largest FUSE read request. libfuse 3.14's receive buffer holds 256 pages, and the kernel's
 // max_pages_limit is 256 by default, so 1 MiB is the most one request can carry.
 constexpr uint32_t kDefaultMaxReadBytes = 1u << 20;
-// st_blksize: cp, cat and stdio size their reads by it; match the request size.
-constexpr blksize_t kStatBlockSize = 1 << 20;
-constexpr unsigned long kStatfsBlockSize = 4096;
-constexpr unsigned long kNameMax = 255;
-// Inode numbers of dynamic subtrees: (k + 1) << kSubtreeShift | local inode, for subtree k.
-constexpr int kSubtreeShift = 32;
-constexpr Ino kLocalInoMask = (Ino{1} << kSubtreeShift) - 1;
-constexpr size_t kMaxSubtrees = size_t{1} << 20;
-
-// ---- the one Status -> errno mapping ----
-
-int ErrnoFromStatus(const Status& status) {
-  switch (status.code()) {
-    case StatusCode::kOk: return 0;
-    case StatusCode::kNotFound: return ENOENT;
-    case StatusCode::kIo: return status.sys_errno() != 0 ? status.sys_errno() : EIO;
-    case StatusCode::kNoSpace: return ENOSPC;
-    // kOutOfRange from a source means the tree and the source disagree (reads are clipped
-    // to the node size first): a data error, not the caller's mistake.
-    default: return EIO;
-  }
-}
 
 // ---- per-session state ----
 
@@ -88,22 +66,14 @@ struct OpenHandle {
   virtual ~OpenHandle() = default;
 };
 
-struct OpenFile final : OpenHandle {
-  OpenFile(std::shared_ptr<const ByteSource> source_in, Ino ino_in, uint64_t n_bytes_in)
-      : source(std::move(source_in)), ino(ino_in), n_bytes(n_bytes_in) {}
-  std::shared_ptr<const ByteSource> source;
-  Ino ino;
-  uint64_t n_bytes;
+struct OpenFileHandle final : OpenHandle {
+  explicit OpenFileHandle(OpenFile file_in) : file(std::move(file_in)) {}
+  OpenFile file;
 };
 
-struct DirEntry {
-  std::string_view name;  // points into the tree's children map (or a literal): stable
-  Ino ino = 0;
-};
-
-// Snapshot of a directory taken at opendir; readdir offset i means "resume at entries[i]".
-struct OpenDir final : OpenHandle {
-  std::vector<DirEntry> entries;  // ".", "..", then children in name order
+struct OpenDirHandle final : OpenHandle {
+  explicit OpenDirHandle(DirListing listing_in) : listing(std::move(listing_in)) {}
+  DirListing listing;  // readdir offset i means "resume at items[i]"
 };
 
 // Every live OpenHandle. The kernel sends no RELEASE for files still open when the mount
@@ -140,124 +110,14 @@ class HandleRegistry {
   std::unordered_set<OpenHandle*> live_;
 };
 
-struct Subtree {
-  std::shared_ptr<const Tree> tree;
-  const std::string* name = nullptr;  // the key in Server::subtree_index (stable)
-};
-
 struct Server {
-  std::shared_ptr<const Tree> tree;
-  uid_t uid = 0;
-  gid_t gid = 0;
+  std::unique_ptr<Filesystem> fs;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;
   HandleRegistry handles;
-  Ino dynamic_dir = 0;  // 0: none
-  SubtreeResolver resolve;
-  // Append-only: a subtree, once added, is served (at the same index) until the session ends.
-  mutable std::shared_mutex subtrees_mu;
-  std::vector<Subtree> subtrees;                           // guarded by subtrees_mu
-  std::map<std::string, size_t, std::less<>> subtree_index;  // name -> index; guarded
-  // Source data-loss errors already logged (a changed source file is logged once, not at every
-  // read, until a remount re-indexes it), bounded so a storm of distinct ones cannot grow it.
-  std::mutex logged_mu;
-  std::set<std::string> logged_data_loss;  // guarded by logged_mu
 };
-
-// A node found by its (global) inode number.
-struct Found {
-  const Tree* tree = nullptr;      // the tree holding it
-  const TreeNode* node = nullptr;  // nullptr: no such inode
-  Ino base = 0;                    // (k + 1) << kSubtreeShift in subtree k; 0 in the main tree
-};
-
-Ino GlobalIno(const Found& f) { return f.base | f.node->ino; }
-
-Ino GlobalParent(const Server& server, const Found& f) {
-  if (f.base == 0) return f.node->parent;
-  return f.node->ino == kRootIno ? server.dynamic_dir : (f.base | f.node->parent);
-}
-
-Found Find(const Server& server, Ino ino) {
-  Found f;
-  const Ino high = ino >> kSubtreeShift;
-  if (high == 0) {
-    f.tree = server.tree.get();
-  } else {
-    std::shared_lock lock(server.subtrees_mu);
-    if (high > server.subtrees.size()) return f;
-    f.tree = server.subtrees[high - 1].tree.get();  // lives as long as the session
-    f.base = high << kSubtreeShift;
-  }
-  f.node = f.tree->Get(ino & kLocalInoMask);
-  return f;
-}
-
-// The child `local` of a found directory.
-Found ChildOf(const Found& dir, const TreeNode* local) { return {dir.tree, local, dir.base}; }
-
-// "/a/b/c" for messages, through subtrees too.
-std::string PathOf(const Server& server, Ino ino) {
-  const Ino high = ino >> kSubtreeShift;
-  if (high == 0) return server.tree->PathOf(ino);
-  const Tree* tree = nullptr;
-  std::string name;
-  {
-    std::shared_lock lock(server.subtrees_mu);
-    if (high > server.subtrees.size()) return "<ino " + std::to_string(ino) + ">";
-    tree = server.subtrees[high - 1].tree.get();
-    name = *server.subtrees[high - 1].name;
-  }
-  const std::string base = server.tree->PathOf(server.dynamic_dir) + "/" + name;
-  const std::string rest = tree->PathOf(ino & kLocalInoMask);
-  return rest == "/" ? base : base + rest;
-}
-
-Found SubtreeRoot(const Server& server, size_t k) {
-  return {server.subtrees[k].tree.get(), server.subtrees[k].tree->Get(kRootIno),
-          static_cast<Ino>(k + 1) << kSubtreeShift};
-}
-
-// The dynamic child `name` of server.dynamic_dir: registered, or resolved and registered now.
-// Returns 0 and sets *out, or an errno (a resolve failure is logged and is ENOENT).
-int ResolveChild(Server& server, const std::string& name, Found* out) {
-  {
-    std::shared_lock lock(server.subtrees_mu);
-    const auto it = server.subtree_index.find(name);
-    if (it != server.subtree_index.end()) {
-      *out = SubtreeRoot(server, it->second);
-      return 0;
-    }
-  }
-  std::string dir_path = server.tree->PathOf(server.dynamic_dir);
-  if (!dir_path.empty() && dir_path[0] == '/') dir_path.erase(0, 1);
-  const std::string label = dir_path.empty() ? name : dir_path + "/" + name;
-  Result<std::shared_ptr<const Tree>> made = server.resolve(name);  // outside the lock
-  if (!made.ok()) {
-    std::fprintf(stderr, "ucpfs: %s: %s\n", label.c_str(), made.error().ToString().c_str());
-    return ENOENT;
-  }
-  std::shared_ptr<const Tree> sub = std::move(*made);
-  if (sub == nullptr || sub->size() > kLocalInoMask) {
-    std::fprintf(stderr, "ucpfs: %s: resolver returned %s\n", label.c_str(),
-                 sub == nullptr ? "no tree" : "too many nodes");
-    return ENOENT;
-  }
-  std::unique_lock lock(server.subtrees_mu);
-  auto it = server.subtree_index.find(name);
-  if (it == server.subtree_index.end()) {  // else another worker won the race: use theirs
-    if (server.subtrees.size() >= kMaxSubtrees) {
-      std::fprintf(stderr, "ucpfs: %s: too many directories resolved (%zu)\n", label.c_str(),
-                   kMaxSubtrees);
-      return ENOSPC;
-    }
-    it = server.subtree_index.emplace(name, server.subtrees.size()).first;
-    server.subtrees.push_back({std::move(sub), &it->first});
-  }
-  *out = SubtreeRoot(server, it->second);
-  return 0;
-}
 
 Server& ServerOf(fuse_req_t req) { return *static_cast<Server*>(fuse_req_userdata(req)); }
+Filesystem& FsOf(fuse_req_t req) { return *ServerOf(req).fs; }
 
 template <typename T>
 T* HandleOf(const fuse_file_info* fi) {
@@ -287,31 +147,12 @@ void Handle(fuse_req_t req, const char* op, Body&& body) noexcept {
   if (err != 0) fuse_reply_err(req, err);
 }
 
-struct stat StatOf(const Server& server, const Found& found) {
-  const TreeNode& node = *found.node;
-  struct stat st = {};
-  st.st_ino = GlobalIno(found);
-  st.st_mode = static_cast<mode_t>((node.is_dir ? S_IFDIR : S_IFREG) | (node.mode & 07777));
-  // The dynamic directory's subdirectory count is unknown: 1 tells find(1) not to count.
-  st.st_nlink = server.dynamic_dir != 0 && st.st_ino == server.dynamic_dir ? 1 : node.nlink;
-  st.st_uid = node.uid >= 0 ? static_cast<uid_t>(node.uid) : server.uid;
-  st.st_gid = node.gid >= 0 ? static_cast<gid_t>(node.gid) : server.gid;
-  st.st_size = static_cast<off_t>(node.size);
-  // In 512-byte units whatever st_blksize says; `du` reports the virtual size from this.
-  st.st_blocks = static_cast<blkcnt_t>(node.size / 512 + (node.size % 512 != 0 ? 1 : 0));
-  st.st_blksize = kStatBlockSize;
-  st.st_atim = node.mtime;
-  st.st_mtim = node.mtime;
-  st.st_ctim = node.mtime;
-  return st;
-}
-
-fuse_entry_param EntryOf(const Server& server, const Found& found) {
+fuse_entry_param EntryParam(const Entry& entry) {
   fuse_entry_param e = {};
-  // node == nullptr: ino 0 is a negative entry, cached for entry_timeout like a positive one.
-  if (found.node != nullptr) {
-    e.ino = GlobalIno(found);
-    e.attr = StatOf(server, found);
+  // ino 0 is a negative entry, cached for entry_timeout like a positive one.
+  if (entry.ino != 0) {
+    e.ino = entry.ino;
+    e.attr = entry.attr;
     e.attr_timeout = kCacheTimeoutS;
   }
   e.entry_timeout = kCacheTimeoutS;
@@ -337,41 +178,32 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Handle(req, "lookup", [&] {
-    Server& server = ServerOf(req);
-    const Found dir = Find(server, parent);
-    if (dir.node == nullptr) return ENOENT;
-    if (!dir.node->is_dir) return ENOTDIR;
-    const std::string_view name_view(name);
-    Found child;
-    if (name_view == ".") {
-      child = dir;
-    } else if (name_view == "..") {
-      child = Find(server, GlobalParent(server, dir));
-    } else {
-      const std::string name_str(name);
-      child = ChildOf(dir, dir.tree->Lookup(dir.node->ino, name_str));
-      if (child.node == nullptr && server.dynamic_dir != 0 && parent == server.dynamic_dir) {
-        const int err = ResolveChild(server, name_str, &child);
-        if (err != 0) return err;  // not a negative entry: a later lookup tries again
-      }
-    }
-    const fuse_entry_param e = EntryOf(server, child);
-    fuse_reply_entry(req, &e);
+    Filesystem& fs = FsOf(req);
+    Result<Entry> entry = fs.Lookup(parent, name);
+    // A resolve failure is not a negative entry: a later lookup tries again.
+    if (!entry.ok()) return ErrnoFromStatus(entry.error());
+    const fuse_entry_param e = EntryParam(*entry);
+    if (fuse_reply_entry(req, &e) != 0 && entry->ino != 0) fs.Forget(entry->ino, 1);
     return 0;
   });
 }
 
-// The tree outlives the session, so there is nothing to release.
-void OpForget(fuse_req_t req, fuse_ino_t, uint64_t) { fuse_reply_none(req); }
-void OpForgetMulti(fuse_req_t req, size_t, fuse_forget_data*) { fuse_reply_none(req); }
+void OpForget(fuse_req_t req, fuse_ino_t ino, uint64_t n_lookups) {
+  FsOf(req).Forget(ino, n_lookups);
+  fuse_reply_none(req);
+}
+
+void OpForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
+  Filesystem& fs = FsOf(req);
+  for (size_t i = 0; i < count; ++i) fs.Forget(forgets[i].ino, forgets[i].nlookup);
+  fuse_reply_none(req);
+}
 
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   Handle(req, "getattr", [&] {
-    const Server& server = ServerOf(req);
-    const Found found = Find(server, ino);
-    if (found.node == nullptr) return ENOENT;
-    const struct stat st = StatOf(server, found);
-    fuse_reply_attr(req, &st, kCacheTimeoutS);
+    Result<struct stat> st = FsOf(req).GetAttr(ino);
+    if (!st.ok()) return ErrnoFromStatus(st.error());
+    fuse_reply_attr(req, &*st, kCacheTimeoutS);
     return 0;
   });
 }
@@ -385,143 +217,97 @@ void OpReadOnly(fuse_req_t req, Args...) {
 
 void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Handle(req, "open", [&] {
-    const Server& server = ServerOf(req);
-    const TreeNode* node = Find(server, ino).node;
-    if (node == nullptr) return ENOENT;
-    if (node->is_dir) return EISDIR;
-    if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & (O_TRUNC | O_APPEND)) != 0) {
-      return EROFS;
-    }
-    const std::string path = PathOf(server, ino);
-    if (!node->open) {
-      std::fprintf(stderr, "ucpfs: open %s: file has no opener\n", path.c_str());
-      return EIO;
-    }
-    Result<std::shared_ptr<const ByteSource>> source = node->open();
-    if (!source.ok()) {
-      std::fprintf(stderr, "ucpfs: open %s: %s\n", path.c_str(), source.error().ToString().c_str());
-      return ErrnoFromStatus(source.error());
-    }
-    if (*source == nullptr || (*source)->Size() != node->size) {
-      std::fprintf(stderr, "ucpfs: open %s: source has %llu bytes but the file has %llu\n",
-                   path.c_str(),
-                   static_cast<unsigned long long>(*source ? (*source)->Size() : 0),
-                   static_cast<unsigned long long>(node->size));
-      return EIO;
-    }
-    auto handle = std::make_unique<OpenFile>(std::move(*source), ino, node->size);
-    if (node->volatile_content) {
+    Result<OpenFile> file = FsOf(req).Open(ino, fi->flags);
+    if (!file.ok()) return ErrnoFromStatus(file.error());
+    if (file->volatile_content) {
       fi->direct_io = 1;  // produced at open time: never serve stale cached pages
     } else {
       fi->keep_cache = 1;  // content never changes: keep pages across opens
     }
-    fi->noflush = 1;     // nothing to flush on close: skip the FLUSH round trip
-    ReplyOpen(req, fi, std::move(handle));
+    fi->noflush = 1;  // nothing to flush on close: skip the FLUSH round trip
+    ReplyOpen(req, fi, std::make_unique<OpenFileHandle>(std::move(*file)));
     return 0;
   });
 }
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
   Handle(req, "read", [&] {
-    const OpenFile& file = *HandleOf<OpenFile>(fi);
+    const OpenFile& file = HandleOf<OpenFileHandle>(fi)->file;
     if (off < 0) return EINVAL;
-    const auto byte_offset = static_cast<uint64_t>(off);
-    if (byte_offset >= file.n_bytes || size == 0) {
-      fuse_reply_buf(req, nullptr, 0);
-      return 0;
-    }
-    const auto n_bytes = static_cast<size_t>(std::min<uint64_t>(size, file.n_bytes - byte_offset));
     // One buffer per worker thread, grown to the largest request seen (max_read): no
     // allocation per request. fuse_reply_buf writes it to /dev/fuse before returning.
     thread_local std::vector<std::byte> buffer;
-    if (buffer.size() < n_bytes) buffer.resize(n_bytes);
-    const Status status = file.source->ReadAt(byte_offset, std::span(buffer.data(), n_bytes));
-    if (!status.ok()) {
-      Server& server = ServerOf(req);
-      bool log = true;
-      if (status.code() == StatusCode::kDataLoss) {
-        std::lock_guard lock(server.logged_mu);
-        log = server.logged_data_loss.size() < 4096 && server.logged_data_loss.insert(status.message()).second;
-      }
-      if (log) {
-        std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n", PathOf(server, file.ino).c_str(),
-                     static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
-      }
-      return ErrnoFromStatus(status);
-    }
-    fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), n_bytes);
+    const auto byte_offset = static_cast<uint64_t>(off);
+    const size_t wanted = byte_offset >= file.n_bytes
+                              ? 0
+                              : static_cast<size_t>(std::min<uint64_t>(size, file.n_bytes - byte_offset));
+    if (buffer.size() < wanted) buffer.resize(wanted);
+    Result<size_t> n_bytes = FsOf(req).Read(file, byte_offset, std::span(buffer.data(), wanted));
+    if (!n_bytes.ok()) return ErrnoFromStatus(n_bytes.error());
+    fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), *n_bytes);
     return 0;
   });
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  ServerOf(req).handles.Destroy(HandleOf<OpenFile>(fi));
+  ServerOf(req).handles.Destroy(HandleOf<OpenFileHandle>(fi));
   fuse_reply_err(req, 0);
 }
 
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Handle(req, "opendir", [&] {
-    const Server& server = ServerOf(req);
-    const Found found = Find(server, ino);
-    const TreeNode* node = found.node;
-    if (node == nullptr) return ENOENT;
-    if (!node->is_dir) return ENOTDIR;
-    auto dir = std::make_unique<OpenDir>();
-    dir->entries.reserve(node->children.size() + 2);
-    dir->entries.push_back({".", GlobalIno(found)});
-    dir->entries.push_back({"..", GlobalParent(server, found)});
-    for (const auto& [name, child] : node->children) {
-      dir->entries.push_back({name, found.base | child});
-    }
-    const bool dynamic = server.dynamic_dir != 0 && ino == server.dynamic_dir;
-    if (dynamic) {  // plus the subtrees resolved so far, merged in name order
-      {
-        std::shared_lock lock(server.subtrees_mu);
-        for (const auto& [name, k] : server.subtree_index) {
-          if (node->children.contains(name)) continue;  // shadowed (never resolved, in fact)
-          dir->entries.push_back({name, static_cast<Ino>(k + 1) << kSubtreeShift | kRootIno});
-        }
-      }
-      std::sort(dir->entries.begin() + 2, dir->entries.end(),
-                [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
-    } else {
+    Result<DirListing> listing = FsOf(req).OpenDir(ino);
+    if (!listing.ok()) return ErrnoFromStatus(listing.error());
+    if (listing->cacheable) {
       fi->cache_readdir = 1;  // listings never change: let the kernel cache them
       fi->keep_cache = 1;
     }
-    ReplyOpen(req, fi, std::move(dir));
+    ReplyOpen(req, fi, std::make_unique<OpenDirHandle>(std::move(*listing)));
     return 0;
   });
 }
 
 void ReadDir(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi, bool plus) {
   Handle(req, plus ? "readdirplus" : "readdir", [&] {
-    const Server& server = ServerOf(req);
-    const OpenDir& dir = *HandleOf<OpenDir>(fi);
+    Filesystem& fs = FsOf(req);
+    const DirListing& dir = HandleOf<OpenDirHandle>(fi)->listing;
     if (off < 0) return EINVAL;
     std::vector<char> buf(size);
     size_t used = 0;
+    std::vector<Ino> referenced;  // entries the kernel will count, once the reply is out
     // Offsets are snapshot indices: the entry at index i carries offset i + 1 ("next").
-    for (auto i = static_cast<size_t>(off); i < dir.entries.size(); ++i) {
-      const DirEntry& entry = dir.entries[i];
-      const Found found = Find(server, entry.ino);
-      if (found.node == nullptr) continue;  // cannot happen in a well-formed tree
-      const std::string name(entry.name);
+    for (auto i = static_cast<size_t>(off); i < dir.items.size(); ++i) {
+      const DirListing::Item& item = dir.items[i];
       const auto next = static_cast<off_t>(i + 1);
       size_t n_bytes;
-      if (plus) {
-        fuse_entry_param e = EntryOf(server, found);
-        // "." and ".." are not looked up by the kernel (their lookup count is not taken).
-        if (entry.name == "." || entry.name == "..") e.ino = 0;
-        n_bytes = fuse_add_direntry_plus(req, buf.data() + used, size - used, name.c_str(), &e,
-                                         next);
+      // "." and ".." are not looked up by the kernel (their lookup count is not taken).
+      if (plus && item.name != "." && item.name != "..") {
+        std::optional<Entry> entry = fs.Reference(item.ino);
+        if (!entry) continue;  // gone since opendir (an evicted subtree)
+        const fuse_entry_param e = EntryParam(*entry);
+        n_bytes = fuse_add_direntry_plus(req, buf.data() + used, size - used, item.name.c_str(), &e, next);
+        if (n_bytes > size - used) {
+          fs.Forget(entry->ino, 1);
+          break;  // full: the kernel asks again from `next`
+        }
+        referenced.push_back(entry->ino);
       } else {
-        const struct stat st = StatOf(server, found);
-        n_bytes = fuse_add_direntry(req, buf.data() + used, size - used, name.c_str(), &st, next);
+        std::optional<struct stat> st = fs.StatOf(item.ino);
+        if (!st) continue;
+        if (plus) {
+          fuse_entry_param e = {};
+          e.attr = *st;
+          n_bytes = fuse_add_direntry_plus(req, buf.data() + used, size - used, item.name.c_str(), &e, next);
+        } else {
+          n_bytes = fuse_add_direntry(req, buf.data() + used, size - used, item.name.c_str(), &*st, next);
+        }
+        if (n_bytes > size - used) break;
       }
-      if (n_bytes > size - used) break;  // full: the kernel asks again from `next`
       used += n_bytes;
     }
-    fuse_reply_buf(req, buf.data(), used);
+    if (fuse_reply_buf(req, buf.data(), used) != 0) {
+      for (Ino ino : referenced) fs.Forget(ino, 1);
+    }
     return 0;
   });
 }
@@ -535,21 +321,13 @@ void OpReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file
 }
 
 void OpReleasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  ServerOf(req).handles.Destroy(HandleOf<OpenDir>(fi));
+  ServerOf(req).handles.Destroy(HandleOf<OpenDirHandle>(fi));
   fuse_reply_err(req, 0);
 }
 
 void OpStatfs(fuse_req_t req, fuse_ino_t) {
   Handle(req, "statfs", [&] {
-    const Tree& tree = *ServerOf(req).tree;
-    const uint64_t n_bytes = tree.TotalFileBytes();
-    struct statvfs sv = {};
-    sv.f_bsize = kStatfsBlockSize;
-    sv.f_frsize = kStatfsBlockSize;
-    sv.f_blocks = n_bytes / kStatfsBlockSize + (n_bytes % kStatfsBlockSize != 0 ? 1 : 0);
-    sv.f_files = tree.size();
-    sv.f_namemax = kNameMax;
-    sv.f_flag = ST_RDONLY;  // informational: statvfs(2) reports the mount's "ro" flag
+    const struct statvfs sv = FsOf(req).StatFs();
     fuse_reply_statfs(req, &sv);
     return 0;
   });
@@ -570,8 +348,8 @@ void OpListxattr(fuse_req_t req, fuse_ino_t, size_t size) {
 
 void OpAccess(fuse_req_t req, fuse_ino_t ino, int mask) {
   Handle(req, "access", [&] {
-    if (Find(ServerOf(req), ino).node == nullptr) return ENOENT;
-    if ((mask & W_OK) != 0) return EROFS;
+    const Status status = FsOf(req).Access(ino, mask);
+    if (!status.ok()) return ErrnoFromStatus(status);
     fuse_reply_err(req, 0);
     return 0;
   });
@@ -719,22 +497,13 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   Result<uint32_t> user_max_read = MaxReadFromOptions(options.fuse_options);
   if (!user_max_read.ok()) return user_max_read.error();
 
-  if (options.dynamic_dir != 0) {
-    const TreeNode* dir = tree->Get(options.dynamic_dir);
-    if (dir == nullptr || !dir->is_dir || !options.resolve) {
-      return InvalidArgumentError("ServeTree: dynamic_dir is not a directory or has no resolver");
-    }
-    if (tree->size() > kLocalInoMask) {
-      return InvalidArgumentError("ServeTree: a tree with a dynamic directory needs < 2^32 nodes");
-    }
-  }
-
+  FilesystemOptions fs_options;
+  fs_options.uid = getuid();
+  fs_options.gid = getgid();
+  fs_options.dynamic_dir = options.dynamic_dir;
+  fs_options.resolve = options.resolve;
   Server server;
-  server.tree = std::move(tree);
-  server.dynamic_dir = options.dynamic_dir;
-  server.resolve = options.resolve;
-  server.uid = getuid();
-  server.gid = getgid();
+  UCPFS_ASSIGN_OR_RETURN(server.fs, Filesystem::Make(std::move(tree), std::move(fs_options)));
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;
 
   std::vector<std::string> arg_strings = {

@@ -1,6 +1,6 @@
-// Serves a Tree through FUSE (libfuse3 low-level API, multi-threaded). This header knows no
-// FUSE types; fuse_mount.cc is the only file that includes <fuse_lowlevel.h>, and the only
-// place where Status codes become errnos.
+// Serves a Tree through FUSE (libfuse3 low-level API, multi-threaded): fuse_mount.cc adapts
+// kernel requests to a Filesystem (filesystem.h). This header knows no FUSE types;
+// fuse_mount.cc is the only file that includes <fuse_lowlevel.h>.
 //
 // Behaviour: read-only (writes, creates, setattr → EROFS); files opened with keep_cache and
 // long attr/entry timeouts (views are immutable), mmap works (no direct_io); a failing
@@ -27,14 +27,8 @@ struct MountOptions {
   int ready_fd = -1;
   int max_threads = 16;     // FUSE worker threads
   std::string fsname = "ucpfs";
-  // Optional dynamic directory (both set, or dynamic_dir 0 for none): a lookup in directory
-  // `dynamic_dir` of a name the tree lacks calls resolve(name) (outside any lock, possibly on
-  // several workers at once); its Tree's root then serves as that child, for the rest of the
-  // session (the first result registered wins a race). A resolve error is ENOENT plus a log line
-  // "ucpfs: <dir>/<name>: <reason>", not remembered (the next lookup tries again). readdir of
-  // `dynamic_dir` lists the names resolved so far; its nlink is 1 (unknown), and its listing is
-  // not cached by the kernel. Inode numbers: subtree k (in resolve order) serves its local
-  // inode i as (k + 1) << 32 | i, so the tree itself must have fewer than 2^32 nodes.
+  // Optional dynamic directory (both set, or dynamic_dir 0 for none): children built on first
+  // lookup and evicted when the kernel forgets them. See FilesystemOptions (filesystem.h).
   Ino dynamic_dir = 0;
   SubtreeResolver resolve;
 };

@@ -212,10 +212,31 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
       UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
     }
   }
+  // Memory of the layouts built on lookup. A layout's estimate is reserved before it is built
+  // and given back when its Tree is destroyed (the Filesystem evicts it once the kernel has
+  // forgotten its inodes), so the budget bounds what they hold at once, not in a lifetime.
   struct LookupBudget {
+    std::mutex probe_mu;  // held while rank 0 of a layout is built to measure it
     std::mutex mu;
     uint64_t limit = 0;
-    uint64_t used = 0;  // guarded by mu
+    uint64_t used = 0;   // guarded by mu
+    uint64_t n_live = 0;  // layouts holding a reservation; guarded by mu
+    void Release(uint64_t n_bytes) {
+      std::lock_guard lock(mu);
+      used -= std::min(used, n_bytes);
+      n_live -= std::min<uint64_t>(n_live, 1);
+    }
+  };
+  // A subtree and its reservation: handed out through an aliasing shared_ptr to `tree`.
+  struct BudgetedTree {
+    BudgetedTree(struct timespec mtime, std::shared_ptr<LookupBudget> budget_in, uint64_t n_bytes_in)
+        : tree(mtime), budget(std::move(budget_in)), n_bytes(n_bytes_in) {}
+    BudgetedTree(const BudgetedTree&) = delete;
+    BudgetedTree& operator=(const BudgetedTree&) = delete;
+    ~BudgetedTree() { budget->Release(n_bytes); }
+    Tree tree;
+    std::shared_ptr<LookupBudget> budget;
+    uint64_t n_bytes;
   };
   auto budget = std::make_shared<LookupBudget>();
   budget->limit = targets.lookup_budget_bytes;
@@ -238,9 +259,14 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     // Bounded memory: estimate the layout from what rank 0's files take on the heap (pickles,
     // zip headers, local layouts) before building any more, and refuse a layout that would
     // pass the budget shared by all layouts built on lookup.
-    const size_t heap_before = ::mallinfo2().uordblks;
-    UCPFS_ASSIGN_OR_RETURN(auto probe, plan.Build(0));
-    const size_t heap_after = ::mallinfo2().uordblks;
+    // One probe at a time: the heap is the whole process's, so two probes would see each other.
+    size_t heap_before = 0, heap_after = 0;
+    {
+      std::lock_guard probing(budget->probe_mu);
+      heap_before = ::mallinfo2().uordblks;
+      UCPFS_ASSIGN_OR_RETURN(auto probe, plan.Build(0));
+      heap_after = ::mallinfo2().uordblks;
+    }
     constexpr uint64_t kNodeBytes = 512;  // a rank directory and its files in the tree
     const uint64_t per_rank =
         std::max<uint64_t>(heap_after > heap_before ? heap_after - heap_before : 0, 4096) + 5 * kNodeBytes;
@@ -252,19 +278,16 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
             "layout " + l.name + " would take about " + std::to_string(estimate >> 20) + " MiB (" +
             std::to_string(l.World()) + " ranks); layouts built on lookup may take " +
             std::to_string(budget->limit >> 20) + " MiB together and " + std::to_string(budget->used >> 20) +
-            " MiB are in use (raise --lookup-memory-mib, or give it with --layout)");
+            " MiB are in use (raise --lookup-memory-mib, or give it with --layout; layouts no longer in "
+            "use are released when the kernel forgets them)");
       }
       budget->used += estimate;  // reserved now, so racing lookups cannot both pass
+      ++budget->n_live;
     }
-    auto sub = std::make_shared<Tree>(mtime);
+    auto sub = std::make_shared<BudgetedTree>(mtime, budget, estimate);  // releases on failure too
     size_t n_files = 0;
-    Status built = AddLayoutRanks(*sub, kRootIno, plan, mtime, access, &n_files);
-    if (!built.ok()) {
-      std::lock_guard lock(budget->mu);
-      budget->used -= estimate;
-      return built;
-    }
-    return std::shared_ptr<const Tree>(std::move(sub));
+    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(sub->tree, kRootIno, plan, mtime, access, &n_files));
+    return std::shared_ptr<const Tree>(sub, &sub->tree);
   };
 
   nlohmann::ordered_json status;
@@ -312,12 +335,18 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
 
   // stats.json: counters as of open(2), padded with spaces to a fixed size (JSON allows
   // trailing white space) so the size is known before the content.
-  Opener stats_open = [counters]() -> Result<std::shared_ptr<const ByteSource>> {
+  Opener stats_open = [counters, budget]() -> Result<std::shared_ptr<const ByteSource>> {
     nlohmann::ordered_json j;
     j["source_bytes_read"] = counters->source_bytes_read.load();
     j["source_reads"] = counters->source_reads.load();
     j["source_read_errors"] = counters->source_read_errors.load();
     j["source_files_opened"] = counters->files_opened.load();
+    {
+      std::lock_guard lock(budget->mu);
+      j["lookup_layouts"] = {{"live", budget->n_live},
+                             {"memory_bytes", budget->used},
+                             {"memory_limit_bytes", budget->limit}};
+    }
     std::string text = JsonText(j) + "\n";
     text.resize(kStatsJsonBytes, ' ');
     text.back() = '\n';

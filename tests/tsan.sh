@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ThreadSanitizer run, outside CI: builds ucpfs with -fsanitize=thread into build-tsan/ and runs
 # the end-to-end tests with concurrent readers against it (8 readers of every atomic file twice,
-# concurrent first lookups of target layouts, the FUSE tree's parallel readers) under torch 1.13.
+# concurrent first lookups of target layouts, the FUSE tree's parallel readers) under torch 1.13,
+# and the Filesystem unit test (concurrent lookups and forgets evicting subtrees).
 # The daemons' reports go to build-tsan/tsan-reports/; any report fails the run.
 # Usage: tests/tsan.sh   (after tests/install-deps.sh)
 set -euo pipefail
@@ -11,7 +12,7 @@ reports=$PWD/build-tsan/tsan-reports
 rm -rf "$reports"
 mkdir -p "$reports"
 export TSAN_OPTIONS="log_path=$reports/tsan second_deadlock_stack=1"
-ctest --test-dir build-tsan --output-on-failure -R "e2e_mount_dcp_torch113|e2e_target_views_torch113|e2e_fuse_tree"
+ctest --test-dir build-tsan --output-on-failure -R "e2e_mount_dcp_torch113|e2e_target_views_torch113|e2e_fuse_tree|filesystem_test"
 if compgen -G "$reports/tsan*" >/dev/null; then
   echo "tsan: reports in $reports:"
   head -60 "$reports"/tsan*

@@ -15,7 +15,8 @@
   a source directory and a file whose names are not UTF-8: served under escaped names listed in
   status.json; every JSON output stays valid.
 - Memory: a lookup of a 65536-rank layout is refused (over --lookup-memory-mib) within 20 s,
-  and the daemon does not grow; a layout that fits is still built on lookup.
+  and the daemon does not grow; a layout that fits is still built on lookup; once the kernel
+  forgets a layout's inodes (dentries dropped), it is evicted and its budget serves another.
 - A checkpoint with more data files than the open-file limit (hard limit 64, 128 files) indexes,
   mounts and serves every atomic file bit for bit.
 Every probe has a hard timeout: a hang is a failure, never a stuck CI.
@@ -323,6 +324,40 @@ def huge_layout_lookup(work, src):
         assert status_ok(m)
 
 
+def lookup_layouts(m):
+    import json  # noqa: PLC0415
+    return json.load(open(os.path.join(m, ".ucpfs", "stats.json")))["lookup_layouts"]
+
+
+def layouts_evicted_when_forgotten(work, src):
+    """A layout built on lookup holds its share of --lookup-memory-mib only while the kernel
+    knows its inodes: once they are forgotten (here: dentries dropped), its memory is given
+    back, and a layout that did not fit beside it is built."""
+    mnt = os.path.join(work, "mnt-evict")
+    with mounted(src, mnt, "--lookup-memory-mib", "64") as (m, _):
+        first, second = "tp1_pp1_dp256", "tp1_pp1_dp255"  # each about 2/3 of the budget
+        assert len(os.listdir(os.path.join(m, "target", first))) == 256
+        held = lookup_layouts(m)
+        assert held["live"] == 1 and 0 < held["memory_bytes"] <= 64 << 20, held
+        assert 2 * held["memory_bytes"] > 64 << 20, f"the fixture no longer fills the budget: {held}"
+        p = subprocess.run(["ls", os.path.join(m, "target", second)], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0, "a second layout passed the budget"
+        assert second in open(mnt + ".log").read()
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("2\n")  # dentries and inodes: the kernel forgets the unused ones
+        deadline = time.monotonic() + 10
+        while lookup_layouts(m)["live"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lookup_layouts(m) == {"live": 0, "memory_bytes": 0, "memory_limit_bytes": 64 << 20}
+        assert first not in os.listdir(os.path.join(m, "target"))
+        assert len(os.listdir(os.path.join(m, "target", second))) == 255
+        assert lookup_layouts(m)["live"] == 1
+        # The first one comes back on demand, built afresh (and now it is the one refused).
+        p = subprocess.run(["ls", os.path.join(m, "target", first)], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0
+
+
 def status_ok(m):
     import json  # noqa: PLC0415
     return json.load(open(os.path.join(m, ".ucpfs", "status.json")))["format"] == "dcp"
@@ -345,6 +380,8 @@ def main():
                   lambda: odd_names(work))
         res.check("a 65536-rank layout lookup is refused within 20 s without growing the daemon",
                   lambda: huge_layout_lookup(work, src))
+        res.check("layouts built on lookup are evicted once the kernel forgets them, releasing their budget",
+                  lambda: layouts_evicted_when_forgotten(work, src))
         res.check("more data files than the descriptor limit: index, mount and serve every atomic file",
                   lambda: many_files_small_limit(work, src, expected))
     res.finish()

@@ -1,0 +1,322 @@
+// See filesystem.h. Not for: FUSE types or replies (fuse_mount.cc), building trees (tree.cc,
+// namespace.cc).
+#include "fs/filesystem.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <utility>
+
+#include "fs/errno_map.h"
+
+namespace ucpfs::fs {
+namespace {
+
+// Subtree slots live in the high 32 bits of an inode number.
+constexpr int kSlotShift = 32;
+constexpr Ino kLocalInoMask = (Ino{1} << kSlotShift) - 1;
+constexpr uint64_t kMaxSlot = (uint64_t{1} << 31) - 1;  // st_ino stays positive as a signed value
+constexpr size_t kMaxLiveSubtrees = size_t{1} << 20;
+// st_blksize: cp, cat and stdio size their reads by it; match the largest FUSE request.
+constexpr blksize_t kStatBlockSize = 1 << 20;
+constexpr unsigned long kStatfsBlockSize = 4096;
+constexpr unsigned long kNameMax = 255;
+constexpr size_t kMaxLoggedDataLoss = 4096;
+
+}  // namespace
+
+Result<std::unique_ptr<Filesystem>> Filesystem::Make(std::shared_ptr<const Tree> tree,
+                                                     FilesystemOptions options) {
+  if (tree == nullptr) return InvalidArgumentError("Filesystem: no tree");
+  if (tree->size() > kLocalInoMask) {
+    return InvalidArgumentError("Filesystem: a tree must have fewer than 2^32 nodes");
+  }
+  if (options.dynamic_dir != 0) {
+    const TreeNode* dir = tree->Get(options.dynamic_dir);
+    if (dir == nullptr || !dir->is_dir || !options.resolve) {
+      return InvalidArgumentError("Filesystem: dynamic_dir is not a directory or has no resolver");
+    }
+  }
+  return std::unique_ptr<Filesystem>(new Filesystem(std::move(tree), std::move(options)));
+}
+
+Filesystem::Filesystem(std::shared_ptr<const Tree> tree, FilesystemOptions options)
+    : tree_(std::move(tree)), options_(std::move(options)) {}
+
+Filesystem::Found Filesystem::Find(Ino ino, bool take_reference) const {
+  Found f;
+  const uint64_t slot = ino >> kSlotShift;
+  std::shared_lock<std::shared_mutex> lock;  // the main tree is pinned: no lock, no count
+  if (slot == 0) {
+    f.tree = tree_;
+  } else {
+    lock = std::shared_lock(mu_);
+    const auto it = subtrees_.find(slot);
+    if (it == subtrees_.end()) return f;
+    f.tree = it->second->tree;
+    f.base = slot << kSlotShift;
+  }
+  f.node = f.tree->Get(ino & kLocalInoMask);
+  // Counted under the lock, so an eviction re-checking the count cannot miss it.
+  if (take_reference && slot != 0 && f.node != nullptr) {
+    subtrees_.at(slot)->n_lookups.fetch_add(1, std::memory_order_relaxed);
+  }
+  return f;
+}
+
+Filesystem::Found Filesystem::ChildOf(const Found& dir, const TreeNode* local) const {
+  return {dir.tree, local, dir.base};
+}
+
+Ino Filesystem::GlobalParent(const Found& f) const {
+  if (f.base == 0) return f.node->parent;
+  return f.node->ino == kRootIno ? options_.dynamic_dir : (f.base | f.node->parent);
+}
+
+std::string Filesystem::PathOf(Ino ino) const {
+  const uint64_t slot = ino >> kSlotShift;
+  if (slot == 0) return tree_->PathOf(ino);
+  std::shared_ptr<const Tree> tree;
+  std::string name;
+  {
+    std::shared_lock lock(mu_);
+    const auto it = subtrees_.find(slot);
+    if (it == subtrees_.end()) return "<ino " + std::to_string(ino) + ">";
+    tree = it->second->tree;
+    name = it->second->name;
+  }
+  const std::string base = tree_->PathOf(options_.dynamic_dir) + "/" + name;
+  const std::string rest = tree->PathOf(ino & kLocalInoMask);
+  return rest == "/" ? base : base + rest;
+}
+
+size_t Filesystem::NumSubtrees() const {
+  std::shared_lock lock(mu_);
+  return subtrees_.size();
+}
+
+struct stat Filesystem::Stat(const Found& found) const {
+  const TreeNode& node = *found.node;
+  struct stat st = {};
+  st.st_ino = found.base | node.ino;
+  st.st_mode = static_cast<mode_t>((node.is_dir ? S_IFDIR : S_IFREG) | (node.mode & 07777));
+  // The dynamic directory's subdirectory count is unknown: 1 tells find(1) not to count.
+  st.st_nlink = options_.dynamic_dir != 0 && st.st_ino == options_.dynamic_dir ? 1 : node.nlink;
+  st.st_uid = node.uid >= 0 ? static_cast<uid_t>(node.uid) : options_.uid;
+  st.st_gid = node.gid >= 0 ? static_cast<gid_t>(node.gid) : options_.gid;
+  st.st_size = static_cast<off_t>(node.size);
+  // In 512-byte units whatever st_blksize says; `du` reports the virtual size from this.
+  st.st_blocks = static_cast<blkcnt_t>(node.size / 512 + (node.size % 512 != 0 ? 1 : 0));
+  st.st_blksize = kStatBlockSize;
+  st.st_atim = node.mtime;
+  st.st_mtim = node.mtime;
+  st.st_ctim = node.mtime;
+  return st;
+}
+
+Entry Filesystem::EntryOf(const Found& found) const {
+  Entry e;
+  if (found.node != nullptr) {
+    e.attr = Stat(found);
+    e.ino = e.attr.st_ino;
+  }
+  return e;
+}
+
+Result<Filesystem::Found> Filesystem::ResolveChild(const std::string& name) {
+  {
+    std::shared_lock lock(mu_);
+    const auto it = slot_of_.find(name);
+    if (it != slot_of_.end()) {
+      Subtree& sub = *subtrees_.at(it->second);
+      sub.n_lookups.fetch_add(1, std::memory_order_relaxed);
+      return Found{sub.tree, sub.tree->Get(kRootIno), it->second << kSlotShift};
+    }
+  }
+  std::string dir_path = tree_->PathOf(options_.dynamic_dir);
+  if (!dir_path.empty() && dir_path[0] == '/') dir_path.erase(0, 1);
+  const std::string label = dir_path.empty() ? name : dir_path + "/" + name;
+  Result<std::shared_ptr<const Tree>> made = options_.resolve(name);  // outside the lock
+  if (!made.ok()) {
+    std::fprintf(stderr, "ucpfs: %s: %s\n", label.c_str(), made.error().ToString().c_str());
+    return NotFoundError(label + ": " + made.error().message());
+  }
+  std::shared_ptr<const Tree> tree = std::move(*made);
+  if (tree == nullptr || tree->size() > kLocalInoMask) {
+    std::fprintf(stderr, "ucpfs: %s: resolver returned %s\n", label.c_str(),
+                 tree == nullptr ? "no tree" : "too many nodes");
+    return NotFoundError(label + ": no tree");
+  }
+  std::unique_lock lock(mu_);
+  auto it = slot_of_.find(name);
+  if (it == slot_of_.end()) {  // else another thread won the race: use theirs, drop ours
+    if (subtrees_.size() >= kMaxLiveSubtrees || next_slot_ > kMaxSlot) {
+      std::fprintf(stderr, "ucpfs: %s: too many directories resolved (%zu)\n", label.c_str(),
+                   subtrees_.size());
+      return PosixError(ENOSPC, label + ": too many directories resolved");
+    }
+    auto sub = std::make_unique<Subtree>();
+    sub->tree = std::move(tree);
+    sub->name = name;
+    it = slot_of_.emplace(name, next_slot_).first;
+    subtrees_.emplace(next_slot_++, std::move(sub));
+  }
+  Subtree& sub = *subtrees_.at(it->second);
+  sub.n_lookups.fetch_add(1, std::memory_order_relaxed);
+  return Found{sub.tree, sub.tree->Get(kRootIno), it->second << kSlotShift};
+}
+
+Result<Entry> Filesystem::Lookup(Ino parent, std::string_view name) {
+  const Found dir = Find(parent);
+  if (dir.node == nullptr) return NotFoundError("no inode " + std::to_string(parent));
+  if (!dir.node->is_dir) return PosixError(ENOTDIR, PathOf(parent) + " is not a directory");
+  Found child;
+  if (name == ".") {
+    child = Find(parent, true);
+  } else if (name == "..") {
+    child = Find(GlobalParent(dir), true);
+  } else {
+    const TreeNode* local = dir.tree->Lookup(dir.node->ino, std::string(name));
+    if (local != nullptr) {
+      child = dir.base == 0 ? ChildOf(dir, local) : Find(dir.base | local->ino, true);
+    } else if (options_.dynamic_dir != 0 && parent == options_.dynamic_dir) {
+      UCPFS_ASSIGN_OR_RETURN(child, ResolveChild(std::string(name)));
+    }
+  }
+  // A node that vanished between Find and FindReferenced (its subtree was evicted) is absent.
+  return EntryOf(child);
+}
+
+std::optional<Entry> Filesystem::Reference(Ino ino) {
+  const Found found = Find(ino, true);
+  if (found.node == nullptr) return std::nullopt;
+  return EntryOf(found);
+}
+
+void Filesystem::Forget(Ino ino, uint64_t n_lookups) {
+  const uint64_t slot = ino >> kSlotShift;
+  if (slot == 0 || n_lookups == 0) return;  // the main tree is pinned
+  {
+    std::shared_lock lock(mu_);
+    const auto it = subtrees_.find(slot);
+    if (it == subtrees_.end()) return;
+    std::atomic<uint64_t>& count = it->second->n_lookups;
+    uint64_t now = count.load(std::memory_order_relaxed);
+    // Never below zero, whatever the kernel sends.
+    while (!count.compare_exchange_weak(now, now - std::min(now, n_lookups), std::memory_order_acq_rel)) {
+    }
+    if (now > n_lookups) return;
+  }
+  std::shared_ptr<const Tree> released;  // destroyed outside the lock
+  std::unique_lock lock(mu_);
+  const auto it = subtrees_.find(slot);
+  if (it == subtrees_.end() || it->second->n_lookups.load(std::memory_order_acquire) != 0) return;
+  released = std::move(it->second->tree);
+  slot_of_.erase(it->second->name);
+  subtrees_.erase(it);
+  lock.unlock();
+}
+
+Result<struct stat> Filesystem::GetAttr(Ino ino) const {
+  const Found found = Find(ino);
+  if (found.node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
+  return Stat(found);
+}
+
+std::optional<struct stat> Filesystem::StatOf(Ino ino) const {
+  const Found found = Find(ino);
+  if (found.node == nullptr) return std::nullopt;
+  return Stat(found);
+}
+
+Result<OpenFile> Filesystem::Open(Ino ino, int flags) const {
+  const Found found = Find(ino);
+  const TreeNode* node = found.node;
+  if (node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
+  if (node->is_dir) return PosixError(EISDIR, PathOf(ino) + " is a directory");
+  if ((flags & O_ACCMODE) != O_RDONLY || (flags & (O_TRUNC | O_APPEND)) != 0) {
+    return PosixError(EROFS, PathOf(ino) + " is read-only");
+  }
+  const std::string path = PathOf(ino);
+  if (!node->open) {
+    std::fprintf(stderr, "ucpfs: open %s: file has no opener\n", path.c_str());
+    return PosixError(EIO, path + ": no opener");
+  }
+  Result<std::shared_ptr<const ByteSource>> source = node->open();
+  if (!source.ok()) {
+    std::fprintf(stderr, "ucpfs: open %s: %s\n", path.c_str(), source.error().ToString().c_str());
+    return source.error();
+  }
+  if (*source == nullptr || (*source)->Size() != node->size) {
+    std::fprintf(stderr, "ucpfs: open %s: source has %llu bytes but the file has %llu\n",
+                 path.c_str(), static_cast<unsigned long long>(*source ? (*source)->Size() : 0),
+                 static_cast<unsigned long long>(node->size));
+    return PosixError(EIO, path + ": source size differs");
+  }
+  return OpenFile{std::move(*source), ino, node->size, node->volatile_content};
+}
+
+Result<size_t> Filesystem::Read(const OpenFile& file, uint64_t byte_offset, std::span<std::byte> buffer) {
+  if (byte_offset >= file.n_bytes || buffer.empty()) return size_t{0};
+  const auto n_bytes = static_cast<size_t>(std::min<uint64_t>(buffer.size(), file.n_bytes - byte_offset));
+  const Status status = file.source->ReadAt(byte_offset, buffer.first(n_bytes));
+  if (status.ok()) return n_bytes;
+  bool log = true;
+  if (status.code() == StatusCode::kDataLoss) {
+    std::lock_guard lock(logged_mu_);
+    log = logged_data_loss_.size() < kMaxLoggedDataLoss && logged_data_loss_.insert(status.message()).second;
+  }
+  if (log) {
+    std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n", PathOf(file.ino).c_str(),
+                 static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
+  }
+  return status;
+}
+
+Result<DirListing> Filesystem::OpenDir(Ino ino) const {
+  const Found found = Find(ino);
+  const TreeNode* node = found.node;
+  if (node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
+  if (!node->is_dir) return PosixError(ENOTDIR, PathOf(ino) + " is not a directory");
+  DirListing listing;
+  listing.items.reserve(node->children.size() + 2);
+  listing.items.push_back({".", found.base | node->ino});
+  listing.items.push_back({"..", GlobalParent(found)});
+  for (const auto& [name, child] : node->children) listing.items.push_back({name, found.base | child});
+  if (options_.dynamic_dir != 0 && ino == options_.dynamic_dir) {
+    listing.cacheable = false;  // plus the subtrees built so far, merged in name order
+    {
+      std::shared_lock lock(mu_);
+      for (const auto& [name, slot] : slot_of_) {
+        if (node->children.contains(name)) continue;  // shadowed (never resolved, in fact)
+        listing.items.push_back({name, slot << kSlotShift | kRootIno});
+      }
+    }
+    std::sort(listing.items.begin() + 2, listing.items.end(),
+              [](const DirListing::Item& a, const DirListing::Item& b) { return a.name < b.name; });
+  }
+  return listing;
+}
+
+struct statvfs Filesystem::StatFs() const {
+  const uint64_t n_bytes = tree_->TotalFileBytes();
+  struct statvfs sv = {};
+  sv.f_bsize = kStatfsBlockSize;
+  sv.f_frsize = kStatfsBlockSize;
+  sv.f_blocks = n_bytes / kStatfsBlockSize + (n_bytes % kStatfsBlockSize != 0 ? 1 : 0);
+  sv.f_files = tree_->size();
+  sv.f_namemax = kNameMax;
+  sv.f_flag = ST_RDONLY;  // informational: statvfs(2) reports the mount's "ro" flag
+  return sv;
+}
+
+Status Filesystem::Access(Ino ino, int mask) const {
+  if (Find(ino).node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
+  if ((mask & W_OK) != 0) return PosixError(EROFS, PathOf(ino) + " is read-only");
+  return Status::Ok();
+}
+
+}  // namespace ucpfs::fs

@@ -1,0 +1,161 @@
+// Filesystem: what a mount answers, without FUSE. fuse_mount.cc unpacks each kernel request,
+// calls one method here, maps an error to errno (errno_map.h) and replies; tests call the same
+// methods with no kernel at all.
+//
+// What it serves: an immutable Tree, plus an optional dynamic directory whose children are
+// built on first lookup (Options::resolve) as Trees of their own ("subtrees").
+//
+// Inode numbers: the main tree's inode i is served as i; subtree slot s (1, 2, ... in the order
+// subtrees are built, never reused) serves its local inode i as s << 32 | i.
+//
+// Inode lifetime (as the kernel sees it): every Entry handed out by Lookup or Reference is one
+// kernel reference; Forget(ino, n) gives n back. The main tree is pinned for the session. A
+// subtree whose references all come back is evicted: its slot is removed and its Tree
+// released (and with it what it held, e.g. a memory reservation of the resolver's), so layouts
+// built on lookup cost memory only while the kernel knows them. A later lookup of the same
+// name builds it afresh under a new slot, so stale inode numbers never alias.
+//
+// Thread-safety: every method may be called from any thread at once. The subtree map has one
+// lock (mu_), taken shared to find a subtree and exclusive to add or erase one; a subtree is
+// erased only when its reference count, re-checked under the exclusive lock, is zero. No lock
+// is held while a subtree is built or a file is read. Directory listings are snapshots taken
+// at OpenDir.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/status.h"
+#include "fs/tree.h"
+
+namespace ucpfs::fs {
+
+struct FilesystemOptions {
+  uid_t uid = 0;  // owner of nodes that have none of their own (TreeNode::uid == -1)
+  gid_t gid = 0;
+  // Optional dynamic directory (both set, or dynamic_dir 0 for none): a lookup in directory
+  // `dynamic_dir` of a name the tree lacks calls resolve(name) (outside any lock, possibly on
+  // several threads at once; the first result registered wins a race). Its Tree's root then
+  // serves as that child until the kernel forgets it. A resolve error is ENOENT plus a log line
+  // "ucpfs: <dir>/<name>: <reason>", not remembered (the next lookup tries again). A listing
+  // of `dynamic_dir` shows the names resolved and not evicted; its nlink is 1 (unknown).
+  Ino dynamic_dir = 0;
+  SubtreeResolver resolve;
+};
+
+// A looked-up node: its inode number and attributes. ino 0 is a negative entry (no such name).
+struct Entry {
+  Ino ino = 0;
+  struct stat attr = {};
+};
+
+// One open(2) of a file.
+struct OpenFile {
+  std::shared_ptr<const ByteSource> source;
+  Ino ino = 0;
+  uint64_t n_bytes = 0;
+  bool volatile_content = false;  // produced at open: never cache its pages
+};
+
+// One opendir(2): the listing as it was then. ".", "..", then the children in name order.
+struct DirListing {
+  struct Item {
+    std::string name;
+    Ino ino = 0;
+  };
+  std::vector<Item> items;
+  bool cacheable = true;  // false for the dynamic directory, whose listing grows
+};
+
+class Filesystem {
+ public:
+  // Errors: kInvalidArgument when dynamic_dir is not a directory of `tree`, has no resolver,
+  // or the tree has 2^32 nodes or more.
+  static Result<std::unique_ptr<Filesystem>> Make(std::shared_ptr<const Tree> tree,
+                                                  FilesystemOptions options);
+
+  // `name` in directory `parent` ("." and ".." too). On success with entry.ino != 0 the caller
+  // holds one kernel reference (give it back with Forget when the reply does not reach the
+  // kernel). Errors: kNotFound (no such parent; or the dynamic child could not be built: that
+  // is logged), ENOTDIR, ENOSPC (too many subtrees), carried in Status::sys_errno.
+  Result<Entry> Lookup(Ino parent, std::string_view name);
+  // The entry of a listed inode for readdirplus, taking one kernel reference; nullopt when it
+  // is gone (an evicted subtree's root listed before it went).
+  std::optional<Entry> Reference(Ino ino);
+  // The kernel dropped `n_lookups` references to `ino`.
+  void Forget(Ino ino, uint64_t n_lookups);
+
+  // Errors: kNotFound.
+  Result<struct stat> GetAttr(Ino ino) const;
+  // Read-only opens only. Errors: kNotFound, EISDIR, EROFS (write or truncate access), kIo
+  // when the node's opener fails (logged with the path), EIO when its source has another size.
+  Result<OpenFile> Open(Ino ino, int flags) const;
+  // Up to buffer.size() bytes at byte_offset (fewer at the end of the file); returns how many.
+  // A failing source read is logged with the path and offset (a data-loss message once per
+  // distinct message, so a changed source file does not flood the log) and returned.
+  Result<size_t> Read(const OpenFile& file, uint64_t byte_offset, std::span<std::byte> buffer);
+  // Errors: kNotFound, ENOTDIR.
+  Result<DirListing> OpenDir(Ino ino) const;
+  // The attributes of a listed inode for readdir (no reference taken); nullopt when gone.
+  std::optional<struct stat> StatOf(Ino ino) const;
+  struct statvfs StatFs() const;
+  // Errors: kNotFound; EROFS when W_OK is asked.
+  Status Access(Ino ino, int mask) const;
+
+  // "/a/b/c" of an inode, through subtrees too, for messages.
+  std::string PathOf(Ino ino) const;
+  // Subtrees currently built (not evicted).
+  size_t NumSubtrees() const;
+
+ private:
+  struct Subtree {
+    std::shared_ptr<const Tree> tree;
+    std::string name;
+    std::atomic<uint64_t> n_lookups{0};  // kernel references to its inodes
+  };
+  // A node found by its (global) inode number; `tree` keeps a subtree alive while in use.
+  struct Found {
+    std::shared_ptr<const Tree> tree;
+    const TreeNode* node = nullptr;  // nullptr: no such inode
+    Ino base = 0;                    // slot << 32 in a subtree; 0 in the main tree
+  };
+
+  Filesystem(std::shared_ptr<const Tree> tree, FilesystemOptions options);
+  // With take_reference, a subtree node found also gets one kernel reference, atomically with
+  // respect to eviction.
+  Found Find(Ino ino, bool take_reference = false) const;
+  Found ChildOf(const Found& dir, const TreeNode* local) const;
+  Ino GlobalParent(const Found& found) const;
+  struct stat Stat(const Found& found) const;
+  Entry EntryOf(const Found& found) const;
+  // The dynamic child `name`: found or built now, with one kernel reference taken.
+  Result<Found> ResolveChild(const std::string& name);
+
+  const std::shared_ptr<const Tree> tree_;
+  const FilesystemOptions options_;
+  mutable std::shared_mutex mu_;
+  std::map<uint64_t, std::unique_ptr<Subtree>> subtrees_;  // slot -> subtree; guarded by mu_
+  std::map<std::string, uint64_t, std::less<>> slot_of_;   // name -> slot; guarded by mu_
+  uint64_t next_slot_ = 1;                                  // guarded by mu_
+  // Source data-loss errors already logged, bounded so a storm of distinct ones cannot grow it.
+  std::mutex logged_mu_;
+  std::set<std::string> logged_data_loss_;  // guarded by logged_mu_
+};
+
+}  // namespace ucpfs::fs

@@ -1,0 +1,228 @@
+// Filesystem without a kernel: lookups, errno mapping, reads, listings, and the lifetime of
+// subtrees built on lookup (kernel references counted, evicted when all are forgotten).
+#include "fs/filesystem.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fs/errno_map.h"
+
+namespace ucpfs::fs {
+namespace {
+
+constexpr struct timespec kMtime = {1700000000, 5};
+
+Opener TextOpener(std::string text) {
+  return [text]() -> Result<std::shared_ptr<const ByteSource>> {
+    std::vector<std::byte> bytes(text.size());
+    for (size_t i = 0; i < text.size(); ++i) bytes[i] = static_cast<std::byte>(text[i]);
+    return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>("t", std::move(bytes)));
+  };
+}
+
+// A tree whose life is observable: `alive` counts the trees the resolver made and that still
+// exist.
+struct CountedTree {
+  explicit CountedTree(std::shared_ptr<std::atomic<int>> alive_in) : alive(std::move(alive_in)) { ++*alive; }
+  ~CountedTree() { --*alive; }
+  CountedTree(const CountedTree&) = delete;
+  CountedTree& operator=(const CountedTree&) = delete;
+  Tree tree{kMtime};
+  std::shared_ptr<std::atomic<int>> alive;
+};
+
+struct Fixture {
+  std::shared_ptr<std::atomic<int>> alive = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<std::atomic<int>> n_resolved = std::make_shared<std::atomic<int>>(0);
+  std::unique_ptr<Filesystem> fs;
+  Ino dynamic = 0;
+  Ino file = 0;
+
+  Fixture() {
+    auto tree = std::make_shared<Tree>(kMtime);
+    dynamic = *tree->AddDir(kRootIno, "target", kMtime);
+    const Ino docs = *tree->AddDir(kRootIno, "docs", kMtime);
+    file = *tree->AddFile(docs, "a.txt", 11, kMtime, TextOpener("hello world"));
+    FilesystemOptions options;
+    options.uid = 1234;
+    options.gid = 5678;
+    options.dynamic_dir = dynamic;
+    options.resolve = [alive = alive, n_resolved = n_resolved](const std::string& name)
+        -> Result<std::shared_ptr<const Tree>> {
+      if (name.rfind("ok", 0) != 0) return InvalidArgumentError("not a layout: " + name);
+      ++*n_resolved;
+      auto made = std::make_shared<CountedTree>(alive);
+      const Ino rank = *made->tree.AddDir(kRootIno, "rank_0", kMtime);
+      (void)*made->tree.AddFile(rank, "model.pt", name.size(), kMtime, TextOpener(name));
+      return std::shared_ptr<const Tree>(made, &made->tree);
+    };
+    fs = std::move(Filesystem::Make(tree, std::move(options))).value();
+  }
+};
+
+TEST(FilesystemTest, LooksUpTheMainTreeWithoutCountingIt) {
+  Fixture f;
+  Result<Entry> docs = f.fs->Lookup(kRootIno, "docs");
+  ASSERT_TRUE(docs.ok());
+  EXPECT_TRUE(S_ISDIR(docs->attr.st_mode));
+  EXPECT_EQ(docs->attr.st_uid, 1234u);
+  Result<Entry> a = f.fs->Lookup(docs->ino, "a.txt");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->ino, f.file);
+  EXPECT_EQ(a->attr.st_size, 11);
+  EXPECT_EQ(a->attr.st_blocks, 1);
+  Result<Entry> missing = f.fs->Lookup(kRootIno, "nope");
+  ASSERT_TRUE(missing.ok());
+  EXPECT_EQ(missing->ino, 0u);  // a negative entry
+  EXPECT_EQ(f.fs->Lookup(docs->ino, "..")->ino, kRootIno);
+  EXPECT_EQ(f.fs->Lookup(docs->ino, ".")->ino, docs->ino);
+  Result<Entry> not_dir = f.fs->Lookup(f.file, "x");
+  ASSERT_FALSE(not_dir.ok());
+  EXPECT_EQ(ErrnoFromStatus(not_dir.error()), ENOTDIR);
+  EXPECT_EQ(ErrnoFromStatus(f.fs->Lookup(999, "x").error()), ENOENT);
+  f.fs->Forget(f.file, 100);  // the main tree is pinned
+  EXPECT_TRUE(f.fs->GetAttr(f.file).ok());
+}
+
+TEST(FilesystemTest, OpensReadOnlyAndReadsClipped) {
+  Fixture f;
+  EXPECT_EQ(ErrnoFromStatus(f.fs->Open(f.file, O_WRONLY).error()), EROFS);
+  EXPECT_EQ(ErrnoFromStatus(f.fs->Open(f.file, O_RDONLY | O_TRUNC).error()), EROFS);
+  EXPECT_EQ(ErrnoFromStatus(f.fs->Open(kRootIno, O_RDONLY).error()), EISDIR);
+  Result<OpenFile> open = f.fs->Open(f.file, O_RDONLY);
+  ASSERT_TRUE(open.ok());
+  std::vector<std::byte> buf(64);
+  Result<size_t> n = f.fs->Read(*open, 6, buf);
+  ASSERT_TRUE(n.ok());
+  ASSERT_EQ(*n, 5u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(buf.data()), *n), "world");
+  EXPECT_EQ(*f.fs->Read(*open, 11, buf), 0u);
+  EXPECT_EQ(ErrnoFromStatus(f.fs->Access(f.file, W_OK)), EROFS);
+  EXPECT_TRUE(f.fs->Access(f.file, R_OK).ok());
+}
+
+TEST(FilesystemTest, ASubtreeIsBuiltOnceAndEvictedWhenEveryReferenceIsForgotten) {
+  Fixture f;
+  Result<Entry> first = f.fs->Lookup(f.dynamic, "ok_a");
+  ASSERT_TRUE(first.ok());
+  ASSERT_NE(first->ino, 0u);
+  Result<Entry> again = f.fs->Lookup(f.dynamic, "ok_a");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->ino, first->ino);
+  EXPECT_EQ(*f.n_resolved, 1);
+  EXPECT_EQ(f.fs->NumSubtrees(), 1u);
+  EXPECT_EQ(f.fs->PathOf(first->ino), "/target/ok_a");
+
+  // Two references to the root, one to rank_0, one to model.pt.
+  Result<Entry> rank = f.fs->Lookup(first->ino, "rank_0");
+  ASSERT_TRUE(rank.ok());
+  Result<Entry> model = f.fs->Lookup(rank->ino, "model.pt");
+  ASSERT_TRUE(model.ok());
+  EXPECT_EQ(f.fs->PathOf(model->ino), "/target/ok_a/rank_0/model.pt");
+  EXPECT_EQ(f.fs->Lookup(rank->ino, "..")->ino, first->ino);  // a fifth reference
+  EXPECT_EQ(f.fs->Lookup(first->ino, "..")->ino, f.dynamic);    // the main tree: not counted
+
+  // An open file keeps its bytes even after its subtree goes.
+  Result<OpenFile> open = f.fs->Open(model->ino, O_RDONLY);
+  ASSERT_TRUE(open.ok());
+
+  f.fs->Forget(first->ino, 3);
+  f.fs->Forget(rank->ino, 1);
+  EXPECT_EQ(f.fs->NumSubtrees(), 1u);  // model.pt is still known
+  EXPECT_EQ(*f.alive, 1);
+  f.fs->Forget(model->ino, 1);
+  EXPECT_EQ(f.fs->NumSubtrees(), 0u);
+  EXPECT_EQ(*f.alive, 0);  // the resolver's tree (and what it holds) is released
+  EXPECT_EQ(ErrnoFromStatus(f.fs->GetAttr(model->ino).error()), ENOENT);
+  EXPECT_FALSE(f.fs->Reference(first->ino).has_value());
+  std::vector<std::byte> buf(16);
+  ASSERT_EQ(*f.fs->Read(*open, 0, buf), 4u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(buf.data()), 4), "ok_a");
+
+  // Looked up again: built afresh under new inode numbers, so stale ones never alias.
+  Result<Entry> rebuilt = f.fs->Lookup(f.dynamic, "ok_a");
+  ASSERT_TRUE(rebuilt.ok());
+  EXPECT_NE(rebuilt->ino, first->ino);
+  EXPECT_EQ(*f.n_resolved, 2);
+  f.fs->Forget(rebuilt->ino, 1000);  // more than it had: clamped, evicted
+  EXPECT_EQ(f.fs->NumSubtrees(), 0u);
+}
+
+TEST(FilesystemTest, ReadDirPlusReferencesCountAndListingsShowLiveSubtrees) {
+  Fixture f;
+  const Ino a = f.fs->Lookup(f.dynamic, "ok_a")->ino;
+  const Ino b = f.fs->Lookup(f.dynamic, "ok_b")->ino;
+  Result<DirListing> listing = f.fs->OpenDir(f.dynamic);
+  ASSERT_TRUE(listing.ok());
+  EXPECT_FALSE(listing->cacheable);
+  ASSERT_EQ(listing->items.size(), 4u);
+  EXPECT_EQ(listing->items[2].name, "ok_a");
+  EXPECT_EQ(listing->items[3].name, "ok_b");
+  std::optional<Entry> ref = f.fs->Reference(a);  // as readdirplus would
+  ASSERT_TRUE(ref.has_value());
+  f.fs->Forget(a, 1);
+  EXPECT_EQ(f.fs->NumSubtrees(), 2u);  // one reference left
+  f.fs->Forget(a, 1);
+  f.fs->Forget(b, 1);
+  EXPECT_EQ(f.fs->NumSubtrees(), 0u);
+  EXPECT_FALSE(f.fs->StatOf(listing->items[2].ino).has_value());  // gone since the snapshot
+  EXPECT_EQ(f.fs->OpenDir(f.dynamic)->items.size(), 2u);
+  EXPECT_TRUE(f.fs->OpenDir(kRootIno)->cacheable);
+}
+
+TEST(FilesystemTest, AResolveErrorIsEnoentAndNotRemembered) {
+  Fixture f;
+  Result<Entry> bad = f.fs->Lookup(f.dynamic, "bad");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(ErrnoFromStatus(bad.error()), ENOENT);
+  EXPECT_NE(bad.error().message().find("not a layout: bad"), std::string::npos);
+  EXPECT_EQ(f.fs->NumSubtrees(), 0u);
+}
+
+TEST(FilesystemTest, ConcurrentLookupsAndForgetsLeaveNothingBehind) {
+  Fixture f;
+  constexpr int kThreads = 8;
+  constexpr int kRounds = 300;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&f, t] {
+      for (int i = 0; i < kRounds; ++i) {
+        const std::string name = "ok_" + std::to_string((i + t) % 3);
+        Result<Entry> root = f.fs->Lookup(f.dynamic, name);
+        ASSERT_TRUE(root.ok());
+        Result<Entry> rank = f.fs->Lookup(root->ino, "rank_0");
+        ASSERT_TRUE(rank.ok());
+        ASSERT_NE(rank->ino, 0u);
+        EXPECT_EQ(f.fs->GetAttr(rank->ino)->st_ino, rank->ino);
+        f.fs->Forget(rank->ino, 1);
+        f.fs->Forget(root->ino, 1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(f.fs->NumSubtrees(), 0u);
+  EXPECT_EQ(*f.alive, 0);
+}
+
+TEST(FilesystemTest, MakeRefusesABadDynamicDirectory) {
+  auto tree = std::make_shared<Tree>(kMtime);
+  const Ino file = *tree->AddFile(kRootIno, "f", 0, kMtime, TextOpener(""));
+  FilesystemOptions options;
+  options.dynamic_dir = file;
+  options.resolve = [](const std::string&) -> Result<std::shared_ptr<const Tree>> {
+    return std::shared_ptr<const Tree>();
+  };
+  EXPECT_EQ(Filesystem::Make(tree, options).error().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Filesystem::Make(nullptr, {}).error().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ucpfs::fs
