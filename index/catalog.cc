@@ -1,17 +1,19 @@
-// The LMDB catalog (see catalog.h). Layout of the environment:
+// The LMDB catalog (see catalog.h). The index is one file, `data.mdb`, an LMDB environment
+// opened with MDB_NOSUBDIR | MDB_NOLOCK:
 //   "meta"  : schema_version (u32 LE), fingerprint (u64 LE), format, flavor (strings),
 //             n_files, n_items (u64 LE)
 //   "files" : u32 BE file_id  -> codec::EncodeSourceFile
 //   "items" : u64 BE item index -> codec::EncodeItem
-// Everything is written in one write transaction (meta last), so a reader sees either the old
-// catalog or the new one, never a mix.
+//
+// The index directory is untrusted (a checkpoint may ship one): see IndexDir. A catalog is
+// written whole into a new file ucpfs creates (O_TMPFILE, or an O_EXCL name), synced, and renamed
+// over data.mdb. So a published data.mdb is never written again: readers need no lock table
+// (no lock.mdb is ever created or opened) and see the old catalog or the new one, never a mix;
+// builders serialize on an exclusive flock of index_dir/lock. Nothing in the directory is ever
+// deleted except a temporary name ucpfs itself created.
 //
 // Lifetimes: every environment is opened, used and closed inside one function; MDB_val data
-// points into the map and is copied (decoded) before its transaction ends. LMDB forbids one
-// process from having the same environment open twice, so a process-wide mutex serializes our
-// own opens (the FUSE daemon, the CLI and tests may call in from several threads); across
-// processes, builders serialize on an exclusive flock of index_dir/lock and readers rely on
-// LMDB's own reader table (or MDB_NOLOCK for a read-only shared index).
+// points into the map and is copied (decoded) before its transaction ends.
 #include "index/catalog.h"
 
 #include <fcntl.h>
@@ -22,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -33,6 +36,7 @@
 #include <optional>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #define XXH_INLINE_ALL
@@ -52,11 +56,6 @@ constexpr char kMetaDb[] = "meta";
 constexpr char kFilesDb[] = "files";
 constexpr char kItemsDb[] = "items";
 constexpr char kIndexDirName[] = ".ucpfs";
-
-std::mutex& EnvMutex() {
-  static std::mutex mu;
-  return mu;
-}
 
 Status LmdbError(int rc, const std::string& what) {
   std::string msg = what + ": " + mdb_strerror(rc);
@@ -122,56 +121,171 @@ class Cursor {
   MDB_cursor* cursor_ = nullptr;
 };
 
-// The index directory and the files ucpfs keeps in it are never reached through a symlink
-// (a checkpoint that ships `.ucpfs/data.mdb -> /etc/passwd` must not make ucpfs write there),
-// and nothing but a directory and regular files is accepted. Errors: kInvalidArgument naming
-// the entry and saying it is not followed.
-Status CheckIndexDirSafe(const std::string& dir) {
-  struct stat st;
-  if (::lstat(dir.c_str(), &st) != 0) {
-    if (errno == ENOENT) return Status::Ok();
-    return IoError("index directory " + dir + ": " + std::strerror(errno), errno);
-  }
-  if (S_ISLNK(st.st_mode)) {
-    return InvalidArgumentError("index directory " + dir +
-                                " is a symbolic link: not followed (remove it, or give --index-dir)");
-  }
-  if (!S_ISDIR(st.st_mode)) return InvalidArgumentError("index directory " + dir + " is not a directory");
-  for (const char* name : {"data.mdb", "lock.mdb", "lock"}) {
-    const std::string path = dir + "/" + name;
-    if (::lstat(path.c_str(), &st) != 0) continue;
-    if (!S_ISREG(st.st_mode)) {
-      return InvalidArgumentError("index file " + path + " is " +
-                                  (S_ISLNK(st.st_mode) ? "a symbolic link" : "not a regular file") +
-                                  ": not followed (remove it, or give --index-dir)");
-    }
-  }
-  return Status::Ok();
+std::string Hex16(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
 }
 
-Result<EnvPtr> OpenEnv(const std::string& dir, unsigned flags) {
-  UCPFS_RETURN_IF_ERROR(CheckIndexDirSafe(dir));
-  // LMDB opens files by path: hand it the directory we opened without following a symlink, so
-  // the directory cannot be swapped for a link between the check and the open.
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (dir_fd < 0) {
-    const int e = errno;
-    if (e == ENOENT) return Status(StatusCode::kNotFound, "no index at " + dir, e);
-    return IoError("opening index directory " + dir + ": " + std::strerror(e), e);
+// A file descriptor, closed when it goes.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      if (fd_ >= 0) ::close(fd_);
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
   }
-  struct CloseFd {
-    int fd;
-    ~CloseFd() { ::close(fd); }
-  } close_dir{dir_fd};
-  const std::string fd_path = "/proc/self/fd/" + std::to_string(dir_fd);
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  // The magic link that reopens this very inode, whatever its names now are.
+  std::string ProcPath() const { return "/proc/self/fd/" + std::to_string(fd_); }
+
+ private:
+  int fd_ = -1;
+};
+
+std::string NotFollowed(const std::string& what, const std::string& path, const struct stat& st) {
+  return what + " " + path + " is " + (S_ISLNK(st.st_mode) ? "a symbolic link" : "not a regular file") +
+         ": not followed (remove it, or give --index-dir)";
+}
+
+// The index directory, opened once with O_DIRECTORY|O_NOFOLLOW: a checkpoint may ship its own
+// `.ucpfs/` (data.mdb -> /etc/passwd, or `.ucpfs` -> /etc), so neither the directory nor any
+// file in it is ever reached through a symlink, and everything in it is reached relative to
+// this descriptor, never by path again (nothing can be swapped between a check and a use).
+// What ucpfs writes there: `data.mdb`, only ever replaced whole by renaming a file ucpfs created
+// itself over it, and `lock` (the builders' flock). Nothing there is deleted or written in place.
+class IndexDir {
+ public:
+  // Errors: kNotFound when absent; kInvalidArgument when a symlink or not a directory; kIo.
+  static Result<IndexDir> Open(const std::string& path) {
+    IndexDir dir;
+    dir.path_ = path;
+    dir.fd_ = Fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (dir.fd_.get() >= 0) return dir;
+    const int e = errno;
+    struct stat st;
+    if (e == ENOENT) return Status(StatusCode::kNotFound, "no index at " + path, e);
+    if ((e == ELOOP || e == ENOTDIR) && ::lstat(path.c_str(), &st) == 0) {
+      if (S_ISLNK(st.st_mode)) {
+        return InvalidArgumentError("index directory " + path +
+                                    " is a symbolic link: not followed (remove it, or give --index-dir)");
+      }
+      return InvalidArgumentError("index directory " + path + " is not a directory");
+    }
+    return IoError("opening index directory " + path + ": " + std::strerror(e), e);
+  }
+
+  const std::string& path() const { return path_; }
+  std::string PathOf(const char* name) const { return path_ + "/" + name; }
+
+  // Opens regular file `name` without following a symlink and without blocking on a FIFO.
+  // Errors: kNotFound; kInvalidArgument (a symlink, or not a regular file); kIo.
+  Result<Fd> OpenFile(const char* name, int flags, struct stat* st) const {
+    Fd fd(::openat(fd_.get(), name, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+    if (fd.get() < 0) {
+      const int e = errno;
+      struct stat lst;
+      if (e == ENOENT) return Status(StatusCode::kNotFound, "no " + PathOf(name), e);
+      if (::fstatat(fd_.get(), name, &lst, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISREG(lst.st_mode)) {
+        return InvalidArgumentError(NotFollowed("index file", PathOf(name), lst));
+      }
+      return IoError("opening " + PathOf(name) + ": " + std::strerror(e), e);
+    }
+    if (::fstat(fd.get(), st) != 0) return IoError("stat " + PathOf(name) + ": " + std::strerror(errno), errno);
+    if (!S_ISREG(st->st_mode)) return InvalidArgumentError(NotFollowed("index file", PathOf(name), *st));
+    return fd;
+  }
+
+  // Absent, or a regular file (checked before `name` is replaced).
+  Status CheckReplaceable(const char* name) const {
+    struct stat st;
+    if (::fstatat(fd_.get(), name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno == ENOENT) return Status::Ok();
+      return IoError("stat " + PathOf(name) + ": " + std::strerror(errno), errno);
+    }
+    if (!S_ISREG(st.st_mode)) return InvalidArgumentError(NotFollowed("index file", PathOf(name), st));
+    return Status::Ok();
+  }
+
+  // A new, empty file only ucpfs knows: an unnamed O_TMPFILE inode where the filesystem has
+  // them, else a fresh name created with O_EXCL (*tmp_name set; the caller removes it on failure).
+  Result<Fd> CreateTemp(std::string* tmp_name) const {
+    tmp_name->clear();
+    Fd fd(::openat(fd_.get(), ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0644));
+    if (fd.get() >= 0) return fd;
+    if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL && errno != ENOENT) {
+      return IoError("creating a file in " + path_ + ": " + std::strerror(errno), errno);
+    }
+    *tmp_name = TempName();
+    fd = Fd(::openat(fd_.get(), tmp_name->c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
+    if (fd.get() < 0) {
+      const int e = errno;
+      tmp_name->clear();
+      return IoError("creating a file in " + path_ + ": " + std::strerror(e), e);
+    }
+    return fd;
+  }
+
+  // Makes the file of CreateTemp `name` (replacing it atomically), then syncs the directory.
+  Status Publish(const Fd& fd, std::string* tmp_name, const char* name) const {
+    UCPFS_RETURN_IF_ERROR(CheckReplaceable(name));
+    if (tmp_name->empty()) {
+      *tmp_name = TempName();
+      if (::linkat(AT_FDCWD, fd.ProcPath().c_str(), fd_.get(), tmp_name->c_str(), AT_SYMLINK_FOLLOW) != 0) {
+        const int e = errno;
+        tmp_name->clear();
+        return IoError("linking the new index into " + path_ + ": " + std::strerror(e), e);
+      }
+    }
+    if (::renameat(fd_.get(), tmp_name->c_str(), fd_.get(), name) != 0) {
+      return IoError("renaming the new index to " + PathOf(name) + ": " + std::strerror(errno), errno);
+    }
+    tmp_name->clear();
+    if (::fsync(fd_.get()) != 0 && errno != EINVAL) {
+      return IoError("syncing " + path_ + ": " + std::strerror(errno), errno);
+    }
+    return Status::Ok();
+  }
+
+  // Removes a temporary name ucpfs created (never anything else).
+  void RemoveTemp(std::string* tmp_name) const {
+    if (!tmp_name->empty()) ::unlinkat(fd_.get(), tmp_name->c_str(), 0);
+    tmp_name->clear();
+  }
+
+ private:
+  std::string TempName() const {
+    static std::atomic<uint64_t> counter{0};
+    return "data.mdb.tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1)) + "-" +
+           Hex16(static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  }
+
+  std::string path_;
+  Fd fd_;
+};
+
+// An LMDB environment over the single file `file` (MDB_NOSUBDIR, through its /proc/self/fd
+// link, so LMDB reopens that very inode) with MDB_NOLOCK: no lock.mdb is ever created or
+// opened. Readers need no lock table because a published data.mdb is never written again.
+Result<EnvPtr> OpenEnvOnFile(const Fd& file, const std::string& what, unsigned flags) {
   MDB_env* raw = nullptr;
   int rc = mdb_env_create(&raw);
   if (rc != 0) return LmdbError(rc, "mdb_env_create");
   EnvPtr env(raw);
-  if ((rc = mdb_env_set_maxdbs(env.get(), kMaxDbs)) != 0) return LmdbError(rc, dir);
-  if ((rc = mdb_env_set_mapsize(env.get(), kMapSizeBytes)) != 0) return LmdbError(rc, dir);
-  rc = mdb_env_open(env.get(), fd_path.c_str(), flags | MDB_NOTLS, 0644);
-  if (rc != 0) return LmdbError(rc, "opening index " + dir);
+  if ((rc = mdb_env_set_maxdbs(env.get(), kMaxDbs)) != 0) return LmdbError(rc, what);
+  if ((rc = mdb_env_set_mapsize(env.get(), kMapSizeBytes)) != 0) return LmdbError(rc, what);
+  rc = mdb_env_open(env.get(), file.ProcPath().c_str(), flags | MDB_NOSUBDIR | MDB_NOLOCK | MDB_NOTLS, 0644);
+  if (rc != 0) return LmdbError(rc, "opening index " + what);
   return env;
 }
 
@@ -283,17 +397,6 @@ Status ReadTable(MDB_txn* txn, MDB_dbi dbi, const std::string& dir, const char* 
   return Status::Ok();
 }
 
-Status RemoveEnvFiles(const std::string& dir) {
-  UCPFS_RETURN_IF_ERROR(CheckIndexDirSafe(dir));
-  for (const char* name : {"data.mdb", "lock.mdb"}) {
-    std::string path = dir + "/" + name;
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return IoError("removing corrupt index file " + path + ": " + std::strerror(errno), errno);
-    }
-  }
-  return Status::Ok();
-}
-
 Status MakeDirs(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -304,27 +407,18 @@ Status MakeDirs(const std::string& dir) {
 // An exclusive flock on index_dir/lock, held while an index is (re)built.
 class BuildLock {
  public:
-  BuildLock() = default;
-  BuildLock(const BuildLock&) = delete;
-  BuildLock& operator=(const BuildLock&) = delete;
-  ~BuildLock() {
-    if (fd_ >= 0) ::close(fd_);  // closing the descriptor drops the flock
-  }
-
-  Status Acquire(const std::string& dir) {
-    std::string path = dir + "/lock";
-    UCPFS_RETURN_IF_ERROR(CheckIndexDirSafe(dir));
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd_ < 0) return IoError("opening index lock " + path + ": " + std::strerror(errno), errno);
-    while (::flock(fd_, LOCK_EX) != 0) {
+  Status Acquire(const IndexDir& dir) {
+    struct stat st;
+    UCPFS_ASSIGN_OR_RETURN(fd_, dir.OpenFile("lock", O_RDWR | O_CREAT, &st));
+    while (::flock(fd_.get(), LOCK_EX) != 0) {
       if (errno == EINTR) continue;
-      return IoError("locking " + path + ": " + std::strerror(errno), errno);
+      return IoError("locking " + dir.PathOf("lock") + ": " + std::strerror(errno), errno);
     }
     return Status::Ok();
   }
 
  private:
-  int fd_ = -1;
+  Fd fd_;  // closing the descriptor drops the flock
 };
 
 bool IsMetadataFile(std::string_view name) {
@@ -358,11 +452,6 @@ Status HashFileBytes(XXH3_state_t* state, const std::string& path) {
   return status;
 }
 
-std::string Hex16(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 // Creating SRC/.ucpfs is the probe: access(W_OK) is true for root even on a directory it
 // cannot write into (a read-only mount answers EROFS only to an actual write).
@@ -371,7 +460,7 @@ bool CanCreateIndexDirIn(const std::string& src_dir) {
   std::string dir = src_dir + "/" + kIndexDirName;
   if (::mkdir(dir.c_str(), 0755) == 0) return true;
   if (errno != EEXIST) return false;
-  struct stat st;  // lstat: a symlinked SRC/.ucpfs is refused later (CheckIndexDirSafe)
+  struct stat st;  // lstat: a symlinked SRC/.ucpfs is refused later (IndexDir::Open)
   return ::lstat(dir.c_str(), &st) == 0 && (S_ISLNK(st.st_mode) || (S_ISDIR(st.st_mode) &&
                                                                     ::access(dir.c_str(), W_OK) == 0));
 }
@@ -498,18 +587,12 @@ std::string DefaultIndexDir(const std::string& src_dir) {
   return DefaultIndexDirFor(src_dir, CanCreateIndexDirIn);
 }
 
-Status StoreCheckpoint(const std::string& index_dir, const Checkpoint& checkpoint,
-                       uint64_t fingerprint) {
-  if (checkpoint.files.size() > UINT32_MAX) {
-    return InvalidArgumentError("index " + index_dir + ": too many files (" +
-                                std::to_string(checkpoint.files.size()) + ")");
-  }
-  // An index that can never load would be rebuilt on every mount: refuse it up front.
-  UCPFS_RETURN_IF_ERROR(CheckFileIds(checkpoint, "index " + index_dir, StatusCode::kInvalidArgument));
-  UCPFS_RETURN_IF_ERROR(MakeDirs(index_dir));
+namespace {
 
-  std::lock_guard<std::mutex> env_lock(EnvMutex());
-  UCPFS_ASSIGN_OR_RETURN(EnvPtr env, OpenEnv(index_dir, 0));
+// Writes the catalog into `file` (new and empty), in one transaction.
+Status WriteCatalog(const Fd& file, const std::string& index_dir, const Checkpoint& checkpoint,
+                    uint64_t fingerprint) {
+  UCPFS_ASSIGN_OR_RETURN(EnvPtr env, OpenEnvOnFile(file, index_dir, 0));
   Txn txn;
   int rc = mdb_txn_begin(env.get(), nullptr, 0, txn.out());
   if (rc != 0) return LmdbError(rc, "index " + index_dir + ": begin write");
@@ -518,12 +601,6 @@ Status StoreCheckpoint(const std::string& index_dir, const Checkpoint& checkpoin
       (rc = mdb_dbi_open(txn.get(), kFilesDb, MDB_CREATE, &files)) != 0 ||
       (rc = mdb_dbi_open(txn.get(), kItemsDb, MDB_CREATE, &items)) != 0) {
     return LmdbError(rc, "index " + index_dir + ": opening tables");
-  }
-  // Replace, not merge: an older catalog's records go away in the same transaction.
-  for (MDB_dbi dbi : {meta, files, items}) {
-    if ((rc = mdb_drop(txn.get(), dbi, 0)) != 0) {
-      return LmdbError(rc, "index " + index_dir + ": clearing tables");
-    }
   }
   auto put = [&](MDB_dbi dbi, const std::string& key, const std::string& value, unsigned flags,
                  const char* what) -> Status {
@@ -549,35 +626,43 @@ Status StoreCheckpoint(const std::string& index_dir, const Checkpoint& checkpoin
   UCPFS_RETURN_IF_ERROR(put(meta, "fingerprint", codec::EncodeU64Le(fingerprint), 0, "meta"));
   UCPFS_RETURN_IF_ERROR(
       put(meta, "schema_version", codec::EncodeU32Le(kCatalogSchemaVersion), 0, "meta"));
-  rc = txn.Commit();
+  rc = txn.Commit();  // LMDB syncs the file before it returns
   if (rc != 0) return LmdbError(rc, "index " + index_dir + ": commit");
   return Status::Ok();
 }
 
-Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool read_only,
-                                  uint64_t* fingerprint) {
-  const std::string data_path = index_dir + "/data.mdb";
+// Builds the catalog in a file of ucpfs's own and renames it over data.mdb: readers see the old
+// catalog or the new one, and the old file (maybe a hard link to something else) is never
+// written.
+Status StoreIn(const IndexDir& dir, const Checkpoint& checkpoint, uint64_t fingerprint) {
+  std::string tmp_name;
+  UCPFS_ASSIGN_OR_RETURN(Fd file, dir.CreateTemp(&tmp_name));
+  Status status = WriteCatalog(file, dir.path(), checkpoint, fingerprint);
+  if (status.ok()) status = dir.Publish(file, &tmp_name, "data.mdb");
+  dir.RemoveTemp(&tmp_name);
+  return status;
+}
+
+Status CheckStorable(const std::string& index_dir, const Checkpoint& checkpoint) {
+  if (checkpoint.files.size() > UINT32_MAX) {
+    return InvalidArgumentError("index " + index_dir + ": too many files (" +
+                                std::to_string(checkpoint.files.size()) + ")");
+  }
+  // An index that can never load would be rebuilt on every mount: refuse it up front.
+  return CheckFileIds(checkpoint, "index " + index_dir, StatusCode::kInvalidArgument);
+}
+
+Result<Checkpoint> LoadFrom(const IndexDir& dir, uint64_t* fingerprint) {
+  const std::string& index_dir = dir.path();
   struct stat st;
-  if (::lstat(data_path.c_str(), &st) != 0) {
-    int err = errno;
-    if (err == ENOENT || err == ENOTDIR) return NotFoundError("no index in " + index_dir);
-    return IoError("index " + index_dir + ": stat data.mdb: " + std::strerror(err), err);
+  Result<Fd> file = dir.OpenFile("data.mdb", O_RDONLY, &st);
+  if (!file.ok()) {
+    if (file.error().code() == StatusCode::kNotFound) return NotFoundError("no index in " + index_dir);
+    return file.error();
   }
   // LMDB treats an empty data file as a new environment and would try to initialize it.
   if (st.st_size == 0) return DataLoss(index_dir, "data.mdb is empty");
-
-  std::lock_guard<std::mutex> env_lock(EnvMutex());
-  const unsigned flags = MDB_RDONLY | (read_only ? MDB_NOLOCK : 0u);
-  Result<EnvPtr> opened = OpenEnv(index_dir, flags);
-  if (!opened.ok() && !read_only &&
-      (opened.error().sys_errno() == EACCES || opened.error().sys_errno() == EROFS ||
-       opened.error().sys_errno() == EPERM)) {
-    // We may not create lock.mdb here (someone else's index): nobody can be writing it
-    // through us either, so read it unlocked.
-    opened = OpenEnv(index_dir, flags | MDB_NOLOCK);
-  }
-  if (!opened.ok()) return opened.error();
-  EnvPtr env = std::move(opened).value();
+  UCPFS_ASSIGN_OR_RETURN(EnvPtr env, OpenEnvOnFile(*file, index_dir, MDB_RDONLY));
 
   Txn txn;
   int rc = mdb_txn_begin(env.get(), nullptr, MDB_RDONLY, txn.out());
@@ -633,6 +718,26 @@ Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool read_only,
   UCPFS_RETURN_IF_ERROR(CheckFileIds(cp, "index " + index_dir, StatusCode::kDataLoss));
   if (fingerprint != nullptr) *fingerprint = stored_fingerprint;
   return cp;
+}
+
+}  // namespace
+
+Status StoreCheckpoint(const std::string& index_dir, const Checkpoint& checkpoint,
+                       uint64_t fingerprint) {
+  UCPFS_RETURN_IF_ERROR(CheckStorable(index_dir, checkpoint));
+  UCPFS_RETURN_IF_ERROR(MakeDirs(index_dir));
+  UCPFS_ASSIGN_OR_RETURN(IndexDir dir, IndexDir::Open(index_dir));
+  return StoreIn(dir, checkpoint, fingerprint);
+}
+
+Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool /*read_only*/,
+                                  uint64_t* fingerprint) {
+  Result<IndexDir> dir = IndexDir::Open(index_dir);
+  if (!dir.ok()) {
+    if (dir.error().code() == StatusCode::kNotFound) return NotFoundError("no index in " + index_dir);
+    return dir.error();
+  }
+  return LoadFrom(*dir, fingerprint);
 }
 
 Status ValidateIndexRecords(const std::string& src_dir, const std::string& index_dir, const Checkpoint& c) {
@@ -729,10 +834,11 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
   }
 
   out.index_dir = options.index_dir.empty() ? DefaultIndexDir(src_dir) : options.index_dir;
+  bool crafted = false;  // records that do not match the real files: rebuilt, never served
   auto try_reuse = [&](Result<Checkpoint>& loaded, uint64_t stored) -> bool {
     if (!loaded.ok() || stored != fingerprint) return false;
-    // Records that do not match the real files: rebuilt below, never served.
-    if (!ValidateIndexRecords(src_dir, out.index_dir, loaded.value()).ok()) return false;
+    crafted = !ValidateIndexRecords(src_dir, out.index_dir, loaded.value()).ok();
+    if (crafted) return false;
     out.checkpoint = std::move(loaded).value();
     out.state = IndexState::kReused;
     out.elapsed_s = SecondsSince(t0);
@@ -746,19 +852,20 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
   }
 
   UCPFS_RETURN_IF_ERROR(MakeDirs(out.index_dir));
+  UCPFS_ASSIGN_OR_RETURN(IndexDir dir, IndexDir::Open(out.index_dir));
   BuildLock lock;
-  UCPFS_RETURN_IF_ERROR(lock.Acquire(out.index_dir));
+  UCPFS_RETURN_IF_ERROR(lock.Acquire(dir));
   // Under the lock, look again: another process may have just built it.
   uint64_t stored = 0;
-  Result<Checkpoint> loaded = LoadCheckpoint(out.index_dir, false, &stored);
+  Result<Checkpoint> loaded = LoadFrom(dir, &stored);
   if (try_reuse(loaded, stored)) return out;
   if (loaded.ok()) {
-    out.state = IndexState::kRebuiltChanged;
+    out.state = crafted ? IndexState::kRebuiltCorrupt : IndexState::kRebuiltChanged;
   } else if (loaded.error().code() == StatusCode::kNotFound) {
     out.state = IndexState::kBuilt;
   } else if (loaded.error().code() == StatusCode::kDataLoss) {
+    // Undecodable, or not an LMDB file at all: replaced below, never deleted or written.
     out.state = IndexState::kRebuiltCorrupt;
-    UCPFS_RETURN_IF_ERROR(RemoveEnvFiles(out.index_dir));
   } else {
     return loaded.error();
   }
@@ -767,14 +874,8 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
   Result<Checkpoint> scanned = scanner ? scanner(src_dir, options.progress)
                                        : ScanDcp(src_dir, options.progress);
   if (!scanned.ok()) return scanned.error();
-  Status stored_status = StoreCheckpoint(out.index_dir, scanned.value(), fingerprint);
-  if (stored_status.code() == StatusCode::kDataLoss) {
-    // The environment was damaged in a way reading did not notice: start it afresh.
-    UCPFS_RETURN_IF_ERROR(RemoveEnvFiles(out.index_dir));
-    out.state = IndexState::kRebuiltCorrupt;
-    stored_status = StoreCheckpoint(out.index_dir, scanned.value(), fingerprint);
-  }
-  UCPFS_RETURN_IF_ERROR(stored_status);
+  UCPFS_RETURN_IF_ERROR(CheckStorable(out.index_dir, scanned.value()));
+  UCPFS_RETURN_IF_ERROR(StoreIn(dir, scanned.value(), fingerprint));
   out.checkpoint = std::move(scanned).value();
   out.elapsed_s = SecondsSince(t0);
   return out;

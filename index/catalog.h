@@ -3,10 +3,17 @@
 // re-indexed, and a corrupt index is rebuilt.
 //
 // Location: SRC/.ucpfs/ when writable, else $XDG_CACHE_HOME/ucpfs/<hash of SRC path>/ (or
-// ~/.cache/...); IndexOptions::index_dir overrides. A read-only index (e.g. on a shared
-// filesystem, built once by `ucpfs index`) is opened with MDB_RDONLY | MDB_NOLOCK by many
-// machines; then a stale or missing index is an error rather than a rebuild.
-// LMDB is opened with MDB_NOTLS so read transactions may live on any FUSE worker thread.
+// ~/.cache/...); IndexOptions::index_dir overrides. The index is the single file data.mdb (LMDB,
+// MDB_NOSUBDIR | MDB_NOLOCK | MDB_NOTLS), replaced whole by rename when rebuilt, so readers
+// (many machines sharing a read-only index too) never write or lock anything; builders
+// serialize on a flock of index_dir/lock.
+//
+// The location is untrusted (a checkpoint may ship its own `.ucpfs/`): the directory and the
+// files in it are never reached through a symlink (refused, "not followed"), FIFOs and other
+// special files are refused, a corrupt or crafted data.mdb is replaced by a new file (never
+// written in place, so a hard link to a file elsewhere is never changed), and nothing there is
+// deleted. A loaded index is checked record by record against the real files
+// (ValidateIndexRecords) before it is used.
 #pragma once
 
 #include <cstdint>

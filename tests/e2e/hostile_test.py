@@ -1,5 +1,13 @@
 """End-to-end: hostile checkpoints and hostile situations (issue 8), with real mounts.
 
+- The index location is untrusted: `.ucpfs` itself, or data.mdb / lock as symlinks to places
+  outside the checkpoint (dangling too): `ucpfs index` and `ucpfs mount` refuse, naming the file
+  and saying it is not followed; a symlinked lock.mdb is never opened; nothing outside changes.
+- A prebuilt index with a record pointing outside the checkpoint, a wrong file size, or a
+  fragment past a file's end (fingerprint kept, as an attacker could): `--read-only-index`
+  refuses it with the reason, a writable mount rebuilds it and serves the true bytes; a corrupt
+  data.mdb hard-linked to an outside file is replaced, and that file is not written.
+
 - A FIFO, a socket or a symlink in place of a data file: `ucpfs index` and `ucpfs mount` end at
   once with an error naming the file; nothing blocks.
 - A source file edited in place after mounting (same size, mtime put back, even the same
@@ -82,6 +90,106 @@ def special_files_refused(work, src):
         finally:
             if keep:
                 keep.close()
+
+
+def snapshot(d):
+    """Every entry under d: (kind, bytes, mtime_ns) by relative path, symlinks not followed."""
+    out = {}
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            st = os.lstat(p)
+            data = open(p, "rb").read() if os.path.isfile(p) and not os.path.islink(p) else None
+            out[os.path.relpath(p, d)] = (st.st_mode, data, st.st_mtime_ns)
+    return out
+
+
+def tamper_index_exe():
+    tools = os.environ.get("UCPFS_TOOLS_DIR")
+    if not tools:
+        raise AssertionError("UCPFS_TOOLS_DIR is not set (run through ctest, or export it)")
+    return os.path.join(tools, "tamper_index")
+
+
+def index_state(m):
+    import json  # noqa: PLC0415
+    return json.load(open(os.path.join(m, ".ucpfs", "status.json")))["index"]["state"]
+
+
+def serves_truth(m, expected):
+    """Every atomic file under mount m holds the tensors the producer wrote, bit for bit."""
+    want = expected_atomic(torch.load(expected))
+    for param, fs in want.items():
+        for name, t in fs.items():
+            obj = torch.load(os.path.join(m, "atomic", param.replace("/", "%2F"), name))
+            assert torch.equal(obj["param"].reshape(-1).view(torch.int32), t.reshape(-1).view(torch.int32)), \
+                (param, name)
+
+
+def symlinked_index(work, src, expected):
+    """A checkpoint shipping `.ucpfs` (or a file in it) as a symlink to a place outside: index
+    and mount refuse and say why, and nothing outside changes."""
+    outside = os.path.join(work, "outside-index")
+    os.makedirs(outside)
+    for name in ("data.mdb", "lock.mdb", "lock", "victim"):
+        with open(os.path.join(outside, name), "wb") as f:
+            f.write(b"not yours " + name.encode())
+    before = snapshot(outside)
+    cases = [("dir", ".ucpfs", outside, ["symbolic link", "not followed"]),
+             ("data", ".ucpfs/data.mdb", os.path.join(outside, "data.mdb"), ["data.mdb", "not followed"]),
+             ("data-dangling", ".ucpfs/data.mdb", os.path.join(outside, "created-by-ucpfs"),
+              ["data.mdb", "not followed"]),
+             ("lock", ".ucpfs/lock", os.path.join(outside, "lock"), ["lock", "not followed"]),
+             ("lock.mdb", ".ucpfs/lock.mdb", os.path.join(outside, "lock.mdb"), None)]
+    for kind, link, target, must in cases:
+        d = copy_of(src, os.path.join(work, f"symidx-{kind}"))
+        os.makedirs(os.path.join(d, ".ucpfs"), exist_ok=True)
+        if link == ".ucpfs":
+            os.rmdir(os.path.join(d, ".ucpfs"))
+        os.symlink(target, os.path.join(d, link))
+        mnt = os.path.join(work, f"mnt-symidx-{kind}")
+        os.makedirs(mnt)
+        if must is None:  # a file ucpfs never opens: indexes and serves, the link untouched
+            run([ucpfs_bin(), "index", d], timeout=120)
+            with mounted(d, mnt) as (m, _):
+                serves_truth(m, expected)
+            assert os.path.islink(os.path.join(d, link))
+        else:
+            clean_error([ucpfs_bin(), "index", d], must)
+            clean_error([ucpfs_bin(), "mount", d, mnt], must)
+            assert os.path.islink(os.path.join(d, link)), "ucpfs removed a link it did not create"
+        assert snapshot(outside) == before, f"{kind}: a file outside the checkpoint changed"
+        assert not os.path.exists(os.path.join(outside, "created-by-ucpfs"))
+
+
+def crafted_index(work, src, expected):
+    """A prebuilt index whose records point outside the checkpoint or past a file's end (with
+    the right fingerprint, as an attacker can compute it): refused in read-only mode, rebuilt
+    when writable, never served; a corrupt data.mdb hard-linked to a file outside is replaced,
+    not written."""
+    for change, args, must in [("path", ["0", "../outside.distcp"], "leaves the checkpoint"),
+                               ("grow", ["0"], "bytes, the index says"),
+                               ("offset", [".weight"], "lies outside its file")]:
+        d = copy_of(src, os.path.join(work, f"crafted-{change}"))
+        shutil.copy(os.path.join(d, sorted(f for f in os.listdir(d) if f.endswith(".distcp"))[0]),
+                    os.path.join(work, "outside.distcp"))
+        run([ucpfs_bin(), "index", d], timeout=120)
+        run([tamper_index_exe(), os.path.join(d, ".ucpfs"), change, *args])
+        mnt = os.path.join(work, f"mnt-crafted-{change}")
+        os.makedirs(mnt)
+        clean_error([ucpfs_bin(), "mount", d, mnt, "--read-only-index"], [must, "index"])
+        with mounted(d, mnt) as (m, _):
+            assert index_state(m) == "rebuilt (index was corrupt)", index_state(m)
+            serves_truth(m, expected)
+    d = copy_of(src, os.path.join(work, "crafted-hardlink"))
+    victim = os.path.join(work, "victim.bin")
+    with open(victim, "wb") as f:
+        f.write(b"\x17" * 8192)
+    os.makedirs(os.path.join(d, ".ucpfs"))
+    os.link(victim, os.path.join(d, ".ucpfs", "data.mdb"))
+    run([ucpfs_bin(), "index", d], timeout=120)
+    assert open(victim, "rb").read() == b"\x17" * 8192, "the index was written through a hard link"
+    assert os.stat(os.path.join(d, ".ucpfs", "data.mdb")).st_ino != os.stat(victim).st_ino
 
 
 def edited_in_place(work, src, expected):
@@ -368,6 +476,10 @@ def main():
     with tmpdir("ucpfs-hostile-") as work:
         src = os.path.join(work, "src")
         expected = gen_fixture("gen_dcp113_llama.py", src, "--ranks", "2", "--single-file-per-rank", "0")
+        res.check("symlinked index directory or index files: refused, nothing outside changes",
+                  lambda: symlinked_index(work, src, expected))
+        res.check("a crafted prebuilt index is refused read-only, rebuilt when writable, never served",
+                  lambda: crafted_index(work, src, expected))
         res.check("FIFO, socket and symlink data files: index and mount fail at once naming the file",
                   lambda: special_files_refused(work, src))
         res.check("a source edited in place gives EIO, is logged once per change, and a remount serves it",

@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -749,15 +750,16 @@ TEST(OpenOrBuild, ReadOnlyNeverWrites) {
   EXPECT_FALSE(fs::exists(opts.index_dir + "/lock"));
   EXPECT_EQ(*scanner.calls, 0);
 
-  // The writable mode also reads an index it may not write (non-root: lock.mdb is refused).
+  // The writable mode also reads an index it may not write, creating nothing there.
   {
     IndexOptions rw = opts;
     rw.read_only = false;
     Result<OpenedIndex> r = OpenOrBuildIndex(src, rw);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->state, IndexState::kReused);
+    EXPECT_FALSE(fs::exists(opts.index_dir + "/lock.mdb"));
+    EXPECT_FALSE(fs::exists(opts.index_dir + "/lock"));
   }
-  fs::remove(opts.index_dir + "/lock.mdb");  // root could create it; put the dir back as it was
 
   // Stale: an error that says how to rebuild it, and the source is not scanned.
   WriteFile(src + "/__0_0.distcp", "changed!");
@@ -995,21 +997,82 @@ TEST(OpenOrBuild, SymlinkedIndexLocationIsRefused) {
   EXPECT_FALSE(fs::exists(victim_dir + "/lock.mdb"));
   EXPECT_FALSE(fs::exists(victim_dir + "/lock"));
 
-  // SRC/.ucpfs/data.mdb and lock -> files outside.
-  fs::remove(src + "/.ucpfs");
-  fs::create_directories(src + "/.ucpfs");
+  // SRC/.ucpfs/data.mdb and lock -> files outside (or where a file outside would be created):
+  // refused. lock.mdb is never opened at all (MDB_NOLOCK), so a link there changes nothing.
   const std::string victim = tmp / "victim-file";
   WriteFile(victim, "precious");
-  for (const char* name : {"data.mdb", "lock.mdb", "lock"}) {
-    fs::create_symlink(victim, src + "/.ucpfs/" + name);
-    Result<OpenedIndex> again = OpenOrBuildIndex(src, opts);
-    ASSERT_FALSE(again.ok()) << name;
-    EXPECT_NE(again.error().message().find("symbolic link"), std::string::npos) << again.error().message();
-    EXPECT_EQ(ReadFile(victim), "precious") << name;
-    EXPECT_TRUE(fs::is_symlink(src + "/.ucpfs/" + name)) << name;  // not removed either
-    fs::remove(src + "/.ucpfs/" + name);
+  const std::string dangling = tmp / "would-be-created";
+  for (const std::string& target : {victim, dangling}) {
+    for (const char* name : {"data.mdb", "lock.mdb", "lock"}) {
+      fs::remove_all(src + "/.ucpfs");
+      fs::create_directories(src + "/.ucpfs");
+      fs::create_symlink(target, src + "/.ucpfs/" + name);
+      Result<OpenedIndex> again = OpenOrBuildIndex(src, opts);
+      if (std::string(name) == "lock.mdb") {
+        ASSERT_TRUE(again.ok()) << again.status().ToString();
+      } else {
+        ASSERT_FALSE(again.ok()) << name;
+        EXPECT_NE(again.error().message().find("symbolic link"), std::string::npos) << again.error().message();
+        EXPECT_NE(again.error().message().find(name), std::string::npos) << again.error().message();
+        EXPECT_NE(again.error().message().find("not followed"), std::string::npos) << again.error().message();
+      }
+      EXPECT_EQ(ReadFile(victim), "precious") << name;
+      EXPECT_FALSE(fs::exists(dangling)) << name;
+      EXPECT_TRUE(fs::is_symlink(src + "/.ucpfs/" + name)) << name;  // not removed either
+    }
   }
-  EXPECT_EQ(*scanner.calls, 0);
+  EXPECT_EQ(*scanner.calls, 2);  // the two lock.mdb cases
+}
+
+// A corrupt data.mdb is replaced by a new file renamed over it: a hard link to a file outside
+// is never written, nothing else in the directory is deleted, and no temporary file is left.
+TEST(OpenOrBuild, CorruptIndexIsReplacedNotWritten) {
+  TempDir tmp;
+  const std::string src = MakeSource(tmp);
+  const std::string outside = tmp / "outside.bin";
+  const std::string garbage(8192, '\x17');
+  WriteFile(outside, garbage);
+  fs::create_directories(src + "/.ucpfs");
+  fs::create_hard_link(outside, src + "/.ucpfs/data.mdb");
+  WriteFile(src + "/.ucpfs/keepme", "mine");
+  WriteFile(src + "/.ucpfs/lock.mdb", "an old lock file");
+  FakeScanner scanner;
+  IndexOptions opts;
+  opts.scanner = scanner.fn();
+  Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->state, IndexState::kRebuiltCorrupt);
+  EXPECT_EQ(ReadFile(outside), garbage);
+  EXPECT_NE(fs::status(outside).permissions(), fs::perms::none);
+  EXPECT_EQ(fs::hard_link_count(outside), 1u);  // data.mdb is a new inode now
+  EXPECT_EQ(ReadFile(src + "/.ucpfs/keepme"), "mine");
+  EXPECT_EQ(ReadFile(src + "/.ucpfs/lock.mdb"), "an old lock file");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(src + "/.ucpfs")) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"data.mdb", "keepme", "lock", "lock.mdb"}));
+  // And it serves: reused from the new file.
+  Result<OpenedIndex> again = OpenOrBuildIndex(src, opts);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->state, IndexState::kReused);
+  EXPECT_EQ(*scanner.calls, 1);
+}
+
+// A FIFO in place of data.mdb or lock: refused at once, never blocks.
+TEST(OpenOrBuild, SpecialIndexFilesAreRefused) {
+  TempDir tmp;
+  const std::string src = MakeSource(tmp);
+  FakeScanner scanner;
+  IndexOptions opts;
+  opts.scanner = scanner.fn();
+  for (const char* name : {"data.mdb", "lock"}) {
+    fs::remove_all(src + "/.ucpfs");
+    fs::create_directories(src + "/.ucpfs");
+    ASSERT_EQ(::mkfifo((src + "/.ucpfs/" + name).c_str(), 0644), 0);
+    Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
+    ASSERT_FALSE(r.ok()) << name;
+    EXPECT_NE(r.error().message().find("not a regular file"), std::string::npos) << r.error().message();
+  }
 }
 
 TEST(DefaultIndexDir, BesideTheSourceWhenWritable) {
