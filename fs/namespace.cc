@@ -259,17 +259,21 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     // Bounded memory: estimate the layout from what rank 0's files take on the heap (pickles,
     // zip headers, local layouts) before building any more, and refuse a layout that would
     // pass the budget shared by all layouts built on lookup.
-    // One probe at a time: the heap is the whole process's, so two probes would see each other.
-    size_t heap_before = 0, heap_after = 0;
+    // One probe at a time, and the smaller of two: the heap is the whole process's, so another
+    // thread allocating meanwhile (a FUSE worker's first read buffer) or a one-time cache filled
+    // by the first build would otherwise count as if every rank took it.
+    uint64_t rank_heap_bytes = UINT64_MAX;
     {
       std::lock_guard probing(budget->probe_mu);
-      heap_before = ::mallinfo2().uordblks;
-      UCPFS_ASSIGN_OR_RETURN(auto probe, plan.Build(0));
-      heap_after = ::mallinfo2().uordblks;
+      for (int attempt = 0; attempt < 2; ++attempt) {
+        const size_t heap_before = ::mallinfo2().uordblks;
+        UCPFS_ASSIGN_OR_RETURN(auto probe, plan.Build(0));
+        const size_t heap_after = ::mallinfo2().uordblks;
+        rank_heap_bytes = std::min<uint64_t>(rank_heap_bytes, heap_after > heap_before ? heap_after - heap_before : 0);
+      }
     }
     constexpr uint64_t kNodeBytes = 512;  // a rank directory and its files in the tree
-    const uint64_t per_rank =
-        std::max<uint64_t>(heap_after > heap_before ? heap_after - heap_before : 0, 4096) + 5 * kNodeBytes;
+    const uint64_t per_rank = std::max<uint64_t>(rank_heap_bytes, 4096) + 5 * kNodeBytes;
     const uint64_t estimate = per_rank * static_cast<uint64_t>(l.World());
     {
       std::lock_guard lock(budget->mu);

@@ -19,8 +19,11 @@
 #include <fcntl.h>
 #include <lmdb.h>
 #include <pwd.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -652,24 +655,19 @@ Status CheckStorable(const std::string& index_dir, const Checkpoint& checkpoint)
   return CheckFileIds(checkpoint, "index " + index_dir, StatusCode::kInvalidArgument);
 }
 
-Result<Checkpoint> LoadFrom(const IndexDir& dir, uint64_t* fingerprint) {
-  const std::string& index_dir = dir.path();
-  struct stat st;
-  Result<Fd> file = dir.OpenFile("data.mdb", O_RDONLY, &st);
-  if (!file.ok()) {
-    if (file.error().code() == StatusCode::kNotFound) return NotFoundError("no index in " + index_dir);
-    return file.error();
-  }
-  // LMDB treats an empty data file as a new environment and would try to initialize it.
-  if (st.st_size == 0) return DataLoss(index_dir, "data.mdb is empty");
-  UCPFS_ASSIGN_OR_RETURN(EnvPtr env, OpenEnvOnFile(*file, index_dir, MDB_RDONLY));
+// Reads the catalog in `file` in this process. LMDB trusts its pages: a crafted data.mdb can
+// make it read outside the map (SIGSEGV, SIGBUS), so this runs only in ReadCatalogIsolated's
+// child.
+Result<Checkpoint> ReadCatalog(const Fd& file, const std::string& index_dir, uint64_t* fingerprint) {
+  UCPFS_ASSIGN_OR_RETURN(EnvPtr env, OpenEnvOnFile(file, index_dir, MDB_RDONLY));
 
   Txn txn;
   int rc = mdb_txn_begin(env.get(), nullptr, MDB_RDONLY, txn.out());
   if (rc != 0) return LmdbError(rc, "index " + index_dir + ": begin read");
   MDB_dbi meta;
   rc = mdb_dbi_open(txn.get(), kMetaDb, 0, &meta);
-  if (rc == MDB_NOTFOUND) return NotFoundError("index " + index_dir + " holds no catalog");
+  // data.mdb exists (an empty one never gets here): without a catalog it is damaged.
+  if (rc == MDB_NOTFOUND) return DataLoss(index_dir, "data.mdb holds no catalog");
   if (rc != 0) return LmdbError(rc, "index " + index_dir + ": opening meta");
 
   UCPFS_ASSIGN_OR_RETURN(std::string_view version_raw, GetMeta(txn.get(), meta, index_dir, "schema_version"));
@@ -718,6 +716,177 @@ Result<Checkpoint> LoadFrom(const IndexDir& dir, uint64_t* fingerprint) {
   UCPFS_RETURN_IF_ERROR(CheckFileIds(cp, "index " + index_dir, StatusCode::kDataLoss));
   if (fingerprint != nullptr) *fingerprint = stored_fingerprint;
   return cp;
+}
+
+// The child's answer, as frames (u32 LE length, bytes): "ok", fingerprint (u64 LE), format,
+// flavor, n_files (u64 LE), one codec::EncodeSourceFile frame per file, n_items (u64 LE), one
+// codec::EncodeItem frame per item; or "error", code (u32 LE), errno (u32 LE), message.
+class FrameWriter {
+ public:
+  void Add(std::string_view bytes) {
+    out_ += codec::EncodeU32Le(static_cast<uint32_t>(bytes.size()));
+    out_.append(bytes);
+  }
+  const std::string& bytes() const { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class FrameReader {
+ public:
+  explicit FrameReader(std::string_view in) : in_(in) {}
+  bool Next(std::string_view* frame) {
+    uint32_t n = 0;
+    if (in_.size() < 4 || !codec::DecodeU32Le(in_.substr(0, 4), &n) || in_.size() - 4 < n) return false;
+    *frame = in_.substr(4, n);
+    in_.remove_prefix(4 + size_t{n});
+    return true;
+  }
+  bool NextU64(uint64_t* v) {
+    std::string_view f;
+    return Next(&f) && codec::DecodeU64Le(f, v);
+  }
+  size_t frames_left_at_most() const { return in_.size() / 4; }
+  bool done() const { return in_.empty(); }
+
+ private:
+  std::string_view in_;
+};
+
+std::string EncodeAnswer(const Result<Checkpoint>& r, uint64_t fingerprint) {
+  FrameWriter w;
+  if (!r.ok()) {
+    w.Add("error");
+    w.Add(codec::EncodeU32Le(static_cast<uint32_t>(r.error().code())));
+    w.Add(codec::EncodeU32Le(static_cast<uint32_t>(r.error().sys_errno())));
+    w.Add(r.error().message());
+    return w.bytes();
+  }
+  w.Add("ok");
+  w.Add(codec::EncodeU64Le(fingerprint));
+  w.Add(r->format);
+  w.Add(r->flavor);
+  w.Add(codec::EncodeU64Le(r->files.size()));
+  for (const SourceFile& f : r->files) w.Add(codec::EncodeSourceFile(f));
+  w.Add(codec::EncodeU64Le(r->items.size()));
+  for (const Item& item : r->items) w.Add(codec::EncodeItem(item));
+  return w.bytes();
+}
+
+Result<Checkpoint> DecodeAnswer(std::string_view answer, const std::string& index_dir, uint64_t* fingerprint) {
+  const Status garbled = DataLoss(index_dir, "the index reader's answer is garbled");
+  FrameReader r(answer);
+  std::string_view kind;
+  if (!r.Next(&kind)) return garbled;
+  if (kind == "error") {
+    std::string_view code_raw, errno_raw, message;
+    uint32_t code = 0, sys_errno = 0;
+    if (!r.Next(&code_raw) || !r.Next(&errno_raw) || !r.Next(&message) || !codec::DecodeU32Le(code_raw, &code) ||
+        !codec::DecodeU32Le(errno_raw, &sys_errno) || code > static_cast<uint32_t>(StatusCode::kInternal) ||
+        code == 0) {
+      return garbled;
+    }
+    return Status(static_cast<StatusCode>(code), std::string(message), static_cast<int>(sys_errno));
+  }
+  Checkpoint cp;
+  std::string_view format, flavor, rec;
+  uint64_t stored = 0, n = 0;
+  if (kind != "ok" || !r.NextU64(&stored) || !r.Next(&format) || !r.Next(&flavor) || !r.NextU64(&n) ||
+      n > r.frames_left_at_most()) {
+    return garbled;
+  }
+  cp.format = std::string(format);
+  cp.flavor = std::string(flavor);
+  cp.files.reserve(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (!r.Next(&rec)) return garbled;
+    UCPFS_ASSIGN_OR_RETURN(SourceFile f, codec::DecodeSourceFile(rec));
+    cp.files.push_back(std::move(f));
+  }
+  if (!r.NextU64(&n) || n > r.frames_left_at_most()) return garbled;
+  cp.items.reserve(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (!r.Next(&rec)) return garbled;
+    UCPFS_ASSIGN_OR_RETURN(Item item, codec::DecodeItem(rec));
+    cp.items.push_back(std::move(item));
+  }
+  if (!r.done()) return garbled;
+  UCPFS_RETURN_IF_ERROR(CheckFileIds(cp, "index " + index_dir, StatusCode::kDataLoss));
+  if (fingerprint != nullptr) *fingerprint = stored;
+  return cp;
+}
+
+// Reads the catalog in a forked child that hands it back through a pipe in the bounds-checked
+// encoding above, so a crafted data.mdb that crashes or hangs LMDB is a corrupt index (rebuilt,
+// or refused read-only), never a crashed or hung ucpfs. The child gets `timeout` to finish.
+Result<Checkpoint> ReadCatalogIsolated(const Fd& file, const std::string& index_dir, uint64_t file_bytes,
+                                       uint64_t* fingerprint) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return IoError("index " + index_dir + ": pipe: " + std::strerror(errno), errno);
+  Fd read_end(fds[0]), write_end(fds[1]);
+  const pid_t pid = ::fork();
+  if (pid < 0) return IoError("index " + index_dir + ": fork: " + std::strerror(errno), errno);
+  if (pid == 0) {
+    uint64_t stored = 0;
+    const Result<Checkpoint> r = ReadCatalog(file, index_dir, &stored);
+    const std::string answer = EncodeAnswer(r, stored);
+    size_t done = 0;
+    while (done < answer.size()) {
+      const ssize_t n = ::write(write_end.get(), answer.data() + done, answer.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) ::_exit(3);
+      done += static_cast<size_t>(n);
+    }
+    ::_exit(0);
+  }
+  write_end = Fd();
+  // A generous bound: 30 s, plus 1 s per 16 MiB of index.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30 + (file_bytes >> 24));
+  std::string answer;
+  std::vector<char> buf(1 << 16);
+  bool timed_out = false;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      timed_out = true;
+      break;
+    }
+    struct pollfd pfd = {read_end.get(), POLLIN, 0};
+    const int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    if (ready < 0 && errno != EINTR) break;
+    if (ready <= 0) continue;
+    const ssize_t n = ::read(read_end.get(), buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    answer.append(buf.data(), static_cast<size_t>(n));
+  }
+  if (timed_out) ::kill(pid, SIGKILL);
+  int wstatus = 0;
+  while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+  if (timed_out) return DataLoss(index_dir, "reading data.mdb did not finish in time (corrupt?)");
+  if (WIFSIGNALED(wstatus)) {
+    return DataLoss(index_dir, std::string("data.mdb is corrupt (reading it crashed: ") +
+                                   ::strsignal(WTERMSIG(wstatus)) + ")");
+  }
+  if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) {
+    return DataLoss(index_dir, "the index reader failed (exit status " + std::to_string(wstatus) + ")");
+  }
+  return DecodeAnswer(answer, index_dir, fingerprint);
+}
+
+Result<Checkpoint> LoadFrom(const IndexDir& dir, uint64_t* fingerprint) {
+  const std::string& index_dir = dir.path();
+  struct stat st;
+  Result<Fd> file = dir.OpenFile("data.mdb", O_RDONLY, &st);
+  if (!file.ok()) {
+    if (file.error().code() == StatusCode::kNotFound) return NotFoundError("no index in " + index_dir);
+    return file.error();
+  }
+  // LMDB treats an empty data file as a new environment and would try to initialize it.
+  if (st.st_size == 0) return DataLoss(index_dir, "data.mdb is empty");
+  return ReadCatalogIsolated(*file, index_dir, static_cast<uint64_t>(st.st_size), fingerprint);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #include "index/catalog_codec.h"
 #include "index/dcp_scan.h"
 #include "index/key_map.h"
+#include "tests/unit/test_seed.h"
 
 namespace ucpfs::index {
 namespace {
@@ -1056,6 +1057,37 @@ TEST(OpenOrBuild, CorruptIndexIsReplacedNotWritten) {
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->state, IndexState::kReused);
   EXPECT_EQ(*scanner.calls, 1);
+}
+
+// LMDB trusts its pages: a few flipped bytes in data.mdb made it crash (SIGSEGV, SIGBUS). The
+// catalog is read in a child process, so random damage is a clean error (or, where it hit
+// unused bytes, a valid index), never a crash of the caller.
+TEST(OpenOrBuild, DamagedLmdbPagesNeverCrashTheReader) {
+  TempDir tmp;
+  const std::string src = MakeSource(tmp);
+  FakeScanner scanner;
+  IndexOptions opts;
+  opts.scanner = scanner.fn();
+  ASSERT_TRUE(OpenOrBuildIndex(src, opts).ok());
+  const std::string good = ReadFile(src + "/.ucpfs/data.mdb");
+  ASSERT_GT(good.size(), 2u * 4096);
+  opts.read_only = true;
+  std::mt19937_64 rng(ucpfs::testing::TestSeed());
+  int n_errors = 0;
+  for (int round = 0; round < 150; ++round) {
+    std::string bad = good;
+    const int n_flips = 1 << (round % 7);
+    for (int i = 0; i < n_flips; ++i) {
+      bad[2 * 4096 + rng() % (bad.size() - 2 * 4096)] = static_cast<char>(rng());  // past the meta pages
+    }
+    WriteFile(src + "/.ucpfs/data.mdb", bad);
+    Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
+    if (!r.ok()) {
+      ++n_errors;
+      EXPECT_EQ(r.error().code(), StatusCode::kDataLoss) << r.error().ToString();
+    }
+  }
+  EXPECT_GT(n_errors, 0);
 }
 
 // A FIFO in place of data.mdb or lock: refused at once, never blocks.
