@@ -11,6 +11,7 @@
 #include "core/checked.h"
 #include "core/format/torch_file.h"
 #include "core/format/torch_writer.h"
+#include "core/layout/zero.h"
 #include "core/slice/local_view.h"
 #include "core/views/atomic.h"
 
@@ -354,26 +355,21 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
       optim.Set("param_groups", ParamGroups(in, held));
       if (any_fp32) optim.Set("fp32", std::move(fp32));
     } else {
-      // ZeRO-1 (research/deepspeed.md §2.5): flat = concat of the local tensors in model.pt
-      // order; padded to a multiple of 2·dp (nccl_start_alignment_factor 2, times dp) with
-      // zeros at the end; DP rank d holds [d·ps, (d+1)·ps), ps = padded / dp.
-      uint64_t total = 0;
-      std::vector<uint64_t> starts;
+      // ZeRO-1 (layout/zero.h): flat = concat of the local tensors in model.pt order, padded to
+      // a multiple of 2·dp, DP rank d holding its window of ps = padded / dp elements.
+      std::vector<uint64_t> numels;
       for (const auto& h : held) {
-        starts.push_back(total);
         std::optional<uint64_t> n = 1;
         for (int64_t d : h.view.local_shape) {
           if (n) n = CheckedMul(*n, static_cast<uint64_t>(d));
         }
-        std::optional<uint64_t> sum = n ? CheckedAdd(total, *n) : std::nullopt;
-        if (!sum) return InvalidArgumentError(dir + ": flat size overflows");
-        total = *sum;
+        if (!n) return InvalidArgumentError(dir + ": flat size overflows");
+        numels.push_back(*n);
       }
-      const uint64_t align = 2 * static_cast<uint64_t>(layout_.dp);
-      const uint64_t padded = (total + align - 1) / align * align;
-      const uint64_t ps = padded / static_cast<uint64_t>(layout_.dp);
-      const uint64_t lo = ps * static_cast<uint64_t>(coords.dp);
-      const uint64_t hi = lo + ps;
+      UCPFS_ASSIGN_OR_RETURN(const layout::ZeroFlatGroup group, layout::MakeZeroFlatGroup(numels, layout_.dp));
+      const uint64_t padded = group.padded_elems;
+      const uint64_t ps = group.partition_elems;
+      const uint64_t lo = group.WindowStart(coords.dp);
       const TargetState kFlat[] = {TargetState::kFp32, TargetState::kExpAvg, TargetState::kExpAvgSq};
       for (TargetState s : kFlat) {
         bool any = false;
@@ -390,11 +386,10 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
               h.local[src] ? h.local[src] : ZeroLayout(h.view.local_shape);
           UCPFS_RETURN_IF_ERROR(CheckConvertible(*part, DType::kFloat32, p.keys[src]));
           parts.push_back(part);
-          const uint64_t n = part->NumElems();
-          const uint64_t a = std::max(starts[i], lo), b = std::min(starts[i] + n, hi);
-          if (h.local[src] && a < b) {
+          for (const layout::ZeroFragment& f : layout::FragmentsOfParam(group, i)) {
+            if (!h.local[src] || f.dp_rank != coords.dp) continue;
             add_info(h, static_cast<TargetState>(src), "optim.pt", TargetStateName(s), DType::kFloat32,
-                     nlohmann::ordered_json::array({a - lo, b - lo}));
+                     nlohmann::ordered_json::array({f.partition_elem_offset, f.partition_elem_offset + f.n_elems}));
           }
         }
         optim.Set(TargetStateName(s),
