@@ -47,6 +47,7 @@
 
 #include "core/checked.h"
 #include "index/catalog_codec.h"
+#include "index/scanner.h"
 
 namespace ucpfs::index {
 namespace fs = std::filesystem;
@@ -1041,7 +1042,7 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
 
   const CheckpointScanner& scanner = options.scanner;
   Result<Checkpoint> scanned = scanner ? scanner(src_dir, options.progress)
-                                       : ScanDcp(src_dir, options.progress);
+                                       : ScanCheckpoint(src_dir, options.progress);
   if (!scanned.ok()) return scanned.error();
   UCPFS_RETURN_IF_ERROR(CheckStorable(out.index_dir, scanned.value()));
   UCPFS_RETURN_IF_ERROR(StoreIn(dir, scanned.value(), fingerprint));

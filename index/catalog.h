@@ -37,7 +37,7 @@ inline constexpr uint32_t kCatalogSchemaVersion = 3;
 // Errors: kNotFound, kIo.
 Result<uint64_t> FingerprintSource(const std::string& dir);
 
-// Produces the Checkpoint of a source directory (ScanDcp's signature).
+// Produces the Checkpoint of a source directory (ScanCheckpoint's signature).
 using CheckpointScanner = std::function<Result<Checkpoint>(const std::string& dir,
                                                            const ScanProgress& progress)>;
 
@@ -45,7 +45,7 @@ struct IndexOptions {
   std::string index_dir;      // empty: default location (see above)
   bool read_only = false;     // never write; fail if the index is missing or stale
   ScanProgress progress;      // forwarded to the scanner
-  CheckpointScanner scanner;  // empty: ScanDcp (tests and other formats inject their own)
+  CheckpointScanner scanner;  // empty: ScanCheckpoint (the format registry); tests inject their own
 };
 
 enum class IndexState { kReused, kBuilt, kRebuiltChanged, kRebuiltCorrupt };
@@ -72,7 +72,7 @@ std::string DefaultIndexDirFor(const std::string& src_dir,
 // ${XDG_CACHE_HOME:-$HOME/.cache}/ucpfs/<16 hex digits of XXH3-64 of SRC's absolute path>.
 std::string CacheIndexDir(const std::string& src_dir);
 
-// Opens the index of `src_dir`, building it (scanning with ScanDcp) when missing, stale or
+// Opens the index of `src_dir`, building it (scanning with ScanCheckpoint) when missing, stale or
 // corrupt. Errors: those of the scanner; kIo/kNoSpace when the index cannot be written;
 // kNotFound / kDataLoss in read_only mode when there is no valid index.
 Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOptions& options);

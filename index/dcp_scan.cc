@@ -28,6 +28,7 @@
 #include "core/format/torch_file.h"
 #include "core/io/file_source.h"
 #include "core/io/lazy_file_source.h"
+#include "index/checkpoint_builder.h"
 #include "index/dcp_metadata.h"
 
 namespace ucpfs::index {
@@ -48,16 +49,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr uint64_t kMaxMetadataBytes = 4ull << 30;
-constexpr uint64_t kCompareBlockBytes = 1u << 20;
 
-std::string JoinInts(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
-}
 
 // "__<digits>.metadata" -> rank, else -1.
 int64_t RankLocalMetadataRank(const std::string& name) {
@@ -102,17 +94,17 @@ std::vector<int64_t> StripLeadingOnes(const std::vector<int64_t>& v) {
 
 bool HasZero(const std::vector<int64_t>& v) { return std::find(v.begin(), v.end(), 0) != v.end(); }
 
-class Scanner {
+class DcpScan {
  public:
-  explicit Scanner(std::string dir) : dir_(std::move(dir)) {
+  explicit DcpScan(std::string dir) : dir_(std::move(dir)), builder_(dir_) {
     while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
   }
 
   Result<Checkpoint> Run(const ScanProgress& progress) {
     UCPFS_RETURN_IF_ERROR(ReadMegatronMarker());
     UCPFS_RETURN_IF_ERROR(ReadMetadata());
-    ckpt_.format = "dcp";
-    if (megatron_) ckpt_.flavor = "megatron-torch_dist";
+    builder_.checkpoint().format = "dcp";
+    if (megatron_) builder_.checkpoint().flavor = "megatron-torch_dist";
 
     const bool with_common = megatron_ && IsRegularFile(dir_ + "/common.pt");
     const uint64_t total = entries_.size() + (with_common ? 1 : 0);
@@ -124,23 +116,23 @@ class Scanner {
       } else {
         UCPFS_ASSIGN_OR_RETURN(item, ScanTensor(m));
       }
-      ckpt_.items.push_back(std::move(item));
+      builder_.AddItem(std::move(item));
       if (progress) progress(++done, total);
     }
     if (with_common) {
       // Megatron's common state (torch.save of the non-sharded state dict), kept as an opaque
       // byte item named after the file.
-      UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddFile("common.pt"));
+      UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile("common.pt"));
       Item item;
       item.key = "common.pt";
       item.kind = ItemKind::kBytes;
       item.file_id = id;
       item.byte_offset = 0;
-      item.n_bytes = ckpt_.files[id].n_bytes;
-      ckpt_.items.push_back(std::move(item));
+      item.n_bytes = builder_.checkpoint().files[id].n_bytes;
+      builder_.AddItem(std::move(item));
       if (progress) progress(++done, total);
     }
-    return std::move(ckpt_);
+    return builder_.Take();
   }
 
  private:
@@ -170,7 +162,7 @@ class Scanner {
                               " is not supported (only torch_dist)");
     }
     megatron_ = true;
-    UCPFS_RETURN_IF_ERROR(AddFile("metadata.json").status());
+    UCPFS_RETURN_IF_ERROR(builder_.AddFile("metadata.json").status());
     return Status::Ok();
   }
 
@@ -187,15 +179,15 @@ class Scanner {
       return NotFoundError(dir_ + ": no DCP metadata (neither .metadata nor __<rank>.metadata)");
     }
     for (const std::string& name : names) {
-      UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddFile(name));
-      const ByteSource& src = *sources_[id];
+      UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(name));
+      const ByteSource& src = *builder_.source(id);
       UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
                              ReadRange(src, 0, src.Size(), kMaxMetadataBytes));
       UCPFS_ASSIGN_OR_RETURN(DcpMetadata md, ParseDcpMetadata(bytes, src.Name()));
       metas_.push_back(std::move(md));
       meta_names_.push_back(src.Name());
     }
-    ckpt_.flavor = metas_.front().flavor;
+    builder_.checkpoint().flavor = metas_.front().flavor;
     return Merge();
   }
 
@@ -264,29 +256,6 @@ class Scanner {
 
   // ---- files -----------------------------------------------------------------------------
 
-  // Registers (once) and opens a file of the checkpoint; returns its file id.
-  Result<uint32_t> AddFile(const std::string& rel_path) {
-    if (auto it = file_ids_.find(rel_path); it != file_ids_.end()) return it->second;
-    const std::string path = dir_ + "/" + rel_path;
-    auto src = FileSource::Open(path);
-    if (!src.ok()) return src.status();
-    const FileIdentity& ident = (*src)->identity();  // fstat of the descriptor that is read
-    SourceFile f;
-    f.rel_path = rel_path;
-    f.n_bytes = ident.n_bytes;
-    f.mtime_ns = ident.mtime_ns;
-    f.dev = ident.dev;
-    f.ino = ident.ino;
-    f.ctime_ns = ident.ctime_ns;
-    const auto id = static_cast<uint32_t>(ckpt_.files.size());
-    // Read through the scan's bounded descriptor cache (a checkpoint may have more files than
-    // the open-file limit); the descriptor opened here closes now.
-    sources_.push_back(std::make_shared<LazyFileSource>(path, f.Identity(), nullptr, fd_cache_));
-    ckpt_.files.push_back(std::move(f));
-    file_ids_.emplace(rel_path, id);
-    return id;
-  }
-
   // A data file named by a storage entry of `what` (which names the item for errors).
   Result<uint32_t> AddDataFile(const DcpStorage& s, const std::string& meta_name,
                                const std::string& what) {
@@ -294,7 +263,7 @@ class Scanner {
       return CorruptError(meta_name + ": " + what + ": relative_path '" + s.relative_path +
                           "' leaves the checkpoint directory");
     }
-    auto id = AddFile(s.relative_path);
+    auto id = builder_.AddFile(s.relative_path);
     if (!id.ok()) {
       if (id.error().code() == StatusCode::kNotFound) {
         return CorruptError(meta_name + ": " + what + ": data file '" + s.relative_path +
@@ -302,9 +271,9 @@ class Scanner {
       }
       return id.error().WithContext(what);
     }
-    const uint64_t size = ckpt_.files[*id].n_bytes;
+    const uint64_t size = builder_.checkpoint().files[*id].n_bytes;
     if (!RangeInside(s.byte_offset, s.n_bytes, size)) {
-      return CorruptError(sources_[*id]->Name() + ": " + what + ": storage entry [" +
+      return CorruptError(builder_.source(*id)->Name() + ": " + what + ": storage entry [" +
                           std::to_string(s.byte_offset) + ", +" + std::to_string(s.n_bytes) +
                           ") lies past the end of the file (" + std::to_string(size) + " bytes)");
     }
@@ -359,7 +328,7 @@ class Scanner {
 
   Result<Stored> OpenChunk(const DcpStorage& s, uint32_t id, const std::vector<int64_t>& want,
                            const std::string& what) {
-    const std::shared_ptr<const ByteSource>& file = sources_[id];
+    const std::shared_ptr<const ByteSource>& file = builder_.source(id);
     // SerializationFormat.SAFETENSORS (torch >= 2.8) records offsets into one safetensors blob
     // per file: u64 header length, then '{'. A torch.save zip starts with "PK\3\4".
     std::byte head[9] = {};
@@ -446,7 +415,7 @@ class Scanner {
       UCPFS_ASSIGN_OR_RETURN(Stored st, OpenChunk(*s, id, c.sizes, what));
 
       if (st.rec.dtype != e.dtype) {
-        return CorruptError(sources_[id]->Name() + ": " + what + ": the metadata says " +
+        return CorruptError(builder_.source(id)->Name() + ": " + what + ": the metadata says " +
                             std::string(TorchName(e.dtype)) + " but the stored tensor is " +
                             std::string(TorchName(st.rec.dtype)));
       }
@@ -465,7 +434,7 @@ class Scanner {
         // reformulated [X//x, Y//y, ..., x*y*...] is flat range [a, b) of the original box
         // [cx*x, cy*y, ...] + [x, y, ...], stored as a 1-D contiguous run.
         if (!st.strides.empty()) {
-          return UnsupportedError(sources_[id]->Name() + ": " + what +
+          return UnsupportedError(builder_.source(id)->Name() + ": " + what +
                                   ": flattened-range chunk is stored non-contiguous");
         }
         const size_t n = local.size();
@@ -479,10 +448,7 @@ class Scanner {
       item.layout.fragments.push_back(std::move(f));
     }
 
-    std::vector<std::pair<size_t, size_t>> replicas;
-    Status cov = slice::ValidateCoverage(item.layout, e.fqn, &replicas);
-    if (!cov.ok()) return cov.WithContext(meta_names_[m.meta]);
-    if (!replicas.empty()) UCPFS_RETURN_IF_ERROR(DropReplicas(item, replicas));
+    UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, meta_names_[m.meta]));
     return item;
   }
 
@@ -542,79 +508,9 @@ class Scanner {
     return local;
   }
 
-  // Replicas must hold equal data; keep the first of each pair.
-  Status DropReplicas(Item& item, const std::vector<std::pair<size_t, size_t>>& replicas) {
-    std::set<size_t> drop;
-    for (const auto& [a, b] : replicas) {
-      UCPFS_RETURN_IF_ERROR(
-          CompareReplicas(item, item.layout.fragments[a], item.layout.fragments[b]));
-      drop.insert(b);
-    }
-    auto& frags = item.layout.fragments;
-    for (auto it = drop.rbegin(); it != drop.rend(); ++it) {
-      frags.erase(frags.begin() + static_cast<std::ptrdiff_t>(*it));
-    }
-    return Status::Ok();
-  }
-
-  Status CompareReplicas(const Item& item, const slice::Fragment& a, const slice::Fragment& b) {
-    auto differ = [&]() {
-      return CorruptError(sources_[b.file_id]->Name() + ": tensor '" + item.key +
-                          "': box at offsets " + JoinInts(a.box.offsets) + " sizes " +
-                          JoinInts(a.box.sizes) +
-                          " is covered twice by replicas with different data (here at byte " +
-                          std::to_string(b.byte_offset) + ", in " + sources_[a.file_id]->Name() +
-                          " at byte " + std::to_string(a.byte_offset) + ")");
-    };
-    if (a.strides.empty() && b.strides.empty() && a.dtype == b.dtype) {
-      // Both plain byte ranges: compare them block by block.
-      auto n = CheckedMul(a.NumElems(), ItemSize(a.dtype));
-      if (!n) return CorruptError(item.key + ": replica size overflows");
-      std::vector<std::byte> x(std::min<uint64_t>(*n, kCompareBlockBytes)), y(x.size());
-      for (uint64_t done = 0; done < *n;) {
-        const uint64_t len = std::min<uint64_t>(x.size(), *n - done);
-        UCPFS_RETURN_IF_ERROR(
-            sources_[a.file_id]->ReadAt(a.byte_offset + done, std::span(x.data(), len)));
-        UCPFS_RETURN_IF_ERROR(
-            sources_[b.file_id]->ReadAt(b.byte_offset + done, std::span(y.data(), len)));
-        if (std::memcmp(x.data(), y.data(), len) != 0) return differ();
-        done += len;
-      }
-      return Status::Ok();
-    }
-    // Strided or differently typed replicas: read both through the slice planner as row-major
-    // elements of their box in one dtype.
-    const DType dst = a.dtype == b.dtype ? a.dtype : item.dtype;
-    auto single = [](const slice::Fragment& f) {
-      slice::TensorLayout l;
-      l.shape = f.box.sizes;
-      slice::Fragment g = f;
-      std::fill(g.box.offsets.begin(), g.box.offsets.end(), 0);
-      l.fragments.push_back(std::move(g));
-      return l;
-    };
-    const slice::TensorLayout la = single(a), lb = single(b);
-    const uint64_t item_size = ItemSize(dst);
-    const uint64_t per_block = std::max<uint64_t>(1, kCompareBlockBytes / item_size);
-    std::vector<std::byte> x, y;
-    for (uint64_t e = a.flat_lo; e < a.flat_hi;) {
-      const uint64_t n = std::min(per_block, a.flat_hi - e);
-      x.resize(n * item_size);
-      y.resize(n * item_size);
-      UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(la, dst, sources_, e * item_size, x));
-      UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(lb, dst, sources_, e * item_size, y));
-      if (std::memcmp(x.data(), y.data(), x.size()) != 0) return differ();
-      e += n;
-    }
-    return Status::Ok();
-  }
-
   std::string dir_;
   bool megatron_ = false;
-  Checkpoint ckpt_;
-  std::vector<std::shared_ptr<const ByteSource>> sources_;  // by file id
-  std::shared_ptr<FdCache> fd_cache_ = std::make_shared<FdCache>(FdCache::DefaultCapacity());
-  std::map<std::string, uint32_t> file_ids_;                // rel_path -> file id
+  CheckpointBuilder builder_;
   std::vector<DcpMetadata> metas_;
   std::vector<std::string> meta_names_;
   std::vector<Merged> entries_;
@@ -628,7 +524,7 @@ bool IsDcpDirectory(const std::string& dir) {
 }
 
 Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress) {
-  return Scanner(dir).Run(progress);
+  return DcpScan(dir).Run(progress);
 }
 
 }  // namespace ucpfs::index

@@ -9,16 +9,13 @@
 // kUnsupported naming the item rather than producing wrong data. Errors name the file.
 #pragma once
 
-#include <functional>
 #include <string>
 
 #include "core/status.h"
 #include "index/checkpoint.h"
+#include "index/scanner.h"
 
 namespace ucpfs::index {
-
-// Progress callback: (items done, items total). Called from the scanning thread.
-using ScanProgress = std::function<void(uint64_t done, uint64_t total)>;
 
 // True when `dir` holds `.metadata` or any `__<r>.metadata` (DCP), possibly with
 // metadata.json (Megatron torch_dist).

@@ -1,0 +1,138 @@
+// See checkpoint_builder.h.
+#include "index/checkpoint_builder.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <span>
+#include <utility>
+
+#include "core/checked.h"
+#include "core/io/file_source.h"
+#include "core/slice/slice.h"
+
+namespace ucpfs::index {
+namespace {
+
+constexpr uint64_t kCompareBlockBytes = 1u << 20;
+
+}  // namespace
+
+std::string JoinInts(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+CheckpointBuilder::CheckpointBuilder(std::string dir) : dir_(std::move(dir)) {
+  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
+}
+
+Result<uint32_t> CheckpointBuilder::AddFile(const std::string& rel_path) {
+  if (auto it = file_ids_.find(rel_path); it != file_ids_.end()) return it->second;
+  if (!SafeRelativePath(rel_path)) {
+    return CorruptError(dir_ + ": file path '" + rel_path + "' leaves the checkpoint directory");
+  }
+  const std::string path = dir_ + "/" + rel_path;
+  auto src = FileSource::Open(path);
+  if (!src.ok()) return src.status();
+  const FileIdentity& ident = (*src)->identity();  // fstat of the descriptor that is read
+  SourceFile f;
+  f.rel_path = rel_path;
+  f.n_bytes = ident.n_bytes;
+  f.mtime_ns = ident.mtime_ns;
+  f.dev = ident.dev;
+  f.ino = ident.ino;
+  f.ctime_ns = ident.ctime_ns;
+  const auto id = static_cast<uint32_t>(ckpt_.files.size());
+  // Read through the scan's bounded descriptor cache (a checkpoint may have more files than
+  // the open-file limit); the descriptor opened here closes now.
+  sources_.push_back(std::make_shared<LazyFileSource>(path, f.Identity(), nullptr, fd_cache_));
+  ckpt_.files.push_back(std::move(f));
+  file_ids_.emplace(rel_path, id);
+  return id;
+}
+
+Result<format::TorchFile> CheckpointBuilder::OpenTorchFile(uint32_t file_id) const {
+  return format::TorchFile::Open(sources_.at(file_id));
+}
+
+Status CheckpointBuilder::FinishTensor(Item& item, const std::string& where) {
+  std::vector<std::pair<size_t, size_t>> replicas;
+  Status cov = slice::ValidateCoverage(item.layout, item.key, &replicas);
+  if (!cov.ok()) return cov.WithContext(where);
+  if (!replicas.empty()) UCPFS_RETURN_IF_ERROR(DropReplicas(item, replicas));
+  return Status::Ok();
+}
+
+// Replicas must hold equal data; keep the first of each pair.
+Status CheckpointBuilder::DropReplicas(Item& item, const std::vector<std::pair<size_t, size_t>>& replicas) {
+  std::set<size_t> drop;
+  for (const auto& [a, b] : replicas) {
+    UCPFS_RETURN_IF_ERROR(
+        CompareReplicas(item, item.layout.fragments[a], item.layout.fragments[b]));
+    drop.insert(b);
+  }
+  auto& frags = item.layout.fragments;
+  for (auto it = drop.rbegin(); it != drop.rend(); ++it) {
+    frags.erase(frags.begin() + static_cast<std::ptrdiff_t>(*it));
+  }
+  return Status::Ok();
+}
+
+Status CheckpointBuilder::CompareReplicas(const Item& item, const slice::Fragment& a, const slice::Fragment& b) {
+  auto differ = [&]() {
+    return CorruptError(sources_[b.file_id]->Name() + ": tensor '" + item.key +
+                        "': box at offsets " + JoinInts(a.box.offsets) + " sizes " +
+                        JoinInts(a.box.sizes) +
+                        " is covered twice by replicas with different data (here at byte " +
+                        std::to_string(b.byte_offset) + ", in " + sources_[a.file_id]->Name() +
+                        " at byte " + std::to_string(a.byte_offset) + ")");
+  };
+  if (a.strides.empty() && b.strides.empty() && a.dtype == b.dtype) {
+    // Both plain byte ranges: compare them block by block.
+    auto n = CheckedMul(a.NumElems(), ItemSize(a.dtype));
+    if (!n) return CorruptError(item.key + ": replica size overflows");
+    std::vector<std::byte> x(std::min<uint64_t>(*n, kCompareBlockBytes)), y(x.size());
+    for (uint64_t done = 0; done < *n;) {
+      const uint64_t len = std::min<uint64_t>(x.size(), *n - done);
+      UCPFS_RETURN_IF_ERROR(
+          sources_[a.file_id]->ReadAt(a.byte_offset + done, std::span(x.data(), len)));
+      UCPFS_RETURN_IF_ERROR(
+          sources_[b.file_id]->ReadAt(b.byte_offset + done, std::span(y.data(), len)));
+      if (std::memcmp(x.data(), y.data(), len) != 0) return differ();
+      done += len;
+    }
+    return Status::Ok();
+  }
+  // Strided or differently typed replicas: read both through the slice planner as row-major
+  // elements of their box in one dtype.
+  const DType dst = a.dtype == b.dtype ? a.dtype : item.dtype;
+  auto single = [](const slice::Fragment& f) {
+    slice::TensorLayout l;
+    l.shape = f.box.sizes;
+    slice::Fragment g = f;
+    std::fill(g.box.offsets.begin(), g.box.offsets.end(), 0);
+    l.fragments.push_back(std::move(g));
+    return l;
+  };
+  const slice::TensorLayout la = single(a), lb = single(b);
+  const uint64_t item_size = ItemSize(dst);
+  const uint64_t per_block = std::max<uint64_t>(1, kCompareBlockBytes / item_size);
+  std::vector<std::byte> x, y;
+  for (uint64_t e = a.flat_lo; e < a.flat_hi;) {
+    const uint64_t n = std::min(per_block, a.flat_hi - e);
+    x.resize(n * item_size);
+    y.resize(n * item_size);
+    UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(la, dst, sources_, e * item_size, x));
+    UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(lb, dst, sources_, e * item_size, y));
+    if (std::memcmp(x.data(), y.data(), x.size()) != 0) return differ();
+    e += n;
+  }
+  return Status::Ok();
+}
+
+}  // namespace ucpfs::index

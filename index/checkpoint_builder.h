@@ -1,0 +1,64 @@
+// CheckpointBuilder: what every Scanner shares while it turns a source directory into a
+// Checkpoint: the file table (each file opened once, without following a symlink, its identity
+// recorded, then read through a bounded descriptor cache), torch.save files opened for their
+// tensors, and the finishing of each tensor item (coverage exactly once; replicas, i.e. the same
+// box stored twice, must hold equal bytes and only the first is kept).
+//
+// Not for: any one format's naming or metadata (the scanners).
+// Errors name the file (and the item, where there is one).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/format/torch_file.h"
+#include "core/io/lazy_file_source.h"
+#include "core/status.h"
+#include "index/checkpoint.h"
+
+namespace ucpfs::index {
+
+class CheckpointBuilder {
+ public:
+  explicit CheckpointBuilder(std::string dir);
+
+  const std::string& dir() const { return dir_; }
+  Checkpoint& checkpoint() { return ckpt_; }
+
+  // Registers (once) and opens `rel_path` (relative to dir(), checked by SafeRelativePath) and
+  // returns its file id. Errors: kCorrupt when the path leaves the directory; kNotFound when
+  // missing; kInvalidArgument for a symlink or a special file (FileSource::Open); kIo.
+  Result<uint32_t> AddFile(const std::string& rel_path);
+  const std::shared_ptr<const ByteSource>& source(uint32_t file_id) const { return sources_.at(file_id); }
+  const std::vector<std::shared_ptr<const ByteSource>>& sources() const { return sources_; }
+
+  // The whole file `file_id` as a torch.save archive. Errors: those of TorchFile::Open.
+  Result<format::TorchFile> OpenTorchFile(uint32_t file_id) const;
+
+  // Checks that the item's fragments cover its shape exactly once, comparing and dropping
+  // replicas. Errors: kCorrupt naming `where` and the item.
+  Status FinishTensor(Item& item, const std::string& where);
+
+  // Appends an item (in source order) and returns the checkpoint when done.
+  void AddItem(Item item) { ckpt_.items.push_back(std::move(item)); }
+  Checkpoint Take() { return std::move(ckpt_); }
+
+ private:
+  Status DropReplicas(Item& item, const std::vector<std::pair<size_t, size_t>>& replicas);
+  Status CompareReplicas(const Item& item, const slice::Fragment& a, const slice::Fragment& b);
+
+  std::string dir_;
+  Checkpoint ckpt_;
+  std::vector<std::shared_ptr<const ByteSource>> sources_;  // by file id
+  std::shared_ptr<FdCache> fd_cache_ = std::make_shared<FdCache>(FdCache::DefaultCapacity());
+  std::map<std::string, uint32_t> file_ids_;  // rel_path -> file id
+};
+
+// "[1, 2, 3]" for messages.
+std::string JoinInts(const std::vector<int64_t>& v);
+
+}  // namespace ucpfs::index

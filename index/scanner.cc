@@ -1,0 +1,52 @@
+// The registry of source formats (see scanner.h).
+#include "index/scanner.h"
+
+#include <array>
+
+#include "index/dcp_scan.h"
+#include "index/deepspeed_scan.h"
+
+namespace ucpfs::index {
+namespace {
+
+class DcpScanner final : public Scanner {
+ public:
+  std::string_view Name() const override { return "dcp"; }
+  bool Recognizes(const std::string& dir) const override { return IsDcpDirectory(dir); }
+  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
+    return ScanDcp(dir, progress);
+  }
+};
+
+class DeepSpeedFormatScanner final : public Scanner {
+ public:
+  std::string_view Name() const override { return "deepspeed"; }
+  bool Recognizes(const std::string& dir) const override { return IsDeepSpeedDirectory(dir); }
+  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
+    return ScanDeepSpeed(dir, progress);
+  }
+};
+
+}  // namespace
+
+std::span<const Scanner* const> Scanners() {
+  static const DcpScanner dcp;
+  static const DeepSpeedFormatScanner deepspeed;
+  static const std::array<const Scanner*, 2> all = {&dcp, &deepspeed};
+  return all;
+}
+
+Result<const Scanner*> ScannerFor(const std::string& dir) {
+  for (const Scanner* s : Scanners()) {
+    if (s->Recognizes(dir)) return s;
+  }
+  return NotFoundError(dir + " is not a checkpoint ucpfs reads: no DCP metadata (.metadata, __<r>.metadata) "
+                       "and no DeepSpeed save (latest, mp_rank_XX_model_states.pt)");
+}
+
+Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress) {
+  UCPFS_ASSIGN_OR_RETURN(const Scanner* scanner, ScannerFor(dir));
+  return scanner->Scan(dir, progress);
+}
+
+}  // namespace ucpfs::index

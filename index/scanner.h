@@ -1,0 +1,44 @@
+// Scanner: one per source format, behind one interface, each turning a checkpoint directory into
+// an index::Checkpoint with the shared CheckpointBuilder (checkpoint_builder.h). The registry
+// (Scanners) lists them in the order they are tried; ScannerFor picks the first that recognises
+// a directory.
+//
+// Formats: "dcp" (PyTorch DCP, torch 1.13 and 2.x, Megatron-Core torch_dist; dcp_scan.h) and
+// "deepspeed" (a DeepSpeed save directory or one tag of it; deepspeed_scan.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "core/status.h"
+#include "index/checkpoint.h"
+
+namespace ucpfs::index {
+
+// Progress callback: (items done, items total). Called from the scanning thread.
+using ScanProgress = std::function<void(uint64_t done, uint64_t total)>;
+
+class Scanner {
+ public:
+  virtual ~Scanner() = default;
+  // The format's name, as in Checkpoint::format.
+  virtual std::string_view Name() const = 0;
+  // Whether `dir` looks like this format. Cheap: it looks at names and small marker files only.
+  virtual bool Recognizes(const std::string& dir) const = 0;
+  // Errors: the format's own (kNotFound, kCorrupt, kUnsupported, ...), naming the file.
+  virtual Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const = 0;
+};
+
+// Every format, in the order they are tried.
+std::span<const Scanner* const> Scanners();
+
+// The scanner of `dir`. Errors: kNotFound naming the directory and what was looked for.
+Result<const Scanner*> ScannerFor(const std::string& dir);
+
+// ScannerFor(dir)->Scan(dir, progress).
+Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress = nullptr);
+
+}  // namespace ucpfs::index
