@@ -165,7 +165,8 @@ std::string NotFollowed(const std::string& what, const std::string& path, const 
 // The index directory, opened once with O_DIRECTORY|O_NOFOLLOW: a checkpoint may ship its own
 // `.ucpfs/` (data.mdb -> /etc/passwd, or `.ucpfs` -> /etc), so neither the directory nor any
 // file in it is ever reached through a symlink, and everything in it is reached relative to
-// this descriptor, never by path again (nothing can be swapped between a check and a use).
+// this descriptor, never by path again (nothing can be swapped between a check and a use); a
+// file there is opened for I/O only once its pinned inode is known to be a regular file.
 // What ucpfs writes there: `data.mdb`, only ever replaced whole by renaming a file ucpfs created
 // itself over it, and `lock` (the builders' flock). Nothing there is deleted or written in place.
 class IndexDir {
@@ -189,25 +190,43 @@ class IndexDir {
     return IoError("opening index directory " + path + ": " + std::strerror(e), e);
   }
 
+  // Open, creating the directory (and its parents) first when it is absent. A symlink in its
+  // place, dangling or not, is refused by Open, never created through.
+  static Result<IndexDir> OpenOrCreate(const std::string& path) {
+    Result<IndexDir> dir = Open(path);
+    if (dir.ok() || dir.error().code() != StatusCode::kNotFound) return dir;
+    std::error_code ec;
+    fs::create_directories(path, ec);
+    if (ec) return IoError("creating index directory " + path + ": " + ec.message(), ec.value());
+    return Open(path);
+  }
+
   const std::string& path() const { return path_; }
   std::string PathOf(const char* name) const { return path_ + "/" + name; }
 
-  // Opens regular file `name` without following a symlink and without blocking on a FIFO.
-  // Errors: kNotFound; kInvalidArgument (a symlink, or not a regular file); kIo.
+  // Opens regular file `name` for I/O without following a symlink and without opening anything
+  // else: the entry is first pinned with O_PATH|O_NOFOLLOW (which opens no FIFO or device: a
+  // device's open can have effects of its own) and checked with fstat, and only then is that very
+  // inode opened, through its /proc/self/fd link. With O_CREAT a missing file is created O_EXCL
+  // (which also fails on a symlink, dangling or not). Errors: kNotFound; kInvalidArgument (a
+  // symlink, or not a regular file); kIo.
   Result<Fd> OpenFile(const char* name, int flags, struct stat* st) const {
-    Fd fd(::openat(fd_.get(), name, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
-    if (fd.get() < 0) {
+    if ((flags & O_CREAT) != 0) {
+      Fd created(::openat(fd_.get(), name, flags | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
+      if (created.get() >= 0) return StatRegular(std::move(created), name, st);
+      if (errno != EEXIST) return IoError("creating " + PathOf(name) + ": " + std::strerror(errno), errno);
+      flags &= ~O_CREAT;
+    }
+    Fd pinned(::openat(fd_.get(), name, O_PATH | O_NOFOLLOW | O_CLOEXEC));
+    if (pinned.get() < 0) {
       const int e = errno;
-      struct stat lst;
       if (e == ENOENT) return Status(StatusCode::kNotFound, "no " + PathOf(name), e);
-      if (::fstatat(fd_.get(), name, &lst, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISREG(lst.st_mode)) {
-        return InvalidArgumentError(NotFollowed("index file", PathOf(name), lst));
-      }
       return IoError("opening " + PathOf(name) + ": " + std::strerror(e), e);
     }
-    if (::fstat(fd.get(), st) != 0) return IoError("stat " + PathOf(name) + ": " + std::strerror(errno), errno);
-    if (!S_ISREG(st->st_mode)) return InvalidArgumentError(NotFollowed("index file", PathOf(name), *st));
-    return fd;
+    UCPFS_ASSIGN_OR_RETURN(pinned, StatRegular(std::move(pinned), name, st));
+    Fd fd(::open(pinned.ProcPath().c_str(), flags | O_CLOEXEC));
+    if (fd.get() < 0) return IoError("opening " + PathOf(name) + ": " + std::strerror(errno), errno);
+    return StatRegular(std::move(fd), name, st);
   }
 
   // Absent, or a regular file (checked before `name` is replaced).
@@ -268,6 +287,12 @@ class IndexDir {
   }
 
  private:
+  Result<Fd> StatRegular(Fd fd, const char* name, struct stat* st) const {
+    if (::fstat(fd.get(), st) != 0) return IoError("stat " + PathOf(name) + ": " + std::strerror(errno), errno);
+    if (!S_ISREG(st->st_mode)) return InvalidArgumentError(NotFollowed("index file", PathOf(name), *st));
+    return fd;
+  }
+
   std::string TempName() const {
     static std::atomic<uint64_t> counter{0};
     return "data.mdb.tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1)) + "-" +
@@ -398,13 +423,6 @@ Status ReadTable(MDB_txn* txn, MDB_dbi dbi, const std::string& dir, const char* 
     return DataLoss(dir, std::string(table) + ": read " + std::to_string(n) + " records, expected " +
                              std::to_string(expected_count));
   }
-  return Status::Ok();
-}
-
-Status MakeDirs(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return IoError("creating index directory " + dir + ": " + ec.message(), ec.value());
   return Status::Ok();
 }
 
@@ -895,8 +913,7 @@ Result<Checkpoint> LoadFrom(const IndexDir& dir, uint64_t* fingerprint) {
 Status StoreCheckpoint(const std::string& index_dir, const Checkpoint& checkpoint,
                        uint64_t fingerprint) {
   UCPFS_RETURN_IF_ERROR(CheckStorable(index_dir, checkpoint));
-  UCPFS_RETURN_IF_ERROR(MakeDirs(index_dir));
-  UCPFS_ASSIGN_OR_RETURN(IndexDir dir, IndexDir::Open(index_dir));
+  UCPFS_ASSIGN_OR_RETURN(IndexDir dir, IndexDir::OpenOrCreate(index_dir));
   return StoreIn(dir, checkpoint, fingerprint);
 }
 
@@ -1014,15 +1031,22 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
     out.elapsed_s = SecondsSince(t0);
     return true;
   };
+  // One descriptor of the index directory for the whole operation: nothing below reaches it by
+  // path again.
+  UCPFS_ASSIGN_OR_RETURN(IndexDir dir, IndexDir::OpenOrCreate(out.index_dir));
   {
-    // Fast path without the build lock: LMDB readers never see a half-written catalog.
+    // Fast path without the build lock: a published data.mdb is never written again, so this
+    // reads a whole catalog, the old one or the new one.
     uint64_t stored = 0;
-    Result<Checkpoint> loaded = LoadCheckpoint(out.index_dir, false, &stored);
+    Result<Checkpoint> loaded = LoadFrom(dir, &stored);
     if (try_reuse(loaded, stored)) return out;
+    // A symlinked or special data.mdb, or an I/O error: refused before the lock file is created.
+    if (!loaded.ok() && loaded.error().code() != StatusCode::kNotFound &&
+        loaded.error().code() != StatusCode::kDataLoss) {
+      return loaded.error();
+    }
   }
 
-  UCPFS_RETURN_IF_ERROR(MakeDirs(out.index_dir));
-  UCPFS_ASSIGN_OR_RETURN(IndexDir dir, IndexDir::Open(out.index_dir));
   BuildLock lock;
   UCPFS_RETURN_IF_ERROR(lock.Acquire(dir));
   // Under the lock, look again: another process may have just built it.

@@ -9,11 +9,11 @@
 // serialize on a flock of index_dir/lock.
 //
 // The location is untrusted (a checkpoint may ship its own `.ucpfs/`): the directory and the
-// files in it are never reached through a symlink (refused, "not followed"), FIFOs and other
-// special files are refused, a corrupt or crafted data.mdb is replaced by a new file (never
-// written in place, so a hard link to a file elsewhere is never changed), and nothing there is
-// deleted. A loaded index is checked record by record against the real files
-// (ValidateIndexRecords) before it is used.
+// files in it are never reached through a symlink (refused, "not followed"), FIFOs, devices and
+// other special files are refused without being opened, a corrupt or crafted data.mdb is
+// replaced by a new file (never written in place, so a hard link to a file elsewhere is never
+// changed), and nothing there is deleted. A loaded index is checked record by record against
+// the real files (ValidateIndexRecords) before it is used.
 #pragma once
 
 #include <cstdint>

@@ -1,14 +1,21 @@
 // LMDB catalog: record codec (round trip, every truncation, corrupt fields), store/load,
 // schema and record corruption, fingerprinting, OpenOrBuildIndex states (built, reused,
-// rebuilt after a change or corruption, read-only), the build lock across processes, and the
-// default index location.
+// rebuilt after a change or corruption, read-only), the build lock across processes, the
+// untrusted index location (symlinks, FIFOs, hard links, publishing through a temporary file
+// with and without O_TMPFILE, read-only mounts), and the default index location.
 #include "index/catalog.h"
 
 #include <fcntl.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <lmdb.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,11 +24,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <thread>
@@ -71,6 +80,27 @@ void WriteFile(const std::string& path, const std::string& bytes) {
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The names in `dir`, sorted (symlinks listed, not followed).
+std::vector<std::string> ListDir(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// What a file outside the checkpoint must keep: its bytes and its mtime.
+struct FileSnapshot {
+  std::string bytes;
+  int64_t mtime_ns = -1;
+  bool operator==(const FileSnapshot&) const = default;
+};
+
+FileSnapshot Snapshot(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return {};
+  return {ReadFile(path), int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec};
 }
 
 void SetMtime(const std::string& path, int64_t sec, int64_t nsec) {
@@ -592,6 +622,8 @@ TEST(OpenOrBuild, BuildReuseRebuildOnChange) {
   EXPECT_EQ(*scanner.calls, 1);
   EXPECT_EQ(progress_calls, 1u);
   ExpectCheckpointEq(SourceCheckpoint(src), first->checkpoint);
+  // The catalog and the builders' lock, and no temporary file left behind.
+  EXPECT_EQ(ListDir(src + "/.ucpfs"), (std::vector<std::string>{"data.mdb", "lock"}));
 
   Result<OpenedIndex> again = OpenOrBuildIndex(src, opts);
   ASSERT_TRUE(again.ok()) << again.status().ToString();
@@ -607,6 +639,7 @@ TEST(OpenOrBuild, BuildReuseRebuildOnChange) {
   EXPECT_EQ(changed->state, IndexState::kRebuiltChanged);
   EXPECT_EQ(*scanner.calls, 2);
   EXPECT_STREQ(IndexStateName(changed->state), "rebuilt (source changed)");
+  EXPECT_EQ(ListDir(src + "/.ucpfs"), (std::vector<std::string>{"data.mdb", "lock"}));
 
   Result<OpenedIndex> after = OpenOrBuildIndex(src, opts);
   ASSERT_TRUE(after.ok());
@@ -747,8 +780,8 @@ TEST(OpenOrBuild, ReadOnlyNeverWrites) {
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_EQ(ok->state, IndexState::kReused);
   ExpectCheckpointEq(SourceCheckpoint(src), ok->checkpoint);
-  EXPECT_FALSE(fs::exists(opts.index_dir + "/lock.mdb"));  // MDB_NOLOCK: not even a lock file
-  EXPECT_FALSE(fs::exists(opts.index_dir + "/lock"));
+  // MDB_NOLOCK: not even a lock file.
+  EXPECT_EQ(ListDir(opts.index_dir), (std::vector<std::string>{"data.mdb"}));
   EXPECT_EQ(*scanner.calls, 0);
 
   // The writable mode also reads an index it may not write, creating nothing there.
@@ -758,8 +791,7 @@ TEST(OpenOrBuild, ReadOnlyNeverWrites) {
     Result<OpenedIndex> r = OpenOrBuildIndex(src, rw);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->state, IndexState::kReused);
-    EXPECT_FALSE(fs::exists(opts.index_dir + "/lock.mdb"));
-    EXPECT_FALSE(fs::exists(opts.index_dir + "/lock"));
+    EXPECT_EQ(ListDir(opts.index_dir), (std::vector<std::string>{"data.mdb"}));
   }
 
   // Stale: an error that says how to rebuild it, and the source is not scanned.
@@ -979,50 +1011,78 @@ TEST(OpenOrBuild, CraftedIndexRecordsAreRebuiltOrRefused) {
 }
 
 // Symlinks in the index location are never followed: nothing outside is created, written or
-// removed, and the error says what was refused.
+// removed (bytes, mtimes and listings unchanged), and the error says what was refused.
 TEST(OpenOrBuild, SymlinkedIndexLocationIsRefused) {
   TempDir tmp;
   const std::string src = MakeSource(tmp);
   const std::string victim_dir = tmp / "victim";
   fs::create_directories(victim_dir);
   WriteFile(victim_dir + "/data.mdb", "not an index, must survive");
-  // SRC/.ucpfs -> a directory outside.
-  fs::create_directory_symlink(victim_dir, src + "/.ucpfs");
+  SetMtime(victim_dir + "/data.mdb", 1000000000, 7);
+  const std::string victim = tmp / "victim-file";
+  WriteFile(victim, "precious");
+  SetMtime(victim, 1000000000, 11);
+  const std::string dangling = tmp / "would-be-created";
+  const FileSnapshot victim_before = Snapshot(victim);
+  const FileSnapshot victim_index_before = Snapshot(victim_dir + "/data.mdb");
+  const std::vector<std::string> outside_before = ListDir(tmp.path());
+  const std::vector<std::string> victim_dir_before = ListDir(victim_dir);
+  auto expect_outside_unchanged = [&](const std::string& what) {
+    EXPECT_EQ(Snapshot(victim), victim_before) << what;
+    EXPECT_EQ(Snapshot(victim_dir + "/data.mdb"), victim_index_before) << what;
+    EXPECT_EQ(ListDir(tmp.path()), outside_before) << what;
+    EXPECT_EQ(ListDir(victim_dir), victim_dir_before) << what;
+    EXPECT_FALSE(fs::exists(fs::symlink_status(dangling))) << what;
+  };
   FakeScanner scanner;
   IndexOptions opts;
   opts.scanner = scanner.fn();
-  Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.error().message().find("symbolic link"), std::string::npos) << r.error().message();
-  EXPECT_EQ(ReadFile(victim_dir + "/data.mdb"), "not an index, must survive");
-  EXPECT_FALSE(fs::exists(victim_dir + "/lock.mdb"));
-  EXPECT_FALSE(fs::exists(victim_dir + "/lock"));
+
+  // SRC/.ucpfs -> a directory outside, or -> a directory that does not exist (it must not be
+  // created through the link).
+  for (const std::string& target : {victim_dir, dangling}) {
+    fs::remove_all(src + "/.ucpfs");
+    fs::create_directory_symlink(target, src + "/.ucpfs");
+    Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
+    ASSERT_FALSE(r.ok()) << target;
+    EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument) << r.error().ToString();
+    EXPECT_NE(r.error().message().find("index directory " + src + "/.ucpfs is a symbolic link"), std::string::npos)
+        << r.error().message();
+    EXPECT_NE(r.error().message().find("not followed"), std::string::npos) << r.error().message();
+    // The lower-level entry points refuse it too.
+    Status stored = StoreCheckpoint(src + "/.ucpfs", SourceCheckpoint(src), 1);
+    EXPECT_NE(stored.message().find("not followed"), std::string::npos) << stored.ToString();
+    Result<Checkpoint> loaded = LoadCheckpoint(src + "/.ucpfs", true, nullptr);
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_NE(loaded.error().message().find("not followed"), std::string::npos) << loaded.error().ToString();
+    EXPECT_TRUE(fs::is_symlink(src + "/.ucpfs")) << target;  // not removed either
+    expect_outside_unchanged(".ucpfs -> " + target);
+  }
 
   // SRC/.ucpfs/data.mdb and lock -> files outside (or where a file outside would be created):
   // refused. lock.mdb is never opened at all (MDB_NOLOCK), so a link there changes nothing.
-  const std::string victim = tmp / "victim-file";
-  WriteFile(victim, "precious");
-  const std::string dangling = tmp / "would-be-created";
-  for (const std::string& target : {victim, dangling}) {
+  for (const std::string& target : {victim, dangling, victim_dir}) {
     for (const char* name : {"data.mdb", "lock.mdb", "lock"}) {
+      const std::string what = std::string(name) + " -> " + target;
       fs::remove_all(src + "/.ucpfs");
       fs::create_directories(src + "/.ucpfs");
       fs::create_symlink(target, src + "/.ucpfs/" + name);
       Result<OpenedIndex> again = OpenOrBuildIndex(src, opts);
       if (std::string(name) == "lock.mdb") {
         ASSERT_TRUE(again.ok()) << again.status().ToString();
+        EXPECT_EQ(again->state, IndexState::kBuilt);
       } else {
-        ASSERT_FALSE(again.ok()) << name;
-        EXPECT_NE(again.error().message().find("symbolic link"), std::string::npos) << again.error().message();
-        EXPECT_NE(again.error().message().find(name), std::string::npos) << again.error().message();
+        ASSERT_FALSE(again.ok()) << what;
+        EXPECT_EQ(again.error().code(), StatusCode::kInvalidArgument) << again.error().ToString();
+        EXPECT_NE(again.error().message().find(src + "/.ucpfs/" + name + " is a symbolic link"), std::string::npos)
+            << again.error().message();
         EXPECT_NE(again.error().message().find("not followed"), std::string::npos) << again.error().message();
       }
-      EXPECT_EQ(ReadFile(victim), "precious") << name;
-      EXPECT_FALSE(fs::exists(dangling)) << name;
-      EXPECT_TRUE(fs::is_symlink(src + "/.ucpfs/" + name)) << name;  // not removed either
+      EXPECT_TRUE(fs::is_symlink(src + "/.ucpfs/" + name)) << what;  // not removed either
+      expect_outside_unchanged(what);
     }
   }
-  EXPECT_EQ(*scanner.calls, 2);  // the two lock.mdb cases
+  EXPECT_EQ(*scanner.calls, 3);  // the three lock.mdb cases
 }
 
 // A corrupt data.mdb is replaced by a new file renamed over it: a hard link to a file outside
@@ -1059,6 +1119,162 @@ TEST(OpenOrBuild, CorruptIndexIsReplacedNotWritten) {
   EXPECT_EQ(*scanner.calls, 1);
 }
 
+// Runs `body` in a forked child that sees `dir` as a read-only bind mount, in a private mount
+// namespace, where root's access(W_OK) still says yes. Returns the child's exit code: body's, 77
+// when the mount cannot be made here (it needs CAP_SYS_ADMIN), -1 when the child did not exit.
+int ExitCodeOnReadOnlyMount(const std::string& dir, const std::function<int()>& body) {
+  const pid_t pid = ::fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount(dir.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) != 0 ||
+        ::mount(nullptr, dir.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr) != 0) {
+      ::_exit(77);
+    }
+    ::_exit(body());
+  }
+  int status = 0;
+  if (::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+// Makes openat with O_TMPFILE fail with EOPNOTSUPP in this process and its children, as on a
+// filesystem without O_TMPFILE (a seccomp filter). False where that cannot be arranged here.
+bool DenyTmpfileInThisProcess() {
+#if defined(__x86_64__) || defined(__aarch64__)
+#if defined(__x86_64__)
+  constexpr uint32_t kArch = AUDIT_ARCH_X86_64;
+#else
+  constexpr uint32_t kArch = AUDIT_ARCH_AARCH64;
+#endif
+  // The bit O_TMPFILE adds to O_DIRECTORY, in openat's third argument (its low word: both
+  // architectures are little-endian).
+  constexpr uint32_t kTmpfileBit = O_TMPFILE & ~O_DIRECTORY;
+  struct sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kArch, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_openat, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[2])),
+      BPF_STMT(BPF_ALU | BPF_AND | BPF_K, kTmpfileBit),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kTmpfileBit, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EOPNOTSUPP & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog prog = {static_cast<unsigned short>(std::size(filter)), filter};
+  return ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 && ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0;
+#else
+  return false;
+#endif
+}
+
+// An index's life (built, reused, rebuilt when corrupt, refusing to replace a symlink), run in a
+// forked child: 0 when every step went right, else the number of the step that did not.
+int IndexLifeCode(const std::string& src, const std::string& outside) {
+  const std::string index_dir = src + "/.ucpfs";
+  const std::vector<std::string> published = {"data.mdb", "lock"};
+  FakeScanner scanner;
+  IndexOptions opts;
+  opts.scanner = scanner.fn();
+  Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
+  if (!r.ok() || r->state != IndexState::kBuilt || ListDir(index_dir) != published) return 1;
+  r = OpenOrBuildIndex(src, opts);
+  if (!r.ok() || r->state != IndexState::kReused) return 2;
+  std::ofstream(index_dir + "/data.mdb", std::ios::binary | std::ios::trunc) << std::string(20000, '\x42');
+  r = OpenOrBuildIndex(src, opts);
+  if (!r.ok() || r->state != IndexState::kRebuiltCorrupt || ListDir(index_dir) != published) return 3;
+  r = OpenOrBuildIndex(src, opts);
+  if (!r.ok() || r->state != IndexState::kReused) return 4;
+  // A new catalog is written, then refused publication over a symlink: its temporary name (if
+  // it had one) is removed, and nothing else.
+  fs::remove(index_dir + "/data.mdb");
+  fs::create_symlink(outside, index_dir + "/data.mdb");
+  Status stored = StoreCheckpoint(index_dir, SourceCheckpoint(src), r->fingerprint);
+  if (stored.ok() || stored.message().find("not followed") == std::string::npos) return 5;
+  if (ListDir(index_dir) != published || !fs::is_symlink(index_dir + "/data.mdb")) return 6;
+  // StoreCheckpoint into a new directory: the catalog alone (no lock), and it loads.
+  const std::string fresh = src + "/../fresh-index";
+  if (!StoreCheckpoint(fresh, SourceCheckpoint(src), 5).ok()) return 7;
+  uint64_t fingerprint = 0;
+  if (ListDir(fresh) != std::vector<std::string>{"data.mdb"} || !LoadCheckpoint(fresh, true, &fingerprint).ok() ||
+      fingerprint != 5) {
+    return 8;
+  }
+  return 0;
+}
+
+// The catalog is built in a file ucpfs creates (an O_TMPFILE inode, or an O_EXCL name where the
+// filesystem has no O_TMPFILE) and renamed over data.mdb: both ways publish the same catalog
+// and leave no temporary file, even when publishing is refused.
+TEST(OpenOrBuild, CatalogIsPublishedFromATemporaryFileWithOrWithoutOTmpfile) {
+  for (const bool deny_tmpfile : {false, true}) {
+    TempDir tmp;
+    const std::string src = MakeSource(tmp);
+    const std::string outside = tmp / "outside";
+    WriteFile(outside, "outside bytes");
+    const FileSnapshot outside_before = Snapshot(outside);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      if (deny_tmpfile) {
+        if (!DenyTmpfileInThisProcess()) ::_exit(77);
+        // The filter works: the catalog can only be written through a named temporary file.
+        const int fd = ::open(tmp.path().c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0644);
+        if (fd >= 0 || errno != EOPNOTSUPP) ::_exit(9);
+      }
+      ::_exit(IndexLifeCode(src, outside));
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    if (WEXITSTATUS(status) == 77) {
+      std::printf("cannot deny O_TMPFILE here (seccomp): the named-file fallback is not checked\n");
+      continue;
+    }
+    EXPECT_EQ(WEXITSTATUS(status), 0)
+        << (deny_tmpfile ? "without" : "with") << " O_TMPFILE; 1: build, 2: reuse, 3: rebuild of a corrupt index, "
+        << "4: reuse, 5: publishing over a symlink not refused, 6: a file left or removed, 7: store, "
+        << "8: load of a stored index, 9: the seccomp filter did not deny O_TMPFILE";
+    EXPECT_EQ(Snapshot(outside), outside_before);
+  }
+}
+
+// A prebuilt index beside the source, on a read-only mount: read-only mode and the writable mode
+// both reuse it without writing anything (a stale lock.mdb of an older ucpfs is ignored). A
+// child process in a private mount namespace (needs CAP_SYS_ADMIN; skipped without).
+TEST(OpenOrBuild, PrebuiltIndexOnAReadOnlyMountIsReusedWithoutWrites) {
+  TempDir tmp;
+  const std::string src = MakeSource(tmp);
+  const std::string index_dir = src + "/.ucpfs";
+  FakeScanner scanner;
+  IndexOptions build;
+  build.scanner = scanner.fn();
+  ASSERT_TRUE(OpenOrBuildIndex(src, build).ok());
+  WriteFile(index_dir + "/lock.mdb", "an old lock file");
+  const std::vector<std::string> listing_before = ListDir(index_dir);
+  const FileSnapshot index_before = Snapshot(index_dir + "/data.mdb");
+  const int code = ExitCodeOnReadOnlyMount(src, [&] {
+    if (::mkdir((index_dir + "/probe").c_str(), 0755) == 0 || errno != EROFS) return 1;
+    IndexOptions opts;
+    opts.scanner = scanner.fn();
+    opts.read_only = true;  // the default location: SRC/.ucpfs, as it holds data.mdb
+    Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
+    if (!r.ok() || r->state != IndexState::kReused || r->index_dir != index_dir) return 2;
+    opts.read_only = false;
+    opts.index_dir = index_dir;
+    r = OpenOrBuildIndex(src, opts);
+    if (!r.ok() || r->state != IndexState::kReused) return 3;
+    return 0;
+  });
+  if (code == 77) GTEST_SKIP() << "cannot make a read-only bind mount here";
+  EXPECT_EQ(code, 0) << "1: the mount is writable, 2: read-only reuse, 3: writable-mode reuse";
+  EXPECT_EQ(ListDir(index_dir), listing_before);
+  EXPECT_EQ(Snapshot(index_dir + "/data.mdb"), index_before);
+  EXPECT_EQ(*scanner.calls, 1);
+}
+
 // LMDB trusts its pages: a few flipped bytes in data.mdb made it crash (SIGSEGV, SIGBUS). The
 // catalog is read in a child process, so random damage is a clean error (or, where it hit
 // unused bytes, a valid index), never a crash of the caller.
@@ -1090,8 +1306,24 @@ TEST(OpenOrBuild, DamagedLmdbPagesNeverCrashTheReader) {
   EXPECT_GT(n_errors, 0);
 }
 
-// A FIFO in place of data.mdb or lock: refused at once, never blocks.
-TEST(OpenOrBuild, SpecialIndexFilesAreRefused) {
+// Forks a process that opens `fifo` for writing, which blocks until some reader opens it, and
+// returns its pid once it is blocked there (/proc/PID/syscall names the call it waits in).
+pid_t ForkBlockedFifoWriter(const std::string& fifo) {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(::open(fifo.c_str(), O_WRONLY | O_CLOEXEC) >= 0 ? 0 : 1);
+  const std::string waiting_in_open = std::to_string(SYS_openat) + " ";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (pid > 0 && std::chrono::steady_clock::now() < deadline) {
+    if (ReadFile("/proc/" + std::to_string(pid) + "/syscall").rfind(waiting_in_open, 0) == 0) return pid;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return -1;
+}
+
+// A FIFO in place of data.mdb or lock: refused at once, never blocks, and never even opened (a
+// writer blocked on it stays blocked). The same check keeps ucpfs from opening a device node,
+// whose open alone can have effects.
+TEST(OpenOrBuild, SpecialIndexFilesAreRefusedUnopened) {
   TempDir tmp;
   const std::string src = MakeSource(tmp);
   FakeScanner scanner;
@@ -1100,11 +1332,31 @@ TEST(OpenOrBuild, SpecialIndexFilesAreRefused) {
   for (const char* name : {"data.mdb", "lock"}) {
     fs::remove_all(src + "/.ucpfs");
     fs::create_directories(src + "/.ucpfs");
-    ASSERT_EQ(::mkfifo((src + "/.ucpfs/" + name).c_str(), 0644), 0);
+    const std::string fifo = src + "/.ucpfs/" + name;
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+    const pid_t writer = ForkBlockedFifoWriter(fifo);
+    struct Reaper {
+      pid_t pid;
+      ~Reaper() {
+        if (pid > 0 && ::kill(pid, SIGKILL) == 0) ::waitpid(pid, nullptr, 0);
+      }
+    } reaper{writer};
+    ASSERT_GT(writer, 0) << "the writer never blocked in open";
     Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
     ASSERT_FALSE(r.ok()) << name;
-    EXPECT_NE(r.error().message().find("not a regular file"), std::string::npos) << r.error().message();
+    EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument) << r.error().ToString();
+    EXPECT_NE(r.error().message().find(fifo + " is not a regular file"), std::string::npos) << r.error().message();
+    // Had ucpfs opened the FIFO, the writer's open would have returned and the writer exited.
+    bool writer_woke = false;
+    for (int i = 0; i < 500 && !writer_woke; ++i) {
+      int status = 0;
+      writer_woke = ::waitpid(writer, &status, WNOHANG) == writer;
+      if (!writer_woke) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_FALSE(writer_woke) << name << ": ucpfs opened the FIFO";
+    if (writer_woke) reaper.pid = -1;  // reaped already
   }
+  EXPECT_EQ(*scanner.calls, 0);
 }
 
 TEST(DefaultIndexDir, BesideTheSourceWhenWritable) {
@@ -1158,34 +1410,25 @@ TEST(DefaultIndexDir, ReadOnlyMountFallsBackToCache) {
   TempDir tmp;
   const std::string src = MakeSource(tmp);
   const std::string xdg = tmp / "xdg";
-  pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    if (::unshare(CLONE_NEWNS) != 0 ||
-        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
-        ::mount(src.c_str(), src.c_str(), nullptr, MS_BIND, nullptr) != 0 ||
-        ::mount(nullptr, src.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr) != 0) {
-      ::_exit(77);
-    }
+  const int code = ExitCodeOnReadOnlyMount(src, [&] {
     ::setenv("XDG_CACHE_HOME", xdg.c_str(), 1);
-    if (DefaultIndexDir(src) != CacheIndexDir(src)) ::_exit(1);
-    if (fs::exists(src + "/.ucpfs")) ::_exit(2);
+    if (DefaultIndexDir(src) != CacheIndexDir(src)) return 1;
+    if (fs::exists(src + "/.ucpfs")) return 2;
     IndexOptions opts;
-    opts.scanner = [](const std::string& dir, const ScanProgress&) -> Result<Checkpoint> { return SourceCheckpoint(dir); };
+    opts.scanner = [](const std::string& dir, const ScanProgress&) -> Result<Checkpoint> {
+      return SourceCheckpoint(dir);
+    };
     Result<OpenedIndex> r = OpenOrBuildIndex(src, opts);
-    if (!r.ok() || r->state != IndexState::kBuilt || r->index_dir != CacheIndexDir(src)) ::_exit(3);
+    if (!r.ok() || r->state != IndexState::kBuilt || r->index_dir != CacheIndexDir(src)) return 3;
     r = OpenOrBuildIndex(src, opts);
-    if (!r.ok() || r->state != IndexState::kReused) ::_exit(4);
+    if (!r.ok() || r->state != IndexState::kReused) return 4;
     opts.read_only = true;  // a read-only consumer finds the cache index too
     r = OpenOrBuildIndex(src, opts);
-    if (!r.ok() || r->state != IndexState::kReused || r->index_dir != CacheIndexDir(src)) ::_exit(5);
-    ::_exit(0);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot make a read-only bind mount here";
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: wrong dir, 2: probe wrote, 3: build, 4: reuse, 5: read-only reuse";
+    if (!r.ok() || r->state != IndexState::kReused || r->index_dir != CacheIndexDir(src)) return 5;
+    return 0;
+  });
+  if (code == 77) GTEST_SKIP() << "cannot make a read-only bind mount here";
+  EXPECT_EQ(code, 0) << "1: wrong dir, 2: probe wrote, 3: build, 4: reuse, 5: read-only reuse";
   EXPECT_TRUE(fs::is_directory(xdg + "/ucpfs"));  // the child's index landed in the cache
 }
 
