@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <tuple>
 #include <cerrno>
 #include <cstring>
@@ -18,6 +20,7 @@
 #include "core/io/lazy_file_source.h"
 #include "core/views/atomic.h"
 #include "core/views/target.h"
+#include "index/universal_view.h"
 #include "index/view_inputs.h"
 
 namespace ucpfs::fs {
@@ -25,7 +28,7 @@ namespace {
 
 // Mirrors `dir` (relative `rel`) into the tree under `parent`, skipping the index directory.
 Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::string& rel,
-                    size_t* n_files) {
+                    const std::set<std::string>& shadowed, size_t* n_files) {
   const std::string path = rel.empty() ? root : root + "/" + rel;
   DIR* d = ::opendir(path.c_str());
   if (d == nullptr) return IoError(path + ": opendir: " + std::strerror(errno), errno);
@@ -33,7 +36,7 @@ Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::
   while (struct dirent* e = ::readdir(d)) {
     std::string name = e->d_name;
     if (name == "." || name == "..") continue;
-    if (rel.empty() && (name == ".ucpfs" || name == "atomic" || name == "target")) continue;  // shadowed
+    if (rel.empty() && shadowed.count(name) > 0) continue;  // a view's name
     names.push_back(std::move(name));
   }
   ::closedir(d);
@@ -46,7 +49,7 @@ Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::
     if (S_ISDIR(st.st_mode)) {
       UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddDir(parent, name, st.st_mtim));
       UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, st.st_mode, st.st_uid, st.st_gid));  // the source's
-      UCPFS_RETURN_IF_ERROR(MirrorSource(tree, ino, root, child_rel, n_files));
+      UCPFS_RETURN_IF_ERROR(MirrorSource(tree, ino, root, child_rel, shadowed, n_files));
     } else if (S_ISREG(st.st_mode)) {
       Opener open = [child_path]() -> Result<std::shared_ptr<const ByteSource>> {
         UCPFS_ASSIGN_OR_RETURN(auto f, FileSource::Open(child_path));
@@ -158,6 +161,50 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
   return Status::Ok();
 }
 
+// <dir>/ with the universal view's files, and `latest_universal` naming it. Checkpoint files
+// are hard links to their passthrough inodes.
+Status AddUniversal(Tree& tree, const index::UniversalView& u, struct timespec mtime, const ViewAccess& access,
+                    size_t* n_files) {
+  UCPFS_ASSIGN_OR_RETURN(Ino udir, tree.AddDir(kRootIno, u.dir, mtime));
+  for (const auto& f : u.files) {
+    const size_t slash = f.rel_path.rfind('/');
+    Ino parent = udir;
+    if (slash != std::string::npos) {
+      UCPFS_ASSIGN_OR_RETURN(parent, tree.MakeDirs(udir, f.rel_path.substr(0, slash), mtime));
+    }
+    const std::string name = f.rel_path.substr(slash == std::string::npos ? 0 : slash + 1);
+    if (f.source == nullptr) {
+      Ino src = kRootIno;
+      size_t start = 0;
+      while (src != 0 && start <= f.source_rel.size()) {
+        const size_t end = std::min(f.source_rel.find('/', start), f.source_rel.size());
+        const TreeNode* n = tree.Lookup(src, f.source_rel.substr(start, end - start));
+        src = n == nullptr ? 0 : n->ino;
+        start = end + 1;
+      }
+      const TreeNode* node = src == 0 ? nullptr : tree.Get(src);
+      if (node == nullptr || node->is_dir) {
+        return NotFoundError(u.dir + "/" + f.rel_path + ": source file " + f.source_rel + " is not in the mount");
+      }
+      UCPFS_RETURN_IF_ERROR(tree.AddLink(parent, name, src));
+      continue;
+    }
+    const uint64_t n_bytes = f.source->Size();
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, name, n_bytes, mtime, FixedSource(f.source)));
+    UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
+    ++*n_files;
+  }
+  if (!u.latest_universal.empty()) {
+    auto text = std::make_shared<MemorySource>(
+        "latest_universal", std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(u.latest_universal.data()),
+                                                     u.latest_universal.size()));
+    const uint64_t n_bytes = text->Size();
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(kRootIno, "latest_universal", n_bytes, mtime, FixedSource(text)));
+    UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 
@@ -173,14 +220,37 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   }
   const struct timespec mtime = src_st.st_mtim;
 
-  size_t n_passthrough = 0;
-  UCPFS_RETURN_IF_ERROR(MirrorSource(*tree, kRootIno, source_dir, "", &n_passthrough));
-
   // Source files by id, opened on first read.
   auto counters = std::make_shared<IoCounters>();
   const index::FileTable files = index::OpenFileTable(source_dir, ckpt, counters);
-
   const ViewAccess access = AccessOfSources(source_dir, ckpt);
+
+  // DeepSpeed: <tag>_universal/ and latest_universal. A checkpoint the view cannot serve is
+  // still mounted, without it; the reason goes to the log and status.json.
+  std::set<std::string> shadowed = {".ucpfs", "atomic", "target"};
+  std::optional<index::UniversalView> universal;
+  std::string universal_error;
+  {
+    const std::string base = source_dir.substr(source_dir.find_last_of('/') + 1);
+    auto built = index::BuildUniversalView(ckpt, mapping, files, base.empty() ? "checkpoint" : base);
+    if (built.ok()) {
+      universal = std::move(*built);
+    } else {
+      universal_error = built.error().message();
+      std::fprintf(stderr, "ucpfs: warning: no universal view: %s\n", universal_error.c_str());
+    }
+  }
+  if (universal) {
+    shadowed.insert(universal->dir);
+    if (!universal->latest_universal.empty()) shadowed.insert("latest_universal");
+  }
+
+  size_t n_passthrough = 0;
+  UCPFS_RETURN_IF_ERROR(MirrorSource(*tree, kRootIno, source_dir, "", shadowed, &n_passthrough));
+  size_t n_universal = 0;
+  if (universal) {
+    UCPFS_RETURN_IF_ERROR(AddUniversal(*tree, *universal, mtime, access, &n_universal));
+  }
   UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));
   size_t n_atomic = 0;
   uint64_t atomic_bytes = 0;
@@ -307,10 +377,16 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
                       {"target_files", n_target},
                       {"atomic_bytes", atomic_bytes},
                       {"source_files", n_passthrough},
+                      {"universal_files", n_universal},
                       {"items", ckpt.items.size()},
                       {"unmapped_keys", mapping.unmapped_keys.size()}};
   status["target_layouts"] = nlohmann::ordered_json::array();
   for (const auto& l : targets.layouts) status["target_layouts"].push_back(l.name);
+  if (universal) {
+    status["universal"] = {{"dir", universal->dir}, {"latest_universal", universal->latest_universal}};
+  } else if (!universal_error.empty()) {
+    status["universal"] = {{"error", universal_error}};
+  }
   status["unmapped_keys"] = mapping.unmapped_keys;
   status["extra_state"] = nlohmann::ordered_json::array();
   for (const auto& e : target_input->extras) {

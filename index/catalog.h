@@ -28,7 +28,8 @@ namespace ucpfs::index {
 
 // 2: items of torch 2.x checkpoints in the saved state dict's order (planner_data), not the
 // metadata's. 3: source files record device, inode and ctime (checked before serving).
-inline constexpr uint32_t kCatalogSchemaVersion = 3;
+// 4: meta format_info (Checkpoint::format_info).
+inline constexpr uint32_t kCatalogSchemaVersion = 4;
 
 // xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
 // under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not

@@ -47,9 +47,14 @@ struct Item {
 // and no ".." component.
 bool SafeRelativePath(const std::string& p);
 
+inline constexpr size_t kMaxFormatInfoBytes = 1 << 20;
+
 struct Checkpoint {
   std::string format;  // "dcp"
   std::string flavor;  // "torch-1.13", "torch-2.x", "megatron-torch_dist"
+  // Format-specific facts the views need beyond files and items, as JSON text (empty: none).
+  // DeepSpeed: see deepspeed_scan.h. At most kMaxFormatInfoBytes.
+  std::string format_info;
   std::vector<SourceFile> files;
   std::vector<Item> items;
 };

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/checked.h"
 #include "core/format/torch_file.h"
 #include "core/layout/zero.h"
@@ -173,6 +175,44 @@ Result<std::vector<std::vector<Param>>> ParamShapes(const format::TorchFile& tf,
   return out;
 }
 
+// A plain pickled value (None, bool, int, float, str, list, tuple, dict with str keys) as JSON;
+// anything else, or past the bounds, becomes null. For universal_checkpoint_info.
+nlohmann::json PlainJson(const pickle::PickleGraph& g, pickle::NodeId n, int depth, uint64_t* budget) {
+  if (depth > 16 || *budget == 0) return nullptr;
+  --*budget;
+  switch (g.kind(n)) {
+    case pickle::Kind::kBool: return g.bool_value(n);
+    case pickle::Kind::kInt: return g.int_value(n);
+    case pickle::Kind::kFloat: return g.float_value(n);
+    case pickle::Kind::kString: {
+      // JSON text must be UTF-8: keep only strings that are.
+      std::string s(g.text(n));
+      try {
+        (void)nlohmann::json(s).dump();
+      } catch (const nlohmann::json::exception&) {
+        return nullptr;
+      }
+      return s;
+    }
+    case pickle::Kind::kList:
+    case pickle::Kind::kTuple: {
+      nlohmann::json a = nlohmann::json::array();
+      for (pickle::NodeId item : g.items(n)) a.push_back(PlainJson(g, item, depth + 1, budget));
+      return a;
+    }
+    case pickle::Kind::kDict: {
+      nlohmann::json o = nlohmann::json::object();
+      for (const auto& [k, v] : g.dict_items(n)) {
+        if (g.kind(k) != pickle::Kind::kString) continue;
+        nlohmann::json key = PlainJson(g, k, depth + 1, budget);
+        if (key.is_string()) o[key.get<std::string>()] = PlainJson(g, v, depth + 1, budget);
+      }
+      return o;
+    }
+    default: return nullptr;
+  }
+}
+
 class DeepSpeedScanner {
  public:
   explicit DeepSpeedScanner(const std::string& dir) : builder_(dir) {}
@@ -234,10 +274,56 @@ class DeepSpeedScanner {
     for (const std::string& name : module_order) {
       if (auto it = weight_of.find(name); it != weight_of.end()) builder_.AddItem(std::move(it->second));
     }
+    UCPFS_ASSIGN_OR_RETURN(cp.format_info, FormatInfo(model, zero3));
     return builder_.Take();
   }
 
  private:
+  // What the universal view needs beyond items (deepspeed_scan.h, "format_info").
+  Result<std::string> FormatInfo(const format::TorchFile& model, bool zero3) const {
+    nlohmann::json info;
+    info["tag"] = tag_.empty() ? std::string() : tag_;
+    info["zero_stage"] = stage_;
+    info["dp"] = dp_;
+    const pickle::PickleGraph& g = model.graph();
+    uint64_t budget = 100000;
+    const pickle::NodeId uc = Get(g, g.root(), "universal_checkpoint_info");
+    info["universal_checkpoint_info"] =
+        g.kind(uc) == pickle::Kind::kDict ? PlainJson(g, uc, 0, &budget) : nlohmann::json(nullptr);
+    // The files ds_to_universal copies next to zero/: mp_rank_* (ZeRO-1/2, BF16_Optimizer) or
+    // every *model_states.pt (ZeRO-3).
+    nlohmann::json model_files = nlohmann::json::array();
+    if (zero3) {
+      for (const auto& [key, name] : files_.zero3_model) model_files.push_back(Rel(name));
+    } else {
+      for (const auto& [mp, name] : files_.model) model_files.push_back(Rel(name));
+    }
+    info["model_files"] = model_files;
+    info["optimizer_file"] = Rel(files_.optim.begin()->second);
+    // A param group's step when the optimizer keeps it as a Python number (a tensor step is
+    // the item optimizer.state.<name>.step): per group, the number or null.
+    nlohmann::json steps = nlohmann::json::array();
+    const pickle::PickleGraph& og = optim_[0].graph();
+    const pickle::NodeId osd = Get(og, og.root(), "optimizer_state_dict");
+    const pickle::NodeId state = Get(og, Get(og, osd, zero3 ? "optimizer_state_dict" : "base_optimizer_state"), "state");
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      pickle::NodeId group = pickle::kNoNode;
+      for (const auto& [k, v] : Pairs(og, state)) {
+        if (IntOf(og, k) == static_cast<int64_t>(gi)) group = v;
+      }
+      const pickle::NodeId step = Get(og, group, "step");
+      const pickle::Kind kind = og.kind(step);
+      steps.push_back(kind == pickle::Kind::kInt || kind == pickle::Kind::kFloat ? PlainJson(og, step, 0, &budget)
+                                                                                  : nlohmann::json(nullptr));
+    }
+    info["number_steps"] = steps;
+    std::string text = info.dump();
+    if (text.size() > kMaxFormatInfoBytes) {
+      return CorruptError(builder_.source(optim_ids_[0])->Name() + ": universal_checkpoint_info is too large");
+    }
+    return text;
+  }
+
   std::string Rel(const std::string& name) const { return tag_dir_.empty() ? name : tag_dir_ + "/" + name; }
 
   Status FindTag() {

@@ -11,6 +11,13 @@
 // partition sizes and paddings: padding never reaches a tensor), and `.step` per parameter
 // (its param group's step).
 //
+// Checkpoint::format_info (JSON), what the universal view (universal_view.h) needs beyond the
+// items: {"tag": the tag directory ("" when the directory is the tag), "zero_stage": 1, 2, 3 or
+// 0 (BF16_Optimizer), "dp": ranks, "universal_checkpoint_info": the model states' dict as plain
+// JSON (non-plain values null) or null, "model_files": the model-states files ds_to_universal
+// copies (relative paths), "optimizer_file": dp rank 0's optimizer file, "number_steps": per
+// param group, its step when kept as a Python number, else null}.
+//
 // Not yet: tensor- or pipeline-parallel saves (several mp ranks, layer files) and MoE expert
 // files are refused with kUnsupported naming the file. Every other inconsistency (a missing dp
 // rank, a partition of the wrong size, shapes or mappings that disagree) is kCorrupt naming the

@@ -1,5 +1,6 @@
 #include "core/format/plain_value.h"
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -88,10 +89,16 @@ class Decoder {
       case pickle::Kind::kTensor: {
         UCPFS_ASSIGN_OR_RETURN(auto rec, ResolveTensor(*blob_, tf_.archive(), g_, id, path));
         if (!rec.contiguous) return Unsupported(path, "a tensor that is not contiguous");
-        return SaveValue::Tensor(rec.dtype, rec.shape,
-                                 std::make_shared<BlobTensorProvider>(blob_, rec.data_offset));
+        if (limits_.keep_objects && g_.tensor(id).is_parameter) return Unsupported(path, "a Parameter");
+        SaveTensor t{rec.dtype, rec.shape, std::make_shared<BlobTensorProvider>(blob_, rec.data_offset)};
+        t.requires_grad = g_.tensor(id).requires_grad;
+        return SaveValue::Tensor(std::move(t));
       }
+      case pickle::Kind::kGlobal:
+        if (!limits_.keep_objects) return Unsupported(path, "a global");
+        return SaveValue::Global(std::string(g_.module(id)), std::string(g_.name(id)));
       case pickle::Kind::kObject: {
+        if (limits_.keep_objects) return Object(id, path, depth);
         const pickle::NodeId callable = g_.object(id).callable;
         std::string what = "an object";
         if (g_.kind(callable) == pickle::Kind::kGlobal) {
@@ -105,6 +112,34 @@ class Decoder {
   }
 
  private:
+  Result<SaveValue> Object(pickle::NodeId id, const std::string& path, uint32_t depth) {
+    const pickle::ObjectInfo o = g_.object(id);
+    if (o.kwargs != pickle::kNoNode) return Unsupported(path, "an object built with keyword arguments");
+    UCPFS_ASSIGN_OR_RETURN(auto callable, Value(o.callable, Child(path, "<callable>"), depth + 1));
+    SaveValue args = SaveValue::Tuple();
+    if (o.args != pickle::kNoNode) {
+      if (g_.kind(o.args) != pickle::Kind::kTuple) return Unsupported(path, "an object whose arguments are not a tuple");
+      UCPFS_ASSIGN_OR_RETURN(args, Value(o.args, Child(path, "<args>"), depth + 1));
+    }
+    std::optional<SaveValue> state;
+    if (o.state != pickle::kNoNode) {
+      UCPFS_ASSIGN_OR_RETURN(state, Value(o.state, Child(path, "<state>"), depth + 1));
+    }
+    std::vector<SaveValue> list_items;
+    for (pickle::NodeId item : o.list_items) {
+      UCPFS_ASSIGN_OR_RETURN(auto v, Value(item, Child(path, "<item>"), depth + 1));
+      list_items.push_back(std::move(v));
+    }
+    SaveValue::DictItems dict_items;
+    for (const auto& [k, v] : o.dict_items) {
+      UCPFS_ASSIGN_OR_RETURN(auto key, Value(k, Child(path, "<key>"), depth + 1));
+      UCPFS_ASSIGN_OR_RETURN(auto value, Value(v, Child(path, "<value>"), depth + 1));
+      dict_items.emplace_back(std::move(key), std::move(value));
+    }
+    return SaveValue::Object(std::move(callable), std::move(args), o.newobj, std::move(state),
+                             std::move(list_items), std::move(dict_items));
+  }
+
   std::string Where(const std::string& path) const {
     return blob_->Name() + ": at " + (path.empty() ? std::string("the root") : "'" + path + "'") + ": ";
   }
@@ -127,8 +162,14 @@ class Decoder {
 
 Result<SaveValue> DecodePlainValue(std::shared_ptr<const ByteSource> blob, const PlainValueLimits& limits) {
   UCPFS_ASSIGN_OR_RETURN(auto tf, TorchFile::Open(blob));
-  Decoder d(tf, blob, limits);
-  return d.Value(tf.graph().root(), "", 0);
+  return DecodeValueAt(tf, std::move(blob), tf.graph().root(), limits);
+}
+
+Result<SaveValue> DecodeValueAt(const TorchFile& tf, std::shared_ptr<const ByteSource> file, uint32_t node,
+                                const PlainValueLimits& limits) {
+  if (node >= tf.graph().size()) return InvalidArgumentError(file->Name() + ": no pickle node " + std::to_string(node));
+  Decoder d(tf, std::move(file), limits);
+  return d.Value(node, "", 0);
 }
 
 }  // namespace ucpfs::format

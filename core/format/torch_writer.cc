@@ -72,7 +72,28 @@ bool SaveValue::SameAs(const SaveValue& o) const {
       return true;
     case Kind::kTensor:
       return tensor_.dtype == o.tensor_.dtype && tensor_.shape == o.tensor_.shape &&
-             tensor_.provider == o.tensor_.provider;
+             tensor_.provider == o.tensor_.provider && tensor_.requires_grad == o.tensor_.requires_grad;
+    case Kind::kGlobal: return string_ == o.string_ && name_ == o.name_;
+    case Kind::kObject: {
+      auto same = [](const std::vector<SaveValue>& a, const std::vector<SaveValue>& b) {
+        if (a.size() != b.size()) return false;
+        for (size_t i = 0; i < a.size(); ++i) {
+          if (!a[i].SameAs(b[i])) return false;
+        }
+        return true;
+      };
+      if (newobj_ != o.newobj_ || !same(parts_, o.parts_) || !same(items_, o.items_) ||
+          dict_items_.size() != o.dict_items_.size()) {
+        return false;
+      }
+      for (size_t i = 0; i < dict_items_.size(); ++i) {
+        if (!dict_items_[i].first.SameAs(o.dict_items_[i].first) ||
+            !dict_items_[i].second.SameAs(o.dict_items_[i].second)) {
+          return false;
+        }
+      }
+      return true;
+    }
   }
   return false;
 }
@@ -123,6 +144,27 @@ SaveValue SaveValue::Tensor(DType dtype, std::vector<int64_t> shape,
   return Tensor(SaveTensor{dtype, std::move(shape), std::move(provider)});
 }
 
+SaveValue SaveValue::Global(std::string module, std::string name) {
+  SaveValue s;
+  s.kind_ = Kind::kGlobal;
+  s.string_ = std::move(module);
+  s.name_ = std::move(name);
+  return s;
+}
+
+SaveValue SaveValue::Object(SaveValue callable, SaveValue args, bool newobj, std::optional<SaveValue> state,
+                            std::vector<SaveValue> list_items, DictItems dict_items) {
+  SaveValue s;
+  s.kind_ = Kind::kObject;
+  s.parts_.push_back(std::move(callable));
+  s.parts_.push_back(std::move(args));
+  if (state) s.parts_.push_back(std::move(*state));
+  s.newobj_ = newobj;
+  s.items_ = std::move(list_items);
+  s.dict_items_ = std::move(dict_items);
+  return s;
+}
+
 SaveValue& SaveValue::Append(SaveValue item) {
   assert(kind_ == Kind::kList || kind_ == Kind::kTuple);
   if (kind_ == Kind::kList || kind_ == Kind::kTuple) items_.push_back(std::move(item));
@@ -149,13 +191,15 @@ constexpr uint64_t kZip64EocdBytes = 56;
 constexpr uint64_t kZip64LocatorBytes = 20;
 constexpr uint64_t kEocdBytes = 22;
 
-// Pickle opcodes (protocol 2), only those both weights_only unpicklers accept (+ BINFLOAT).
+// Pickle opcodes (protocol 2), only those both weights_only unpicklers accept (+ BINFLOAT, and
+// NEWOBJ/BUILD for SaveValue::Object).
 namespace op {
 constexpr uint8_t kProto = 0x80, kStop = '.', kMark = '(', kGlobal = 'c', kReduce = 'R',
                   kBinPersId = 'Q', kTuple = 't', kEmptyTuple = ')', kTuple1 = 0x85, kTuple2 = 0x86,
                   kTuple3 = 0x87, kEmptyDict = '}', kSetItems = 'u', kEmptyList = ']',
                   kAppends = 'e', kBinUnicode = 'X', kBinInt1 = 'K', kBinInt2 = 'M', kBinInt = 'J',
-                  kLong1 = 0x8a, kNone = 'N', kNewTrue = 0x88, kNewFalse = 0x89, kBinFloat = 'G';
+                  kLong1 = 0x8a, kNone = 'N', kNewTrue = 0x88, kNewFalse = 0x89, kBinFloat = 'G',
+                  kNewObj = 0x81, kBuild = 'b';
 }  // namespace op
 
 bool IsQuantized(DType dtype) {
@@ -413,7 +457,7 @@ class PickleEncoder {
     Int(0);  // storage_offset
     IntTuple(t.shape);
     IntTuple(m.strides);
-    Op(op::kNewFalse);   // requires_grad
+    Op(t.requires_grad ? op::kNewTrue : op::kNewFalse);
     EmptyOrderedDict();  // backward_hooks
     if (!legacy) Global("torch", TorchName(t.dtype));
     Op(op::kTuple);
@@ -500,8 +544,45 @@ class PickleEncoder {
         return Dict(v, path);
       case SaveValue::Kind::kTensor:
         return Tensor(v.tensor(), path);
+      case SaveValue::Kind::kGlobal:
+        if (v.string_value().empty() || v.global_name().empty() ||
+            v.string_value().find('\n') != std::string::npos || v.global_name().find('\n') != std::string::npos) {
+          return InvalidArgumentError(path.ToString() + ": a global needs a module and a name without newlines");
+        }
+        Global(v.string_value(), v.global_name());
+        return Status::Ok();
+      case SaveValue::Kind::kObject:
+        return Object(v, path);
     }
     return InternalError(path.ToString() + ": unknown SaveValue kind");
+  }
+
+  Status Object(const SaveValue& v, const Path& path) {
+    const auto& parts = v.object_parts();
+    if (parts.size() < 2 || parts[1].kind() != SaveValue::Kind::kTuple) {
+      return InvalidArgumentError(path.ToString() + ": an object needs a callable and an argument tuple");
+    }
+    UCPFS_RETURN_IF_ERROR(Value(parts[0], path.Child("<callable>")));
+    UCPFS_RETURN_IF_ERROR(Value(parts[1], path.Child("<args>")));
+    Op(v.newobj() ? op::kNewObj : op::kReduce);
+    const auto& items = v.items();
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (i % kBatch == 0) Op(op::kMark);
+      UCPFS_RETURN_IF_ERROR(Value(items[i], path.Child(static_cast<int64_t>(i))));
+      if (i % kBatch == kBatch - 1 || i + 1 == items.size()) Op(op::kAppends);
+    }
+    const auto& dict = v.dict_items();
+    for (size_t i = 0; i < dict.size(); ++i) {
+      if (i % kBatch == 0) Op(op::kMark);
+      UCPFS_RETURN_IF_ERROR(Value(dict[i].first, path.Child("<key>")));
+      UCPFS_RETURN_IF_ERROR(Value(dict[i].second, path.Child("<value>")));
+      if (i % kBatch == kBatch - 1 || i + 1 == dict.size()) Op(op::kSetItems);
+    }
+    if (v.has_state()) {
+      UCPFS_RETURN_IF_ERROR(Value(parts[2], path.Child("<state>")));
+      Op(op::kBuild);
+    }
+    return Status::Ok();
   }
 
   Status Dict(const SaveValue& v, const Path& path) {

@@ -5,7 +5,8 @@
 // byte range, filling tensor bytes from each tensor's TensorBytesProvider.
 //
 // Not for: reading torch files (zip_reader.h, pickle.h), views that share a storage, tensors
-// that are not contiguous, quantized tensors, Parameters, or arbitrary Python objects.
+// that are not contiguous, quantized tensors, or Parameters. Instances of other classes are
+// only re-emitted as a source pickle built them (SaveValue::Global/Object).
 //
 // Layout (what torch 2.x's torch.save emits through PyTorchStreamWriter + miniz; torch 1.13
 // loads it too). Records, in this order, under "<prefix>/":
@@ -56,6 +57,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -82,12 +84,15 @@ struct SaveTensor {
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;  // empty: 0-d tensor (one element)
   std::shared_ptr<const TensorBytesProvider> provider;
+  bool requires_grad = false;  // the tensor's requires_grad flag as torch.load restores it
 };
 
 // Description of the object to pickle. A value type; containers own their children.
 class SaveValue {
  public:
-  enum class Kind : uint8_t { kNone, kBool, kInt, kFloat, kString, kBytes, kList, kTuple, kDict, kTensor };
+  enum class Kind : uint8_t {
+    kNone, kBool, kInt, kFloat, kString, kBytes, kList, kTuple, kDict, kTensor, kGlobal, kObject
+  };
   using DictItems = std::vector<std::pair<SaveValue, SaveValue>>;
 
   SaveValue() = default;  // None
@@ -109,6 +114,16 @@ class SaveValue {
   static SaveValue Tensor(SaveTensor tensor);
   static SaveValue Tensor(DType dtype, std::vector<int64_t> shape,
                           std::shared_ptr<const TensorBytesProvider> provider);
+  // A class or function reference (pickle GLOBAL `module\nname`): neither may hold a newline.
+  // Files holding globals other than the writer's own load only with weights_only=False.
+  static SaveValue Global(std::string module, std::string name);
+  // An instance re-emitted as its pickle built it: `callable` (usually a Global) applied to
+  // `args` (a tuple) by REDUCE, or by NEWOBJ when `newobj`; then `list_items` (APPENDS),
+  // `dict_items` (SETITEMS, keys of any kind) and, when `state` is given, BUILD with it.
+  // Nothing is checked about what the callable does: the reader that loads the file runs it.
+  static SaveValue Object(SaveValue callable, SaveValue args, bool newobj,
+                          std::optional<SaveValue> state = std::nullopt,
+                          std::vector<SaveValue> list_items = {}, DictItems dict_items = {});
 
   // Builders for containers. Append: list or tuple; Set: dict (appends; no lookup).
   // Calling them on another kind is a programming error (asserts; ignored in release).
@@ -131,6 +146,13 @@ class SaveValue {
   const std::vector<SaveValue>& items() const { return items_; }  // list, tuple
   const DictItems& dict_items() const { return dict_items_; }     // dict
   const SaveTensor& tensor() const { return tensor_; }
+  // kGlobal: module in string_value(), name in global_name(). kObject: object_parts() is
+  // {callable, args[, state]}, has_state(), newobj(); items() and dict_items() are its
+  // APPENDS and SETITEMS.
+  const std::string& global_name() const { return name_; }
+  const std::vector<SaveValue>& object_parts() const { return parts_; }
+  bool has_state() const { return parts_.size() == 3; }
+  bool newobj() const { return newobj_; }
 
  private:
   Kind kind_ = Kind::kNone;
@@ -139,6 +161,9 @@ class SaveValue {
   int64_t int_ = 0;
   double float_ = 0;
   std::string string_;
+  std::string name_;              // kGlobal
+  std::vector<SaveValue> parts_;  // kObject: callable, args[, state]
+  bool newobj_ = false;           // kObject
   std::vector<SaveValue> items_;
   DictItems dict_items_;
   SaveTensor tensor_;

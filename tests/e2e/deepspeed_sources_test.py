@@ -11,8 +11,15 @@ For each, mounted at the save directory (`latest` -> global_step3/):
     safe_get_full_fp32_param / safe_get_full_optimizer_state bit for bit (padding never leaks:
     shapes are the parameters' own);
  3. the source files are passed through, and target/tp1_pp1_dp2/rank_*/model.pt and optim.pt
-    load with torch.load's defaults.
-The tag directory itself mounts the same atomic bytes. Inconsistent saves give a clear error
+    load with torch.load's defaults;
+ 4. global_step3_universal/ equals, file by file, what the installed ds_to_universal writes for
+    the same tag (same files; same pickled objects: dict keys in order, tensors bit for bit with
+    their dtype, shape and requires_grad, DeepSpeed's LossScaler and ZeroStageEnum objects), and
+    latest_universal names it;
+ 5. a DeepSpeed engine with checkpoint.load_universal resumes from the mount at dp=1 and dp=3
+    (zero2_bf16, zero3, bf16_optimizer) with losses equal, bit for bit, to the same resume from
+    ds_to_universal's output.
+The tag directory itself mounts the same atomic bytes, and its universal view. Inconsistent saves give a clear error
 naming the file: a missing dp rank, a truncated optimizer file, a second model-parallel rank
 (tensor/pipeline parallel: not supported yet).
 
@@ -36,10 +43,58 @@ CASES = [("zero1", 3), ("zero2_bf16", 2), ("zero1_fp16", 2), ("bf16_optimizer", 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
+RESUME_CASES = ("zero2_bf16", "zero3", "bf16_optimizer")
+
+
 def generate(work, case, ranks):
     out = os.path.join(work, case)
     run([sys.executable, GEN, "save", out, "--case", case, "--ranks", str(ranks)], timeout=600)
     return out
+
+
+def ds_to_universal(work, case, src):
+    """The installed converter's output for src's tag, in a directory of its own."""
+    out = os.path.join(work, case + "-ds")
+    os.makedirs(out)
+    run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         os.path.join(src, "global_step3"), "--output_folder", os.path.join(out, "global_step3_universal"),
+         "--num_extract_workers", "1", "--num_merge_workers", "1"], timeout=600)
+    return out
+
+
+def same_object(a, b, path):
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        assert torch.is_tensor(a) and torch.is_tensor(b), path
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), \
+            (path, a.dtype, b.dtype, a.shape, b.shape, a.requires_grad, b.requires_grad)
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+        return
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            same_object(a[k], b[k], path + [k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_object(x, y, path + [i])
+    elif hasattr(a, "__dict__"):
+        same_object(vars(a), vars(b), path + ["__dict__"])
+    else:
+        assert a == b, (path, a, b)
+
+
+def files_under(d):
+    return sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) for f in fs)
+
+
+def universal_equals(got, want):
+    """Every file of `want` (ds_to_universal's folder) is in `got` and loads to the same object."""
+    assert files_under(got) == files_under(want), set(files_under(got)) ^ set(files_under(want))
+    for f in files_under(want):
+        same_object(torch.load(os.path.join(got, f), weights_only=False),
+                    torch.load(os.path.join(want, f), weights_only=False), [f])
+    return len(files_under(want))
 
 
 def atomic_equals_truth(m, truth):
@@ -76,7 +131,23 @@ def check_case(work, case, ranks):
             optim = torch.load(os.path.join(d, "optim.pt"))
             assert set(model) == {k for k in truth if k != "__step__"}, sorted(model)
             assert "param_groups" in optim
+        ds = ds_to_universal(work, case, src)
+        assert open(os.path.join(m, "latest_universal")).read() == "global_step3_universal"
+        n_universal = universal_equals(os.path.join(m, "global_step3_universal"),
+                                       os.path.join(ds, "global_step3_universal"))
+        assert n_universal > 3 * (len(truth) - 1), n_universal
+        if case in RESUME_CASES:
+            for dp in (1, 3):
+                losses = [resume(case, d, dp) for d in (m, ds)]
+                assert losses[0] == losses[1], (dp, losses)
     return n
+
+
+def resume(case, ckpt_dir, ranks):
+    """The 3 losses after load_checkpoint(ckpt_dir) with checkpoint.load_universal (latest_universal)."""
+    r = run([sys.executable, GEN, "resume", ckpt_dir, "--case", case, "--ranks", str(ranks), "--universal"],
+            timeout=600)
+    return json.loads(r.stdout.strip().splitlines()[-1])["losses"]
 
 
 def tag_directory_mounts(work):
@@ -85,6 +156,10 @@ def tag_directory_mounts(work):
     truth = torch.load(src + "_truth.pt")
     with mounted(tag, os.path.join(work, "mnt-tag")) as (m, _):
         atomic_equals_truth(m, truth)
+        # Named after the directory; no `latest`, so no latest_universal.
+        universal_equals(os.path.join(m, "global_step3_universal"),
+                         os.path.join(work, "zero1-ds", "global_step3_universal"))
+        assert not os.path.exists(os.path.join(m, "latest_universal"))
 
 
 def clean_error(cmd, must):
@@ -126,7 +201,10 @@ def main():
     res = Results("deepspeed_sources")
     with tmpdir("ucpfs-deepspeed-") as work:
         for case, ranks in CASES:
-            res.check(f"{case} ({ranks} ranks): atomic fp32/exp_avg/exp_avg_sq equal the engine's, bit for bit",
+            res.check(f"{case} ({ranks} ranks): atomic fp32/exp_avg/exp_avg_sq equal the engine's, bit for bit; "
+                      "global_step3_universal equals ds_to_universal's output"
+                      + ("; load_universal from the mount at dp=1 and dp=3 trains bit for bit as from it"
+                         if case in RESUME_CASES else ""),
                       lambda case=case, ranks=ranks: check_case(work, case, ranks))
         res.check("a tag directory mounts by itself", lambda: tag_directory_mounts(work))
         res.check("inconsistent saves: clear errors naming the file", lambda: inconsistent_saves(work))

@@ -108,6 +108,52 @@ TEST(PlainValue, RefusesObjectsWithThePath) {
   EXPECT_NE(msg.find("evilmodule.OrderedDictX"), std::string::npos) << msg;
 }
 
+// keep_objects: instances are re-emitted as their pickle built them (what DeepSpeed's universal
+// optimizer_state.pt needs: a NEWOBJ + BUILD LossScaler, a REDUCE enum), tensors keep
+// requires_grad; the writer's output decodes to the same description again.
+TEST(PlainValue, KeepsObjectsAndRequiresGrad) {
+  std::vector<std::byte> data(8, std::byte{7});
+  SaveTensor t{DType::kFloat32, {2}, std::make_shared<BytesProvider>(data)};
+  t.requires_grad = true;
+  SaveValue state = SaveValue::Dict();
+  state.Set("cur_scale", SaveValue::Float(1.0));
+  state.Set("dynamic", SaveValue::Bool(false));
+  SaveValue scaler = SaveValue::Object(SaveValue::Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                                       SaveValue::Tuple(), /*newobj=*/true, state);
+  SaveValue stage = SaveValue::Object(SaveValue::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                                      SaveValue::Tuple({SaveValue::Int(3)}), /*newobj=*/false);
+  SaveValue listy = SaveValue::Object(SaveValue::Global("m", "MyList"), SaveValue::Tuple(), true, std::nullopt,
+                                      {SaveValue::Int(1), SaveValue::Int(2)},
+                                      {{SaveValue::Str("k"), SaveValue::Int(3)}});
+  SaveValue root = SaveValue::Dict();
+  root.Set("loss_scaler", scaler);
+  root.Set("zero_stage", stage);
+  root.Set("listy", listy);
+  root.Set("dtype", SaveValue::Global("torch", "float32"));
+  root.Set("fp32", SaveValue::Tensor(t));
+
+  // Plain decoding refuses the objects; keep_objects brings them back.
+  EXPECT_EQ(DecodePlainValue(Saved(root)).status().code(), StatusCode::kUnsupported);
+  PlainValueLimits keep;
+  keep.keep_objects = true;
+  auto decoded = DecodePlainValue(Saved(root), keep);
+  ASSERT_TRUE(decoded.ok()) << decoded.error().ToString();
+  const auto& items = decoded->dict_items();
+  ASSERT_EQ(items.size(), 5u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(items[i].second.SameAs(root.dict_items()[i].second)) << i;
+  const SaveValue& got = items[4].second;
+  ASSERT_EQ(got.kind(), SaveValue::Kind::kTensor);
+  EXPECT_TRUE(got.tensor().requires_grad);
+  EXPECT_EQ(TensorBytes(got), data);
+  EXPECT_TRUE(items[0].second.newobj());
+  EXPECT_TRUE(items[0].second.has_state());
+  EXPECT_FALSE(items[1].second.newobj());
+
+  // A global holding a newline would inject pickle opcodes: refused by the writer.
+  SaveValue bad = SaveValue::Global("os\nsystem", "x");
+  EXPECT_EQ(LazyTorchFile::Build(bad, "bad.pt").status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(PlainValue, BoundsNesting) {
   SaveValue v = SaveValue::Int(1);
   for (int i = 0; i < 80; ++i) v = SaveValue::List({v});

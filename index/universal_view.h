@@ -1,0 +1,58 @@
+// The universal view of a DeepSpeed checkpoint: `<tag>_universal/`, holding what DeepSpeed's
+// `ds_to_universal` writes for the same tag (research/deepspeed.md §3), so that an engine with
+// `checkpoint.load_universal` resumes from the mount on any data-parallel size:
+//   zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt  the consolidated states, as ds_to_universal
+//       pickles them. ZeRO-1/2 and BF16_Optimizer: a dict {[cat_dim], [param_n_sub_params],
+//       [vocab_tensor], 'param'} by the checkpoint's universal_checkpoint_info (tp-replicated or
+//       averaged: no keys; two sub-parameters: cat_dim 0 and param_n_sub_params 2; row-parallel:
+//       cat_dim 1; otherwise cat_dim 0; vocabulary parameters stripped to original_vocab_size
+//       rows and marked vocab_tensor), the tensor in its stored dtype, fp32 with
+//       requires_grad=True. ZeRO-3: the bare flat tensor (ds_to_universal's stage-3 output).
+//   zero/<param>/step.pt   the param group's step (ZeRO-1/2, BF16_Optimizer; a tensor step)
+//   zero/<param>/fp32.pt   also for module tensors without optimizer state: {'param': fp32}
+//   zero/optimizer_state.pt  dp rank 0's optimizer_state_dict without its partitions, plus
+//       'param_groups' (ZeRO-3: the whole dict, partitions included), re-emitted as pickled
+//       (DeepSpeed's LossScaler and ZeroStageEnum objects stay objects)
+//   <model states files>   the tag's mp_rank_* files (ZeRO-3: every *model_states.pt), as is.
+// Every file is lazy: sizes and headers from the index and rank 0's optimizer pickle; tensor
+// bytes gathered from the partitions when read.
+//
+// Not for: tensor- or pipeline-parallel saves, MoE/AutoEP experts, parameters declared with
+// `parameter_with_sub_params` or an `affine_map` (kUnsupported naming the parameter), Python-number
+// steps (step.pt is served only for a tensor step).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/byte_source.h"
+#include "core/status.h"
+#include "index/checkpoint.h"
+#include "index/key_map.h"
+#include "index/view_inputs.h"
+
+namespace ucpfs::index {
+
+struct UniversalFile {
+  std::string rel_path;  // under the universal directory, e.g. "zero/<param>/fp32.pt"
+  std::shared_ptr<const ByteSource> source;  // a virtual file, or null for a checkpoint file:
+  std::string source_rel;                    // that file, relative to the checkpoint, served as is
+};
+
+struct UniversalView {
+  std::string dir;               // "<tag>_universal"
+  std::string latest_universal;  // the content of `latest_universal` ("" when no `latest`)
+  std::vector<UniversalFile> files;
+};
+
+// The universal view of a "deepspeed" checkpoint; nullopt for other formats. `source_name` is
+// the mounted directory's name, used as the tag when the directory is itself the tag.
+// Errors: kUnsupported (see above), kCorrupt (format_info or rank 0's optimizer file is not what
+// the scanner saw), each naming the file or parameter.
+Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& checkpoint, const KeyMapping& mapping,
+                                                        const FileTable& files, const std::string& source_name);
+
+}  // namespace ucpfs::index
