@@ -154,14 +154,17 @@ int RunConvert(const ConvertArgs& args) {
   auto counters = std::make_shared<IoCounters>();
   const Files files = index::OpenFileTable(src, ckpt, counters);
 
+  auto patterns = index::PatternOptionsFor(ckpt, *preset, rules);
+  if (!patterns.ok()) return Fail(patterns.error());
   std::vector<Job> jobs;
   if (!layouts.empty()) {
     auto input = index::MakeTargetInput(ckpt, *mapping, files, [](const std::string& w) {
       std::cerr << "ucpfs convert: warning: " << w << '\n';
     });
     if (!input.ok()) return Fail(input.error());
-    (*input)->preset = *preset;
-    (*input)->rules = rules;
+    (*input)->preset = patterns->preset;
+    (*input)->rules = patterns->rules;
+    (*input)->vocab_size = patterns->vocab_size;
     (*input)->pp_split = pp_split;
     std::shared_ptr<const views::TargetInput> shared = *input;
     for (const auto& l : layouts) {
@@ -179,7 +182,7 @@ int RunConvert(const ConvertArgs& args) {
     }
   }
   if (args.atomic) {
-    auto views = index::BuildAtomicViews(ckpt, *mapping, files);
+    auto views = index::BuildAtomicViews(ckpt, *mapping, files, *patterns);
     if (!views.ok()) return Fail(views.error());
     for (auto& v : *views) jobs.push_back({"atomic/" + v.dir + "/" + v.file, std::move(v.source)});
   }

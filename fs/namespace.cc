@@ -81,14 +81,16 @@ Opener FixedSource(std::shared_ptr<const ByteSource> src) {
 Result<std::shared_ptr<const views::TargetInput>> MakeSharedTargetInput(const index::Checkpoint& checkpoint,
                                                                        const index::KeyMapping& mapping,
                                                                        const index::FileTable& files,
-                                                                       const TargetOptions& targets) {
+                                                                       const TargetOptions& targets,
+                                                                       const index::PatternOptions& patterns) {
   auto made = index::MakeTargetInput(checkpoint, mapping, files, [](const std::string& w) {
     std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
   });
   UCPFS_RETURN_IF_ERROR(made.status());
   std::shared_ptr<views::TargetInput> in = *made;
-  in->preset = targets.preset;
-  in->rules = targets.rules;
+  in->preset = patterns.preset;
+  in->rules = patterns.rules;
+  in->vocab_size = patterns.vocab_size;
   in->pp_split = targets.pp_split;
   return std::shared_ptr<const views::TargetInput>(std::move(in));
 }
@@ -254,7 +256,9 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));
   size_t n_atomic = 0;
   uint64_t atomic_bytes = 0;
-  UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, mapping, files));
+  UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
+                         index::PatternOptionsFor(ckpt, targets.preset, targets.rules));
+  UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, mapping, files, patterns));
   std::map<std::string, Ino> param_dirs;
   for (auto& v : atomic_views) {
     auto [dir, fresh] = param_dirs.try_emplace(v.dir, 0);
@@ -274,7 +278,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   size_t n_target = 0;
   // Made now, not on first lookup: status.json lists the extra state and what is not served,
   // which takes decoding the small non-tensor items (tensor bytes stay unread).
-  UCPFS_ASSIGN_OR_RETURN(auto target_input, MakeSharedTargetInput(ckpt, mapping, files, targets));
+  UCPFS_ASSIGN_OR_RETURN(auto target_input, MakeSharedTargetInput(ckpt, mapping, files, targets, patterns));
   {
     for (const auto& l : targets.layouts) {
       UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(target_input, l));

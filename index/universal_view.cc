@@ -210,17 +210,35 @@ Result<SaveValue> OptimizerState(const Checkpoint& c, const FileTable& files, co
   return SaveValue::Dict(std::move(out));
 }
 
-}  // namespace
-
-Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, const KeyMapping& mapping,
-                                                        const FileTable& files, const std::string& source_name) {
-  if (c.format != "deepspeed") return std::optional<UniversalView>();
+Result<nlohmann::json> DeepSpeedInfo(const Checkpoint& c) {
   const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, /*allow_exceptions=*/false);
   if (!info.is_object() || !info.contains("zero_stage") || !info["zero_stage"].is_number_integer() ||
       !info.contains("optimizer_file") || !info["optimizer_file"].is_string() || !info.contains("model_files") ||
       !info["model_files"].is_array() || !info.contains("tag") || !info["tag"].is_string()) {
     return CorruptError("index: the DeepSpeed format_info is incomplete");
   }
+  return info;
+}
+
+}  // namespace
+
+Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
+  SourcePatterns out;
+  if (c.format != "deepspeed") return out;
+  UCPFS_ASSIGN_OR_RETURN(nlohmann::json info, DeepSpeedInfo(c));
+  UCPFS_ASSIGN_OR_RETURN(UcPatterns uc, ParseUc(info.value("universal_checkpoint_info", nlohmann::json()),
+                                                info["optimizer_file"].get<std::string>()));
+  for (auto* list : {&uc.replicated, &uc.average, &uc.vocab, &uc.row}) {
+    for (auto& r : *list) out.rules.push_back(std::move(r));
+  }
+  out.vocab_size = uc.original_vocab_size;
+  return out;
+}
+
+Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, const KeyMapping& mapping,
+                                                        const FileTable& files, const std::string& source_name) {
+  if (c.format != "deepspeed") return std::optional<UniversalView>();
+  UCPFS_ASSIGN_OR_RETURN(const nlohmann::json info, DeepSpeedInfo(c));
   const bool zero3 = info["zero_stage"].get<int>() == 3;
   const std::string tag = info["tag"].get<std::string>();
   UniversalView view;

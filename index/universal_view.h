@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "core/byte_source.h"
+#include "core/layout/patterns.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
 #include "index/key_map.h"
@@ -47,6 +48,17 @@ struct UniversalView {
   std::string latest_universal;  // the content of `latest_universal` ("" when no `latest`)
   std::vector<UniversalFile> files;
 };
+
+// The split patterns a checkpoint records itself, as layout rules for views::PatternsOf (after
+// the user's): DeepSpeed's universal_checkpoint_info tp-replicated (replicate), averaged
+// (partial), vocabulary (vocab, with original_vocab_size) and row-parallel (row) patterns, in
+// that order, matched as Python's re.match does. Two-sub-parameter patterns are left to the
+// presets (their sizes depend on each shape). Empty for other formats.
+struct SourcePatterns {
+  std::vector<layout::Rule> rules;
+  std::optional<int64_t> vocab_size;
+};
+Result<SourcePatterns> SourcePatternsOf(const Checkpoint& checkpoint);
 
 // The universal view of a "deepspeed" checkpoint; nullopt for other formats. `source_name` is
 // the mounted directory's name, used as the tag when the directory is itself the tag.

@@ -15,6 +15,7 @@
 
 #include "core/format/plain_value.h"
 #include "core/views/atomic.h"
+#include "index/universal_view.h"
 
 namespace ucpfs::index {
 
@@ -279,8 +280,33 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
   return in;
 }
 
+Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
+                                         std::vector<layout::Rule> user_rules) {
+  PatternOptions o;
+  o.preset = preset;
+  o.rules = std::move(user_rules);
+  UCPFS_ASSIGN_OR_RETURN(SourcePatterns own, SourcePatternsOf(checkpoint));
+  for (auto& r : own.rules) o.rules.push_back(std::move(r));
+  o.vocab_size = own.vocab_size;
+  return o;
+}
+
 Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyMapping& mapping,
-                                                 const FileTable& files) {
+                                                 const FileTable& files, const PatternOptions& patterns) {
+  // Every parameter with a tensor weight or master, and its pattern.
+  std::vector<views::PatternParam> pattern_params;
+  std::vector<size_t> pattern_of(mapping.params.size(), SIZE_MAX);
+  for (size_t i = 0; i < mapping.params.size(); ++i) {
+    const auto& p = mapping.params[i];
+    int32_t primary = p.item[static_cast<int>(StateKind::kWeight)];
+    if (primary < 0) primary = p.item[static_cast<int>(StateKind::kFp32)];
+    if (primary < 0 || c.items[static_cast<size_t>(primary)].kind != ItemKind::kTensor) continue;
+    const auto& layout = c.items[static_cast<size_t>(primary)].layout;
+    pattern_of[i] = pattern_params.size();
+    pattern_params.push_back({p.name, layout.shape, views::ShardDim(layout)});
+  }
+  UCPFS_ASSIGN_OR_RETURN(views::ModelPatterns mp,
+                         views::PatternsOf(pattern_params, patterns.preset, patterns.rules, patterns.vocab_size));
   struct AtomicState {
     const char* file;
     StateKind primary;
@@ -290,7 +316,10 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
                                  {"exp_avg.pt", StateKind::kExpAvg, -1},
                                  {"exp_avg_sq.pt", StateKind::kExpAvgSq, -1}};
   std::vector<AtomicView> out;
-  for (const auto& p : mapping.params) {
+  for (size_t pi = 0; pi < mapping.params.size(); ++pi) {
+    const auto& p = mapping.params[pi];
+    const views::AtomicPattern pattern =
+        pattern_of[pi] == SIZE_MAX ? views::AtomicPattern{} : views::AtomicPatternOf(mp.patterns[pattern_of[pi]]);
     for (const auto& s : kStates) {
       int32_t item = p.item[static_cast<int>(s.primary)];
       if (item < 0 && s.fallback >= 0) item = p.item[s.fallback];
@@ -299,10 +328,22 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
       if (it.kind != ItemKind::kTensor) continue;
       AtomicView v{views::AtomicDirName(p.name), s.file, nullptr};
       auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
-      UCPFS_ASSIGN_OR_RETURN(v.source, views::BuildAtomicFile(layout, views::AtomicPatternFor(p.name, it.layout),
+      UCPFS_ASSIGN_OR_RETURN(v.source, views::BuildAtomicFile(layout, pattern,
                                                               files, "atomic/" + v.dir + "/" + v.file));
       out.push_back(std::move(v));
     }
+    // step.pt: the optimizer step as saved (a tensor, or a Python number), as DeepSpeed's
+    // universal checkpoint keeps it.
+    const int32_t step = p.item[static_cast<int>(StateKind::kStep)];
+    if (step < 0) continue;
+    auto value = ItemValue(c.items[static_cast<size_t>(step)], files);
+    if (!value.ok()) continue;  // target views report it (MakeTargetInput)
+    const auto kind = value->kind();
+    if (kind != SaveValue::Kind::kTensor && kind != SaveValue::Kind::kInt) continue;  // no floats: torch 1.13 weights_only
+    AtomicView v{views::AtomicDirName(p.name), "step.pt", nullptr};
+    UCPFS_ASSIGN_OR_RETURN(auto lazy, format::LazyTorchFile::Build(*value, "atomic/" + v.dir + "/step.pt"));
+    v.source = std::move(lazy);
+    out.push_back(std::move(v));
   }
   return out;
 }

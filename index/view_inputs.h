@@ -17,6 +17,7 @@
 
 #include "core/byte_source.h"
 #include "core/io/lazy_file_source.h"
+#include "core/layout/patterns.h"
 #include "core/status.h"
 #include "core/views/target.h"
 #include "index/checkpoint.h"
@@ -42,13 +43,29 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
 // One atomic file: `atomic/<dir>/<file>`.
 struct AtomicView {
   std::string dir;   // views::AtomicDirName(param)
-  std::string file;  // "fp32.pt" (the fp32 master, else the weight), "exp_avg.pt", "exp_avg_sq.pt"
+  std::string file;  // "fp32.pt" (the fp32 master, else the weight), "exp_avg.pt", "exp_avg_sq.pt",
+                     // "step.pt" (the optimizer step as saved: a tensor or a number)
   std::shared_ptr<const ByteSource> source;  // a lazy torch.save file, exactly sized
 };
 
-// The atomic files of every mapped parameter, in parameter order. Errors: kUnsupported when a
-// stored dtype cannot be converted to fp32 (names the file).
-Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint,
-                                                 const KeyMapping& mapping, const FileTable& files);
+// What decides how parameters are split (views::PatternsOf), for the atomic files' cat_dim and
+// the target views alike.
+struct PatternOptions {
+  layout::Preset preset = layout::Preset::kAuto;
+  std::vector<layout::Rule> rules;  // the user's rules, then the checkpoint's own
+  std::optional<int64_t> vocab_size;  // the checkpoint's unpadded vocabulary, when recorded
+};
+
+// The user's preset and rules, then the patterns the checkpoint records itself (DeepSpeed's
+// universal_checkpoint_info: universal_view.h, SourceRules) and its unpadded vocabulary.
+// Errors: kCorrupt when the checkpoint's own patterns do not compile (names the file).
+Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
+                                         std::vector<layout::Rule> user_rules);
+
+// The atomic files of every mapped parameter, in parameter order; cat_dim and vocab_tensor from
+// the parameter's pattern. Errors: kUnsupported when a stored dtype cannot be converted to fp32
+// (names the file); a rule that does not fit a parameter (views::PatternsOf).
+Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint, const KeyMapping& mapping,
+                                                 const FileTable& files, const PatternOptions& patterns);
 
 }  // namespace ucpfs::index

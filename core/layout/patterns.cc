@@ -82,6 +82,15 @@ const std::vector<BuiltIn>& MegatronRules() {
       {R"(\.linear_fc2\.bias$)", TpKind::kReplicate, std::nullopt},
       {R"(\.mlp\.router\.(weight|bias|expert_bias)$)", TpKind::kReplicate, std::nullopt},
       {R"(\._extra_state$)", TpKind::kReplicate, std::nullopt},
+      // Megatron-LM legacy and Megatron-DeepSpeed names (language_model.encoder.layers.N...).
+      {R"((^|\.)encoder\.final_layernorm\.(weight|bias)$)", TpKind::kReplicate, PpPlacement::kLast},
+      {R"(\.self_attention\.query_key_value\.(weight|bias)$)", TpKind::kColumn, std::nullopt,
+       Special::kMegatronQkv},
+      {R"(\.self_attention\.dense\.weight$)", TpKind::kRow, std::nullopt},
+      {R"(\.self_attention\.dense\.bias$)", TpKind::kReplicate, std::nullopt},
+      {R"(\.mlp\.dense_h_to_4h\.(weight|bias)$)", TpKind::kColumn, std::nullopt, Special::kMegatronFc1},
+      {R"(\.mlp\.dense_4h_to_h\.weight$)", TpKind::kRow, std::nullopt},
+      {R"(\.mlp\.dense_4h_to_h\.bias$)", TpKind::kReplicate, std::nullopt},
   };
   return rules;
 }
@@ -381,7 +390,7 @@ Preset DetectPreset(const std::vector<std::string>& names) {
   static const std::regex torchtitan(
       R"(^(tok_embeddings\.weight|layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123]|moe\.|attention_norm|ffn_norm)))");
   static const std::regex megatron(
-      R"((^|\.)(embedding\.word_embeddings\.|decoder\.layers\.\d+\.(self_attention|mlp)\.|output_layer\.weight))");
+      R"((^|\.)(embedding\.word_embeddings\.|(decoder|encoder)\.layers\.\d+\.(self_attention|mlp)\.|output_layer\.weight))");
   static const std::regex hf(
       R"(^(model\.embed_tokens\.|model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.|lm_head\.weight))");
   int64_t votes[3] = {0, 0, 0};
@@ -423,10 +432,14 @@ ModelInfo DetectModelInfo(Preset preset, const std::vector<ParamInfo>& params) {
     if (preset == Preset::kTorchtitan && ends_with(".moe.experts.w1") && !p.shape.empty()) {
       info.n_experts = std::max(info.n_experts, p.shape[0]);
     }
-    if (preset == Preset::kMegatron && !info.gated_linear_unit.has_value() &&
-        ends_with(".linear_fc1.weight") && p.shape.size() == 2) {
-      std::string fc2 = n.substr(0, n.size() - std::string_view("linear_fc1.weight").size()) +
-                        "linear_fc2.weight";
+    // SwiGLU: fc1 rows are twice fc2's columns (Megatron-Core linear_fc1/linear_fc2, legacy
+    // dense_h_to_4h/dense_4h_to_h).
+    const bool core_fc1 = ends_with(".linear_fc1.weight"), legacy_fc1 = ends_with(".mlp.dense_h_to_4h.weight");
+    if (preset == Preset::kMegatron && !info.gated_linear_unit.has_value() && (core_fc1 || legacy_fc1) &&
+        p.shape.size() == 2) {
+      const std::string_view fc1_name = core_fc1 ? "linear_fc1.weight" : "dense_h_to_4h.weight";
+      std::string fc2 = n.substr(0, n.size() - fc1_name.size()) +
+                        (core_fc1 ? "linear_fc2.weight" : "dense_4h_to_h.weight");
       auto it = by_name.find(fc2);
       if (it != by_name.end() && it->second->shape.size() == 2) {
         info.gated_linear_unit = p.shape[0] == 2 * it->second->shape[1];

@@ -12,7 +12,9 @@
 // - Megatron-Core (GPT/Llama/Mixtral): divisibility required, SwiGLU linear_fc1 = [gate; up]
 //   as two sub-parameters, group-interleaved linear_qkv (a plain dim-0 split, legal only when
 //   the query groups divide by T), vocabulary padded to a multiple of 128*T, per-stage local
-//   layer numbering, local_experts.<j> renumbered per EP rank;
+//   layer numbering, local_experts.<j> renumbered per EP rank; also Megatron-LM legacy and
+//   Megatron-DeepSpeed names (encoder.layers.N.self_attention.query_key_value / dense,
+//   mlp.dense_h_to_4h / dense_4h_to_h, encoder.final_layernorm) with the same semantics;
 // - Hugging Face (Llama/Mistral/Mixtral): divisibility required, fused qkv_proj [Q; K; V]
 //   with GQA sizes and gate_up_proj [gate; up] as Shard-NC.
 // User rules (ParseRules, the --rules FILE) are tried before the preset; the first match wins.

@@ -1,6 +1,5 @@
 #include "core/views/atomic.h"
 
-#include <regex>
 #include <set>
 
 namespace ucpfs::views {
@@ -32,37 +31,6 @@ std::string AtomicDirName(const std::string& fqn) {
   return out;
 }
 
-const char* TpKindName(TpKind kind) {
-  switch (kind) {
-    case TpKind::kUnknown: return "unknown";
-    case TpKind::kColumn: return "column";
-    case TpKind::kRow: return "row";
-    case TpKind::kVocab: return "vocab";
-    case TpKind::kReplicate: return "replicate";
-  }
-  return "unknown";
-}
-
-TpKind TpKindFromName(const std::string& param_name, size_t n_dims) {
-  // The last two components, e.g. "attention.wq" + "weight".
-  static const std::regex kVocab(
-      R"((^|\.)(tok_embeddings|word_embeddings|embed_tokens|wte|output|output_layer|lm_head)\.weight$)");
-  static const std::regex kColumn(
-      R"((^|\.)(wq|wk|wv|w1|w3|linear_qkv|linear_fc1|q_proj|k_proj|v_proj|gate_proj|up_proj|query_key_value|dense_h_to_4h|c_attn|c_fc)\.(weight|bias)$)");
-  static const std::regex kRow(
-      R"((^|\.)(wo|w2|linear_proj|linear_fc2|o_proj|down_proj|dense|dense_4h_to_h|c_proj)\.(weight|bias)$)");
-  static const std::regex kReplicate(R"((norm|layernorm|ln_\w+|layer_norm)(\.weight|\.bias)?$)",
-                                     std::regex::icase);
-  if (std::regex_search(param_name, kVocab)) return TpKind::kVocab;
-  if (std::regex_search(param_name, kColumn)) return TpKind::kColumn;
-  if (std::regex_search(param_name, kRow)) {
-    // A row-parallel layer's bias is added after the all-reduce: replicated.
-    if (n_dims == 1) return TpKind::kReplicate;
-    return TpKind::kRow;
-  }
-  if (std::regex_search(param_name, kReplicate)) return TpKind::kReplicate;
-  return TpKind::kUnknown;
-}
 
 namespace {
 
@@ -106,18 +74,18 @@ std::string DescribePattern(const slice::TensorLayout& layout) {
   return s + ")" + flat;
 }
 
-AtomicPattern AtomicPatternFor(const std::string& param_name, const slice::TensorLayout& layout) {
+AtomicPattern AtomicPatternOf(const layout::ParamPattern& pattern) {
   AtomicPattern p;
-  switch (TpKindFromName(param_name, layout.shape.size())) {
-    case TpKind::kVocab:
-      p.cat_dim = 0;
+  switch (pattern.tp) {
+    case layout::TpKind::kVocab:
       p.vocab_tensor = true;
+      [[fallthrough]];
+    case layout::TpKind::kColumn:
+    case layout::TpKind::kRow:
+      if (pattern.tp_dim >= 0) p.cat_dim = pattern.tp_dim;
       break;
-    case TpKind::kColumn: p.cat_dim = 0; break;
-    case TpKind::kRow: p.cat_dim = layout.shape.size() >= 2 ? 1 : 0; break;
-    case TpKind::kReplicate: break;
-    case TpKind::kUnknown:
-      if (auto d = ShardDim(layout)) p.cat_dim = *d;
+    case layout::TpKind::kReplicate:
+    case layout::TpKind::kPartial:
       break;
   }
   return p;

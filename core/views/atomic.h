@@ -15,6 +15,7 @@
 
 #include "core/byte_source.h"
 #include "core/format/torch_writer.h"
+#include "core/layout/patterns.h"
 #include "core/slice/slice.h"
 
 namespace ucpfs::views {
@@ -25,16 +26,6 @@ namespace ucpfs::views {
 // 16 hex digits of a hash of the whole fqn. Deterministic; other bytes (non-UTF-8 included) are
 // kept as they are. The mount lists every name that differs from its fqn in status.json.
 std::string AtomicDirName(const std::string& fqn);
-
-// How a parameter is split for tensor parallelism, as far as ucpfs knows.
-enum class TpKind { kUnknown, kColumn, kRow, kVocab, kReplicate };
-const char* TpKindName(TpKind kind);
-
-// Name-based hint from the naming conventions of torchtitan, Megatron and Hugging Face
-// (e.g. `wq`/`linear_qkv`/`q_proj` column, `wo`/`linear_proj`/`o_proj` row, embeddings and
-// output heads vocab, norms replicate). 1-D biases of column layers are column; of row layers
-// replicate. kUnknown when nothing matches.
-TpKind TpKindFromName(const std::string& param_name, size_t n_dims);
 
 // Describes the source geometry: "unique" (one fragment), "shard(dim=0)", "shard(dims=0,1)",
 // "flat" (flattened-range fragments), "empty".
@@ -48,9 +39,10 @@ struct AtomicPattern {
   bool vocab_tensor = false;       // written as 'vocab_tensor': True
 };
 
-// cat_dim/vocab_tensor for a parameter: from the name hint (column/vocab → 0, row → 1,
-// replicate → none) and, when the name says nothing, from the source geometry (ShardDim).
-AtomicPattern AtomicPatternFor(const std::string& param_name, const slice::TensorLayout& layout);
+// cat_dim/vocab_tensor of a parameter from its pattern (views::PatternsOf, the one pattern
+// source of target views too): the split dimension of column, row and vocabulary parameters,
+// vocab_tensor for vocabulary ones, nothing for replicated or averaged ones.
+AtomicPattern AtomicPatternOf(const layout::ParamPattern& pattern);
 
 // A TensorBytesProvider that gathers a tensor's row-major bytes in `dst_dtype` from its
 // fragments (slice::ReadTensorBytes).

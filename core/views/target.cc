@@ -182,8 +182,6 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
   if (!input->files) return InvalidArgumentError("target view: no file table");
   TargetPlan plan;
   plan.layout_ = std::move(layout);
-  std::vector<std::string> names;
-  std::vector<layout::ParamInfo> infos;
   for (const auto& p : input->params) {
     const auto& primary = p.states[S(TargetState::kWeight)] ? p.states[S(TargetState::kWeight)]
                                                             : p.states[S(TargetState::kFp32)];
@@ -199,11 +197,16 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
       }
       if (s != S(TargetState::kWeight)) plan.has_optim_ = true;
     }
-    names.push_back(p.name);
-    infos.push_back({p.name, primary->shape});
   }
-  plan.preset_ = input->preset == layout::Preset::kAuto ? layout::DetectPreset(names) : input->preset;
-  const layout::ModelInfo info = layout::DetectModelInfo(plan.preset_, infos);
+  std::vector<PatternParam> pattern_params;
+  for (const auto& p : input->params) {
+    const auto& primary = p.states[S(TargetState::kWeight)] ? *p.states[S(TargetState::kWeight)]
+                                                            : *p.states[S(TargetState::kFp32)];
+    pattern_params.push_back({p.name, primary.shape, ShardDim(primary)});
+  }
+  UCPFS_ASSIGN_OR_RETURN(ModelPatterns mp, PatternsOf(pattern_params, input->preset, input->rules, input->vocab_size));
+  plan.preset_ = mp.preset;
+  const layout::ModelInfo& info = mp.info;
   UCPFS_RETURN_IF_ERROR(layout::CheckLayoutForModel(plan.layout_, info, input->pp_split));
   if (plan.layout_.pp > 1 || input->pp_split) {
     UCPFS_ASSIGN_OR_RETURN(plan.stage_bounds_,
@@ -211,23 +214,35 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
   } else {
     plan.stage_bounds_ = {0, info.n_layers};
   }
-  for (size_t i = 0; i < input->params.size(); ++i) {
-    const auto& p = input->params[i];
-    const auto& primary = p.states[S(TargetState::kWeight)] ? *p.states[S(TargetState::kWeight)]
-                                                            : *p.states[S(TargetState::kFp32)];
-    const std::optional<int> shard_dim = ShardDim(primary);
-    auto pattern = layout::PatternFor(plan.preset_, p.name, primary.shape, info, input->rules);
+  plan.patterns_ = std::move(mp.patterns);
+  plan.input_ = std::move(input);
+  return plan;
+}
+
+Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout::Preset preset,
+                                 const std::vector<layout::Rule>& rules, std::optional<int64_t> vocab_size) {
+  ModelPatterns out;
+  std::vector<std::string> names;
+  std::vector<layout::ParamInfo> infos;
+  for (const auto& p : params) {
+    names.push_back(p.name);
+    infos.push_back({p.name, p.shape});
+  }
+  out.preset = preset == layout::Preset::kAuto ? layout::DetectPreset(names) : preset;
+  out.info = layout::DetectModelInfo(out.preset, infos);
+  if (vocab_size) out.info.vocab_size = *vocab_size;
+  for (const auto& p : params) {
+    auto pattern = layout::PatternFor(out.preset, p.name, p.shape, out.info, rules);
     if (!pattern.ok()) {
       if (pattern.error().code() != StatusCode::kNotFound) return pattern.error();
-      pattern = layout::PatternFromGeometry(primary.shape, shard_dim);
+      pattern = layout::PatternFromGeometry(p.shape, p.shard_dim);
     }
     // A DCP chunk grid records how the checkpoint was *stored* (FSDP/HSDP shard every tensor
     // along dim 0 whatever its tensor-parallel role), so it does not prove a TP kind: a rule
     // that matched wins, and the geometry only decides when no rule matches (above).
-    plan.patterns_.push_back(std::move(*pattern));
+    out.patterns.push_back(std::move(*pattern));
   }
-  plan.input_ = std::move(input);
-  return plan;
+  return out;
 }
 
 Result<RankFiles> TargetPlan::Build(int rank) const {

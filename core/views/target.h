@@ -94,11 +94,30 @@ struct NotServed {
   std::string reason;
 };
 
+// How each parameter is split, from the one pattern source: layout::PatternFor (the rules,
+// then the preset), and the source geometry (PatternFromGeometry) where nothing matches. Target
+// views and atomic files' cat_dim both come from here.
+struct PatternParam {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::optional<int> shard_dim;  // ShardDim of the source layout
+};
+struct ModelPatterns {
+  layout::Preset preset = layout::Preset::kAuto;  // the one used (kAuto resolved)
+  layout::ModelInfo info;
+  std::vector<layout::ParamPattern> patterns;  // per param
+};
+// `vocab_size` overrides ModelInfo::vocab_size (a source that records its unpadded vocabulary).
+// Errors: PatternFor's (a rule that does not fit a parameter's shape), naming the parameter.
+Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout::Preset preset,
+                                 const std::vector<layout::Rule>& rules, std::optional<int64_t> vocab_size);
+
 struct TargetInput {
   std::vector<TargetParam> params;  // in the source's parameter order
   std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files;  // fragment file ids
   layout::Preset preset = layout::Preset::kAuto;  // kAuto: DetectPreset over the names
-  std::vector<layout::Rule> rules;                // user pattern rules, tried first
+  std::vector<layout::Rule> rules;                // user pattern rules, then the source's own
+  std::optional<int64_t> vocab_size;              // the source's unpadded vocabulary, if recorded
   std::optional<std::vector<int>> pp_split;       // --pp-split: layers per stage
   std::vector<ExtraItem> extras;       // served in extra_state.pt, in source order
   std::vector<NotServed> not_served;   // items no layout serves

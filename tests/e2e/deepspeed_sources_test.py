@@ -111,6 +111,22 @@ def atomic_equals_truth(m, truth):
     return n
 
 
+def atomic_patterns(m):
+    """atomic cat_dim/vocab_tensor come from the one pattern source: the checkpoint's own
+    universal_checkpoint_info first (row, vocabulary, replicated), then the Megatron preset."""
+    def keys(name):
+        obj = torch.load(os.path.join(m, "atomic", name, "fp32.pt"))
+        return {k: v for k, v in obj.items() if k != "param"}
+    layer = "language_model.encoder.layers.0."
+    assert keys(layer + "mlp.dense_4h_to_h.weight") == {"cat_dim": 1}
+    assert keys("language_model.embedding.word_embeddings.weight") == {"cat_dim": 0, "vocab_tensor": True}
+    assert keys("language_model.scale") == {}
+    assert keys(layer + "self_attention.query_key_value.weight") == {"cat_dim": 0}
+    assert keys(layer + "input_layernorm.bias") == {}
+    step = torch.load(os.path.join(m, "atomic", layer + "mlp.dense_4h_to_h.weight", "step.pt"))
+    assert step.dim() == 0 and step.item() == 3, step
+
+
 def check_case(work, case, ranks):
     src = generate(work, case, ranks)
     truth = torch.load(src + "_truth.pt")
@@ -121,6 +137,7 @@ def check_case(work, case, ranks):
     with mounted(src, mnt) as (m, _):
         n = atomic_equals_truth(m, truth)
         assert n == 3 * (len(truth) - 1), n
+        atomic_patterns(m)
         status = json.load(open(os.path.join(m, ".ucpfs", "status.json")))
         assert status["format"] == "deepspeed", status["format"]
         tag_files = sorted(os.listdir(os.path.join(m, "global_step3")))

@@ -86,12 +86,24 @@ def param_state(key):
     return None
 
 
+def step_equal(got, want, what):
+    """An atomic step.pt's value against the saved step."""
+    import torch  # noqa: PLC0415  (the mount helpers run without torch too)
+    if hasattr(want, "dtype"):
+        assert hasattr(got, "dtype") and got.dtype == want.dtype and got.shape == want.shape, (what, got, want)
+        assert torch.equal(got, want), (what, got, want)
+    else:
+        assert type(got) is int and got == want, (what, got, want)
+
+
 def expected_atomic(expected):
-    """param -> {atomic file name -> expected fp32 tensor} from an expected-tensors dict."""
+    """param -> {atomic file name -> expected fp32 tensor} from an expected-tensors dict, plus
+    "step.pt" -> the step as saved (a tensor in its dtype, or an int; float steps are not served)."""
     per = {}
     for key, t in expected.items():
         ps = param_state(key)
-        if ps is None or not hasattr(t, "dtype"):
+        step_number = ps is not None and ps[1] == "step" and type(t) is int
+        if ps is None or not (hasattr(t, "dtype") or step_number):
             continue
         per.setdefault(ps[0], {})[ps[1]] = t
     out = {}
@@ -103,6 +115,8 @@ def expected_atomic(expected):
         for s in ("exp_avg", "exp_avg_sq"):
             if s in states:
                 files[s + ".pt"] = states[s].float()
+        if "step" in states and files:
+            files["step.pt"] = states["step"]
         if files:
             out[param] = files
     return out

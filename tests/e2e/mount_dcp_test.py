@@ -25,7 +25,7 @@ import subprocess
 import torch
 
 from e2e_common import TORCH_VERSION, Results, bits_equal, run, served_loads, tmpdir, ucpfs_bin
-from mount_common import (FIXTURES, PY, expected_atomic, gen_fixture, is_mounted, mounted, param_state,
+from mount_common import (FIXTURES, PY, expected_atomic, gen_fixture, is_mounted, mounted, param_state, step_equal,
                           stats, status)
 
 
@@ -40,6 +40,9 @@ def check_atomic_files(mnt, expected):
         for name, t in files.items():
             for how, obj in served_loads(os.path.join(d, name)):
                 what = f"{param}/{name} ({how})"
+                if name == "step.pt":
+                    step_equal(obj, t, what)
+                    continue
                 assert isinstance(obj, dict) and list(obj)[-1] == "param", (what, list(obj))
                 p = obj["param"]
                 assert p.dtype == torch.float32, (what, p.dtype)
