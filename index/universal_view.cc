@@ -22,8 +22,18 @@ namespace {
 
 using format::SaveValue;
 
-// TODO(re2): layout::RuleMatches once layout rules run on RE2.
-bool Matches(const layout::Rule& r, const std::string& name) { return std::regex_search(name, r.compiled); }
+// layout::RuleMatches (RE2, linear time) where the layout library has it; the std::regex
+// `compiled` of older builds otherwise. TODO: call layout::RuleMatches directly once the RE2
+// switch of core/layout has landed.
+template <typename R>
+bool MatchesRule(const R& r, const std::string& name) {
+  if constexpr (requires { RuleMatches(r, std::string_view(name)); }) {
+    return RuleMatches(r, std::string_view(name));
+  } else {
+    return std::regex_search(name, r.compiled);
+  }
+}
+bool Matches(const layout::Rule& r, const std::string& name) { return MatchesRule(r, name); }
 
 // The pattern lists of universal_checkpoint_info, as layout rules (Python's re.match: anchored
 // at the start of the name only). layout::RuleMatches runs them in linear time, so a
