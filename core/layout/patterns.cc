@@ -1,12 +1,50 @@
 // Pattern rules, presets and target slicing (see patterns.h).
 #include "core/layout/patterns.h"
 
+#include <re2/re2.h>
+
 #include <algorithm>
 #include <charconv>
 #include <map>
+#include <memory>
 
 namespace ucpfs::layout {
 namespace {
+
+// Every regex here (built-in, user and checkpoint rules alike) is compiled with these: Latin-1,
+// so any byte string is a name and `.` is one byte; no logging (errors come back as Status);
+// bounded memory (RE2 falls back from its DFA to the NFA, still linear, when the cache fills).
+constexpr int64_t kMaxRegexMemBytes = int64_t{8} << 20;
+
+RE2::Options RegexOptions() {
+  RE2::Options o;
+  o.set_encoding(RE2::Options::EncodingLatin1);
+  o.set_log_errors(false);
+  o.set_max_mem(kMaxRegexMemBytes);
+  return o;
+}
+
+std::unique_ptr<const RE2> CompileRegex(std::string_view pattern) {
+  return std::make_unique<const RE2>(re2::StringPiece(pattern.data(), pattern.size()),
+                                     RegexOptions());
+}
+
+// The first match of `re` in `text`: groups[0] the whole match, groups[i] capture group i for
+// i < n_groups (an unmatched group is empty with a null data()). False when nothing matches.
+bool Search(const RE2& re, std::string_view text, re2::StringPiece* groups, int n_groups) {
+  return re.Match(re2::StringPiece(text.data(), text.size()), 0, text.size(), RE2::UNANCHORED,
+                  groups, n_groups);
+}
+
+std::string_view View(const re2::StringPiece& s) { return {s.data(), s.size()}; }
+
+// What precedes and what follows match groups[0] in `text` (groups from Search on `text`).
+std::string Prefix(std::string_view text, const re2::StringPiece& whole) {
+  return std::string(text.substr(0, static_cast<size_t>(whole.data() - text.data())));
+}
+std::string Suffix(std::string_view text, const re2::StringPiece& whole) {
+  return std::string(text.substr(static_cast<size_t>(whole.data() - text.data()) + whole.size()));
+}
 
 // How a built-in rule derives Shard-NC sizes or other shape-dependent facts.
 enum class Special {
@@ -119,15 +157,28 @@ const std::vector<BuiltIn>& HuggingFaceRules() {
   return rules;
 }
 
+const std::vector<BuiltIn>& RulesOf(Preset preset) {
+  static const std::vector<BuiltIn> none;
+  switch (preset) {
+    case Preset::kTorchtitan: return TorchtitanRules();
+    case Preset::kMegatron: return MegatronRules();
+    case Preset::kHuggingFace: return HuggingFaceRules();
+    case Preset::kAuto: break;
+  }
+  return none;
+}
+
+// A built-in that failed to compile would match nothing; PresetPatterns' unit test keeps
+// every one compiling.
 struct CompiledBuiltIns {
   const std::vector<BuiltIn>* rules;
-  std::vector<std::regex> regexes;
+  std::vector<std::unique_ptr<const RE2>> regexes;
 };
 
 const CompiledBuiltIns& Compiled(Preset preset) {
   auto compile = [](const std::vector<BuiltIn>& rules) {
     CompiledBuiltIns c{&rules, {}};
-    for (const BuiltIn& r : rules) c.regexes.emplace_back(r.regex, std::regex::ECMAScript);
+    for (const BuiltIn& r : rules) c.regexes.push_back(CompileRegex(r.regex));
     return c;
   };
   static const CompiledBuiltIns torchtitan = compile(TorchtitanRules());
@@ -140,17 +191,19 @@ const CompiledBuiltIns& Compiled(Preset preset) {
   }
 }
 
-const std::regex& LayerRegex() {
-  static const std::regex re(R"((^|\.)layers\.(\d+)\.)");
-  return re;
+const RE2& LayerRegex() {
+  static const std::unique_ptr<const RE2> re = CompileRegex(R"((^|\.)layers\.(\d+)\.)");
+  return *re;
 }
-const std::regex& ExpertRegex() {
-  static const std::regex re(R"(\.(local_experts|experts)\.(\d+)\.)");
-  return re;
+const RE2& ExpertRegex() {
+  static const std::unique_ptr<const RE2> re =
+      CompileRegex(R"(\.(local_experts|experts)\.(\d+)\.)");
+  return *re;
 }
 
 // A decimal that fits in int, else -1.
-int ToIndex(const std::string& digits) {
+int ToIndex(std::string_view digits) {
+  if (digits.empty()) return -1;
   int v = -1;
   auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
   if (ec != std::errc() || ptr != digits.data() + digits.size()) return -1;
@@ -158,15 +211,15 @@ int ToIndex(const std::string& digits) {
 }
 
 int LayerOf(const std::string& name) {
-  std::smatch m;
-  if (!std::regex_search(name, m, LayerRegex())) return -1;
-  return ToIndex(m[2].str());
+  re2::StringPiece m[3];
+  if (!Search(LayerRegex(), name, m, 3)) return -1;
+  return ToIndex(View(m[2]));
 }
 
 int ExpertOf(const std::string& name) {
-  std::smatch m;
-  if (!std::regex_search(name, m, ExpertRegex())) return -1;
-  return ToIndex(m[2].str());
+  re2::StringPiece m[3];
+  if (!Search(ExpertRegex(), name, m, 3)) return -1;
+  return ToIndex(View(m[2]));
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
@@ -295,7 +348,7 @@ Result<ParamPattern> FromBuiltIn(Preset preset, const BuiltIn& rule, const std::
 
 Result<ParamPattern> FromUserRule(const Rule& rule, const std::string& name,
                                   const std::vector<int64_t>& shape, const ModelInfo& info,
-                                  const std::smatch& m) {
+                                  std::string_view first_group) {
   ParamPattern p;
   p.rule = "rules:" + rule.regex;
   p.tp = rule.tp;
@@ -306,7 +359,7 @@ Result<ParamPattern> FromUserRule(const Rule& rule, const std::string& name,
   p.expert_dim = rule.expert_dim.value_or(-1);
   p.expert = ExpertOf(name);
   if (p.expert >= 0) p.n_experts = info.n_experts;
-  p.layer = m.size() > 1 && m[1].matched ? ToIndex(m[1].str()) : -1;
+  p.layer = ToIndex(first_group);
   if (p.layer < 0) p.layer = LayerOf(name);
   p.pp = rule.pp.value_or(p.layer >= 0 ? PpPlacement::kLayer : PpPlacement::kAll);
   if (p.pp == PpPlacement::kLayer && p.layer < 0) {
@@ -387,17 +440,17 @@ Result<Preset> ParsePreset(std::string_view name) {
 }
 
 Preset DetectPreset(const std::vector<std::string>& names) {
-  static const std::regex torchtitan(
+  static const std::unique_ptr<const RE2> torchtitan = CompileRegex(
       R"(^(tok_embeddings\.weight|layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123]|moe\.|attention_norm|ffn_norm)))");
-  static const std::regex megatron(
+  static const std::unique_ptr<const RE2> megatron = CompileRegex(
       R"((^|\.)(embedding\.word_embeddings\.|(decoder|encoder)\.layers\.\d+\.(self_attention|mlp)\.|output_layer\.weight))");
-  static const std::regex hf(
+  static const std::unique_ptr<const RE2> hf = CompileRegex(
       R"(^(model\.embed_tokens\.|model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.|lm_head\.weight))");
   int64_t votes[3] = {0, 0, 0};
   for (const std::string& n : names) {
-    if (std::regex_search(n, torchtitan)) ++votes[0];
-    if (std::regex_search(n, megatron)) ++votes[1];
-    if (std::regex_search(n, hf)) ++votes[2];
+    if (RE2::PartialMatch(n, *torchtitan)) ++votes[0];
+    if (RE2::PartialMatch(n, *megatron)) ++votes[1];
+    if (RE2::PartialMatch(n, *hf)) ++votes[2];
   }
   int64_t best = std::max({votes[0], votes[1], votes[2]});
   if (best == 0) return Preset::kAuto;
@@ -473,21 +526,41 @@ Status CheckLayoutForModel(const Layout& layout, const ModelInfo& info,
 }
 
 Result<Rule> MakeRule(Rule rule) {
-  try {
-    rule.compiled = std::regex(rule.regex, std::regex::ECMAScript);
-  } catch (const std::regex_error& e) {
-    return InvalidArgumentError("rule pattern '" + rule.regex + "': " + e.what());
+  rule.compiled.reset();
+  if (rule.regex.size() > kMaxRulePatternBytes) {
+    return InvalidArgumentError("rule pattern '" + rule.regex.substr(0, 64) + "...': " +
+                                std::to_string(rule.regex.size()) + " bytes, over the limit of " +
+                                std::to_string(kMaxRulePatternBytes));
   }
+  std::shared_ptr<const RE2> re = CompileRegex(rule.regex);
+  if (!re->ok()) {
+    return InvalidArgumentError("rule pattern '" + rule.regex + "': " + re->error());
+  }
+  rule.compiled = std::move(re);
   return rule;
+}
+
+bool RuleMatches(const Rule& rule, std::string_view name) {
+  return rule.compiled != nullptr &&
+         RE2::PartialMatch(re2::StringPiece(name.data(), name.size()), *rule.compiled);
+}
+
+std::vector<std::string> PresetPatterns(Preset preset) {
+  std::vector<std::string> out;
+  for (const BuiltIn& r : RulesOf(preset)) out.emplace_back(r.regex);
+  return out;
 }
 
 Result<ParamPattern> PatternFor(Preset preset, const std::string& name,
                                 const std::vector<int64_t>& global_shape, const ModelInfo& info,
                                 const std::vector<Rule>& user_rules) {
   for (const Rule& rule : user_rules) {
-    std::smatch m;
-    if (std::regex_search(name, m, rule.compiled)) {
-      return FromUserRule(rule, name, global_shape, info, m);
+    if (rule.compiled == nullptr) continue;
+    // The whole match and the first capture group (the layer index), when the rule has one.
+    re2::StringPiece m[2];
+    const int n_groups = std::min(rule.compiled->NumberOfCapturingGroups(), 1) + 1;
+    if (Search(*rule.compiled, name, m, n_groups)) {
+      return FromUserRule(rule, name, global_shape, info, View(m[1]));
     }
   }
   if (preset == Preset::kAuto) preset = DetectPreset({name});
@@ -497,7 +570,7 @@ Result<ParamPattern> PatternFor(Preset preset, const std::string& name,
   }
   const CompiledBuiltIns& c = Compiled(preset);
   for (size_t i = 0; i < c.regexes.size(); ++i) {
-    if (std::regex_search(name, c.regexes[i])) {
+    if (RE2::PartialMatch(name, *c.regexes[i])) {
       return FromBuiltIn(preset, (*c.rules)[i], name, global_shape, info);
     }
   }
@@ -579,19 +652,19 @@ Result<LocalView> TargetSlice(Preset preset, const std::string& name, const Para
   if (preset == Preset::kMegatron) {
     // Megatron numbers layers per stage and experts per EP rank.
     if (pattern.pp == PpPlacement::kLayer) {
-      std::smatch m;
-      if (std::regex_search(name, m, LayerRegex())) {
-        view.local_name = m.prefix().str() + m[1].str() + "layers." +
+      re2::StringPiece m[3];
+      if (Search(LayerRegex(), name, m, 3)) {
+        view.local_name = Prefix(name, m[0]) + std::string(View(m[1])) + "layers." +
                           std::to_string(pattern.layer - stage_first_layer) + "." +
-                          m.suffix().str();
+                          Suffix(name, m[0]);
       }
     }
     if (pattern.expert >= 0) {
-      std::smatch m;
-      std::string current = view.local_name;
-      if (std::regex_search(current, m, ExpertRegex())) {
-        view.local_name = m.prefix().str() + "." + m[1].str() + "." +
-                          std::to_string(local_expert) + "." + m.suffix().str();
+      re2::StringPiece m[3];
+      const std::string current = view.local_name;
+      if (Search(ExpertRegex(), current, m, 3)) {
+        view.local_name = Prefix(current, m[0]) + "." + std::string(View(m[1])) + "." +
+                          std::to_string(local_expert) + "." + Suffix(current, m[0]);
       }
     }
   }

@@ -28,9 +28,10 @@
 // of the T tensor-parallel ranks cover every global element exactly once.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -39,6 +40,10 @@
 #include "core/layout/layout.h"
 #include "core/slice/slice.h"
 #include "core/status.h"
+
+namespace re2 {
+class RE2;
+}  // namespace re2
 
 namespace ucpfs::layout {
 
@@ -128,8 +133,12 @@ ModelInfo DetectModelInfo(Preset preset, const std::vector<ParamInfo>& params);
 Status CheckLayoutForModel(const Layout& layout, const ModelInfo& info,
                            const std::optional<std::vector<int>>& layers_per_stage);
 
-// One declarative rule (built-in or from --rules). `regex` is searched (std::regex ECMAScript)
-// in the parameter name; a first capture group, when present and numeric, is the layer index
+// One declarative rule (built-in, from --rules, or from a checkpoint's own pattern lists).
+// `regex` is RE2 syntax (Perl-like: `\d`, `(?:...)`, Python's `(?P<name>...)`; no
+// backreferences or lookaround), compiled with Latin-1 encoding so that any byte string is a
+// name, and searched in the parameter name (RE2::PartialMatch; anchor with ^ and $). Matching
+// is linear in the name's length with bounded memory, so rules and names may come from
+// untrusted checkpoints. A first capture group, when present and numeric, is the layer index
 // for kLayer (otherwise `(^|.)layers.<N>.` is used).
 struct Rule {
   std::string regex;
@@ -139,13 +148,27 @@ struct Rule {
   std::optional<PpPlacement> pp;        // default: kLayer when a layer index is found, else kAll
   int64_t vocab_pad_multiple = 0;
   std::optional<int> expert_dim;
-  std::regex compiled;                  // filled by ParseRules / MakeRule
+  // Filled by MakeRule / ParseRules; shared, so a Rule stays cheap to copy. Null (a Rule that
+  // never went through MakeRule) matches nothing.
+  std::shared_ptr<const re2::RE2> compiled;
 };
 
-// Builds a rule, compiling its regex. Errors: kInvalidArgument with the regex error.
+// The longest `regex` MakeRule accepts, in bytes.
+inline constexpr size_t kMaxRulePatternBytes = 4096;
+
+// Builds a rule, compiling its regex (RE2, about 8 MiB at most for its program and DFA caches).
+// Errors: kInvalidArgument naming the pattern, with RE2's error text (bad syntax, a construct
+// RE2 lacks, a program over the memory bound) or the length when over kMaxRulePatternBytes.
 Result<Rule> MakeRule(Rule rule);
 
-// Parses a rules file's text: {"patterns": [{"pattern": "<regex>", "tp":
+// Whether `rule` (from MakeRule) is found anywhere in `name`: RE2::PartialMatch, linear time.
+bool RuleMatches(const Rule& rule, std::string_view name);
+
+// The regexes of a preset's built-in rules, in the order PatternFor tries them (kAuto: none).
+// They compile under MakeRule (a unit test checks every one).
+std::vector<std::string> PresetPatterns(Preset preset);
+
+// Parses a rules file's text: {"patterns": [{"pattern": "<RE2 regex>", "tp":
 // "column|row|vocab|replicate|partial", "tp_dim": d, "sub_sizes": [..], "pp":
 // "layer|first|last|tied|all", "vocab_pad_multiple": N, "expert_dim": d}, ...]}. Only
 // "pattern" and "tp" are required; unknown keys are errors (a typo must not be ignored).

@@ -1,14 +1,18 @@
 // Pattern rules and target slicing: preset detection per naming family, PatternFor on the
 // representative names of each preset, local names (Megatron per-stage layers and EP-local
-// experts), rules files, geometry conflicts, and a seeded property test: for random shapes, T
-// and each TP kind (Shard-NC and vocab padding included), the rank pieces cover each global
-// element exactly once and the local tensors, concatenated in rank order (per sub-parameter),
-// rebuild the global tensor (element index arrays as the oracle).
+// experts), rules files, the RE2 regex engine (every built-in pattern compiles; pathological
+// patterns and megabyte names run in linear time without recursion; invalid or over-long
+// patterns refused naming them; Python named groups; byte names), geometry conflicts, and a
+// seeded property test: for random shapes, T and each TP kind (Shard-NC and vocab padding
+// included), the rank pieces cover each global element exactly once and the local tensors,
+// concatenated in rank order (per sub-parameter), rebuild the global tensor (element index
+// arrays as the oracle).
 // Seed: UCPFS_TEST_SEED, else random; printed either way.
 #include <gtest/gtest.h>
 
 #include "tests/unit/test_seed.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <random>
@@ -315,6 +319,155 @@ TEST(Rules, Errors) {
         << c.json << " -> " << r.status().message();
     EXPECT_NE(r.status().message().find("r.json"), std::string::npos) << r.status().message();
   }
+}
+
+// ---------------------------------------------------------------- the regex engine (RE2)
+
+// Patterns and names may come from untrusted checkpoints: RE2 must refuse what it cannot run
+// and run the rest in time linear in the name, with no recursion per byte (std::regex, the
+// previous engine, hangs on the first case and overflows the stack on the second).
+
+Rule Make(const std::string& regex, TpKind tp = TpKind::kColumn) {
+  Rule r;
+  r.regex = regex;
+  r.tp = tp;
+  Result<Rule> made = MakeRule(std::move(r));
+  EXPECT_TRUE(made.ok()) << regex << " -> " << made.status().message();
+  return made.ok() ? std::move(made).value() : Rule{};
+}
+
+int64_t MillisSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                               start)
+      .count();
+}
+
+TEST(RuleRegex, EveryPresetPatternCompiles) {
+  for (Preset p : {Preset::kTorchtitan, Preset::kMegatron, Preset::kHuggingFace}) {
+    const std::vector<std::string> patterns = PresetPatterns(p);
+    EXPECT_FALSE(patterns.empty()) << PresetName(p);
+    for (const std::string& regex : patterns) {
+      Rule r;
+      r.regex = regex;
+      Result<Rule> made = MakeRule(std::move(r));
+      EXPECT_TRUE(made.ok()) << PresetName(p) << ": " << made.status().message();
+    }
+  }
+  EXPECT_TRUE(PresetPatterns(Preset::kAuto).empty());
+}
+
+TEST(RuleRegex, PathologicalPatternsRunInLinearTime) {
+  const std::string name(100000, 'a');
+  ModelInfo info;
+  for (const char* regex : {"(a*)*b", "(a|aa)*c", "^(a+)+$x", "(a*)*(a*)*(a*)*(a*)*b",
+                            "(?:(?:a|a?)+){20}b"}) {
+    const Rule rule = Make(regex);
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_FALSE(RuleMatches(rule, name)) << regex;
+    // PatternFor also extracts the first capture group.
+    Result<ParamPattern> p = PatternFor(Preset::kAuto, name, {4}, info, {rule});
+    ASSERT_FALSE(p.ok()) << regex;
+    EXPECT_EQ(p.status().code(), StatusCode::kNotFound) << regex;
+    EXPECT_LT(MillisSince(start), 5000) << regex;
+  }
+  // A pathological pattern that does match: the capture group (not a number) gives no layer.
+  const Rule rule = Make("(a*)*b");
+  const std::string matching = name + "b";
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(RuleMatches(rule, matching));
+  ParamPattern p = PatternFor(Preset::kAuto, matching, {4}, info, {rule}).value();
+  EXPECT_EQ(p.tp, TpKind::kColumn);
+  EXPECT_EQ(p.layer, -1);
+  EXPECT_EQ(p.pp, PpPlacement::kAll);
+  EXPECT_LT(MillisSince(start), 5000);
+}
+
+TEST(RuleRegex, MegabyteNameNeedsNoStack) {
+  const std::string middle(size_t{1} << 20, 'x');
+  const std::string name = "layers.7." + middle + ".w.weight";
+  ModelInfo info;
+  for (const char* regex : {R"(^layers\.(\d+)\..*\.weight$)",
+                            R"(^layers\.(\d+)\.(?:x|y)+\.w\.weight$)", R"((\d+)\.(x*)*\.w)"}) {
+    const Rule rule = Make(regex);
+    EXPECT_TRUE(RuleMatches(rule, name)) << regex;
+    ParamPattern p = PatternFor(Preset::kAuto, name, {8, 8}, info, {rule}).value();
+    EXPECT_EQ(p.layer, 7) << regex;
+    EXPECT_EQ(p.pp, PpPlacement::kLayer) << regex;
+  }
+  EXPECT_FALSE(RuleMatches(Make(R"(^layers\.\d+\.x+y)"), name));
+  // The built-in presets run on RE2 too: a megabyte name under a Megatron layer.
+  const std::string megatron = "decoder.layers.3." + middle + ".self_attention.linear_proj.weight";
+  ParamPattern m = PatternFor(Preset::kMegatron, megatron, {8, 8}, info).value();
+  EXPECT_EQ(m.tp, TpKind::kRow);
+  EXPECT_EQ(m.layer, 3);
+}
+
+TEST(RuleRegex, InvalidPatternsAreRefusedNamingThem) {
+  struct Case {
+    std::string regex;
+    const char* message_part;  // from RE2's error text, or the length check
+  };
+  const Case cases[] = {
+      {"(", "missing )"},
+      {"a)(", "unexpected )"},
+      {R"((a)\1)", "invalid escape"},               // backreference: RE2 has none
+      {"(?P<a>x)(?P=a)", "invalid perl operator"},  // Python's named backreference
+      {"a(?=b)", "invalid perl operator"},          // lookahead
+      {"(?<!a)b", "invalid perl operator"},         // lookbehind
+      {"a{1001}", "invalid repetition size"},       // over RE2's repeat limit
+      {std::string(kMaxRulePatternBytes + 1, 'a'), "4097 bytes"},
+  };
+  for (const Case& c : cases) {
+    Rule r;
+    r.regex = c.regex;
+    Result<Rule> made = MakeRule(std::move(r));
+    ASSERT_FALSE(made.ok()) << c.regex;
+    EXPECT_EQ(made.status().code(), StatusCode::kInvalidArgument) << c.regex;
+    EXPECT_NE(made.status().message().find(c.message_part), std::string::npos)
+        << c.regex << " -> " << made.status().message();
+    EXPECT_NE(made.status().message().find("rule pattern '" + c.regex.substr(0, 64)),
+              std::string::npos)
+        << made.status().message();
+  }
+  // A program too large for the memory bound is refused, not truncated.
+  Rule huge;
+  // 2100 bytes, ~1.3 million instructions: over the 8 MiB bound.
+  for (int i = 0; i < 100; ++i) huge.regex += "[acegikmoqsuwy]{1000}";
+  ASSERT_LE(huge.regex.size(), kMaxRulePatternBytes);
+  Result<Rule> too_large = MakeRule(std::move(huge));
+  ASSERT_FALSE(too_large.ok());
+  EXPECT_NE(too_large.status().message().find("too large"), std::string::npos)
+      << too_large.status().message();
+  // Exactly at the length limit is accepted; a Rule never made matches nothing.
+  EXPECT_TRUE(RuleMatches(Make(std::string(kMaxRulePatternBytes, 'a')),
+                          std::string(kMaxRulePatternBytes, 'a')));
+  Rule unmade;
+  unmade.regex = "x";
+  EXPECT_FALSE(RuleMatches(unmade, "x"));
+}
+
+TEST(RuleRegex, PythonNamedGroupsAndBytes) {
+  // DeepSpeed's universal_checkpoint_info patterns are Python `re` syntax.
+  const Rule named = Make(R"(^layers\.(?P<layer>\d+)\.attention\.wq\.weight$)", TpKind::kRow);
+  ModelInfo info;
+  ParamPattern p =
+      PatternFor(Preset::kAuto, "layers.12.attention.wq.weight", {8, 8}, info, {named}).value();
+  EXPECT_EQ(p.tp, TpKind::kRow);
+  EXPECT_EQ(p.layer, 12);
+  EXPECT_EQ(p.pp, PpPlacement::kLayer);
+  // A capture group that matched nothing (alternation) falls back to `layers.<N>.`.
+  const Rule optional = Make(R"((?:block\.(\d+)|mlp)\.w$)");
+  EXPECT_EQ(PatternFor(Preset::kAuto, "layers.4.mlp.w", {8}, info, {optional})->layer, 4);
+  EXPECT_EQ(PatternFor(Preset::kAuto, "x.block.9.w", {8}, info, {optional})->layer, 9);
+  // Names are bytes (Latin-1): `.` is one byte, NUL and 0xff included; not valid UTF-8 is fine.
+  const std::string bytes("w.\xff\x00z", 5);
+  EXPECT_TRUE(RuleMatches(Make(R"(^w\.\xff.z$)"), bytes));
+  EXPECT_TRUE(RuleMatches(Make(R"(^w\...z$)"), bytes));
+  EXPECT_TRUE(RuleMatches(Make("z$"), bytes));
+  // Copies share the compiled program.
+  const Rule copy = named;
+  EXPECT_EQ(copy.compiled, named.compiled);
+  EXPECT_TRUE(RuleMatches(copy, "layers.1.attention.wq.weight"));
 }
 
 // ---------------------------------------------------------------- geometry
