@@ -78,6 +78,13 @@ std::string CacheIndexDir(const std::string& src_dir);
 // kNotFound / kDataLoss in read_only mode when there is no valid index.
 Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOptions& options);
 
+// Checks checkpoint records against the real files of `src_dir` (a loaded index before use; the
+// DeepSpeed fuzz target checks a fresh scan with it): every path stays inside `src_dir` and names
+// a regular file of the recorded size, every byte item and every fragment (strides included)
+// lies inside its file, and every tensor's fragments cover it exactly once. `index_dir` only
+// names the index in messages. Errors: kDataLoss naming the first record that does not match.
+Status ValidateIndexRecords(const std::string& src_dir, const std::string& index_dir, const Checkpoint& c);
+
 // Lower-level: write / read a checkpoint to / from an LMDB environment at `index_dir`.
 // Load errors: kNotFound (no index), kDataLoss (schema mismatch or undecodable records:
 // the caller rebuilds), kIo.

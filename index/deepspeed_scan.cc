@@ -360,7 +360,7 @@ class DeepSpeedScanner {
     for (const auto& [mp, name] : files_.model) mps.insert(mp);
     for (const auto& [key, name] : files_.zero3_model) mps.insert(key.second);
     for (const auto& [key, name] : files_.optim) mps.insert(key.second);
-    if (mps.empty() || files_.optim.empty()) {
+    if ((files_.model.empty() && files_.zero3_model.empty()) || files_.optim.empty()) {
       return NotFoundError(where + " holds no DeepSpeed model and optimizer states "
                            "(mp_rank_XX_model_states.pt, zero_pp_rank_D_mp_rank_XX_optim_states.pt)");
     }
