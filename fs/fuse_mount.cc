@@ -18,7 +18,10 @@
 // - fi->fh of an open file is an OpenFileHandle (one per open(2), freed by release); of an open
 //   directory an OpenDirHandle snapshot (freed by releasedir). The session's HandleRegistry
 //   owns both, so handles still open when the mount goes away are freed too.
-#define FUSE_USE_VERSION 35
+// API 3.12 (= FUSE_MAKE_VERSION(3, 12)): below it, fuse_session_loop_mt() binds to the 3.2 entry
+// point, which reads the opaque fuse_loop_cfg_create() object as the old public struct (clone_fd,
+// max_idle_threads garbage: a thread per request).
+#define FUSE_USE_VERSION 312
 #include "fs/fuse_mount.h"
 
 #include <fcntl.h>
