@@ -22,7 +22,10 @@
 #include "core/checked.h"
 #include "core/format/torch_file.h"
 #include "core/layout/zero.h"
+#include "core/layout/layout.h"
+#include "core/layout/patterns.h"
 #include "index/checkpoint_builder.h"
+#include "index/deepspeed_patterns.h"
 
 namespace ucpfs::index {
 namespace {
@@ -39,7 +42,8 @@ struct TagFiles {
   std::map<int, std::string> model;                       // mp rank -> mp_rank_XX_model_states.pt
   std::map<std::pair<int, int>, std::string> zero3_model;  // (dp, mp) -> zero_pp_rank_..._model_states.pt
   std::map<std::pair<int, int>, std::string> optim;        // (dp, mp) -> [bf16_]zero_pp_rank_..._optim_states.pt
-  std::vector<std::string> unsupported;                    // layer_*, expert, expp_rank_* files
+  std::map<std::pair<int, int>, std::string> layers;       // (layer, tp) -> layer_LL-model_TT-model_states.pt
+  std::vector<std::string> unsupported;                    // MoE expert files
 };
 
 Result<TagFiles> ListTag(const std::string& dir) {
@@ -48,7 +52,8 @@ Result<TagFiles> ListTag(const std::string& dir) {
   static const std::regex kModel(R"(mp_rank_(\d+)_model_states\.pt)");
   static const std::regex kZero3Model(R"(zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
   static const std::regex kOptim(R"((?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
-  static const std::regex kOther(R"((layer_.*|expp_rank_.*)_(model|optim)_states\.pt)");
+  static const std::regex kLayer(R"(layer_(\d+)-model_(\d+)-model_states\.pt)");
+  static const std::regex kExpert(R"((layer_\d+_expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt)");
   TagFiles out;
   std::vector<std::string> names;
   while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
@@ -73,7 +78,10 @@ Result<TagFiles> ListTag(const std::string& dir) {
     } else if (std::regex_match(name, m, kModel)) {
       if (num(m[1]) < 0) return CorruptError(dir + "/" + name + ": rank number too large");
       out.model[num(m[1])] = name;
-    } else if (std::regex_match(name, m, kOther)) {
+    } else if (std::regex_match(name, m, kLayer)) {
+      if (num(m[1]) < 0 || num(m[2]) < 0) return CorruptError(dir + "/" + name + ": layer or rank number too large");
+      out.layers[{num(m[1]), num(m[2])}] = name;
+    } else if (std::regex_match(name, m, kExpert)) {
       out.unsupported.push_back(name);
     }
   }
@@ -213,6 +221,44 @@ nlohmann::json PlainJson(const pickle::PickleGraph& g, pickle::NodeId n, int dep
   }
 }
 
+// Where one tensor-parallel rank's slice of a parameter lies in the global tensor.
+struct Placement {
+  std::vector<int64_t> global_shape;
+  // Global boxes, in local order; their concatenation along dim 0 (or, for a single box, the
+  // box itself) is the local tensor. Empty: the local tensor is the whole global tensor.
+  std::vector<slice::Box> pieces;
+  bool skip = false;  // a replica of tp rank 0's (tp-replicated): not read
+};
+
+// The global fragments of local elements [lo, hi) stored contiguously at byte_offset.
+void PlaceRange(const Placement& pl, uint64_t lo, uint64_t hi, uint32_t file_id, uint64_t byte_offset, DType dtype,
+                std::vector<slice::Fragment>* out) {
+  auto fragment = [&](slice::Box box, uint64_t flat_lo, uint64_t flat_hi, uint64_t bytes) {
+    slice::Fragment f;
+    f.box = std::move(box);
+    f.flat_lo = flat_lo;
+    f.flat_hi = flat_hi;
+    f.file_id = file_id;
+    f.byte_offset = bytes;
+    f.dtype = dtype;
+    out->push_back(std::move(f));
+  };
+  if (pl.pieces.empty()) {
+    slice::Box whole;
+    whole.offsets.assign(pl.global_shape.size(), 0);
+    whole.sizes = pl.global_shape;
+    fragment(std::move(whole), lo, hi, byte_offset);
+    return;
+  }
+  uint64_t start = 0;
+  for (const slice::Box& piece : pl.pieces) {
+    const uint64_t vol = piece.Volume();
+    const uint64_t a = std::max(lo, start), b = std::min(hi, start + vol);
+    if (a < b) fragment(piece, a - start, b - start, byte_offset + (a - lo) * ItemSize(dtype));
+    start += vol;
+  }
+}
+
 class DeepSpeedScanner {
  public:
   explicit DeepSpeedScanner(const std::string& dir) : builder_(dir) {}
@@ -221,79 +267,312 @@ class DeepSpeedScanner {
     UCPFS_RETURN_IF_ERROR(FindTag());
     UCPFS_ASSIGN_OR_RETURN(files_, ListTag(builder_.dir() + "/" + tag_dir_));
     UCPFS_RETURN_IF_ERROR(CheckNames());
-    const bool zero3 = !files_.zero3_model.empty();
+    zero3_ = !files_.zero3_model.empty();
     Checkpoint& cp = builder_.checkpoint();
     cp.format = "deepspeed";
-    const std::string model_name = zero3 ? files_.zero3_model.begin()->second : files_.model.begin()->second;
-    UCPFS_ASSIGN_OR_RETURN(uint32_t model_id, builder_.AddFile(Rel(model_name)));
-    UCPFS_ASSIGN_OR_RETURN(format::TorchFile model, builder_.OpenTorchFile(model_id));
-    const std::string model_where = builder_.source(model_id)->Name();
-    UCPFS_ASSIGN_OR_RETURN(groups_, ParamShapes(model, model_where));
 
-    // The optimizer partitions, by dp rank.
-    for (const auto& [rank, name] : files_.optim) {
+    // Model states of mp rank 0: degrees and universal_checkpoint_info.
+    const std::string model0_name = zero3_ ? files_.zero3_model.begin()->second : files_.model.begin()->second;
+    UCPFS_ASSIGN_OR_RETURN(const uint32_t model0_id, builder_.AddFile(Rel(model0_name)));
+    UCPFS_ASSIGN_OR_RETURN(format::TorchFile model0, builder_.OpenTorchFile(model0_id));
+    const std::string model0_where = builder_.source(model0_id)->Name();
+    UCPFS_RETURN_IF_ERROR(Degrees(model0, model0_where));
+    {
+      const pickle::PickleGraph& g = model0.graph();
+      uint64_t budget = 100000;
+      const pickle::NodeId uc = Get(g, g.root(), "universal_checkpoint_info");
+      uc_json_ = g.kind(uc) == pickle::Kind::kDict ? PlainJson(g, uc, 0, &budget) : nlohmann::json(nullptr);
+      UCPFS_ASSIGN_OR_RETURN(patterns_, ParseDeepSpeedPatterns(uc_json_, model0_where));
+      if (tp_ > 1 && !patterns_.present) {
+        return UnsupportedError(model0_where + ": a tensor-parallel (tp " + std::to_string(tp_) +
+                                ") checkpoint without universal_checkpoint_info: how each parameter is split "
+                                "is not recorded");
+      }
+    }
+
+    const int n_mp = tp_ * pp_;
+    optim_.resize(static_cast<size_t>(n_mp));
+    optim_ids_.resize(optim_.size());
+    for (const auto& [key, name] : files_.optim) {
       UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(Rel(name)));
       UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
-      optim_ids_.push_back(id);
-      optim_.push_back(std::move(tf));
+      optim_ids_[static_cast<size_t>(key.second)].push_back(id);
+      optim_[static_cast<size_t>(key.second)].push_back(std::move(tf));
     }
-    dp_ = static_cast<int>(optim_.size());
+    dp_ = static_cast<int>(optim_[0].size());
     UCPFS_ASSIGN_OR_RETURN(stage_, ZeroStage());
-    cp.flavor = (stage_ == 0 ? std::string("bf16_optimizer") : "zero" + std::to_string(stage_)) + " dp" +
-                std::to_string(dp_) + (tag_.empty() ? "" : " tag " + tag_);
+    cp.flavor = (stage_ == 0 ? std::string("bf16_optimizer") : "zero" + std::to_string(stage_)) +
+                (tp_ > 1 ? " tp" + std::to_string(tp_) : "") + (pp_ > 1 ? " pp" + std::to_string(pp_) : "") +
+                " dp" + std::to_string(dp_) + (tag_.empty() ? "" : " tag " + tag_);
 
-    std::vector<Item> weights;
-    if (!zero3) weights = ModuleItems(model, model_id);
-    std::vector<std::string> module_order;
-    std::map<std::string, Item> weight_of;
-    for (Item& w : weights) {
-      module_order.push_back(w.key);
-      weight_of.emplace(module_order.back(), std::move(w));
-    }
-
+    // param_shapes of every mp rank, and the names any of them knows (for layer files).
+    groups_.resize(static_cast<size_t>(n_mp));
     uint64_t total = 0, done = 0;
-    for (const auto& g : groups_) total += g.size();
-    for (size_t gi = 0; gi < groups_.size(); ++gi) {
-      std::vector<std::vector<Item>> items;
-      if (zero3) {
-        UCPFS_ASSIGN_OR_RETURN(items, Zero3Group(gi));
+    for (int m = 0; m < n_mp; ++m) {
+      if (m == 0 || zero3_) {
+        UCPFS_ASSIGN_OR_RETURN(groups_[0], ParamShapes(model0, model0_where));
       } else {
-        UCPFS_ASSIGN_OR_RETURN(items, FlatGroup(gi));
+        UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(Rel(files_.model.at(m))));
+        UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
+        UCPFS_ASSIGN_OR_RETURN(groups_[static_cast<size_t>(m)], ParamShapes(tf, builder_.source(id)->Name()));
       }
-      for (size_t pi = 0; pi < items.size(); ++pi) {
-        const std::string& name = groups_[gi][pi].name;
-        if (auto w = weight_of.find(name); w != weight_of.end()) {
-          builder_.AddItem(std::move(w->second));
-          weight_of.erase(w);
+      for (const auto& g : groups_[static_cast<size_t>(m)]) {
+        total += g.size();
+        for (const Param& p : g) known_names_.insert(p.name);
+      }
+    }
+    UCPFS_RETURN_IF_ERROR(LayerWeights());
+
+    for (int m = 0; m < n_mp; ++m) {
+      const int t = m % tp_;
+      // Module tensors of this rank: its mp_rank file's `module` (ZeRO-1/2, BF16_Optimizer), or
+      // the layer files of its tp rank (pipeline; those of other stages are not in its groups).
+      std::map<std::string, Item> weight_of;
+      std::vector<std::string> module_order;
+      if (!zero3_ && files_.layers.empty()) {
+        UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(Rel(files_.model.at(m))));
+        UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
+        UCPFS_ASSIGN_OR_RETURN(std::vector<Item> weights, ModuleItems(tf, id, t));
+        for (Item& w : weights) {
+          module_order.push_back(w.key);
+          weight_of.emplace(module_order.back(), std::move(w));
         }
-        for (Item& item : items[pi]) builder_.AddItem(std::move(item));
-        if (progress) progress(++done, total);
+      }
+      const auto& groups = groups_[static_cast<size_t>(m)];
+      for (size_t gi = 0; gi < groups.size(); ++gi) {
+        std::vector<std::vector<Item>> items;
+        if (zero3_) {
+          UCPFS_ASSIGN_OR_RETURN(items, Zero3Group(gi));
+        } else {
+          UCPFS_ASSIGN_OR_RETURN(items, FlatGroup(m, gi));
+        }
+        for (size_t pi = 0; pi < items.size(); ++pi) {
+          const std::string& name = groups[gi][pi].name;
+          if (auto w = weight_of.find(name); w != weight_of.end()) {
+            UCPFS_RETURN_IF_ERROR(Merge(std::move(w->second), t));
+            weight_of.erase(w);
+          } else if (auto lw = layer_weights_[static_cast<size_t>(t)].find(name);
+                     lw != layer_weights_[static_cast<size_t>(t)].end()) {
+            UCPFS_RETURN_IF_ERROR(Merge(std::move(lw->second), t));
+            layer_weights_[static_cast<size_t>(t)].erase(lw);
+          }
+          for (Item& item : items[pi]) UCPFS_RETURN_IF_ERROR(Merge(std::move(item), t));
+          if (progress) progress(++done, total);
+        }
+      }
+      // Module tensors without optimizer state (buffers, frozen parameters), in module order.
+      for (const std::string& name : module_order) {
+        if (auto it = weight_of.find(name); it != weight_of.end()) UCPFS_RETURN_IF_ERROR(Merge(std::move(it->second), t));
       }
     }
-    // Module tensors without optimizer state (buffers, frozen parameters), in module order.
-    for (const std::string& name : module_order) {
-      if (auto it = weight_of.find(name); it != weight_of.end()) builder_.AddItem(std::move(it->second));
+    for (int t = 0; t < tp_; ++t) {
+      for (const std::string& name : layer_order_) {
+        auto& left = layer_weights_[static_cast<size_t>(t)];
+        if (auto it = left.find(name); it != left.end()) UCPFS_RETURN_IF_ERROR(Merge(std::move(it->second), t));
+      }
     }
-    UCPFS_ASSIGN_OR_RETURN(cp.format_info, FormatInfo(model, zero3));
+    const std::string where = builder_.dir() + (tag_dir_.empty() ? "" : "/" + tag_dir_);
+    for (Item& item : merged_) {
+      if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
+      builder_.AddItem(std::move(item));
+    }
+    UCPFS_ASSIGN_OR_RETURN(cp.format_info, FormatInfo());
     return builder_.Take();
   }
 
  private:
+  // Adds tp rank t's part of an item: a new key, or more fragments of one seen before (another
+  // tp rank's pieces). A key another rank already gave fully (tied weights on a later pipeline
+  // stage, a step) is skipped, as ds_to_universal skips pipeline-replicated parameters there.
+  Status Merge(Item item, int t) {
+    auto [it, fresh] = merged_index_.try_emplace(item.key, merged_.size());
+    if (fresh) {
+      contributed_.insert({item.key, t});
+      merged_.push_back(std::move(item));
+      return Status::Ok();
+    }
+    Item& into = merged_[it->second];
+    if (into.layout.shape.empty() || !contributed_.insert({item.key, t}).second) return Status::Ok();
+    if (into.layout.shape != item.layout.shape) {
+      return CorruptError(builder_.dir() + ": '" + item.key + "': the slice of tp rank " + std::to_string(t) +
+                          " makes a tensor of shape " + JoinInts(item.layout.shape) + ", another rank's " +
+                          JoinInts(into.layout.shape));
+    }
+    for (slice::Fragment& f : item.layout.fragments) into.layout.fragments.push_back(std::move(f));
+    return Status::Ok();
+  }
+
+  // Tensor- and pipeline-parallel degrees: checkpoint_parallel_dimensions when the engine wrote
+  // it, else (as ds_to_universal) the tp ranks of the layer files, else one stage.
+  Status Degrees(const format::TorchFile& model0, const std::string& where) {
+    const int n_mp = zero3_ ? 1 : static_cast<int>(files_.model.size());
+    const pickle::PickleGraph& g = model0.graph();
+    const pickle::NodeId dims = Get(g, g.root(), "checkpoint_parallel_dimensions");
+    if (g.kind(dims) == pickle::Kind::kDict) {
+      const std::optional<int64_t> pp = IntOf(g, Get(g, dims, "pp_degree")), tp = IntOf(g, Get(g, dims, "tp_degree"));
+      if (!pp || !tp || *pp < 1 || *tp < 1 || *pp > kMaxRank || *tp > kMaxRank) {
+        return CorruptError(where + ": checkpoint_parallel_dimensions holds no positive pp_degree and tp_degree");
+      }
+      pp_ = static_cast<int>(*pp);
+      tp_ = static_cast<int>(*tp);
+    } else if (!files_.layers.empty()) {
+      std::set<int> tps;
+      for (const auto& [key, name] : files_.layers) tps.insert(key.second);
+      tp_ = static_cast<int>(tps.size());
+      pp_ = n_mp / tp_;
+    } else {
+      tp_ = n_mp;
+      pp_ = 1;
+    }
+    if (tp_ * pp_ != n_mp) {
+      return CorruptError(where + ": " + std::to_string(n_mp) + " model-states files, but tp " + std::to_string(tp_) +
+                          " x pp " + std::to_string(pp_) + " ranks");
+    }
+    for (const auto& [key, name] : files_.layers) {
+      if (key.second >= tp_) {
+        return CorruptError(where + ": layer file " + name + " names tp rank " + std::to_string(key.second) +
+                            " of " + std::to_string(tp_));
+      }
+    }
+    if (zero3_ && (tp_ > 1 || pp_ > 1)) {
+      return UnsupportedError(where + ": tensor- or pipeline-parallel ZeRO-3 checkpoints are not supported yet");
+    }
+    return Status::Ok();
+  }
+
+  // Where tp rank t's slice of `name` (of local shape `local`) lies, by universal_checkpoint_info
+  // as ds_to_universal merges it (deepspeed_patterns.h), through layout::TargetSlice.
+  Result<Placement> Place(const std::string& name, const std::vector<int64_t>& local, int t) const {
+    Placement pl;
+    pl.global_shape = local;
+    if (tp_ == 1) return pl;
+    UCPFS_ASSIGN_OR_RETURN(const DeepSpeedParamRule rule, ClassifyDeepSpeedParam(patterns_, name));
+    layout::ParamPattern pattern;
+    pattern.tp = layout::TpKind::kColumn;
+    pattern.tp_dim = 0;
+    auto refuse = [&](const std::string& why) {
+      return UnsupportedError("parameter '" + name + "' of shape " + JoinInts(local) + " at tp " + std::to_string(tp_) +
+                              ": " + why);
+    };
+    switch (rule.merge) {
+      case DeepSpeedMerge::kReplicated:
+        pl.skip = t != 0;
+        return pl;
+      case DeepSpeedMerge::kAverage:
+        return refuse("parameter_to_average_patterns (averaged tensor-parallel slices) are not served yet");
+      case DeepSpeedMerge::kTwoSub:
+        if (local.empty() || local[0] % 2 != 0) return refuse("two sub-parameters need an even first dim");
+        pattern.sub_sizes = {local[0] * tp_ / 2, local[0] * tp_ / 2};
+        break;
+      case DeepSpeedMerge::kSubParams: {
+        if (local.empty()) return refuse("a 0-d tensor has no sub-parameters");
+        UCPFS_ASSIGN_OR_RETURN(pattern.sub_sizes, DeepSpeedSubSizes(patterns_, rule, name, local[0] * tp_));
+        for (int64_t s : pattern.sub_sizes) {
+          if (s % tp_ != 0) return refuse("a sub-parameter of " + std::to_string(s) + " does not divide by tp");
+        }
+        break;
+      }
+      case DeepSpeedMerge::kCat:
+        if (static_cast<size_t>(rule.cat_dim) >= local.size()) return refuse("no dim " + std::to_string(rule.cat_dim) + " to split");
+        if (rule.cat_dim == 1) pattern.tp = layout::TpKind::kRow;
+        pattern.tp_dim = rule.cat_dim;
+        break;
+    }
+    const size_t d = static_cast<size_t>(pattern.tp_dim);
+    if (local.size() <= d) return refuse("no dim to split");
+    const std::optional<uint64_t> global = CheckedMul(static_cast<uint64_t>(local[d]), static_cast<uint64_t>(tp_));
+    if (!global || *global > (uint64_t{1} << 48)) return refuse("the global size overflows");
+    pl.global_shape[d] = static_cast<int64_t>(*global);
+    layout::Layout lay;
+    lay.tp = tp_;
+    layout::RankCoords coords;
+    coords.tp = t;
+    UCPFS_ASSIGN_OR_RETURN(const layout::LocalView view,
+                           layout::TargetSlice(layout::Preset::kAuto, name, pattern, pl.global_shape, lay, {}, coords));
+    if (view.local_shape != local || (view.pieces.size() > 1 && view.cat_dim != 0)) {
+      return refuse("its slice does not follow the pattern (local shape " + JoinInts(view.local_shape) + ")");
+    }
+    pl.pieces = view.pieces;
+    return pl;
+  }
+
+  // Pipeline layer files (layer_LL-model_TT-model_states.pt, a layer's bare state_dict): their
+  // tensors by global name, placed for tp rank TT. A layer's key K is the parameter "LL.K", or
+  // the tied module's "tied_modules.<key>.K" when that is the one parameter with that suffix.
+  Status LayerWeights() {
+    layer_weights_.resize(static_cast<size_t>(tp_));
+    std::set<std::string> ordered;
+    for (const auto& [key, name] : files_.layers) {
+      UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(Rel(name)));
+      UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
+      for (const format::TensorRecord& rec : tf.tensors()) {
+        std::string global = std::to_string(key.first) + "." + rec.key;
+        if (known_names_.count(global) == 0) {
+          std::string tied;
+          int n = 0;
+          for (const std::string& k : known_names_) {
+            if (k.rfind("tied_modules.", 0) == 0 && k.size() > rec.key.size() &&
+                k.compare(k.size() - rec.key.size(), rec.key.size(), rec.key) == 0 &&
+                k[k.size() - rec.key.size() - 1] == '.') {
+              tied = k;
+              ++n;
+            }
+          }
+          if (n == 1) global = tied;
+        }
+        UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(global, rec, id, key.second));
+        if (!item) continue;
+        if (ordered.insert(global).second) layer_order_.push_back(global);
+        layer_weights_[static_cast<size_t>(key.second)].try_emplace(global, std::move(*item));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // A stored module tensor of tp rank t as (part of) the global tensor `name`; nullopt when it
+  // is a replica the merge does not read.
+  Result<std::optional<Item>> PlacedTensor(const std::string& name, const format::TensorRecord& t, uint32_t file_id,
+                                           int tp_rank) const {
+    UCPFS_ASSIGN_OR_RETURN(const Placement pl, Place(name, t.shape, tp_rank));
+    if (pl.skip) return std::optional<Item>();
+    Item item;
+    item.key = name;
+    item.kind = ItemKind::kTensor;
+    item.dtype = t.dtype;
+    item.layout.shape = pl.global_shape;
+    if (t.contiguous) {
+      PlaceRange(pl, 0, t.n_elems, file_id, t.data_offset, t.dtype, &item.layout.fragments);
+    } else if (pl.pieces.empty()) {
+      slice::Fragment f;
+      f.box.offsets.assign(t.shape.size(), 0);
+      f.box.sizes = t.shape;
+      f.flat_lo = 0;
+      f.flat_hi = t.n_elems;
+      f.file_id = file_id;
+      f.byte_offset = t.data_offset;
+      f.dtype = t.dtype;
+      f.strides = t.stride;
+      item.layout.fragments.push_back(std::move(f));
+    } else {
+      return UnsupportedError(builder_.source(file_id)->Name() + ": " + t.key +
+                              " is a non-contiguous slice of a tensor-parallel parameter");
+    }
+    return std::optional<Item>(std::move(item));
+  }
+
   // What the universal view needs beyond items (deepspeed_scan.h, "format_info").
-  Result<std::string> FormatInfo(const format::TorchFile& model, bool zero3) const {
+  Result<std::string> FormatInfo() const {
     nlohmann::json info;
     info["tag"] = tag_.empty() ? std::string() : tag_;
     info["zero_stage"] = stage_;
     info["dp"] = dp_;
-    const pickle::PickleGraph& g = model.graph();
-    uint64_t budget = 100000;
-    const pickle::NodeId uc = Get(g, g.root(), "universal_checkpoint_info");
-    info["universal_checkpoint_info"] =
-        g.kind(uc) == pickle::Kind::kDict ? PlainJson(g, uc, 0, &budget) : nlohmann::json(nullptr);
+    info["tp"] = tp_;
+    info["pp"] = pp_;
+    info["universal_checkpoint_info"] = uc_json_;
     // The files ds_to_universal copies next to zero/: mp_rank_* (ZeRO-1/2, BF16_Optimizer) or
     // every *model_states.pt (ZeRO-3).
     nlohmann::json model_files = nlohmann::json::array();
-    if (zero3) {
+    if (zero3_) {
       for (const auto& [key, name] : files_.zero3_model) model_files.push_back(Rel(name));
     } else {
       for (const auto& [mp, name] : files_.model) model_files.push_back(Rel(name));
@@ -303,10 +582,11 @@ class DeepSpeedScanner {
     // A param group's step when the optimizer keeps it as a Python number (a tensor step is
     // the item optimizer.state.<name>.step): per group, the number or null.
     nlohmann::json steps = nlohmann::json::array();
-    const pickle::PickleGraph& og = optim_[0].graph();
+    uint64_t budget = 100000;
+    const pickle::PickleGraph& og = optim_[0][0].graph();
     const pickle::NodeId osd = Get(og, og.root(), "optimizer_state_dict");
-    const pickle::NodeId state = Get(og, Get(og, osd, zero3 ? "optimizer_state_dict" : "base_optimizer_state"), "state");
-    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const pickle::NodeId state = Get(og, Get(og, osd, zero3_ ? "optimizer_state_dict" : "base_optimizer_state"), "state");
+    for (size_t gi = 0; gi < groups_[0].size(); ++gi) {
       pickle::NodeId group = pickle::kNoNode;
       for (const auto& [k, v] : Pairs(og, state)) {
         if (IntOf(og, k) == static_cast<int64_t>(gi)) group = v;
@@ -319,7 +599,7 @@ class DeepSpeedScanner {
     info["number_steps"] = steps;
     std::string text = info.dump();
     if (text.size() > kMaxFormatInfoBytes) {
-      return CorruptError(builder_.source(optim_ids_[0])->Name() + ": universal_checkpoint_info is too large");
+      return CorruptError(Where(0, 0) + ": universal_checkpoint_info is too large");
     }
     return text;
   }
@@ -353,36 +633,62 @@ class DeepSpeedScanner {
   Status CheckNames() const {
     const std::string where = builder_.dir() + (tag_dir_.empty() ? "" : "/" + tag_dir_);
     if (!files_.unsupported.empty()) {
-      return UnsupportedError(where + "/" + files_.unsupported.front() +
-                              ": pipeline-parallel layer files and MoE expert files are not supported yet");
+      return UnsupportedError(where + "/" + files_.unsupported.front() + ": MoE expert files are not supported yet");
     }
-    std::set<int> mps;
-    for (const auto& [mp, name] : files_.model) mps.insert(mp);
-    for (const auto& [key, name] : files_.zero3_model) mps.insert(key.second);
-    for (const auto& [key, name] : files_.optim) mps.insert(key.second);
     if ((files_.model.empty() && files_.zero3_model.empty()) || files_.optim.empty()) {
       return NotFoundError(where + " holds no DeepSpeed model and optimizer states "
                            "(mp_rank_XX_model_states.pt, zero_pp_rank_D_mp_rank_XX_optim_states.pt)");
     }
-    if (mps.size() > 1 || *mps.begin() != 0) {
-      return UnsupportedError(where + ": model-parallel ranks " + std::to_string(*mps.rbegin()) +
-                              " found: tensor- or pipeline-parallel DeepSpeed checkpoints are not supported yet");
-    }
     if (!files_.model.empty() && !files_.zero3_model.empty()) {
       return CorruptError(where + ": both mp_rank_00_model_states.pt and ZeRO-3 zero_pp_rank_*_model_states.pt");
     }
-    // dp ranks 0..D-1, each once.
-    int expect = 0;
-    for (const auto& [key, name] : files_.optim) {
-      if (key.first != expect) {
-        return CorruptError(where + ": optimizer partition of dp rank " + std::to_string(expect) +
-                            " is missing (found " + name + ")");
+    // mp ranks 0..M-1, each with dp ranks 0..D-1 (the same D).
+    std::set<int> mps;
+    for (const auto& [mp, name] : files_.model) mps.insert(mp);
+    for (const auto& [key, name] : files_.zero3_model) mps.insert(key.second);
+    int expect_mp = 0;
+    for (int mp : mps) {
+      if (mp != expect_mp) {
+        return CorruptError(where + ": the model states of mp rank " + std::to_string(expect_mp) +
+                            " are missing (mp_rank_" + (expect_mp < 10 ? "0" : "") + std::to_string(expect_mp) + ")");
       }
-      ++expect;
+      ++expect_mp;
+    }
+    if (!files_.zero3_model.empty() && mps.size() > 1) {
+      return UnsupportedError(where + ": tensor-parallel ZeRO-3 checkpoints (mp ranks " + std::to_string(mps.size()) +
+                              ") are not supported yet");
+    }
+    std::map<int, int> dp_of_mp;
+    for (const auto& [key, name] : files_.optim) {
+      if (mps.count(key.second) == 0) {
+        return CorruptError(where + "/" + name + ": an optimizer partition of mp rank " + std::to_string(key.second) +
+                            ", which has no model states");
+      }
+    }
+    for (int mp : mps) {
+      int expect = 0;
+      for (auto it = files_.optim.begin(); it != files_.optim.end(); ++it) {
+        if (it->first.second != mp) continue;
+        if (it->first.first != expect) {
+          return CorruptError(where + ": optimizer partition of dp rank " + std::to_string(expect) + " of mp rank " +
+                              std::to_string(mp) + " is missing (found " + it->second + ")");
+        }
+        ++expect;
+      }
+      dp_of_mp[mp] = expect;
+    }
+    for (const auto& [mp, n] : dp_of_mp) {
+      if (n != dp_of_mp.begin()->second) {
+        return CorruptError(where + ": mp rank " + std::to_string(mp) + " has " + std::to_string(n) +
+                            " optimizer partitions, mp rank 0 " + std::to_string(dp_of_mp.begin()->second));
+      }
     }
     if (!files_.zero3_model.empty() && files_.zero3_model.size() != files_.optim.size()) {
       return CorruptError(where + ": " + std::to_string(files_.zero3_model.size()) + " ZeRO-3 model files but " +
                           std::to_string(files_.optim.size()) + " optimizer files");
+    }
+    if (!files_.layers.empty() && !files_.zero3_model.empty()) {
+      return UnsupportedError(where + ": pipeline layer files with ZeRO-3 are not supported");
     }
     return Status::Ok();
   }
@@ -390,106 +696,71 @@ class DeepSpeedScanner {
   // 1 or 2 (zero_stage), 3 (ZeRO-3), or 0 for BF16_Optimizer (no zero_stage key).
   Result<int> ZeroStage() const {
     std::optional<int> stage;
-    for (size_t d = 0; d < optim_.size(); ++d) {
-      const pickle::PickleGraph& g = optim_[d].graph();
-      const pickle::NodeId osd = Get(g, g.root(), "optimizer_state_dict");
-      if (Pairs(g, osd).empty()) return CorruptError(Where(d) + ": no optimizer_state_dict");
-      const pickle::NodeId z = Get(g, osd, "zero_stage");
-      int s = 0;
-      if (z != pickle::kNoNode) {
-        std::optional<int64_t> v = IntOf(g, z);
-        if (!v || *v < 1 || *v > 3) return CorruptError(Where(d) + ": optimizer_state_dict.zero_stage is not 1, 2 or 3");
-        s = static_cast<int>(*v);
+    for (size_t m = 0; m < optim_.size(); ++m) {
+      for (size_t d = 0; d < optim_[m].size(); ++d) {
+        const pickle::PickleGraph& g = optim_[m][d].graph();
+        const pickle::NodeId osd = Get(g, g.root(), "optimizer_state_dict");
+        if (Pairs(g, osd).empty()) return CorruptError(Where(m, d) + ": no optimizer_state_dict");
+        const pickle::NodeId z = Get(g, osd, "zero_stage");
+        int s = 0;
+        if (z != pickle::kNoNode) {
+          std::optional<int64_t> v = IntOf(g, z);
+          if (!v || *v < 1 || *v > 3) return CorruptError(Where(m, d) + ": optimizer_state_dict.zero_stage is not 1, 2 or 3");
+          s = static_cast<int>(*v);
+        }
+        if (stage && *stage != s) return CorruptError(Where(m, d) + ": zero_stage differs from dp rank 0's");
+        stage = s;
       }
-      if (stage && *stage != s) return CorruptError(Where(d) + ": zero_stage differs from dp rank 0's");
-      stage = s;
     }
-    const bool zero3_files = !files_.zero3_model.empty();
-    if ((*stage == 3) != zero3_files) {
-      return CorruptError(Where(0) + ": zero_stage " + std::to_string(*stage) + " does not match the model files");
+    if ((*stage == 3) != zero3_) {
+      return CorruptError(Where(0, 0) + ": zero_stage " + std::to_string(*stage) + " does not match the model files");
     }
     return *stage;
   }
 
-  std::string Where(size_t dp_rank) const { return builder_.source(optim_ids_[dp_rank])->Name(); }
+  std::string Where(size_t mp_rank, size_t dp_rank) const {
+    return builder_.source(optim_ids_[mp_rank][dp_rank])->Name();
+  }
 
-  std::vector<Item> ModuleItems(const format::TorchFile& model, uint32_t model_id) const {
+  Result<std::vector<Item>> ModuleItems(const format::TorchFile& model, uint32_t model_id, int tp_rank) const {
     std::vector<Item> out;
     constexpr std::string_view kPrefix = "module.";
     for (const format::TensorRecord& t : model.tensors()) {
       if (t.key.rfind(kPrefix, 0) != 0) continue;
-      Item item;
-      item.key = t.key.substr(kPrefix.size());
-      item.kind = ItemKind::kTensor;
-      item.dtype = t.dtype;
-      item.layout.shape = t.shape;
-      slice::Fragment f;
-      f.box.offsets.assign(t.shape.size(), 0);
-      f.box.sizes = t.shape;
-      f.flat_lo = 0;
-      f.flat_hi = t.n_elems;
-      f.file_id = model_id;
-      f.byte_offset = t.data_offset;
-      f.dtype = t.dtype;
-      if (!t.contiguous) f.strides = t.stride;
-      item.layout.fragments.push_back(std::move(f));
-      out.push_back(std::move(item));
+      UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(t.key.substr(kPrefix.size()), t, model_id, tp_rank));
+      if (item) out.push_back(std::move(*item));
     }
     return out;
   }
 
-  // A flat-range fragment of `p`: its elements [param_elem_offset, +n) stored contiguously at
-  // element `elem` of tensor `rec` in file `file_id`.
-  static slice::Fragment FlatFragment(const Param& p, uint64_t param_elem_offset, uint64_t n, uint32_t file_id,
-                                      const format::TensorRecord& rec, uint64_t elem) {
-    slice::Fragment f;
-    f.box.offsets.assign(p.shape.size(), 0);
-    f.box.sizes = p.shape;
-    f.flat_lo = param_elem_offset;
-    f.flat_hi = param_elem_offset + n;
-    f.file_id = file_id;
-    f.byte_offset = rec.data_offset + elem * ItemSize(rec.dtype);
-    f.dtype = rec.dtype;
-    return f;
-  }
-
-  // A 1-D contiguous fp32 tensor at `key` of dp rank d with at least `min_elems` elements.
-  Result<const format::TensorRecord*> FlatTensor(size_t d, const std::string& key, uint64_t min_elems,
+  // A 1-D contiguous fp32 tensor at `key` of (mp, dp) rank with min..max elements.
+  Result<const format::TensorRecord*> FlatTensor(size_t m, size_t d, const std::string& key, uint64_t min_elems,
                                                  uint64_t max_elems) const {
-    for (const format::TensorRecord& t : optim_[d].tensors()) {
+    for (const format::TensorRecord& t : optim_[m][d].tensors()) {
       if (t.key != key) continue;
       if (t.shape.size() != 1 || !t.contiguous) {
-        return CorruptError(Where(d) + ": " + key + " is not a 1-D contiguous tensor (shape " + JoinInts(t.shape) + ")");
+        return CorruptError(Where(m, d) + ": " + key + " is not a 1-D contiguous tensor (shape " + JoinInts(t.shape) + ")");
       }
       if (t.n_elems < min_elems || t.n_elems > max_elems) {
-        return CorruptError(Where(d) + ": " + key + " has " + std::to_string(t.n_elems) +
+        return CorruptError(Where(m, d) + ": " + key + " has " + std::to_string(t.n_elems) +
                             " elements; the partition needs " +
                             (min_elems == max_elems ? std::to_string(min_elems)
                                                     : std::to_string(min_elems) + " to " + std::to_string(max_elems)));
       }
       return &t;
     }
-    return CorruptError(Where(d) + ": no tensor " + key);
+    return CorruptError(Where(m, d) + ": no tensor " + key);
   }
 
-  // The group's step on dp rank 0, if the optimizer keeps one as a tensor.
-  const format::TensorRecord* StepOf(const std::string& state_key) const {
-    for (const format::TensorRecord& t : optim_[0].tensors()) {
+  // The group's step on dp rank 0 of mp rank m, if the optimizer keeps one as a tensor.
+  const format::TensorRecord* StepOf(size_t m, const std::string& state_key) const {
+    for (const format::TensorRecord& t : optim_[m][0].tensors()) {
       if (t.key == state_key + ".step" && t.n_elems == 1) return &t;
     }
     return nullptr;
   }
 
-  static Item NewTensorItem(const std::string& key, const Param& p, DType dtype) {
-    Item item;
-    item.key = key;
-    item.kind = ItemKind::kTensor;
-    item.dtype = dtype;
-    item.layout.shape = p.shape;
-    return item;
-  }
-
-  Item StepItem(const Param& p, const format::TensorRecord& step) const {
+  Item StepItem(const Param& p, size_t m, const format::TensorRecord& step) const {
     Item item;
     item.key = "optimizer.state." + p.name + ".step";
     item.kind = ItemKind::kTensor;
@@ -497,7 +768,7 @@ class DeepSpeedScanner {
     slice::Fragment f;
     f.flat_lo = 0;
     f.flat_hi = 1;
-    f.file_id = optim_ids_[0];
+    f.file_id = optim_ids_[m][0];
     f.byte_offset = step.data_offset;
     f.dtype = step.dtype;
     item.layout.fragments.push_back(std::move(f));
@@ -510,32 +781,41 @@ class DeepSpeedScanner {
     const format::TensorRecord* step = nullptr;  // on dp rank 0, when kept as a tensor
   };
 
-  // A parameter's fp32 master, Adam moments and step, from its fragments (partition_elem_offset:
-  // the element inside rank dp_rank's tensor).
-  Result<std::vector<Item>> ItemsOfParam(const Param& p, const std::vector<layout::ZeroFragment>& frags,
-                                         const Partitions& parts) {
+  // A parameter's fp32 master, Adam moments and step on mp rank m, from its fragments
+  // (partition_elem_offset: the element inside rank dp_rank's tensor), placed in the global
+  // tensor.
+  Result<std::vector<Item>> ItemsOfParam(const Param& p, size_t m, const std::vector<layout::ZeroFragment>& frags,
+                                         const Partitions& parts) const {
     std::vector<Item> items;
+    UCPFS_ASSIGN_OR_RETURN(const Placement pl, Place(p.name, p.shape, static_cast<int>(m) % tp_));
+    if (pl.skip) return items;
     if (p.numel > 0) {
       const std::pair<const char*, const std::vector<const format::TensorRecord*>*> states[] = {
           {".fp32_param", &parts.fp32}, {".exp_avg", &parts.exp_avg}, {".exp_avg_sq", &parts.exp_avg_sq}};
       for (const auto& [suffix, recs] : states) {
-        Item item = NewTensorItem("optimizer.state." + p.name + suffix, p, (*recs)[0]->dtype);
+        Item item;
+        item.key = "optimizer.state." + p.name + suffix;
+        item.kind = ItemKind::kTensor;
+        item.dtype = (*recs)[0]->dtype;
+        item.layout.shape = pl.global_shape;
         for (const layout::ZeroFragment& z : frags) {
           const auto d = static_cast<size_t>(z.dp_rank);
-          item.layout.fragments.push_back(
-              FlatFragment(p, z.param_elem_offset, z.n_elems, optim_ids_[d], *(*recs)[d], z.partition_elem_offset));
+          const format::TensorRecord& rec = *(*recs)[d];
+          PlaceRange(pl, z.param_elem_offset, z.param_elem_offset + z.n_elems, optim_ids_[m][d],
+                     rec.data_offset + z.partition_elem_offset * ItemSize(rec.dtype), rec.dtype,
+                     &item.layout.fragments);
         }
-        UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, Where(0)));
         items.push_back(std::move(item));
       }
     }
-    if (parts.step != nullptr) items.push_back(StepItem(p, *parts.step));
+    if (parts.step != nullptr) items.push_back(StepItem(p, m, *parts.step));
     return items;
   }
 
-  // ZeRO-1/2 and BF16_Optimizer: group gi's flat partitions.
-  Result<std::vector<std::vector<Item>>> FlatGroup(size_t gi) {
-    const std::vector<Param>& params = groups_[gi];
+  // ZeRO-1/2 and BF16_Optimizer: group gi's flat partitions on mp rank m.
+  Result<std::vector<std::vector<Item>>> FlatGroup(int mp, size_t gi) const {
+    const auto m = static_cast<size_t>(mp);
+    const std::vector<Param>& params = groups_[m][gi];
     std::vector<uint64_t> numels;
     for (const Param& p : params) numels.push_back(p.numel);
     UCPFS_ASSIGN_OR_RETURN(const layout::ZeroFlatGroup group, layout::MakeZeroFlatGroup(numels, dp_));
@@ -544,32 +824,33 @@ class DeepSpeedScanner {
     const std::string state_key = "optimizer_state_dict.base_optimizer_state.state." + g;
     std::vector<const format::TensorRecord*> fp32(static_cast<size_t>(dp_)), avg(fp32.size()), avg_sq(fp32.size());
     for (size_t d = 0; d < fp32.size(); ++d) {
-      UCPFS_RETURN_IF_ERROR(CheckMappings(d, gi, group));
+      UCPFS_RETURN_IF_ERROR(CheckMappings(m, d, gi, group));
       const uint64_t real = group.partition_elems - group.PaddingOf(static_cast<int>(d));
       // ZeRO-1/2 store the fp32 partition without its padding, BF16_Optimizer with it.
-      UCPFS_ASSIGN_OR_RETURN(fp32[d], FlatTensor(d, fp32_key, real, group.partition_elems));
-      UCPFS_ASSIGN_OR_RETURN(avg[d], FlatTensor(d, state_key + ".exp_avg", group.partition_elems, group.partition_elems));
-      UCPFS_ASSIGN_OR_RETURN(avg_sq[d], FlatTensor(d, state_key + ".exp_avg_sq", group.partition_elems, group.partition_elems));
+      UCPFS_ASSIGN_OR_RETURN(fp32[d], FlatTensor(m, d, fp32_key, real, group.partition_elems));
+      UCPFS_ASSIGN_OR_RETURN(avg[d], FlatTensor(m, d, state_key + ".exp_avg", group.partition_elems, group.partition_elems));
+      UCPFS_ASSIGN_OR_RETURN(avg_sq[d],
+                             FlatTensor(m, d, state_key + ".exp_avg_sq", group.partition_elems, group.partition_elems));
     }
-    const Partitions parts{fp32, avg, avg_sq, StepOf(state_key)};
+    const Partitions parts{fp32, avg, avg_sq, StepOf(m, state_key)};
     std::vector<std::vector<Item>> out;
     for (size_t pi = 0; pi < params.size(); ++pi) {
       UCPFS_ASSIGN_OR_RETURN(std::vector<Item> items,
-                             ItemsOfParam(params[pi], layout::FragmentsOfParam(group, pi), parts));
+                             ItemsOfParam(params[pi], m, layout::FragmentsOfParam(group, pi), parts));
       out.push_back(std::move(items));
     }
     return out;
   }
 
-  // The rank's param_slice_mappings[gi] must be what the partition math says, name by name.
-  Status CheckMappings(size_t d, size_t gi, const layout::ZeroFlatGroup& group) const {
-    const pickle::PickleGraph& g = optim_[d].graph();
+  // Rank (m, d)'s param_slice_mappings[gi] must be what the partition math says, name by name.
+  Status CheckMappings(size_t m, size_t d, size_t gi, const layout::ZeroFlatGroup& group) const {
+    const pickle::PickleGraph& g = optim_[m][d].graph();
     const pickle::NodeId osd = Get(g, g.root(), "optimizer_state_dict");
     const auto counts = Items(g, Get(g, osd, "partition_count"));
     if (gi < counts.size()) {
       std::optional<int64_t> c = IntOf(g, counts[gi]);
       if (!c || *c != dp_) {
-        return CorruptError(Where(d) + ": optimizer_state_dict.partition_count[" + std::to_string(gi) + "] is " +
+        return CorruptError(Where(m, d) + ": optimizer_state_dict.partition_count[" + std::to_string(gi) + "] is " +
                             (c ? std::to_string(*c) : std::string("not an int")) + " but there are " +
                             std::to_string(dp_) + " dp ranks");
       }
@@ -577,23 +858,23 @@ class DeepSpeedScanner {
     const auto mappings = Items(g, Get(g, osd, "param_slice_mappings"));
     if (mappings.empty()) return Status::Ok();  // older files: the math alone
     if (gi >= mappings.size()) {
-      return CorruptError(Where(d) + ": param_slice_mappings has no group " + std::to_string(gi));
+      return CorruptError(Where(m, d) + ": param_slice_mappings has no group " + std::to_string(gi));
     }
     const auto expected = layout::FragmentsInWindow(group, static_cast<int>(d));
     const auto pairs = Pairs(g, mappings[gi]);
     const std::string key = "optimizer_state_dict.param_slice_mappings." + std::to_string(gi);
     if (pairs.size() != expected.size()) {
-      return CorruptError(Where(d) + ": " + key + " lists " + std::to_string(pairs.size()) +
+      return CorruptError(Where(m, d) + ": " + key + " lists " + std::to_string(pairs.size()) +
                           " fragments; param_shapes and the partition size give " + std::to_string(expected.size()));
     }
     for (size_t i = 0; i < pairs.size(); ++i) {
-      const Param& p = groups_[gi][expected[i].param];
+      const Param& p = groups_[m][gi][expected[i].param];
       const pickle::NodeId addr = g.object(pairs[i].second).state;
       std::optional<int64_t> numel = IntOf(g, Get(g, addr, "numel")), start = IntOf(g, Get(g, addr, "start"));
       if (g.kind(pairs[i].first) != pickle::Kind::kString || g.text(pairs[i].first) != p.name || !numel || !start ||
           static_cast<uint64_t>(*numel) != expected[i].fragment.n_elems ||
           static_cast<uint64_t>(*start) != expected[i].fragment.partition_elem_offset) {
-        return CorruptError(Where(d) + ": " + key + " entry " + std::to_string(i) + " does not match '" + p.name +
+        return CorruptError(Where(m, d) + ": " + key + " entry " + std::to_string(i) + " does not match '" + p.name +
                             "' at " + std::to_string(expected[i].fragment.partition_elem_offset) + " (+" +
                             std::to_string(expected[i].fragment.n_elems) + ")");
       }
@@ -601,15 +882,16 @@ class DeepSpeedScanner {
     return Status::Ok();
   }
 
-  // ZeRO-3: sub-group gi, each parameter padded to pn * dp, rank d holding [d * pn, +pn).
-  Result<std::vector<std::vector<Item>>> Zero3Group(size_t gi) {
-    const std::vector<Param>& params = groups_[gi];
+  // ZeRO-3 (one mp rank): sub-group gi, each parameter padded to pn * dp, rank d holding
+  // [d * pn, +pn).
+  Result<std::vector<std::vector<Item>>> Zero3Group(size_t gi) const {
+    const std::vector<Param>& params = groups_[0][gi];
     uint64_t flat = 0;
     std::vector<uint64_t> starts;
     for (const Param& p : params) {
       starts.push_back(flat);
       std::optional<uint64_t> sum = CheckedAdd(flat, layout::Zero3PartitionElems(p.numel, dp_));
-      if (!sum) return CorruptError(Where(0) + ": sub-group " + std::to_string(gi) + " size overflows");
+      if (!sum) return CorruptError(Where(0, 0) + ": sub-group " + std::to_string(gi) + " size overflows");
       flat = *sum;
     }
     const std::string g = std::to_string(gi);
@@ -617,11 +899,11 @@ class DeepSpeedScanner {
     const std::string state_key = "optimizer_state_dict.optimizer_state_dict.state." + g;
     std::vector<const format::TensorRecord*> fp32(static_cast<size_t>(dp_)), avg(fp32.size()), avg_sq(fp32.size());
     for (size_t d = 0; d < fp32.size(); ++d) {
-      UCPFS_ASSIGN_OR_RETURN(fp32[d], FlatTensor(d, fp32_key, flat, flat));
-      UCPFS_ASSIGN_OR_RETURN(avg[d], FlatTensor(d, state_key + ".exp_avg", flat, flat));
-      UCPFS_ASSIGN_OR_RETURN(avg_sq[d], FlatTensor(d, state_key + ".exp_avg_sq", flat, flat));
+      UCPFS_ASSIGN_OR_RETURN(fp32[d], FlatTensor(0, d, fp32_key, flat, flat));
+      UCPFS_ASSIGN_OR_RETURN(avg[d], FlatTensor(0, d, state_key + ".exp_avg", flat, flat));
+      UCPFS_ASSIGN_OR_RETURN(avg_sq[d], FlatTensor(0, d, state_key + ".exp_avg_sq", flat, flat));
     }
-    const Partitions parts{fp32, avg, avg_sq, StepOf(state_key)};
+    const Partitions parts{fp32, avg, avg_sq, StepOf(0, state_key)};
     std::vector<std::vector<Item>> out;
     for (size_t pi = 0; pi < params.size(); ++pi) {
       std::vector<layout::ZeroFragment> frags;
@@ -631,21 +913,32 @@ class DeepSpeedScanner {
         z.partition_elem_offset = starts[pi];
         frags.push_back(z);
       }
-      UCPFS_ASSIGN_OR_RETURN(std::vector<Item> items, ItemsOfParam(params[pi], frags, parts));
+      UCPFS_ASSIGN_OR_RETURN(std::vector<Item> items, ItemsOfParam(params[pi], 0, frags, parts));
       out.push_back(std::move(items));
     }
     return out;
   }
 
+  static constexpr int64_t kMaxRank = 1 << 20;
+
   CheckpointBuilder builder_;
   std::string tag_;      // from `latest`, or "" when the directory is the tag
   std::string tag_dir_;  // relative to the directory
   TagFiles files_;
-  std::vector<std::vector<Param>> groups_;
-  std::vector<format::TorchFile> optim_;  // by dp rank
-  std::vector<uint32_t> optim_ids_;
-  int dp_ = 0;
+  bool zero3_ = false;
+  int tp_ = 1, pp_ = 1, dp_ = 0;
   int stage_ = 0;
+  nlohmann::json uc_json_;
+  DeepSpeedPatterns patterns_;
+  std::vector<std::vector<std::vector<Param>>> groups_;   // by mp rank, param group
+  std::set<std::string> known_names_;                     // every param_shapes name
+  std::vector<std::vector<format::TorchFile>> optim_;     // by mp rank, dp rank
+  std::vector<std::vector<uint32_t>> optim_ids_;
+  std::vector<std::map<std::string, Item>> layer_weights_;  // by tp rank: layer-file tensors not yet added
+  std::vector<std::string> layer_order_;
+  std::vector<Item> merged_;                              // items in first-seen order
+  std::map<std::string, size_t> merged_index_;
+  std::set<std::pair<std::string, int>> contributed_;     // (item key, tp rank) added
 };
 
 }  // namespace

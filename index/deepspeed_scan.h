@@ -1,27 +1,40 @@
 // DeepSpeed scanner: a DeepSpeed save directory (`latest` naming a tag directory such as
 // `global_step3/`) or one tag directory, as the engine writes it (research/deepspeed.md §1, §2):
-// `mp_rank_XX_model_states.pt` (ZeRO-3: `zero_pp_rank_D_mp_rank_XX_model_states.pt`) and the
-// optimizer partitions `[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt` of ZeRO-1/2,
-// BF16_Optimizer and ZeRO-3 (with sub-groups), fp32, fp16 and bf16.
+// `mp_rank_XX_model_states.pt` per model-parallel rank XX = pp_stage * tp + tp_rank (ZeRO-3:
+// `zero_pp_rank_D_mp_rank_00_model_states.pt`), the optimizer partitions
+// `[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt` of ZeRO-1/2, BF16_Optimizer and ZeRO-3
+// (with sub-groups), fp32, fp16 and bf16, and the pipeline layer files
+// `layer_LL-model_TT-model_states.pt` (Megatron-DeepSpeed's PipelineModule).
 //
-// Items (keys the built-in key rules map): every module tensor `<name>` (ZeRO-1/2 and
-// BF16_Optimizer; ZeRO-3 stores only placeholders), `optimizer.state.<name>.fp32_param`,
-// `.exp_avg`, `.exp_avg_sq` as flat-range fragments of the data-parallel partitions (the ZeRO
-// arithmetic of core/layout/zero.h, cross-checked with the files' own param_slice_mappings,
-// partition sizes and paddings: padding never reaches a tensor), and `.step` per parameter
-// (its param group's step).
+// Degrees: tp and pp from the model states' `checkpoint_parallel_dimensions` when present,
+// else (as ds_to_universal) tp = the tp ranks of the layer files and pp = mp ranks / tp, else
+// tp = mp ranks and pp = 1; dp = optimizer files per mp rank.
+//
+// Items (keys the built-in key rules map), each a GLOBAL tensor: every module tensor `<name>`
+// (ZeRO-1/2 and BF16_Optimizer `module`; with pipelines the layer files' tensors, named
+// "LL.<key>" or "tied_modules.<k>.<key>" as in param_shapes; ZeRO-3 stores only placeholders),
+// `optimizer.state.<name>.fp32_param`, `.exp_avg`, `.exp_avg_sq` as flat-range fragments of the
+// data-parallel partitions (the ZeRO arithmetic of core/layout/zero.h, cross-checked with the
+// files' own param_slice_mappings, partition sizes and paddings: padding never reaches a tensor),
+// and `.step` per parameter (its param group's step). With tp > 1 each tp rank's slice is placed
+// where ds_to_universal's merge puts it (deepspeed_patterns.h: tp-replicated: rank 0's; row-
+// parallel: along dim 1; two sub-parameters and sub-parameter shapes: Shard-NC pieces; otherwise
+// along dim 0, vocabulary rows with their padding), through layout::TargetSlice. A parameter on
+// several pipeline stages (tied embeddings) is read from the first.
 //
 // Checkpoint::format_info (JSON), what the universal view (universal_view.h) needs beyond the
 // items: {"tag": the tag directory ("" when the directory is the tag), "zero_stage": 1, 2, 3 or
-// 0 (BF16_Optimizer), "dp": ranks, "universal_checkpoint_info": the model states' dict as plain
-// JSON (non-plain values null) or null, "model_files": the model-states files ds_to_universal
-// copies (relative paths), "optimizer_file": dp rank 0's optimizer file, "number_steps": per
-// param group, its step when kept as a Python number, else null}.
+// 0 (BF16_Optimizer), "dp", "tp", "pp": degrees, "universal_checkpoint_info": the model states'
+// dict as plain JSON (non-plain values null) or null, "model_files": the model-states files
+// ds_to_universal copies (relative paths), "optimizer_file": (mp 0, dp 0)'s optimizer file,
+// "number_steps": per param group, its step when kept as a Python number, else null}.
 //
-// Not yet: tensor- or pipeline-parallel saves (several mp ranks, layer files) and MoE expert
-// files are refused with kUnsupported naming the file. Every other inconsistency (a missing dp
-// rank, a partition of the wrong size, shapes or mappings that disagree) is kCorrupt naming the
-// file and the key.
+// Not yet (kUnsupported naming the file or parameter): MoE expert files, tensor- or
+// pipeline-parallel ZeRO-3, averaged tensor-parallel slices (parameter_to_average_patterns),
+// sub-parameter shapes along a dim other than 0 or with version-0.4 shard widths, a tp > 1
+// checkpoint without universal_checkpoint_info. Every other inconsistency (a missing dp or mp
+// rank, a partition of the wrong size, shapes or mappings that disagree, tp slices that do not
+// make one tensor) is kCorrupt naming the file and the key.
 #pragma once
 
 #include <string>

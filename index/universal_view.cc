@@ -5,7 +5,6 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
-#include <regex>
 #include <set>
 #include <string_view>
 #include <unordered_map>
@@ -16,87 +15,12 @@
 #include "core/format/torch_writer.h"
 #include "core/layout/patterns.h"
 #include "core/views/atomic.h"
+#include "index/deepspeed_patterns.h"
 
 namespace ucpfs::index {
 namespace {
 
 using format::SaveValue;
-
-// layout::RuleMatches (RE2, linear time) where the layout library has it; the std::regex
-// `compiled` of older builds otherwise. TODO: call layout::RuleMatches directly once the RE2
-// switch of core/layout has landed.
-template <typename R>
-bool MatchesRule(const R& r, const std::string& name) {
-  if constexpr (requires { RuleMatches(r, std::string_view(name)); }) {
-    return RuleMatches(r, std::string_view(name));
-  } else {
-    return std::regex_search(name, r.compiled);
-  }
-}
-bool Matches(const layout::Rule& r, const std::string& name) { return MatchesRule(r, name); }
-
-// The pattern lists of universal_checkpoint_info, as layout rules (Python's re.match: anchored
-// at the start of the name only). layout::RuleMatches runs them in linear time, so a
-// checkpoint's hostile pattern cannot hang the daemon.
-struct UcPatterns {
-  std::vector<layout::Rule> replicated, average, row, vocab, two_sub, sub_params;
-  std::optional<int64_t> original_vocab_size;
-  bool affine_map = false;
-};
-
-Result<std::vector<layout::Rule>> RulesOf(const nlohmann::json& uc, const char* key, layout::TpKind tp,
-                                          const std::string& where) {
-  std::vector<layout::Rule> out;
-  if (!uc.contains(key) || uc[key].is_null()) return out;
-  if (!uc[key].is_array()) return CorruptError(where + ": universal_checkpoint_info['" + key + "'] is not a list");
-  for (const auto& p : uc[key]) {
-    if (!p.is_string()) return CorruptError(where + ": universal_checkpoint_info['" + key + "'] holds a non-string");
-    layout::Rule r;
-    r.regex = "^(?:" + p.get<std::string>() + ")";
-    r.tp = tp;
-    auto made = layout::MakeRule(std::move(r));
-    if (!made.ok()) {
-      return CorruptError(where + ": universal_checkpoint_info['" + key + "']: " + made.error().message());
-    }
-    out.push_back(std::move(*made));
-  }
-  return out;
-}
-
-Result<UcPatterns> ParseUc(const nlohmann::json& uc, const std::string& where) {
-  UcPatterns p;
-  if (!uc.is_object()) return p;  // no universal_checkpoint_info: ds_to_universal's defaults
-  UCPFS_ASSIGN_OR_RETURN(p.replicated, RulesOf(uc, "tp_replicated_parameter_patterns", layout::TpKind::kReplicate, where));
-  UCPFS_ASSIGN_OR_RETURN(p.average, RulesOf(uc, "parameter_to_average_patterns", layout::TpKind::kPartial, where));
-  UCPFS_ASSIGN_OR_RETURN(p.row, RulesOf(uc, "parameter_with_row_parallelism_patterns", layout::TpKind::kRow, where));
-  UCPFS_ASSIGN_OR_RETURN(p.vocab, RulesOf(uc, "vocabulary_parameter_patterns", layout::TpKind::kVocab, where));
-  UCPFS_ASSIGN_OR_RETURN(p.two_sub, RulesOf(uc, "parameter_with_2_sub_params_cat_dim_0", layout::TpKind::kColumn, where));
-  if (uc.contains("parameter_with_sub_params") && uc["parameter_with_sub_params"].is_array()) {
-    for (const auto& s : uc["parameter_with_sub_params"]) {
-      if (!s.is_object() || !s.contains("patterns")) continue;
-      nlohmann::json wrapped = {{"patterns", s["patterns"]}};
-      UCPFS_ASSIGN_OR_RETURN(auto rules, RulesOf(wrapped, "patterns", layout::TpKind::kColumn, where));
-      for (auto& r : rules) p.sub_params.push_back(std::move(r));
-    }
-  }
-  if (uc.contains("original_vocab_size") && uc["original_vocab_size"].is_number_integer()) {
-    p.original_vocab_size = uc["original_vocab_size"].get<int64_t>();
-  }
-  p.affine_map = uc.contains("affine_map") && !uc["affine_map"].is_null() && !uc["affine_map"].empty();
-  return p;
-}
-
-// The one matching pattern of a list, as ds_to_universal's get_matched_pattern (which asserts
-// that at most one matches).
-Result<bool> MatchOne(const std::vector<layout::Rule>& rules, const std::string& name, const char* list) {
-  int n = 0;
-  for (const auto& r : rules) n += Matches(r, name) ? 1 : 0;
-  if (n > 1) {
-    return UnsupportedError("parameter '" + name + "' matches " + std::to_string(n) + " patterns of " + list +
-                            " (ds_to_universal refuses that too)");
-  }
-  return n == 1;
-}
 
 // The dict keys before 'param' and the rows kept, for a ZeRO-1/2 parameter.
 struct UniversalKeys {
@@ -104,31 +28,52 @@ struct UniversalKeys {
   std::optional<int64_t> keep_rows;  // vocabulary: original_vocab_size
 };
 
-Result<UniversalKeys> KeysFor(const UcPatterns& uc, const std::string& name, const std::vector<int64_t>& shape) {
+Result<UniversalKeys> KeysFor(const DeepSpeedPatterns& uc, const std::string& name,
+                               const std::vector<int64_t>& shape) {
   UniversalKeys k;
-  if (uc.affine_map) return UnsupportedError("parameter '" + name + "': universal_checkpoint_info has an affine_map");
-  UCPFS_ASSIGN_OR_RETURN(bool replicated, MatchOne(uc.replicated, name, "tp_replicated_parameter_patterns"));
-  bool average = false, two_sub = false;
-  if (!replicated) {
-    UCPFS_ASSIGN_OR_RETURN(average, MatchOne(uc.average, name, "parameter_to_average_patterns"));
-  }
-  if (!replicated && !average) {
-    UCPFS_ASSIGN_OR_RETURN(two_sub, MatchOne(uc.two_sub, name, "parameter_with_2_sub_params_cat_dim_0"));
-  }
-  if (!replicated && !average && !two_sub) {
-    for (const auto& r : uc.sub_params) {
-      if (Matches(r, name)) {
-        return UnsupportedError("parameter '" + name + "' is declared in parameter_with_sub_params (not served yet)");
+  UCPFS_ASSIGN_OR_RETURN(const DeepSpeedParamRule rule, ClassifyDeepSpeedParam(uc, name));
+  switch (rule.merge) {
+    case DeepSpeedMerge::kReplicated:
+    case DeepSpeedMerge::kAverage: break;
+    case DeepSpeedMerge::kTwoSub:
+      k.keys.emplace_back(SaveValue::Str("cat_dim"), SaveValue::Int(0));
+      k.keys.emplace_back(SaveValue::Str("param_n_sub_params"), SaveValue::Int(2));
+      break;
+    case DeepSpeedMerge::kSubParams: {
+      // DeepSpeed's SubparamShape dataclass (NEWOBJ + BUILD of its fields), the partition dim's
+      // entry normalised to the sub-parameter sizes as ds_to_universal does for a count.
+      if (shape.empty()) return UnsupportedError("parameter '" + name + "' is 0-d but has sub-parameters");
+      UCPFS_ASSIGN_OR_RETURN(const std::vector<int64_t> sizes, DeepSpeedSubSizes(uc, rule, name, shape[0]));
+      const DeepSpeedSubParams& sp = *rule.sub_params;
+      SaveValue patterns = SaveValue::List();
+      for (const layout::Rule& r : sp.rules) {
+        // The rule holds "^(?:<pattern>)": re-emit the pattern as recorded.
+        patterns.Append(SaveValue::Str(r.regex.substr(4, r.regex.size() - 5)));
       }
+      SaveValue dims = SaveValue::Tuple();
+      for (size_t d = 0; d < sp.shape.size(); ++d) {
+        if (d == static_cast<size_t>(sp.partition_dim)) {
+          SaveValue t = SaveValue::Tuple();
+          for (int64_t v : sizes) t.Append(SaveValue::Int(v));
+          dims.Append(std::move(t));
+        } else if (sp.shape[d].is_number_integer()) {
+          dims.Append(SaveValue::Int(sp.shape[d].get<int64_t>()));
+        } else {
+          return UnsupportedError("parameter '" + name + "': its sub-parameter shape has a non-integer dim");
+        }
+      }
+      SaveValue fields = SaveValue::Dict();
+      fields.Set("patterns", std::move(patterns));
+      fields.Set("shape", std::move(dims));
+      fields.Set("partition_dim", SaveValue::Int(sp.partition_dim));
+      k.keys.emplace_back(SaveValue::Str("sub_param_shape"),
+                          SaveValue::Object(SaveValue::Global("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
+                                            SaveValue::Tuple(), /*newobj=*/true, std::move(fields)));
+      break;
     }
-    UCPFS_ASSIGN_OR_RETURN(bool row, MatchOne(uc.row, name, "parameter_with_row_parallelism_patterns"));
-    k.keys.emplace_back(SaveValue::Str("cat_dim"), SaveValue::Int(row ? 1 : 0));
-  } else if (two_sub) {
-    k.keys.emplace_back(SaveValue::Str("cat_dim"), SaveValue::Int(0));
-    k.keys.emplace_back(SaveValue::Str("param_n_sub_params"), SaveValue::Int(2));
+    case DeepSpeedMerge::kCat: k.keys.emplace_back(SaveValue::Str("cat_dim"), SaveValue::Int(rule.cat_dim)); break;
   }
-  UCPFS_ASSIGN_OR_RETURN(bool vocab, MatchOne(uc.vocab, name, "vocabulary_parameter_patterns"));
-  if (vocab) {
+  if (rule.vocab) {
     if (!uc.original_vocab_size) {
       return UnsupportedError("parameter '" + name +
                               "' is a vocabulary parameter but universal_checkpoint_info has no original_vocab_size");
@@ -236,7 +181,8 @@ Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
   SourcePatterns out;
   if (c.format != "deepspeed") return out;
   UCPFS_ASSIGN_OR_RETURN(nlohmann::json info, DeepSpeedInfo(c));
-  UCPFS_ASSIGN_OR_RETURN(UcPatterns uc, ParseUc(info.value("universal_checkpoint_info", nlohmann::json()),
+  UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc,
+                         ParseDeepSpeedPatterns(info.value("universal_checkpoint_info", nlohmann::json()),
                                                 info["optimizer_file"].get<std::string>()));
   for (auto* list : {&uc.replicated, &uc.average, &uc.vocab, &uc.row}) {
     for (auto& r : *list) out.rules.push_back(std::move(r));
@@ -255,7 +201,8 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
   view.dir = (tag.empty() ? source_name : tag) + "_universal";
   if (!tag.empty()) view.latest_universal = view.dir;
   const std::string optim_rel = info["optimizer_file"].get<std::string>();
-  UCPFS_ASSIGN_OR_RETURN(UcPatterns uc, ParseUc(info.value("universal_checkpoint_info", nlohmann::json()), optim_rel));
+  UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc,
+                         ParseDeepSpeedPatterns(info.value("universal_checkpoint_info", nlohmann::json()), optim_rel));
 
   const char* kFiles[] = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"};
   const StateKind kKinds[] = {StateKind::kFp32, StateKind::kExpAvg, StateKind::kExpAvgSq};

@@ -3,23 +3,27 @@
 // `checkpoint.load_universal` resumes from the mount on any data-parallel size:
 //   zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt  the consolidated states, as ds_to_universal
 //       pickles them. ZeRO-1/2 and BF16_Optimizer: a dict {[cat_dim], [param_n_sub_params],
-//       [vocab_tensor], 'param'} by the checkpoint's universal_checkpoint_info (tp-replicated or
-//       averaged: no keys; two sub-parameters: cat_dim 0 and param_n_sub_params 2; row-parallel:
-//       cat_dim 1; otherwise cat_dim 0; vocabulary parameters stripped to original_vocab_size
-//       rows and marked vocab_tensor), the tensor in its stored dtype, fp32 with
+//       [sub_param_shape], [vocab_tensor], 'param'} by the checkpoint's universal_checkpoint_info
+//       (deepspeed_patterns.h; tp-replicated or averaged: no keys; two sub-parameters: cat_dim 0
+//       and param_n_sub_params 2; sub-parameter shapes: DeepSpeed's SubparamShape object;
+//       row-parallel: cat_dim 1; otherwise cat_dim 0; vocabulary parameters stripped to
+//       original_vocab_size rows and marked vocab_tensor), the whole tensor-parallel tensor the
+//       scanner assembled from every tp rank and pipeline stage, in its stored dtype, fp32 with
 //       requires_grad=True. ZeRO-3: the bare flat tensor (ds_to_universal's stage-3 output).
 //   zero/<param>/step.pt   the param group's step (ZeRO-1/2, BF16_Optimizer; a tensor step)
 //   zero/<param>/fp32.pt   also for module tensors without optimizer state: {'param': fp32}
 //   zero/optimizer_state.pt  dp rank 0's optimizer_state_dict without its partitions, plus
 //       'param_groups' (ZeRO-3: the whole dict, partitions included), re-emitted as pickled
 //       (DeepSpeed's LossScaler and ZeroStageEnum objects stay objects)
-//   <model states files>   the tag's mp_rank_* files (ZeRO-3: every *model_states.pt), as is.
+//   <model states files>   the tag's mp_rank_* files of every tp rank and pipeline stage (ZeRO-3:
+//       every *model_states.pt), as is; pipeline layer files are not copied (nor by ds_to_universal).
 // Every file is lazy: sizes and headers from the index and rank 0's optimizer pickle; tensor
 // bytes gathered from the partitions when read.
 //
-// Not for: tensor- or pipeline-parallel saves, MoE/AutoEP experts, parameters declared with
-// `parameter_with_sub_params` or an `affine_map` (kUnsupported naming the parameter), Python-number
-// steps (step.pt is served only for a tensor step).
+// Not for: MoE/AutoEP experts, an `affine_map` (kUnsupported naming the parameter), Python-number
+// steps (step.pt is served only for a tensor step). Module tensors without optimizer state at
+// tp > 1 are served whole, where ds_to_universal writes tp rank 0's slice (equal for replicated
+// buffers).
 #pragma once
 
 #include <cstdint>
@@ -52,8 +56,8 @@ struct UniversalView {
 // The split patterns a checkpoint records itself, as layout rules for views::PatternsOf (after
 // the user's): DeepSpeed's universal_checkpoint_info tp-replicated (replicate), averaged
 // (partial), vocabulary (vocab, with original_vocab_size) and row-parallel (row) patterns, in
-// that order, matched as Python's re.match does. Two-sub-parameter patterns are left to the
-// presets (their sizes depend on each shape). Empty for other formats.
+// that order, matched as Python's re.match does (deepspeed_patterns.h). Two-sub-parameter patterns
+// are left to the presets (their sizes depend on each shape). Empty for other formats.
 struct SourcePatterns {
   std::vector<layout::Rule> rules;
   std::optional<int64_t> vocab_size;

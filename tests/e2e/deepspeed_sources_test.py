@@ -20,8 +20,8 @@ For each, mounted at the save directory (`latest` -> global_step3/):
     (zero2_bf16, zero3, bf16_optimizer) with losses equal, bit for bit, to the same resume from
     ds_to_universal's output.
 The tag directory itself mounts the same atomic bytes, and its universal view. Inconsistent saves give a clear error
-naming the file: a missing dp rank, a truncated optimizer file, a second model-parallel rank
-(tensor/pipeline parallel: not supported yet).
+naming the file: a missing dp rank, a truncated optimizer file, model states of a second
+model-parallel rank without its optimizer partitions.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/deepspeed_sources_test.py
 """
@@ -192,7 +192,7 @@ def inconsistent_saves(work):
     d = os.path.join(work, "bad-missing")
     shutil.copytree(base, d, ignore=shutil.ignore_patterns(".ucpfs"))
     os.remove(os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
-    clean_error([ucpfs_bin(), "index", d], ["dp rank 1 is missing"])
+    clean_error([ucpfs_bin(), "index", d], ["dp rank 1 of mp rank 0 is missing"])
     # A truncated optimizer file.
     d = os.path.join(work, "bad-truncated")
     shutil.copytree(base, d, ignore=shutil.ignore_patterns(".ucpfs"))
@@ -200,12 +200,12 @@ def inconsistent_saves(work):
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
     clean_error([ucpfs_bin(), "index", d], ["zero_pp_rank_2_mp_rank_00_optim_states.pt"])
-    # A second model-parallel rank: tensor/pipeline parallel, refused by name.
+    # Model states of a second model-parallel rank without its optimizer partitions.
     d = os.path.join(work, "bad-tp")
     shutil.copytree(base, d, ignore=shutil.ignore_patterns(".ucpfs"))
     shutil.copy(os.path.join(d, "global_step3", "mp_rank_00_model_states.pt"),
                 os.path.join(d, "global_step3", "mp_rank_01_model_states.pt"))
-    clean_error([ucpfs_bin(), "index", d], ["not supported yet"])
+    clean_error([ucpfs_bin(), "index", d], ["mp rank 1 has 0 optimizer partitions, mp rank 0 3"])
     # `latest` naming something that is not a tag directory.
     d = os.path.join(work, "bad-latest")
     shutil.copytree(base, d, ignore=shutil.ignore_patterns(".ucpfs"))
