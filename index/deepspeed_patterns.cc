@@ -70,8 +70,10 @@ Result<DeepSpeedPatterns> ParseDeepSpeedPatterns(const nlohmann::json& uc, const
                                     "that is not a {'patterns', 'shape', 'partition_dim'} dict");
       }
       DeepSpeedSubParams sp;
+      sp.index = p.sub_params.size();
       const nlohmann::json wrapped = {{"patterns", s["patterns"]}};
       UCPFS_ASSIGN_OR_RETURN(sp.rules, RulesOf(wrapped, "patterns", layout::TpKind::kColumn, where));
+      for (const auto& pattern : s["patterns"]) sp.patterns.push_back(pattern.get<std::string>());
       sp.shape = s.value("shape", nlohmann::json());
       const nlohmann::json dim = s.value("partition_dim", nlohmann::json());
       if (!dim.is_number_integer() || !sp.shape.is_array() || dim.get<int64_t>() < 0 ||
@@ -82,6 +84,9 @@ Result<DeepSpeedPatterns> ParseDeepSpeedPatterns(const nlohmann::json& uc, const
       sp.partition_dim = dim.get<int>();
       p.sub_params.push_back(std::move(sp));
     }
+  }
+  if (uc.contains("sub_param_shard_widths") && uc["sub_param_shard_widths"].is_object()) {
+    p.shard_widths = uc["sub_param_shard_widths"];
   }
   if (uc.contains("original_vocab_size") && uc["original_vocab_size"].is_number_integer()) {
     p.original_vocab_size = uc["original_vocab_size"].get<int64_t>();
@@ -96,9 +101,16 @@ Result<DeepSpeedPatterns> ParseDeepSpeedPatterns(const nlohmann::json& uc, const
 Result<DeepSpeedParamRule> ClassifyDeepSpeedParam(const DeepSpeedPatterns& p, const std::string& name) {
   DeepSpeedParamRule rule;
   if (p.affine_map) return UnsupportedError("parameter '" + name + "': universal_checkpoint_info has an affine_map");
+  // ds_to_universal's get_matched_sub_params_pattern: the first entry, first pattern, matching.
   const DeepSpeedSubParams* sub = nullptr;
+  std::string sub_pattern;
   for (const auto& s : p.sub_params) {
-    if (sub == nullptr && AnyMatches(s.rules, name)) sub = &s;
+    for (size_t i = 0; sub == nullptr && i < s.rules.size(); ++i) {
+      if (layout::RuleMatches(s.rules[i], name)) {
+        sub = &s;
+        sub_pattern = s.patterns[i];
+      }
+    }
   }
   UCPFS_ASSIGN_OR_RETURN(bool replicated, MatchOne(p.replicated, name, "tp_replicated_parameter_patterns"));
   if (replicated) {
@@ -114,6 +126,7 @@ Result<DeepSpeedParamRule> ClassifyDeepSpeedParam(const DeepSpeedPatterns& p, co
       } else if (sub != nullptr) {
         rule.merge = DeepSpeedMerge::kSubParams;
         rule.sub_params = sub;
+        rule.sub_pattern = sub_pattern;
       } else {
         UCPFS_ASSIGN_OR_RETURN(bool row, MatchOne(p.row, name, "parameter_with_row_parallelism_patterns"));
         rule.cat_dim = row ? 1 : 0;
@@ -128,38 +141,71 @@ bool IsPipelineReplicated(const DeepSpeedPatterns& p, const std::string& name) {
   return AnyMatches(p.pipeline_replicated, name);
 }
 
-Result<std::vector<int64_t>> DeepSpeedSubSizes(const DeepSpeedPatterns& p, const DeepSpeedParamRule& rule,
-                                               const std::string& name, int64_t global_size) {
+Result<DeepSpeedSubSplit> DeepSpeedSubParamSplit(const DeepSpeedPatterns& p, const DeepSpeedParamRule& rule,
+                                                 const std::string& name, int tp, int64_t global_size) {
   const DeepSpeedSubParams& sp = *rule.sub_params;
   auto refuse = [&](const std::string& why) {
     return UnsupportedError("parameter '" + name + "' (parameter_with_sub_params): " + why);
   };
-  if (p.version >= 0.4) return refuse("universal checkpoint version 0.4 per-rank shard widths are not served yet");
   if (sp.partition_dim != 0) return refuse("a partition dim other than 0 is not served yet");
   const nlohmann::json& spec = sp.shape[static_cast<size_t>(sp.partition_dim)];
-  std::vector<int64_t> sizes;
+  DeepSpeedSubSplit split;
+  auto as_size = [](const nlohmann::json& v) -> std::optional<int64_t> {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (int64_t{1} << 48)) return std::nullopt;
+    return v.get<int64_t>();
+  };
   if (spec.is_array()) {
-    int64_t sum = 0;
     for (const auto& s : spec) {
-      if (!s.is_number_integer() || s.get<int64_t>() < 0 || s.get<int64_t>() > global_size) {
-        return refuse("a sub-parameter size is not a size");
-      }
-      sizes.push_back(s.get<int64_t>());
-      sum += sizes.back();
+      const std::optional<int64_t> size = as_size(s);
+      if (!size) return refuse("a sub-parameter size is not a size");
+      split.sizes.push_back(*size);
     }
-    if (sum != global_size) {
-      return refuse("sub-parameter sizes sum to " + std::to_string(sum) + ", not " + std::to_string(global_size));
-    }
-  } else if (spec.is_number_integer()) {
+  } else if (p.version < 0.4 && spec.is_number_integer()) {
     const int64_t n = spec.get<int64_t>();
     if (n <= 0 || n > global_size || global_size % n != 0) {
       return refuse(std::to_string(n) + " sub-parameters do not divide " + std::to_string(global_size));
     }
-    sizes.assign(static_cast<size_t>(n), global_size / n);
+    split.sizes.assign(static_cast<size_t>(n), global_size / n);
   } else {
     return refuse("its shape at partition_dim is neither sizes nor a count");
   }
-  return sizes;
+  if (p.version >= 0.4) {
+    const nlohmann::json w = p.shard_widths.is_object() ? p.shard_widths.value(rule.sub_pattern, nlohmann::json())
+                                                        : nlohmann::json();
+    if (!w.is_array() || w.size() != split.sizes.size()) {
+      return refuse("universal checkpoint version 0.4 records no sub_param_shard_widths for its pattern, one list per "
+                    "sub-parameter");
+    }
+    for (size_t j = 0; j < w.size(); ++j) {
+      if (!w[j].is_array() || w[j].size() != static_cast<size_t>(tp)) {
+        return refuse("sub_param_shard_widths has no width per tp rank for sub-parameter " + std::to_string(j));
+      }
+      std::vector<int64_t> widths;
+      int64_t sum = 0;
+      for (const auto& v : w[j]) {
+        const std::optional<int64_t> width = as_size(v);
+        if (!width) return refuse("a shard width is not a size");
+        widths.push_back(*width);
+        sum += *width;
+      }
+      if (sum != split.sizes[j]) {
+        return refuse("the shard widths of sub-parameter " + std::to_string(j) + " sum to " + std::to_string(sum) +
+                      ", not " + std::to_string(split.sizes[j]));
+      }
+      split.widths.push_back(std::move(widths));
+    }
+  } else {
+    for (int64_t size : split.sizes) {
+      if (size % tp != 0) return refuse("sub-parameter size " + std::to_string(size) + " does not divide by tp");
+      split.widths.emplace_back(static_cast<size_t>(tp), size / tp);
+    }
+  }
+  int64_t sum = 0;
+  for (int64_t size : split.sizes) sum += size;
+  if (global_size >= 0 && sum != global_size) {
+    return refuse("sub-parameter sizes sum to " + std::to_string(sum) + ", not " + std::to_string(global_size));
+  }
+  return split;
 }
 
 }  // namespace ucpfs::index

@@ -27,8 +27,10 @@ namespace ucpfs::index {
 
 // One parameter_with_sub_params entry (DeepSpeed's SubparamShape).
 struct DeepSpeedSubParams {
-  std::vector<layout::Rule> rules;  // its patterns
-  nlohmann::json shape;             // as recorded (a list; the partition dim's entry a list of sizes or a count)
+  size_t index = 0;                   // in parameter_with_sub_params
+  std::vector<std::string> patterns;  // as recorded
+  std::vector<layout::Rule> rules;    // the patterns compiled
+  nlohmann::json shape;               // as recorded (the partition dim's entry: sizes, or a count before 0.4)
   int partition_dim = 0;
 };
 
@@ -36,6 +38,7 @@ struct DeepSpeedPatterns {
   bool present = false;  // the checkpoint has a universal_checkpoint_info dict
   std::vector<layout::Rule> replicated, average, row, vocab, two_sub, pipeline_replicated;
   std::vector<DeepSpeedSubParams> sub_params;
+  nlohmann::json shard_widths;  // sub_param_shard_widths (version 0.4): pattern -> per sub-parameter, per tp rank
   std::optional<int64_t> original_vocab_size;
   double version = 0;
   bool affine_map = false;
@@ -59,6 +62,7 @@ struct DeepSpeedParamRule {
   int cat_dim = 0;                               // kCat, kTwoSub
   bool vocab = false;                            // rows stripped to original_vocab_size
   const DeepSpeedSubParams* sub_params = nullptr;  // kSubParams; points into the patterns
+  std::string sub_pattern;                         // kSubParams: the pattern that matched, as recorded
 };
 
 // How ds_to_universal merges parameter `name`. Errors: kUnsupported naming the parameter (an
@@ -69,12 +73,18 @@ Result<DeepSpeedParamRule> ClassifyDeepSpeedParam(const DeepSpeedPatterns& patte
 // pipeline stages ds_to_universal skips).
 bool IsPipelineReplicated(const DeepSpeedPatterns& patterns, const std::string& name);
 
-// The sizes along partition_dim of each sub-parameter of `rule` (kSubParams) for a parameter
-// whose global size along that dim is `global_size`: the recorded list, or a count of equal
-// sub-parameters (universal_checkpoint_info before version 0.4). Errors: kUnsupported naming
-// `name` (sizes that do not sum to the dim, a count that does not divide it, a partition dim other
-// than 0, per-rank shard widths of version 0.4).
-Result<std::vector<int64_t>> DeepSpeedSubSizes(const DeepSpeedPatterns& patterns, const DeepSpeedParamRule& rule,
-                                               const std::string& name, int64_t global_size);
+// How a kSubParams parameter is split: the global size of each sub-parameter along
+// partition_dim, and each tp rank's width of it (tp rank r holds [sub_0 width r; sub_1 width r;
+// ...], its pieces in sub-parameter order). Version 0.4 records sizes and widths
+// (sub_param_shard_widths, possibly uneven); before it the sizes (or a count of equal
+// sub-parameters of `global_size` together) split evenly over `tp`.
+struct DeepSpeedSubSplit {
+  std::vector<int64_t> sizes;
+  std::vector<std::vector<int64_t>> widths;  // [sub-parameter][tp rank]
+};
+// Errors: kUnsupported naming `name` (sizes or widths that do not add up, a count that does not
+// divide, an uneven split before 0.4, a partition dim other than 0, missing widths at 0.4).
+Result<DeepSpeedSubSplit> DeepSpeedSubParamSplit(const DeepSpeedPatterns& patterns, const DeepSpeedParamRule& rule,
+                                                 const std::string& name, int tp, int64_t global_size);
 
 }  // namespace ucpfs::index

@@ -465,12 +465,34 @@ class DeepSpeedScanner {
         pattern.sub_sizes = {local[0] * tp_ / 2, local[0] * tp_ / 2};
         break;
       case DeepSpeedMerge::kSubParams: {
+        // Rank t holds [sub_0 width t; sub_1 width t; ...] along dim 0, widths possibly uneven
+        // (version 0.4), so the pieces come from the split itself.
         if (local.empty()) return refuse("a 0-d tensor has no sub-parameters");
-        UCPFS_ASSIGN_OR_RETURN(pattern.sub_sizes, DeepSpeedSubSizes(patterns_, rule, name, local[0] * tp_));
-        for (int64_t s : pattern.sub_sizes) {
-          if (s % tp_ != 0) return refuse("a sub-parameter of " + std::to_string(s) + " does not divide by tp");
+        UCPFS_ASSIGN_OR_RETURN(const DeepSpeedSubSplit split,
+                               DeepSpeedSubParamSplit(patterns_, rule, name, tp_,
+                                                      patterns_.version >= 0.4 ? -1 : local[0] * tp_));
+        int64_t offset = 0, local_rows = 0;
+        for (size_t j = 0; j < split.sizes.size(); ++j) {
+          int64_t before = 0;
+          for (int r = 0; r < t; ++r) before += split.widths[j][static_cast<size_t>(r)];
+          const int64_t width = split.widths[j][static_cast<size_t>(t)];
+          if (width > 0) {
+            slice::Box box;
+            box.offsets.assign(local.size(), 0);
+            box.offsets[0] = offset + before;
+            box.sizes = local;
+            box.sizes[0] = width;
+            pl.pieces.push_back(std::move(box));
+          }
+          offset += split.sizes[j];
+          local_rows += width;
         }
-        break;
+        if (local_rows != local[0]) {
+          return refuse("tp rank " + std::to_string(t) + "'s sub-parameter widths add up to " +
+                        std::to_string(local_rows) + " rows");
+        }
+        pl.global_shape[0] = offset;
+        return pl;
       }
       case DeepSpeedMerge::kCat:
         if (static_cast<size_t>(rule.cat_dim) >= local.size()) return refuse("no dim " + std::to_string(rule.cat_dim) + " to split");

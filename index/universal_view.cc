@@ -22,14 +22,91 @@ namespace {
 
 using format::SaveValue;
 
+// A file of the checkpoint by its relative path, opened as a torch.save archive.
+Result<std::pair<format::TorchFile, std::shared_ptr<const ByteSource>>> OpenCheckpointFile(const Checkpoint& c,
+                                                                                          const FileTable& files,
+                                                                                          const std::string& rel) {
+  for (size_t i = 0; i < c.files.size(); ++i) {
+    if (c.files[i].rel_path != rel) continue;
+    const std::shared_ptr<const ByteSource>& src = (*files)[i];
+    UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, format::TorchFile::Open(src));
+    return std::make_pair(std::move(tf), src);
+  }
+  return CorruptError("index: format_info names file '" + rel + "', not in the file table");
+}
+
+// DeepSpeed's SubparamShape objects, as ds_to_universal saves them under 'sub_param_shape':
+// SubparamShape(**entry) of the matched parameter_with_sub_params entry, its fields decoded
+// from the model states' pickle (so lists stay lists and tuples tuples), in the dataclass's
+// field order; before version 0.4 a count at partition_dim becomes the tuple of sizes.
+class SubParamShapes {
+ public:
+  SubParamShapes(const Checkpoint& c, const FileTable& files, std::string model_rel)
+      : c_(c), files_(files), model_rel_(std::move(model_rel)) {}
+
+  Result<SaveValue> For(const DeepSpeedPatterns& uc, const DeepSpeedParamRule& rule, const std::string& name,
+                        const std::vector<int64_t>& shape) {
+    const DeepSpeedSubParams& sp = *rule.sub_params;
+    if (shape.empty()) return UnsupportedError("parameter '" + name + "' is 0-d but has sub-parameters");
+    UCPFS_ASSIGN_OR_RETURN(const DeepSpeedSubSplit split, DeepSpeedSubParamSplit(uc, rule, name, 1, shape[0]));
+    if (!model_) {
+      UCPFS_ASSIGN_OR_RETURN(auto opened, OpenCheckpointFile(c_, files_, model_rel_));
+      model_.emplace(std::move(opened.first));
+      model_src_ = std::move(opened.second);
+    }
+    const pickle::PickleGraph& g = model_->graph();
+    const pickle::NodeId list = g.DictGet(g.DictGet(g.root(), "universal_checkpoint_info"), "parameter_with_sub_params");
+    const pickle::Kind kind = g.kind(list);
+    if ((kind != pickle::Kind::kList && kind != pickle::Kind::kTuple) || sp.index >= g.items(list).size()) {
+      return CorruptError(model_src_->Name() + ": universal_checkpoint_info['parameter_with_sub_params'] changed");
+    }
+    const pickle::NodeId entry = g.items(list)[sp.index];
+    format::PlainValueLimits limits;
+    limits.max_depth = 8;
+    limits.max_nodes = 1 << 16;
+    SaveValue fields = SaveValue::Dict();
+    for (const char* field : {"patterns", "shape", "partition_dim"}) {
+      const pickle::NodeId v = g.DictGet(entry, field);
+      if (v == pickle::kNoNode) return CorruptError(model_src_->Name() + ": a SubparamShape without '" + field + "'");
+      UCPFS_ASSIGN_OR_RETURN(SaveValue value, format::DecodeValueAt(*model_, model_src_, v, limits));
+      if (std::string_view(field) == "shape" && uc.version < 0.4 && sp.shape[static_cast<size_t>(sp.partition_dim)].is_number_integer()) {
+        // ds_to_universal normalises a count: tuple(shape) with the sizes at partition_dim.
+        SaveValue dims = SaveValue::Tuple();
+        for (size_t d = 0; d < sp.shape.size(); ++d) {
+          if (d == static_cast<size_t>(sp.partition_dim)) {
+            SaveValue sizes = SaveValue::Tuple();
+            for (int64_t n : split.sizes) sizes.Append(SaveValue::Int(n));
+            dims.Append(std::move(sizes));
+          } else if (sp.shape[d].is_number_integer()) {
+            dims.Append(SaveValue::Int(sp.shape[d].get<int64_t>()));
+          } else {
+            return UnsupportedError("parameter '" + name + "': its sub-parameter shape has a non-integer dim");
+          }
+        }
+        value = std::move(dims);
+      }
+      fields.Set(field, std::move(value));
+    }
+    return SaveValue::Object(SaveValue::Global("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
+                             SaveValue::Tuple(), /*newobj=*/true, std::move(fields));
+  }
+
+ private:
+  const Checkpoint& c_;
+  const FileTable& files_;
+  std::string model_rel_;
+  std::optional<format::TorchFile> model_;
+  std::shared_ptr<const ByteSource> model_src_;
+};
+
 // The dict keys before 'param' and the rows kept, for a ZeRO-1/2 parameter.
 struct UniversalKeys {
   SaveValue::DictItems keys;
   std::optional<int64_t> keep_rows;  // vocabulary: original_vocab_size
 };
 
-Result<UniversalKeys> KeysFor(const DeepSpeedPatterns& uc, const std::string& name,
-                               const std::vector<int64_t>& shape) {
+Result<UniversalKeys> KeysFor(const DeepSpeedPatterns& uc, const std::string& name, const std::vector<int64_t>& shape,
+                              SubParamShapes& sub_shapes) {
   UniversalKeys k;
   UCPFS_ASSIGN_OR_RETURN(const DeepSpeedParamRule rule, ClassifyDeepSpeedParam(uc, name));
   switch (rule.merge) {
@@ -40,35 +117,8 @@ Result<UniversalKeys> KeysFor(const DeepSpeedPatterns& uc, const std::string& na
       k.keys.emplace_back(SaveValue::Str("param_n_sub_params"), SaveValue::Int(2));
       break;
     case DeepSpeedMerge::kSubParams: {
-      // DeepSpeed's SubparamShape dataclass (NEWOBJ + BUILD of its fields), the partition dim's
-      // entry normalised to the sub-parameter sizes as ds_to_universal does for a count.
-      if (shape.empty()) return UnsupportedError("parameter '" + name + "' is 0-d but has sub-parameters");
-      UCPFS_ASSIGN_OR_RETURN(const std::vector<int64_t> sizes, DeepSpeedSubSizes(uc, rule, name, shape[0]));
-      const DeepSpeedSubParams& sp = *rule.sub_params;
-      SaveValue patterns = SaveValue::List();
-      for (const layout::Rule& r : sp.rules) {
-        // The rule holds "^(?:<pattern>)": re-emit the pattern as recorded.
-        patterns.Append(SaveValue::Str(r.regex.substr(4, r.regex.size() - 5)));
-      }
-      SaveValue dims = SaveValue::Tuple();
-      for (size_t d = 0; d < sp.shape.size(); ++d) {
-        if (d == static_cast<size_t>(sp.partition_dim)) {
-          SaveValue t = SaveValue::Tuple();
-          for (int64_t v : sizes) t.Append(SaveValue::Int(v));
-          dims.Append(std::move(t));
-        } else if (sp.shape[d].is_number_integer()) {
-          dims.Append(SaveValue::Int(sp.shape[d].get<int64_t>()));
-        } else {
-          return UnsupportedError("parameter '" + name + "': its sub-parameter shape has a non-integer dim");
-        }
-      }
-      SaveValue fields = SaveValue::Dict();
-      fields.Set("patterns", std::move(patterns));
-      fields.Set("shape", std::move(dims));
-      fields.Set("partition_dim", SaveValue::Int(sp.partition_dim));
-      k.keys.emplace_back(SaveValue::Str("sub_param_shape"),
-                          SaveValue::Object(SaveValue::Global("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
-                                            SaveValue::Tuple(), /*newobj=*/true, std::move(fields)));
+      UCPFS_ASSIGN_OR_RETURN(SaveValue shape_object, sub_shapes.For(uc, rule, name, shape));
+      k.keys.emplace_back(SaveValue::Str("sub_param_shape"), std::move(shape_object));
       break;
     }
     case DeepSpeedMerge::kCat: k.keys.emplace_back(SaveValue::Str("cat_dim"), SaveValue::Int(rule.cat_dim)); break;
@@ -121,13 +171,9 @@ Result<std::shared_ptr<const ByteSource>> Build(const SaveValue& root, const std
 // zero/optimizer_state.pt: what ds_to_universal's _save_optimizer_state(_stage3) saves.
 Result<SaveValue> OptimizerState(const Checkpoint& c, const FileTable& files, const std::string& optim_rel,
                                  bool zero3) {
-  int64_t id = -1;
-  for (size_t i = 0; i < c.files.size(); ++i) {
-    if (c.files[i].rel_path == optim_rel) id = static_cast<int64_t>(i);
-  }
-  if (id < 0) return CorruptError("index: format_info names optimizer file '" + optim_rel + "', not in the file table");
-  const std::shared_ptr<const ByteSource>& src = (*files)[static_cast<size_t>(id)];
-  UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, format::TorchFile::Open(src));
+  UCPFS_ASSIGN_OR_RETURN(auto opened, OpenCheckpointFile(c, files, optim_rel));
+  const format::TorchFile& tf = opened.first;
+  const std::shared_ptr<const ByteSource>& src = opened.second;
   const pickle::PickleGraph& g = tf.graph();
   const pickle::NodeId osd = g.DictGet(g.root(), "optimizer_state_dict");
   if (g.kind(osd) != pickle::Kind::kDict) return CorruptError(src->Name() + ": optimizer_state_dict is not a dict");
@@ -204,6 +250,10 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
   UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc,
                          ParseDeepSpeedPatterns(info.value("universal_checkpoint_info", nlohmann::json()), optim_rel));
 
+  // universal_checkpoint_info was read from the first model-states file (mp rank 0).
+  const nlohmann::json& model_files = info["model_files"];
+  SubParamShapes sub_shapes(c, files, !model_files.empty() && model_files[0].is_string() ? model_files[0].get<std::string>()
+                                                                                          : std::string());
   const char* kFiles[] = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"};
   const StateKind kKinds[] = {StateKind::kFp32, StateKind::kExpAvg, StateKind::kExpAvgSq};
   for (const ParamEntry& p : mapping.params) {
@@ -224,7 +274,7 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
     }
     UniversalKeys keys;
     if (!zero3) {
-      UCPFS_ASSIGN_OR_RETURN(keys, KeysFor(uc, p.name, c.items[static_cast<size_t>(fp32)].layout.shape));
+      UCPFS_ASSIGN_OR_RETURN(keys, KeysFor(uc, p.name, c.items[static_cast<size_t>(fp32)].layout.shape, sub_shapes));
     }
     for (int s = 0; s < 3; ++s) {
       const int32_t i = p.item[static_cast<int>(kKinds[s])];
