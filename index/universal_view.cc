@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string_view>
@@ -234,6 +235,56 @@ Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
     for (auto& r : *list) out.rules.push_back(std::move(r));
   }
   out.vocab_size = uc.original_vocab_size;
+  return out;
+}
+
+Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& c, const FileTable& files) {
+  std::vector<DeepSpeedParamGroup> out;
+  if (c.format != "deepspeed") return out;
+  UCPFS_ASSIGN_OR_RETURN(const nlohmann::json info, DeepSpeedInfo(c));
+  if (info["zero_stage"].get<int>() == 3) {
+    return UnsupportedError("ZeRO-3 param_shapes list sub-groups, not the optimizer's param groups");
+  }
+  UCPFS_ASSIGN_OR_RETURN(auto optim, OpenCheckpointFile(c, files, info["optimizer_file"].get<std::string>()));
+  const pickle::PickleGraph& g = optim.first.graph();
+  const pickle::NodeId groups =
+      g.DictGet(g.DictGet(g.DictGet(g.root(), "optimizer_state_dict"), "base_optimizer_state"), "param_groups");
+  if (g.kind(groups) != pickle::Kind::kList) {
+    return CorruptError(optim.second->Name() + ": optimizer_state_dict.base_optimizer_state.param_groups is not a list");
+  }
+  format::PlainValueLimits limits;
+  limits.max_depth = 8;
+  limits.max_nodes = 1 << 16;
+  for (pickle::NodeId group : g.items(groups)) {
+    if (g.kind(group) != pickle::Kind::kDict) {
+      return CorruptError(optim.second->Name() + ": a param group is not a dict");
+    }
+    DeepSpeedParamGroup pg;
+    for (const auto& [k, v] : g.dict_items(group)) {
+      if (g.kind(k) != pickle::Kind::kString || g.text(k) == "params" || g.text(k) == "param_names") continue;
+      auto value = format::DecodeValueAt(optim.first, optim.second, v, limits);
+      if (value.ok()) pg.fields.emplace_back(std::string(g.text(k)), std::move(*value));  // plain values only
+    }
+    out.push_back(std::move(pg));
+  }
+  for (const auto& m : info["model_files"]) {
+    if (!m.is_string()) return CorruptError("index: the DeepSpeed format_info lists a model file that is not a path");
+    UCPFS_ASSIGN_OR_RETURN(auto model, OpenCheckpointFile(c, files, m.get<std::string>()));
+    const pickle::PickleGraph& mg = model.first.graph();
+    const pickle::NodeId shapes = mg.DictGet(mg.root(), "param_shapes");
+    if (mg.kind(shapes) != pickle::Kind::kList || mg.items(shapes).size() != out.size()) {
+      return CorruptError(model.second->Name() + ": param_shapes does not list the optimizer's " +
+                          std::to_string(out.size()) + " param groups");
+    }
+    for (size_t gi = 0; gi < out.size(); ++gi) {
+      std::vector<std::string>& names = out[gi].params;
+      for (const auto& [k, v] : mg.dict_items(mg.items(shapes)[gi])) {
+        if (mg.kind(k) != pickle::Kind::kString) continue;
+        std::string name(mg.text(k));
+        if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
+      }
+    }
+  }
   return out;
 }
 

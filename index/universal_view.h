@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "core/byte_source.h"
+#include "core/format/torch_writer.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
@@ -63,6 +64,18 @@ struct SourcePatterns {
   std::optional<int64_t> vocab_size;
 };
 Result<SourcePatterns> SourcePatternsOf(const Checkpoint& checkpoint);
+
+// The optimizer param groups of a "deepspeed" checkpoint, for target views' optim.pt: each
+// group's hyper-parameters (base_optimizer_state.param_groups of the (mp 0, dp 0) optimizer file,
+// 'params' left out, decoded as plain values) and the names of its parameters (the union, in
+// order, of group i of every model-states file's param_shapes). Empty for other formats.
+// Errors: kCorrupt naming the file (no param_groups, or param_shapes of another group count);
+// kUnsupported for ZeRO-3 (param_shapes lists sub-groups, not param groups).
+struct DeepSpeedParamGroup {
+  std::vector<std::string> params;
+  std::vector<std::pair<std::string, format::SaveValue>> fields;
+};
+Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& checkpoint, const FileTable& files);
 
 // The universal view of a "deepspeed" checkpoint; nullopt for other formats. `source_name` is
 // the mounted directory's name, used as the tag when the directory is itself the tag.

@@ -226,6 +226,21 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     }
     in->extras.push_back(std::move(e));
   }
+  // DeepSpeed keeps its param groups inside the optimizer files, not as items.
+  if (c.format == "deepspeed") {
+    auto ds_groups = DeepSpeedParamGroups(c, files);
+    if (!ds_groups.ok()) {
+      in->not_served.push_back({"optimizer_state_dict.base_optimizer_state.param_groups", ds_groups.error().message()});
+      if (warn) warn("DeepSpeed param groups: not served: " + ds_groups.error().message());
+    } else {
+      for (const DeepSpeedParamGroup& g : *ds_groups) {
+        for (const std::string& name : g.params) {
+          auto& h = hyper[name];
+          if (h.empty()) h = g.fields;
+        }
+      }
+    }
+  }
   for (const std::string& id : group_order) {
     Group& g = groups[id];
     if (!g.params) {

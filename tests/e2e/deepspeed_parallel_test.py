@@ -14,7 +14,12 @@ For each, mounted at the save directory (`latest` -> global_step3/):
     [gates; ups], replicated from rank 0) bit for bit;
  3. global_step3_universal/ equals, file by file, what the installed ds_to_universal writes for
     the same tag (which the generator checked against the same truth), and latest_universal
-    names it.
+    names it;
+ 4. target/tp1_pp1_dp1/rank_0/model.pt holds every parameter, equal to the engine's fp32 master
+    (fp32 cases: the module / layer-file weights placed from every tp rank and stage; the
+    vocabulary without its padding rows), and
+    optim.pt carries DeepSpeed's two param groups with their hyper-parameters (weight decay 0.1
+    for the weights, 0.0 for biases and norms).
 Inconsistent parallel saves give a clear error naming the file: a missing tp rank's optimizer
 partition, tp slices of disagreeing shapes.
 
@@ -32,6 +37,7 @@ from mount_common import mounted
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GEN = os.path.join(HERE, "fixtures", "gen_megatron_deepspeed.py")
+VOCAB = 37  # the generator's original_vocab_size
 # name -> (generator arguments, flavor the index reports)
 CASES = {
     "tp2": (["--case", "tp2"], "zero1 tp2 dp2"),
@@ -48,7 +54,7 @@ def check_case(work, case):
     truth = torch.load(src + "_truth.pt")
     r = run([ucpfs_bin(), "index", src], timeout=120)
     assert f"deepspeed ({flavor} tag global_step3)" in r.stderr + r.stdout, r.stderr + r.stdout
-    with mounted(src, os.path.join(work, "mnt-" + case)) as (m, _):
+    with mounted(src, os.path.join(work, "mnt-" + case), "--layout", "tp1_pp1_dp1") as (m, _):
         n = atomic_equals_truth(m, truth)
         assert n == 3 * (len(truth) - 1), n
         ds = ds_to_universal(work, case, src)
@@ -56,7 +62,26 @@ def check_case(work, case):
         n_universal = universal_equals(os.path.join(m, "global_step3_universal"),
                                        os.path.join(ds, "global_step3_universal"))
         assert n_universal > 3 * (len(truth) - 1), n_universal
+        target_equals_truth(m, truth, fp32="--bf16" not in args)
     return n
+
+
+def target_equals_truth(m, truth, fp32):
+    d = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0")
+    model = torch.load(os.path.join(d, "model.pt"))
+    names = [k for k in truth if k != "__step__"]
+    assert sorted(model) == sorted(names), sorted(set(model) ^ set(names))
+    if fp32:
+        for name in names:
+            want = truth[name]["fp32"]
+            if "word_embeddings" in name or "output_layer" in name:
+                want = want[:VOCAB]  # the vocabulary's padding rows are not served at tp 1
+            assert torch.equal(model[name], want), (name, model[name].shape, want.shape)
+    groups = torch.load(os.path.join(d, "optim.pt"))["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0], groups
+    assert all(g["lr"] == 0.01 and tuple(g["betas"]) == (0.9, 0.95) for g in groups), groups
+    in_groups = [n for g in groups for n in g["param_names"]]
+    assert sorted(in_groups) == sorted(names), sorted(set(in_groups) ^ set(names))
 
 
 def inconsistent_saves(work):
