@@ -7,10 +7,15 @@ namespace ucpfs::index {
 namespace {
 
 Result<std::vector<layout::Rule>> RulesOf(const nlohmann::json& uc, const char* key, layout::TpKind tp,
-                                          const std::string& where) {
+                                          const std::string& where, size_t* budget) {
   std::vector<layout::Rule> out;
   if (!uc.contains(key) || uc[key].is_null()) return out;
   if (!uc[key].is_array()) return CorruptError(where + ": universal_checkpoint_info['" + key + "'] is not a list");
+  if (uc[key].size() > *budget) {
+    return CorruptError(where + ": universal_checkpoint_info holds more than " + std::to_string(kMaxDeepSpeedPatterns) +
+                        " patterns");
+  }
+  *budget -= uc[key].size();
   for (const auto& p : uc[key]) {
     if (!p.is_string()) return CorruptError(where + ": universal_checkpoint_info['" + key + "'] holds a non-string");
     layout::Rule r;
@@ -50,13 +55,14 @@ Result<DeepSpeedPatterns> ParseDeepSpeedPatterns(const nlohmann::json& uc, const
   DeepSpeedPatterns p;
   if (!uc.is_object()) return p;
   p.present = true;
-  UCPFS_ASSIGN_OR_RETURN(p.replicated, RulesOf(uc, "tp_replicated_parameter_patterns", layout::TpKind::kReplicate, where));
-  UCPFS_ASSIGN_OR_RETURN(p.average, RulesOf(uc, "parameter_to_average_patterns", layout::TpKind::kPartial, where));
-  UCPFS_ASSIGN_OR_RETURN(p.row, RulesOf(uc, "parameter_with_row_parallelism_patterns", layout::TpKind::kRow, where));
-  UCPFS_ASSIGN_OR_RETURN(p.vocab, RulesOf(uc, "vocabulary_parameter_patterns", layout::TpKind::kVocab, where));
-  UCPFS_ASSIGN_OR_RETURN(p.two_sub, RulesOf(uc, "parameter_with_2_sub_params_cat_dim_0", layout::TpKind::kColumn, where));
+  size_t budget = kMaxDeepSpeedPatterns;
+  UCPFS_ASSIGN_OR_RETURN(p.replicated, RulesOf(uc, "tp_replicated_parameter_patterns", layout::TpKind::kReplicate, where, &budget));
+  UCPFS_ASSIGN_OR_RETURN(p.average, RulesOf(uc, "parameter_to_average_patterns", layout::TpKind::kPartial, where, &budget));
+  UCPFS_ASSIGN_OR_RETURN(p.row, RulesOf(uc, "parameter_with_row_parallelism_patterns", layout::TpKind::kRow, where, &budget));
+  UCPFS_ASSIGN_OR_RETURN(p.vocab, RulesOf(uc, "vocabulary_parameter_patterns", layout::TpKind::kVocab, where, &budget));
+  UCPFS_ASSIGN_OR_RETURN(p.two_sub, RulesOf(uc, "parameter_with_2_sub_params_cat_dim_0", layout::TpKind::kColumn, where, &budget));
   UCPFS_ASSIGN_OR_RETURN(p.pipeline_replicated,
-                         RulesOf(uc, "pipeline_replicated_parameter_patterns", layout::TpKind::kReplicate, where));
+                         RulesOf(uc, "pipeline_replicated_parameter_patterns", layout::TpKind::kReplicate, where, &budget));
   if (uc.contains("parameter_with_sub_params") && !uc["parameter_with_sub_params"].is_null()) {
     const nlohmann::json& list = uc["parameter_with_sub_params"];
     if (!list.is_array()) {
@@ -72,7 +78,7 @@ Result<DeepSpeedPatterns> ParseDeepSpeedPatterns(const nlohmann::json& uc, const
       DeepSpeedSubParams sp;
       sp.index = p.sub_params.size();
       const nlohmann::json wrapped = {{"patterns", s["patterns"]}};
-      UCPFS_ASSIGN_OR_RETURN(sp.rules, RulesOf(wrapped, "patterns", layout::TpKind::kColumn, where));
+      UCPFS_ASSIGN_OR_RETURN(sp.rules, RulesOf(wrapped, "patterns", layout::TpKind::kColumn, where, &budget));
       for (const auto& pattern : s["patterns"]) sp.patterns.push_back(pattern.get<std::string>());
       sp.shape = s.value("shape", nlohmann::json());
       const nlohmann::json dim = s.value("partition_dim", nlohmann::json());

@@ -44,9 +44,13 @@ struct DeepSpeedPatterns {
   bool affine_map = false;
 };
 
+// The most patterns (all lists together) a checkpoint may record: each is compiled (RE2) and
+// tried on every parameter name.
+inline constexpr size_t kMaxDeepSpeedPatterns = 512;
+
 // Parses universal_checkpoint_info (as plain JSON; null or a non-object: no patterns, the
 // converter's defaults). Errors: kCorrupt naming `where` and the key (a list that is not a list
-// of strings, a pattern RE2 cannot compile).
+// of strings, a pattern RE2 cannot compile, more than kMaxDeepSpeedPatterns patterns).
 Result<DeepSpeedPatterns> ParseDeepSpeedPatterns(const nlohmann::json& uc, const std::string& where);
 
 enum class DeepSpeedMerge {

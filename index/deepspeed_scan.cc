@@ -524,23 +524,24 @@ class DeepSpeedScanner {
   Status LayerWeights() {
     layer_weights_.resize(static_cast<size_t>(tp_));
     std::set<std::string> ordered;
+    // Every suffix K of a known "tied_modules.<k>.K" name -> those names (one pass over the names,
+    // so a hostile file with many tensors costs a lookup each).
+    std::map<std::string, std::set<std::string>> tied;
+    if (!files_.layers.empty()) {
+      constexpr std::string_view kTied = "tied_modules.";
+      for (const std::string& name : known_names_) {
+        if (name.rfind(kTied, 0) != 0) continue;
+        const size_t dot = name.find('.', kTied.size());
+        if (dot != std::string::npos) tied[name.substr(dot + 1)].insert(name);
+      }
+    }
     for (const auto& [key, name] : files_.layers) {
       UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(Rel(name)));
       UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
       for (const format::TensorRecord& rec : tf.tensors()) {
         std::string global = std::to_string(key.first) + "." + rec.key;
         if (known_names_.count(global) == 0) {
-          std::string tied;
-          int n = 0;
-          for (const std::string& k : known_names_) {
-            if (k.rfind("tied_modules.", 0) == 0 && k.size() > rec.key.size() &&
-                k.compare(k.size() - rec.key.size(), rec.key.size(), rec.key) == 0 &&
-                k[k.size() - rec.key.size() - 1] == '.') {
-              tied = k;
-              ++n;
-            }
-          }
-          if (n == 1) global = tied;
+          if (auto t = tied.find(rec.key); t != tied.end() && t->second.size() == 1) global = *t->second.begin();
         }
         UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(global, rec, id, key.second));
         if (!item) continue;

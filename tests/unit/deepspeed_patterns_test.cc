@@ -71,6 +71,13 @@ TEST(DeepSpeedPatterns, Refusals) {
   uc["affine_map"] = {{"params", {{"x", 1}}}};
   EXPECT_FALSE(ClassifyDeepSpeedParam(Parse(uc), "3.input_layernorm.weight").ok());
 
+  // Bounded: every pattern is compiled and tried on every name.
+  nlohmann::json many = nlohmann::json::array();
+  for (size_t i = 0; i <= kMaxDeepSpeedPatterns; ++i) many.push_back("p" + std::to_string(i));
+  auto too_many = ParseDeepSpeedPatterns({{"tp_replicated_parameter_patterns", many}}, "mp_rank_00_model_states.pt");
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_NE(too_many.error().message().find("more than 512 patterns"), std::string::npos);
+
   for (const nlohmann::json& bad : {nlohmann::json{{"tp_replicated_parameter_patterns", "a"}},
                                     nlohmann::json{{"tp_replicated_parameter_patterns", {1}}},
                                     nlohmann::json{{"tp_replicated_parameter_patterns", {"(unclosed"}}},
