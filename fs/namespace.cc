@@ -20,6 +20,7 @@
 #include "core/io/lazy_file_source.h"
 #include "core/views/atomic.h"
 #include "core/views/target.h"
+#include "index/deepspeed_tags.h"
 #include "index/universal_view.h"
 #include "index/view_inputs.h"
 
@@ -104,12 +105,12 @@ struct ViewAccess {
   int64_t gid = -1;
 };
 
-ViewAccess AccessOfSources(const std::string& source_dir, const index::Checkpoint& ckpt) {
+ViewAccess AccessOfSources(const std::string& source_dir, const std::vector<index::SourceFile>& sources) {
   ViewAccess a;
   bool all_other = true, all_user = true, all_group = true, first = true;
   int64_t uid = -1, gid = -1;
   bool same_uid = true, same_gid = true;
-  for (const auto& f : ckpt.files) {
+  for (const auto& f : sources) {
     struct stat st;
     if (::lstat((source_dir + "/" + f.rel_path).c_str(), &st) != 0) continue;  // read fails later
     all_other = all_other && (st.st_mode & S_IROTH);
@@ -164,10 +165,32 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
 }
 
 // <dir>/ with the universal view's files, and `latest_universal` naming it. Checkpoint files
-// are hard links to their passthrough inodes.
-Status AddUniversal(Tree& tree, const index::UniversalView& u, struct timespec mtime, const ViewAccess& access,
-                    size_t* n_files) {
+// are hard links to their passthrough inodes, `source_prefix` + source_rel from the mount's root
+// ("<tag>/" for a view built from a tag directory). Every link is resolved before the first
+// node is added, so a missing source file or a taken name fails with the tree unchanged.
+Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string& source_prefix,
+                    struct timespec mtime, const ViewAccess& access, size_t* n_files) {
+  std::vector<Ino> links;  // the passthrough inode of each checkpoint file, in order
+  for (const auto& f : u.files) {
+    if (f.source != nullptr) continue;
+    const std::string rel = source_prefix + f.source_rel;
+    Ino src = kRootIno;
+    size_t start = 0;
+    while (src != 0 && start <= rel.size()) {
+      const size_t end = std::min(rel.find('/', start), rel.size());
+      const TreeNode* n = tree.Lookup(src, rel.substr(start, end - start));
+      src = n == nullptr ? 0 : n->ino;
+      start = end + 1;
+    }
+    const TreeNode* node = src == 0 ? nullptr : tree.Get(src);
+    if (node == nullptr || node->is_dir) {
+      return NotFoundError(u.dir + "/" + f.rel_path + ": source file " + rel + " is not in the mount");
+    }
+    links.push_back(src);
+  }
+  if (tree.Lookup(kRootIno, u.dir) != nullptr) return InternalError(u.dir + ": the name is taken in the mount");
   UCPFS_ASSIGN_OR_RETURN(Ino udir, tree.AddDir(kRootIno, u.dir, mtime));
+  size_t next_link = 0;
   for (const auto& f : u.files) {
     const size_t slash = f.rel_path.rfind('/');
     Ino parent = udir;
@@ -176,19 +199,7 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, struct timespec m
     }
     const std::string name = f.rel_path.substr(slash == std::string::npos ? 0 : slash + 1);
     if (f.source == nullptr) {
-      Ino src = kRootIno;
-      size_t start = 0;
-      while (src != 0 && start <= f.source_rel.size()) {
-        const size_t end = std::min(f.source_rel.find('/', start), f.source_rel.size());
-        const TreeNode* n = tree.Lookup(src, f.source_rel.substr(start, end - start));
-        src = n == nullptr ? 0 : n->ino;
-        start = end + 1;
-      }
-      const TreeNode* node = src == 0 ? nullptr : tree.Get(src);
-      if (node == nullptr || node->is_dir) {
-        return NotFoundError(u.dir + "/" + f.rel_path + ": source file " + f.source_rel + " is not in the mount");
-      }
-      UCPFS_RETURN_IF_ERROR(tree.AddLink(parent, name, src));
+      UCPFS_RETURN_IF_ERROR(tree.AddLink(parent, name, links[next_link++]));
       continue;
     }
     const uint64_t n_bytes = f.source->Size();
@@ -225,7 +236,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   // Source files by id, opened on first read.
   auto counters = std::make_shared<IoCounters>();
   const index::FileTable files = index::OpenFileTable(source_dir, ckpt, counters);
-  const ViewAccess access = AccessOfSources(source_dir, ckpt);
+  const ViewAccess access = AccessOfSources(source_dir, ckpt.files);
 
   // DeepSpeed: <tag>_universal/ and latest_universal. A checkpoint the view cannot serve is
   // still mounted, without it; the reason goes to the log and status.json.
@@ -246,12 +257,48 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     shadowed.insert(universal->dir);
     if (!universal->latest_universal.empty()) shadowed.insert("latest_universal");
   }
+  // A save directory (`latest` names its tag): <tag>_universal/ for every other tag as well,
+  // each built from its tag directory alone (index/deepspeed_tags.h). A tag that cannot be
+  // served is left out with its error; the mount goes on.
+  index::DeepSpeedTags other_tags;
+  std::string other_tags_error;
+  {
+    auto built = index::BuildDeepSpeedTagViews(source_dir, ckpt, counters);
+    if (built.ok()) {
+      other_tags = std::move(*built);
+    } else {
+      other_tags_error = built.error().message();
+      std::fprintf(stderr, "ucpfs: warning: no universal views of the other tags: %s\n", other_tags_error.c_str());
+    }
+    for (const auto& t : other_tags.tags) {
+      if (t.view) {
+        shadowed.insert(t.view->dir);
+      } else {
+        std::fprintf(stderr, "ucpfs: warning: no %s_universal: %s\n", t.name.c_str(), t.error.c_str());
+      }
+    }
+    if (other_tags.n_left_out > 0) {
+      std::fprintf(stderr, "ucpfs: warning: %zu more subdirectories not examined for tags (at most %zu tags)\n",
+                   other_tags.n_left_out, index::kMaxDeepSpeedTags);
+    }
+  }
 
   size_t n_passthrough = 0;
   UCPFS_RETURN_IF_ERROR(MirrorSource(*tree, kRootIno, source_dir, "", shadowed, &n_passthrough));
   size_t n_universal = 0;
   if (universal) {
-    UCPFS_RETURN_IF_ERROR(AddUniversal(*tree, *universal, mtime, access, &n_universal));
+    UCPFS_RETURN_IF_ERROR(AddUniversal(*tree, *universal, "", mtime, access, &n_universal));
+  }
+  for (auto& t : other_tags.tags) {
+    if (!t.view) continue;
+    const std::string tag_dir = source_dir + "/" + t.name;
+    const Status added =
+        AddUniversal(*tree, *t.view, t.name + "/", mtime, AccessOfSources(tag_dir, t.files), &n_universal);
+    if (!added.ok()) {
+      t.error = added.message();
+      std::fprintf(stderr, "ucpfs: warning: no %s: %s\n", t.view->dir.c_str(), t.error.c_str());
+      t.view.reset();
+    }
   }
   UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(kRootIno, "atomic", mtime));
   size_t n_atomic = 0;
@@ -390,6 +437,23 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     status["universal"] = {{"dir", universal->dir}, {"latest_universal", universal->latest_universal}};
   } else if (!universal_error.empty()) {
     status["universal"] = {{"error", universal_error}};
+  }
+  if (!other_tags_error.empty()) {
+    status["universal_tags_error"] = other_tags_error;
+  }
+  if (!other_tags.tags.empty()) {
+    status["universal_tags"] = nlohmann::ordered_json::array();
+    for (const auto& t : other_tags.tags) {
+      nlohmann::ordered_json j = {{"tag", t.name}, {"dir", t.name + "_universal"}};
+      if (!t.view) j["error"] = t.error;
+      status["universal_tags"].push_back(std::move(j));
+    }
+  }
+  if (other_tags.n_left_out > 0) {
+    status["universal_tags_left_out"] = {
+        {"subdirectories", other_tags.n_left_out},
+        {"reason", "at most " + std::to_string(index::kMaxDeepSpeedTags) +
+                       " tags get a universal view; the subdirectories after them (in name order) were not examined"}};
   }
   status["unmapped_keys"] = mapping.unmapped_keys;
   status["extra_state"] = nlohmann::ordered_json::array();
