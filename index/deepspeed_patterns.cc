@@ -175,7 +175,9 @@ Result<DeepSpeedSubSplit> DeepSpeedSubParamSplit(const DeepSpeedPatterns& p, con
   } else {
     return refuse("its shape at partition_dim is neither sizes nor a count");
   }
-  if (p.version >= 0.4) {
+  if (tp == 0) {
+    // Sizes only.
+  } else if (p.version >= 0.4) {
     const nlohmann::json w = p.shard_widths.is_object() ? p.shard_widths.value(rule.sub_pattern, nlohmann::json())
                                                         : nlohmann::json();
     if (!w.is_array() || w.size() != split.sizes.size()) {

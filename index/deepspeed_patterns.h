@@ -88,6 +88,8 @@ struct DeepSpeedSubSplit {
 };
 // Errors: kUnsupported naming `name` (sizes or widths that do not add up, a count that does not
 // divide, an uneven split before 0.4, a partition dim other than 0, missing widths at 0.4).
+// With tp == 0 only the sizes are computed and checked (`widths` stays empty): what the
+// universal view needs, which merges every tp rank.
 Result<DeepSpeedSubSplit> DeepSpeedSubParamSplit(const DeepSpeedPatterns& patterns, const DeepSpeedParamRule& rule,
                                                  const std::string& name, int tp, int64_t global_size);
 

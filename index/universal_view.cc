@@ -49,7 +49,7 @@ class SubParamShapes {
                         const std::vector<int64_t>& shape) {
     const DeepSpeedSubParams& sp = *rule.sub_params;
     if (shape.empty()) return UnsupportedError("parameter '" + name + "' is 0-d but has sub-parameters");
-    UCPFS_ASSIGN_OR_RETURN(const DeepSpeedSubSplit split, DeepSpeedSubParamSplit(uc, rule, name, 1, shape[0]));
+    UCPFS_ASSIGN_OR_RETURN(const DeepSpeedSubSplit split, DeepSpeedSubParamSplit(uc, rule, name, /*tp=*/0, shape[0]));
     if (!model_) {
       UCPFS_ASSIGN_OR_RETURN(auto opened, OpenCheckpointFile(c_, files_, model_rel_));
       model_.emplace(std::move(opened.first));

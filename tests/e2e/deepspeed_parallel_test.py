@@ -5,7 +5,9 @@ Megatron-style tensor-parallel layers behind an mpu, and DeepSpeed's PipelineMod
 PipelineEngine with a tied embedding) trains a tiny GPT with Megatron-DeepSpeed names and
 universal_checkpoint_info, and saves, for each case:
   tp2 (dp2, ZeRO-1), tp2_zero2_bf16 (dp2, ZeRO-2 bf16), pp2 (dp2, layer files, mp rank =
-  stage), pp2_tp2 (dp1, mp rank = stage * 2 + tp).
+  stage), pp2_tp2 (dp1, mp rank = stage * 2 + tp), and with grouped-query attention (4 query /
+  2 key-value heads, a fused QKV declared by parameter_with_sub_params and version-0.4
+  sub_param_shard_widths as AutoTP writes it): tp2_gqa and pp2_tp2_gqa_bf16.
 For each, mounted at the save directory (`latest` -> global_step3/):
  1. `ucpfs index` names the degrees in the flavor (tp2, pp2, dp);
  2. every atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt equals the live engine's full tensor
@@ -44,6 +46,9 @@ CASES = {
     "tp2_zero2_bf16": (["--case", "tp2", "--zero", "2", "--bf16"], "zero2 tp2 dp2"),
     "pp2": (["--case", "pp2"], "zero1 pp2 dp2"),
     "pp2_tp2": (["--case", "pp2_tp2"], "zero1 tp2 pp2 dp1"),
+    "tp2_gqa": (["--case", "tp2", "--gqa"], "zero1 tp2 dp2"),
+    # DeepSpeed's PipelineEngine runs ZeRO-1 only.
+    "pp2_tp2_gqa_bf16": (["--case", "pp2_tp2", "--gqa", "--bf16"], "zero1 tp2 pp2 dp1"),
 }
 
 

@@ -112,6 +112,12 @@ TEST(DeepSpeedPatterns, SubParamSplits) {
   EXPECT_EQ(uneven->sizes, (std::vector<int64_t>{16, 8, 8}));
   EXPECT_EQ(uneven->widths, (std::vector<std::vector<int64_t>>{{8, 8}, {6, 2}, {4, 4}}));
   EXPECT_FALSE(DeepSpeedSubParamSplit(p, gqa, "qkv", 3, -1).ok());  // no width per rank
+  // tp 0 (the universal view, which merges every rank): the sizes alone, whatever the widths.
+  auto sizes_only = DeepSpeedSubParamSplit(p, gqa, "qkv", 0, 32);
+  ASSERT_TRUE(sizes_only.ok()) << sizes_only.error().message();
+  EXPECT_EQ(sizes_only->sizes, (std::vector<int64_t>{16, 8, 8}));
+  EXPECT_TRUE(sizes_only->widths.empty());
+  EXPECT_FALSE(DeepSpeedSubParamSplit(p, gqa, "qkv", 0, 33).ok());  // the sizes sum to 32
   uc["sub_param_shard_widths"] = {{R"(\d+.self_attention.query_key_value.weight)", {{8, 8}, {6, 3}, {4, 4}}}};
   p = Parse(uc);
   auto bad_sum = DeepSpeedSubParamSplit(p, *ClassifyDeepSpeedParam(p, "3.self_attention.query_key_value.weight"),
