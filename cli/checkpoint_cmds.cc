@@ -23,7 +23,10 @@
 #include "core/views/atomic.h"
 #include "fs/fuse_mount.h"
 #include "fs/mounts.h"
+#include "core/io/pinned_cache.h"
+#include "core/io/write_capture.h"
 #include "fs/namespace.h"
+#include "fs/passthrough.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
 #include "index/view_inputs.h"
@@ -263,6 +266,31 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   mo.mountpoint = args.mountpoint;
   mo.fuse_options = args.fuse_options;
   mo.ready_fd = ready_fd;
+  // The source, read-write beside the views, saves captured in the pinned cache.
+  std::shared_ptr<io::WriteCapture> capture;
+  if (!args.read_only) {
+    io::PinnedCacheOptions co;
+    auto size = io::ParseByteSize(args.cache_size);
+    if (!size.ok()) return report("--cache-size", size.error());
+    co.capacity_bytes = *size;
+    co.warn = [](const std::string& line) { std::cerr << "ucpfs: warning: " << line << "\n"; };
+    auto cache = io::PinnedCache::Make(co);
+    if (!cache.ok()) return report("cache", cache.error());
+    io::WriteCaptureOptions wo;
+    wo.source_dir = info.source_dir;
+    wo.cache = std::shared_ptr<io::PinnedCache>(std::move(*cache));
+    wo.log = [](const std::string& line) { std::cerr << line << "\n"; };
+    const int src_fd = ::open(info.source_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (src_fd < 0) return report("source", IoError("open " + info.source_dir, errno));
+    wo.source_dirfd = src_fd;
+    auto started = io::WriteCapture::Start(std::move(wo));
+    if (!started.ok()) return report("write capture", started.error());
+    capture = std::shared_ptr<io::WriteCapture>(std::move(*started));
+  }
+  auto passthrough = fs::Passthrough::Make(info.source_dir, capture);
+  if (!passthrough.ok()) return report("source", passthrough.error());
+  mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+  if (args.read_only) mo.fuse_options.push_back("ro");
   // target/<layout>/ for layouts not given with --layout: built on first lookup.
   mo.dynamic_dir = info.target_dir;
   mo.resolve = info.resolve_target;
@@ -270,6 +298,8 @@ int ServeMount(const MountArgs& args, int ready_fd) {
             << info.n_atomic_files << " atomic files, " << info.n_target_files << " target files, index " << index::IndexStateName(l->opened.state)
             << " in " << l->opened.elapsed_s << " s)\n";
   Status s = fs::ServeTree(std::move(*tree), mo);
+  mo.passthrough.reset();
+  capture.reset();  // drains: everything captured is made durable before the daemon exits
   if (!s.ok()) return report("serve", s);
   return 0;
 }

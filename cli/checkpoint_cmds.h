@@ -30,6 +30,8 @@ struct MountArgs {
   std::string pattern_rules;              // --pattern-rules FILE
   std::string pp_split;                   // --pp-split a,b,...
   uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib
+  std::string cache_size = "2G";          // --cache-size: the pinned write-capture cache
+  bool read_only = false;                 // --read-only: no writes, no capture
 };
 
 // Returns once the mount is live (the daemon keeps serving), or serves in the foreground.

@@ -50,6 +50,9 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--lookup-memory-mib", mount.lookup_memory_mib,
                         "memory for layouts built on lookup under target/, together (default 256); "
                         "a layout that would pass it is refused");
+  mount_cmd->add_option("--cache-size", mount.cache_size,
+                        "pinned host cache that captures saves into the mount (default 2G; e.g. 512M, 8G)");
+  mount_cmd->add_flag("--read-only", mount.read_only, "serve read-only: no writes, no write capture");
   AddSourceOptions(mount_cmd, mount.source);
 
   std::string umount_path;

@@ -18,7 +18,7 @@ namespace {
 // Subtree slots live in the high 32 bits of an inode number.
 constexpr int kSlotShift = 32;
 constexpr Ino kLocalInoMask = (Ino{1} << kSlotShift) - 1;
-constexpr uint64_t kMaxSlot = (uint64_t{1} << 31) - 1;  // st_ino stays positive as a signed value
+constexpr uint64_t kMaxSlot = (uint64_t{1} << 30) - 1;  // below kPassthroughBit
 constexpr size_t kMaxLiveSubtrees = size_t{1} << 20;
 // st_blksize: cp, cat and stdio size their reads by it; match the largest FUSE request.
 constexpr blksize_t kStatBlockSize = 1 << 20;
@@ -48,6 +48,7 @@ Filesystem::Filesystem(std::shared_ptr<const Tree> tree, FilesystemOptions optio
 
 Filesystem::Found Filesystem::Find(Ino ino, bool take_reference) const {
   Found f;
+  if (Passthrough::Owns(ino)) return f;
   const uint64_t slot = ino >> kSlotShift;
   std::shared_lock<std::shared_mutex> lock;  // the main tree is pinned: no lock, no count
   if (slot == 0) {
@@ -77,6 +78,7 @@ Ino Filesystem::GlobalParent(const Found& f) const {
 }
 
 std::string Filesystem::PathOf(Ino ino) const {
+  if (Passthrough::Owns(ino) && options_.passthrough) return options_.passthrough->PathOf(ino);
   const uint64_t slot = ino >> kSlotShift;
   if (slot == 0) return tree_->PathOf(ino);
   std::shared_ptr<const Tree> tree;
@@ -114,7 +116,35 @@ struct stat Filesystem::Stat(const Found& found) const {
   st.st_atim = node.mtime;
   st.st_mtim = node.mtime;
   st.st_ctim = node.mtime;
+  if (options_.passthrough && found.base == 0 && node.ino == kRootIno) {
+    // The mount's root is the source's root: its owner, mode and times.
+    if (Result<struct stat> src = options_.passthrough->GetAttr(kRootIno); src.ok()) {
+      st.st_mode = S_IFDIR | (src->st_mode & 07777);
+      st.st_uid = src->st_uid;
+      st.st_gid = src->st_gid;
+      st.st_atim = src->st_atim;
+      st.st_mtim = src->st_mtim;
+      st.st_ctim = src->st_ctim;
+    }
+  }
   return st;
+}
+
+Entry Filesystem::PtEntry(const struct stat& st) {
+  Entry e;
+  e.attr = st;
+  e.ino = st.st_ino;
+  return e;
+}
+
+Result<bool> Filesystem::ToSource(Ino parent, std::string_view name) const {
+  if (!options_.passthrough) return false;
+  if (Passthrough::Owns(parent)) return true;
+  if (parent != kRootIno) {
+    if (Find(parent).node == nullptr) return NotFoundError("no inode " + std::to_string(parent));
+    return false;
+  }
+  return tree_->Lookup(kRootIno, std::string(name)) == nullptr;
 }
 
 Entry Filesystem::EntryOf(const Found& found) const {
@@ -170,6 +200,13 @@ Result<Filesystem::Found> Filesystem::ResolveChild(const std::string& name) {
 }
 
 Result<Entry> Filesystem::Lookup(Ino parent, std::string_view name) {
+  if (name != "." && name != "..") {
+    UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
+    if (to_source) {
+      UCPFS_ASSIGN_OR_RETURN(const struct stat st, options_.passthrough->Lookup(parent, name));
+      return PtEntry(st);
+    }
+  }
   const Found dir = Find(parent);
   if (dir.node == nullptr) return NotFoundError("no inode " + std::to_string(parent));
   if (!dir.node->is_dir) return PosixError(ENOTDIR, PathOf(parent) + " is not a directory");
@@ -191,12 +228,17 @@ Result<Entry> Filesystem::Lookup(Ino parent, std::string_view name) {
 }
 
 std::optional<Entry> Filesystem::Reference(Ino ino) {
+  if (Passthrough::Owns(ino)) return std::nullopt;  // listed by name: looked up instead
   const Found found = Find(ino, true);
   if (found.node == nullptr) return std::nullopt;
   return EntryOf(found);
 }
 
 void Filesystem::Forget(Ino ino, uint64_t n_lookups) {
+  if (Passthrough::Owns(ino)) {
+    if (options_.passthrough) options_.passthrough->Forget(ino, n_lookups);
+    return;
+  }
   const uint64_t slot = ino >> kSlotShift;
   if (slot == 0 || n_lookups == 0) return;  // the main tree is pinned
   {
@@ -221,18 +263,35 @@ void Filesystem::Forget(Ino ino, uint64_t n_lookups) {
 }
 
 Result<struct stat> Filesystem::GetAttr(Ino ino) const {
+  if (Passthrough::Owns(ino)) {
+    if (!options_.passthrough) return NotFoundError("no inode " + std::to_string(ino));
+    return options_.passthrough->GetAttr(ino);
+  }
   const Found found = Find(ino);
   if (found.node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
   return Stat(found);
 }
 
 std::optional<struct stat> Filesystem::StatOf(Ino ino) const {
+  if (Passthrough::Owns(ino)) {
+    Result<struct stat> st = GetAttr(ino);
+    if (!st.ok()) return std::nullopt;
+    return *st;
+  }
   const Found found = Find(ino);
   if (found.node == nullptr) return std::nullopt;
   return Stat(found);
 }
 
 Result<OpenFile> Filesystem::Open(Ino ino, int flags) const {
+  if (Passthrough::Owns(ino)) {
+    if (!options_.passthrough) return NotFoundError("no inode " + std::to_string(ino));
+    UCPFS_ASSIGN_OR_RETURN(auto h, options_.passthrough->Open(ino, flags));
+    OpenFile file;
+    file.ino = ino;
+    file.passthrough = std::move(h);
+    return file;
+  }
   const Found found = Find(ino);
   const TreeNode* node = found.node;
   if (node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
@@ -256,10 +315,18 @@ Result<OpenFile> Filesystem::Open(Ino ino, int flags) const {
                  static_cast<unsigned long long>(node->size));
     return PosixError(EIO, path + ": source size differs");
   }
-  return OpenFile{std::move(*source), ino, node->size, node->volatile_content};
+  return OpenFile{std::move(*source), ino, node->size, node->volatile_content, nullptr};
 }
 
 Result<size_t> Filesystem::Read(const OpenFile& file, uint64_t byte_offset, std::span<std::byte> buffer) {
+  if (file.passthrough) {
+    Result<size_t> n = options_.passthrough->Read(*file.passthrough, byte_offset, buffer);
+    if (!n.ok()) {
+      std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n", PathOf(file.ino).c_str(),
+                   static_cast<unsigned long long>(byte_offset), n.error().ToString().c_str());
+    }
+    return n;
+  }
   if (byte_offset >= file.n_bytes || buffer.empty()) return size_t{0};
   const auto n_bytes = static_cast<size_t>(std::min<uint64_t>(buffer.size(), file.n_bytes - byte_offset));
   const Status status = file.source->ReadAt(byte_offset, buffer.first(n_bytes));
@@ -277,6 +344,16 @@ Result<size_t> Filesystem::Read(const OpenFile& file, uint64_t byte_offset, std:
 }
 
 Result<DirListing> Filesystem::OpenDir(Ino ino) const {
+  if (Passthrough::Owns(ino)) {
+    if (!options_.passthrough) return NotFoundError("no inode " + std::to_string(ino));
+    UCPFS_ASSIGN_OR_RETURN(auto items, options_.passthrough->List(ino));
+    DirListing listing;
+    listing.cacheable = false;
+    listing.items.push_back({".", ino});
+    listing.items.push_back({"..", ino});  // the kernel answers ".." itself
+    for (auto& item : items) listing.items.push_back({std::move(item.name), item.ino, true, item.type});
+    return listing;
+  }
   const Found found = Find(ino);
   const TreeNode* node = found.node;
   if (node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
@@ -286,6 +363,17 @@ Result<DirListing> Filesystem::OpenDir(Ino ino) const {
   listing.items.push_back({".", found.base | node->ino});
   listing.items.push_back({"..", GlobalParent(found)});
   for (const auto& [name, child] : node->children) listing.items.push_back({name, found.base | child});
+  if (options_.passthrough && found.base == 0 && node->ino == kRootIno) {
+    // The source's top-level entries beside the views' names.
+    listing.cacheable = false;
+    UCPFS_ASSIGN_OR_RETURN(auto items, options_.passthrough->List(kRootIno));
+    for (auto& item : items) {
+      if (node->children.contains(item.name)) continue;
+      listing.items.push_back({std::move(item.name), item.ino, true, item.type});
+    }
+    std::sort(listing.items.begin() + 2, listing.items.end(),
+              [](const DirListing::Item& a, const DirListing::Item& b) { return a.name < b.name; });
+  }
   if (options_.dynamic_dir != 0 && ino == options_.dynamic_dir) {
     listing.cacheable = false;  // plus the subtrees built so far, merged in name order
     {
@@ -302,6 +390,7 @@ Result<DirListing> Filesystem::OpenDir(Ino ino) const {
 }
 
 struct statvfs Filesystem::StatFs() const {
+  if (options_.passthrough) return options_.passthrough->StatFs();  // the source's space: df
   const uint64_t n_bytes = tree_->TotalFileBytes();
   struct statvfs sv = {};
   sv.f_bsize = kStatfsBlockSize;
@@ -314,9 +403,82 @@ struct statvfs Filesystem::StatFs() const {
 }
 
 Status Filesystem::Access(Ino ino, int mask) const {
+  if (Passthrough::Owns(ino)) return GetAttr(ino).status();  // permissions: default_permissions
   if (Find(ino).node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
-  if ((mask & W_OK) != 0) return PosixError(EROFS, PathOf(ino) + " is read-only");
+  const bool writable_root = options_.passthrough && ino == kRootIno;
+  if ((mask & W_OK) != 0 && !writable_root) return PosixError(EROFS, PathOf(ino) + " is read-only");
   return Status::Ok();
+}
+
+Result<struct stat> Filesystem::SetAttr(Ino ino, const struct stat& attr, int to_set, OpenFile* file) {
+  if (!Passthrough::Owns(ino) || !options_.passthrough) return PosixError(EROFS, PathOf(ino) + " is read-only");
+  return options_.passthrough->SetAttr(ino, attr, to_set, file != nullptr ? file->passthrough.get() : nullptr);
+}
+
+Result<std::pair<Entry, OpenFile>> Filesystem::Create(Ino parent, std::string_view name, mode_t mode, int flags) {
+  UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
+  if (!to_source) {
+    if (parent == kRootIno && tree_->Lookup(kRootIno, std::string(name)) != nullptr) {
+      return PosixError(EEXIST, "/" + std::string(name) + " is a view");
+    }
+    return PosixError(EROFS, PathOf(parent) + " is read-only");
+  }
+  UCPFS_ASSIGN_OR_RETURN(auto made, options_.passthrough->Create(parent, name, mode, flags));
+  OpenFile file;
+  file.ino = made.first.st_ino;
+  file.passthrough = std::move(made.second);
+  return std::make_pair(PtEntry(made.first), std::move(file));
+}
+
+Result<size_t> Filesystem::Write(OpenFile& file, uint64_t byte_offset, std::span<const std::byte> data) {
+  if (!file.passthrough) return PosixError(EROFS, PathOf(file.ino) + " is read-only");
+  Result<size_t> n = options_.passthrough->Write(*file.passthrough, byte_offset, data);
+  if (!n.ok()) {
+    std::fprintf(stderr, "ucpfs: write %s offset %llu: %s\n", PathOf(file.ino).c_str(),
+                 static_cast<unsigned long long>(byte_offset), n.error().ToString().c_str());
+  }
+  return n;
+}
+
+Status Filesystem::Fsync(OpenFile& file, bool datasync) {
+  if (!file.passthrough) return Status::Ok();  // views are immutable
+  Status s = options_.passthrough->Fsync(*file.passthrough, datasync);
+  if (!s.ok()) std::fprintf(stderr, "ucpfs: fsync %s: %s\n", PathOf(file.ino).c_str(), s.ToString().c_str());
+  return s;
+}
+
+Status Filesystem::Release(OpenFile& file) {
+  if (!file.passthrough) return Status::Ok();
+  Status s = options_.passthrough->Release(*file.passthrough);
+  if (!s.ok()) std::fprintf(stderr, "ucpfs: close %s: %s\n", PathOf(file.ino).c_str(), s.ToString().c_str());
+  return s;
+}
+
+Result<Entry> Filesystem::Mkdir(Ino parent, std::string_view name, mode_t mode) {
+  UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
+  if (!to_source) return PosixError(parent == kRootIno ? EEXIST : EROFS, "/" + std::string(name) + " is a view");
+  UCPFS_ASSIGN_OR_RETURN(const struct stat st, options_.passthrough->Mkdir(parent, name, mode));
+  return PtEntry(st);
+}
+
+Status Filesystem::Unlink(Ino parent, std::string_view name) {
+  UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
+  if (!to_source) return PosixError(EROFS, "/" + std::string(name) + " is a view");
+  return options_.passthrough->Unlink(parent, name);
+}
+
+Status Filesystem::Rmdir(Ino parent, std::string_view name) {
+  UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
+  if (!to_source) return PosixError(EROFS, "/" + std::string(name) + " is a view");
+  return options_.passthrough->Rmdir(parent, name);
+}
+
+Status Filesystem::Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name,
+                          unsigned flags) {
+  UCPFS_ASSIGN_OR_RETURN(const bool from_source, ToSource(parent, name));
+  UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(new_parent, new_name));
+  if (!from_source || !to_source) return PosixError(EROFS, "views cannot be renamed or replaced");
+  return options_.passthrough->Rename(parent, name, new_parent, new_name, flags);
 }
 
 }  // namespace ucpfs::fs

@@ -42,6 +42,7 @@
 
 #include "core/byte_source.h"
 #include "core/status.h"
+#include "fs/passthrough.h"
 #include "fs/tree.h"
 
 namespace ucpfs::fs {
@@ -57,6 +58,10 @@ struct FilesystemOptions {
   // of `dynamic_dir` shows the names resolved and not evicted; its nlink is 1 (unknown).
   Ino dynamic_dir = 0;
   SubtreeResolver resolve;
+  // The source served read-write beside the views (null: the tree alone, read-only). Names of
+  // the tree's root shadow the source's; every other name at the root and below is the
+  // source's (inodes with kPassthroughBit).
+  std::shared_ptr<Passthrough> passthrough;
 };
 
 // A looked-up node: its inode number and attributes. ino 0 is a negative entry (no such name).
@@ -71,13 +76,18 @@ struct OpenFile {
   Ino ino = 0;
   uint64_t n_bytes = 0;
   bool volatile_content = false;  // produced at open: never cache its pages
+  // A source file (read and written through the passthrough; n_bytes unused): its content may
+  // change, and write opens bypass the page cache (the capture holds the bytes).
+  std::shared_ptr<PassthroughHandle> passthrough;
 };
 
 // One opendir(2): the listing as it was then. ".", "..", then the children in name order.
 struct DirListing {
   struct Item {
     std::string name;
-    Ino ino = 0;
+    Ino ino = 0;             // 0 for a source entry the kernel has not looked up yet
+    bool by_name = false;    // a source entry: readdirplus looks it up by name
+    mode_t type = 0;         // S_IFDIR / S_IFREG of a source entry
   };
   std::vector<Item> items;
   bool cacheable = true;  // false for the dynamic directory, whose listing grows
@@ -115,8 +125,23 @@ class Filesystem {
   // The attributes of a listed inode for readdir (no reference taken); nullopt when gone.
   std::optional<struct stat> StatOf(Ino ino) const;
   struct statvfs StatFs() const;
-  // Errors: kNotFound; EROFS when W_OK is asked.
+  // Errors: kNotFound; EROFS when W_OK is asked of a view.
   Status Access(Ino ino, int mask) const;
+
+  // ---- the source, read-write (EROFS for views and the tree's names) ----
+  // Each returns what the source gives (errno in Status::sys_errno).
+  Result<struct stat> SetAttr(Ino ino, const struct stat& attr, int to_set, OpenFile* file);
+  // Creates and opens; the Entry holds one kernel reference.
+  Result<std::pair<Entry, OpenFile>> Create(Ino parent, std::string_view name, mode_t mode, int flags);
+  Result<size_t> Write(OpenFile& file, uint64_t byte_offset, std::span<const std::byte> data);
+  Status Fsync(OpenFile& file, bool datasync);
+  // The last close of an open file (every open gets exactly one).
+  Status Release(OpenFile& file);
+  Result<Entry> Mkdir(Ino parent, std::string_view name, mode_t mode);
+  Status Unlink(Ino parent, std::string_view name);
+  Status Rmdir(Ino parent, std::string_view name);
+  Status Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name, unsigned flags);
+  bool HasPassthrough() const { return options_.passthrough != nullptr; }
 
   // "/a/b/c" of an inode, through subtrees too, for messages.
   std::string PathOf(Ino ino) const;
@@ -146,6 +171,10 @@ class Filesystem {
   Entry EntryOf(const Found& found) const;
   // The dynamic child `name`: found or built now, with one kernel reference taken.
   Result<Found> ResolveChild(const std::string& name);
+  // Whether `parent`/`name` goes to the passthrough (true) or is a view's (false; EROFS for
+  // changes). Errors: kNotFound for an unknown parent.
+  Result<bool> ToSource(Ino parent, std::string_view name) const;
+  static Entry PtEntry(const struct stat& st);
 
   const std::shared_ptr<const Tree> tree_;
   const FilesystemOptions options_;

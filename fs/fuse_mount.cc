@@ -50,6 +50,7 @@
 
 #include "fs/errno_map.h"
 #include "fs/filesystem.h"
+#include "fs/passthrough.h"
 
 extern char** environ;
 
@@ -150,16 +151,30 @@ void Handle(fuse_req_t req, const char* op, Body&& body) noexcept {
   if (err != 0) fuse_reply_err(req, err);
 }
 
-fuse_entry_param EntryParam(const Entry& entry) {
+// Source entries change (through the mount and beside it): cached briefly.
+constexpr double kSourceTimeoutS = 1.0;
+
+double TimeoutOf(Ino ino) { return Passthrough::Owns(ino) ? kSourceTimeoutS : kCacheTimeoutS; }
+
+fuse_entry_param EntryParam(const Entry& entry, double negative_timeout = kCacheTimeoutS) {
   fuse_entry_param e = {};
   // ino 0 is a negative entry, cached for entry_timeout like a positive one.
   if (entry.ino != 0) {
     e.ino = entry.ino;
     e.attr = entry.attr;
-    e.attr_timeout = kCacheTimeoutS;
+    e.attr_timeout = TimeoutOf(entry.ino);
+    e.entry_timeout = TimeoutOf(entry.ino);
+  } else {
+    e.entry_timeout = negative_timeout;
   }
-  e.entry_timeout = kCacheTimeoutS;
   return e;
+}
+
+// Replies to a request that made an entry (create, mkdir): the kernel holds one reference.
+int ReplyEntry(fuse_req_t req, Filesystem& fs, const Entry& entry) {
+  const fuse_entry_param e = EntryParam(entry);
+  if (fuse_reply_entry(req, &e) != 0) fs.Forget(entry.ino, 1);
+  return 0;
 }
 
 // ---- Op* adapters ----
@@ -171,9 +186,12 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   // The kernel clamps this to its per-mount default (128 KiB); ServeTree's readiness thread
   // raises the mount's bdi read_ahead_kb afterwards.
   conn->max_readahead = server.max_read_bytes;
+  // ATOMIC_O_TRUNC: open(O_TRUNC) arrives as such (not as a truncate, then an open), so a file
+  // rewritten through the mount is captured and replaces the old one atomically.
   const unsigned wanted = FUSE_CAP_ASYNC_READ | FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO |
-                          FUSE_CAP_PARALLEL_DIROPS;
+                          FUSE_CAP_PARALLEL_DIROPS | FUSE_CAP_ATOMIC_O_TRUNC;
   conn->want |= wanted & conn->capable;
+  conn->want &= ~static_cast<unsigned>(FUSE_CAP_WRITEBACK_CACHE);
   // No splice: the reply comes from a gathered buffer anyway (docs: not worth it).
   conn->want &= ~static_cast<unsigned>(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
                                        FUSE_CAP_SPLICE_MOVE);
@@ -185,7 +203,8 @@ void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     Result<Entry> entry = fs.Lookup(parent, name);
     // A resolve failure is not a negative entry: a later lookup tries again.
     if (!entry.ok()) return ErrnoFromStatus(entry.error());
-    const fuse_entry_param e = EntryParam(*entry);
+    const bool source = Passthrough::Owns(parent) || (parent == kRootIno && fs.HasPassthrough());
+    const fuse_entry_param e = EntryParam(*entry, source ? kSourceTimeoutS : kCacheTimeoutS);
     if (fuse_reply_entry(req, &e) != 0 && entry->ino != 0) fs.Forget(entry->ino, 1);
     return 0;
   });
@@ -206,7 +225,113 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   Handle(req, "getattr", [&] {
     Result<struct stat> st = FsOf(req).GetAttr(ino);
     if (!st.ok()) return ErrnoFromStatus(st.error());
-    fuse_reply_attr(req, &*st, kCacheTimeoutS);
+    fuse_reply_attr(req, &*st, ino == kRootIno && FsOf(req).HasPassthrough() ? kSourceTimeoutS : TimeoutOf(ino));
+    return 0;
+  });
+}
+
+void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fuse_file_info* fi) {
+  Handle(req, "setattr", [&] {
+    int set = 0;
+    if ((to_set & FUSE_SET_ATTR_MODE) != 0) set |= Passthrough::kSetMode;
+    if ((to_set & FUSE_SET_ATTR_UID) != 0) set |= Passthrough::kSetUid;
+    if ((to_set & FUSE_SET_ATTR_GID) != 0) set |= Passthrough::kSetGid;
+    if ((to_set & FUSE_SET_ATTR_SIZE) != 0) set |= Passthrough::kSetSize;
+    if ((to_set & FUSE_SET_ATTR_ATIME) != 0) set |= Passthrough::kSetAtime;
+    if ((to_set & FUSE_SET_ATTR_MTIME) != 0) set |= Passthrough::kSetMtime;
+    if ((to_set & FUSE_SET_ATTR_ATIME_NOW) != 0) set |= Passthrough::kSetAtime | Passthrough::kSetAtimeNow;
+    if ((to_set & FUSE_SET_ATTR_MTIME_NOW) != 0) set |= Passthrough::kSetMtime | Passthrough::kSetMtimeNow;
+    OpenFile* file = fi != nullptr ? &HandleOf<OpenFileHandle>(fi)->file : nullptr;
+    Result<struct stat> st = FsOf(req).SetAttr(ino, *attr, set, file);
+    if (!st.ok()) return ErrnoFromStatus(st.error());
+    fuse_reply_attr(req, &*st, TimeoutOf(ino));
+    return 0;
+  });
+}
+
+void OpMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode) {
+  Handle(req, "mkdir", [&] {
+    Filesystem& fs = FsOf(req);
+    Result<Entry> entry = fs.Mkdir(parent, name, mode);
+    if (!entry.ok()) return ErrnoFromStatus(entry.error());
+    return ReplyEntry(req, fs, *entry);
+  });
+}
+
+void OpUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Handle(req, "unlink", [&] {
+    const Status s = FsOf(req).Unlink(parent, name);
+    if (!s.ok()) return ErrnoFromStatus(s);
+    fuse_reply_err(req, 0);
+    return 0;
+  });
+}
+
+void OpRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Handle(req, "rmdir", [&] {
+    const Status s = FsOf(req).Rmdir(parent, name);
+    if (!s.ok()) return ErrnoFromStatus(s);
+    fuse_reply_err(req, 0);
+    return 0;
+  });
+}
+
+void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t new_parent, const char* new_name,
+              unsigned flags) {
+  Handle(req, "rename", [&] {
+    const Status s = FsOf(req).Rename(parent, name, new_parent, new_name, flags);
+    if (!s.ok()) return ErrnoFromStatus(s);
+    fuse_reply_err(req, 0);
+    return 0;
+  });
+}
+
+// Options of an open source file: written ones bypass the page cache (the capture holds their
+// bytes; no second copy), read ones drop stale pages at open.
+void SourceOpenFlags(fuse_file_info* fi, bool writable) {
+  if (writable) {
+    fi->direct_io = 1;
+  } else {
+    fi->keep_cache = 0;
+  }
+}
+
+void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, fuse_file_info* fi) {
+  Handle(req, "create", [&] {
+    Filesystem& fs = FsOf(req);
+    Result<std::pair<Entry, OpenFile>> made = fs.Create(parent, name, mode, fi->flags);
+    if (!made.ok()) return ErrnoFromStatus(made.error());
+    SourceOpenFlags(fi, true);
+    Server& server = ServerOf(req);
+    OpenHandle* raw = server.handles.Adopt(std::make_unique<OpenFileHandle>(std::move(made->second)));
+    fi->fh = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(raw));
+    const fuse_entry_param e = EntryParam(made->first);
+    if (fuse_reply_create(req, &e, fi) != 0) {
+      fs.Forget(made->first.ino, 1);
+      (void)fs.Release(static_cast<OpenFileHandle*>(raw)->file);
+      server.handles.Destroy(raw);
+    }
+    return 0;
+  });
+}
+
+void OpWrite(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off, fuse_file_info* fi) {
+  Handle(req, "write", [&] {
+    if (off < 0) return EINVAL;
+    OpenFile& file = HandleOf<OpenFileHandle>(fi)->file;
+    Result<size_t> n = FsOf(req).Write(file, static_cast<uint64_t>(off),
+                                       std::span(reinterpret_cast<const std::byte*>(buf), size));
+    if (!n.ok()) return ErrnoFromStatus(n.error());
+    fuse_reply_write(req, *n);
+    return 0;
+  });
+}
+
+void OpFsync(fuse_req_t req, fuse_ino_t, int datasync, fuse_file_info* fi) {
+  Handle(req, "fsync", [&] {
+    const Status s = FsOf(req).Fsync(HandleOf<OpenFileHandle>(fi)->file, datasync != 0);
+    if (!s.ok()) return ErrnoFromStatus(s);
+    fuse_reply_err(req, 0);
     return 0;
   });
 }
@@ -222,7 +347,9 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Handle(req, "open", [&] {
     Result<OpenFile> file = FsOf(req).Open(ino, fi->flags);
     if (!file.ok()) return ErrnoFromStatus(file.error());
-    if (file->volatile_content) {
+    if (file->passthrough) {
+      SourceOpenFlags(fi, file->passthrough->writable);
+    } else if (file->volatile_content) {
       fi->direct_io = 1;  // produced at open time: never serve stale cached pages
     } else {
       fi->keep_cache = 1;  // content never changes: keep pages across opens
@@ -237,6 +364,14 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
   Handle(req, "read", [&] {
     const OpenFile& file = HandleOf<OpenFileHandle>(fi)->file;
     if (off < 0) return EINVAL;
+    if (file.passthrough) {  // a source file: its size is not fixed
+      thread_local std::vector<std::byte> source_buffer;
+      if (source_buffer.size() < size) source_buffer.resize(size);
+      Result<size_t> n = FsOf(req).Read(file, static_cast<uint64_t>(off), std::span(source_buffer.data(), size));
+      if (!n.ok()) return ErrnoFromStatus(n.error());
+      fuse_reply_buf(req, reinterpret_cast<const char*>(source_buffer.data()), *n);
+      return 0;
+    }
     // One buffer per worker thread, grown to the largest request seen (max_read): no
     // allocation per request. fuse_reply_buf writes it to /dev/fuse before returning.
     thread_local std::vector<std::byte> buffer;
@@ -253,7 +388,10 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  ServerOf(req).handles.Destroy(HandleOf<OpenFileHandle>(fi));
+  OpenFileHandle* handle = HandleOf<OpenFileHandle>(fi);
+  // close(2) has returned already: a flush error was logged and is reported by fsync/sync.
+  (void)FsOf(req).Release(handle->file);
+  ServerOf(req).handles.Destroy(handle);
   fuse_reply_err(req, 0);
 }
 
@@ -285,8 +423,14 @@ void ReadDir(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi, bool pl
       size_t n_bytes;
       // "." and ".." are not looked up by the kernel (their lookup count is not taken).
       if (plus && item.name != "." && item.name != "..") {
-        std::optional<Entry> entry = fs.Reference(item.ino);
-        if (!entry) continue;  // gone since opendir (an evicted subtree)
+        std::optional<Entry> entry;
+        if (item.by_name) {  // a source entry: looked up (one reference) by name
+          Result<Entry> found = fs.Lookup(dir.items[0].ino, item.name);
+          if (found.ok() && found->ino != 0) entry = *found;
+        } else {
+          entry = fs.Reference(item.ino);
+        }
+        if (!entry) continue;  // gone since opendir (an evicted subtree, a removed file)
         const fuse_entry_param e = EntryParam(*entry);
         n_bytes = fuse_add_direntry_plus(req, buf.data() + used, size - used, item.name.c_str(), &e, next);
         if (n_bytes > size - used) {
@@ -295,7 +439,14 @@ void ReadDir(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi, bool pl
         }
         referenced.push_back(entry->ino);
       } else {
-        std::optional<struct stat> st = fs.StatOf(item.ino);
+        std::optional<struct stat> st;
+        if (item.by_name) {  // readdir needs only the number and type
+          st.emplace();
+          st->st_ino = item.ino != 0 ? item.ino : (kPassthroughBit >> 1) + i;
+          st->st_mode = item.type;
+        } else {
+          st = fs.StatOf(item.ino);
+        }
         if (!st) continue;
         if (plus) {
           fuse_entry_param e = {};
@@ -367,21 +518,21 @@ const fuse_lowlevel_ops kOps = {
     .lookup = OpLookup,
     .forget = OpForget,
     .getattr = OpGetattr,
-    .setattr = OpReadOnly,
+    .setattr = OpSetattr,
     .readlink = nullptr,  // no symlinks
     .mknod = OpReadOnly,
-    .mkdir = OpReadOnly,
-    .unlink = OpReadOnly,
-    .rmdir = OpReadOnly,
+    .mkdir = OpMkdir,
+    .unlink = OpUnlink,
+    .rmdir = OpRmdir,
     .symlink = OpReadOnly,
-    .rename = OpReadOnly,
+    .rename = OpRename,
     .link = OpReadOnly,
     .open = OpOpen,
     .read = OpRead,
-    .write = OpReadOnly,
+    .write = OpWrite,
     .flush = nullptr,  // files are opened with noflush; nothing to flush anyway
     .release = OpRelease,
-    .fsync = nullptr,
+    .fsync = OpFsync,
     .opendir = OpOpendir,
     .readdir = OpReaddir,
     .releasedir = OpReleasedir,
@@ -392,13 +543,13 @@ const fuse_lowlevel_ops kOps = {
     .listxattr = OpListxattr,
     .removexattr = OpReadOnly,
     .access = OpAccess,
-    .create = OpReadOnly,
+    .create = OpCreate,
     .getlk = nullptr,  // local locks only
     .setlk = nullptr,
     .bmap = nullptr,
     .ioctl = nullptr,
     .poll = nullptr,
-    .write_buf = nullptr,  // writes come through .write (EROFS); no splice
+    .write_buf = nullptr,  // writes come through .write; no splice
     .retrieve_reply = nullptr,
     .forget_multi = OpForgetMulti,
     .flock = nullptr,
@@ -505,6 +656,7 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   fs_options.gid = getgid();
   fs_options.dynamic_dir = options.dynamic_dir;
   fs_options.resolve = options.resolve;
+  fs_options.passthrough = options.passthrough;
   Server server;
   UCPFS_ASSIGN_OR_RETURN(server.fs, Filesystem::Make(std::move(tree), std::move(fs_options)));
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;
@@ -513,9 +665,9 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
       "ucpfs",
       "-o", "fsname=" + EscapeOptionValue(options.fsname.empty() ? "ucpfs" : options.fsname),
       "-o", "subtype=ucpfs",
-      "-o", "ro",
       "-o", "default_permissions",
   };
+  if (!options.passthrough) arg_strings.insert(arg_strings.end(), {"-o", "ro"});
   if (*user_max_read == 0) {
     arg_strings.insert(arg_strings.end(),
                        {"-o", "max_read=" + std::to_string(server.max_read_bytes)});

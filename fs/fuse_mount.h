@@ -2,9 +2,11 @@
 // kernel requests to a Filesystem (filesystem.h). This header knows no FUSE types;
 // fuse_mount.cc is the only file that includes <fuse_lowlevel.h>.
 //
-// Behaviour: read-only (writes, creates, setattr → EROFS); files opened with keep_cache and
-// long attr/entry timeouts (views are immutable), mmap works (no direct_io); a failing
-// source read returns EIO and logs the file and reason to stderr, never crashes the daemon.
+// Behaviour: views are read-only (EROFS), opened with keep_cache and long attr/entry timeouts
+// (they are immutable), mmap works (no direct_io); the source's own files (a Passthrough) are
+// read-write with 1 s timeouts, written ones opened direct_io (their bytes go to the capture,
+// not the page cache). A failing source read returns EIO and logs the file and reason to
+// stderr, never crashes the daemon.
 #pragma once
 
 #include <memory>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "fs/passthrough.h"
 #include "fs/tree.h"
 
 namespace ucpfs::fs {
@@ -31,6 +34,9 @@ struct MountOptions {
   // lookup and evicted when the kernel forgets them. See FilesystemOptions (filesystem.h).
   Ino dynamic_dir = 0;
   SubtreeResolver resolve;
+  // The source served read-write beside the tree (FilesystemOptions::passthrough); null: the
+  // mount is read-only ("ro").
+  std::shared_ptr<Passthrough> passthrough;
 };
 
 // Mounts and serves until the filesystem is unmounted (ucpfs umount / fusermount3 -u) or the

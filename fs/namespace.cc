@@ -27,44 +27,6 @@
 namespace ucpfs::fs {
 namespace {
 
-// Mirrors `dir` (relative `rel`) into the tree under `parent`, skipping the index directory.
-Status MirrorSource(Tree& tree, Ino parent, const std::string& root, const std::string& rel,
-                    const std::set<std::string>& shadowed, size_t* n_files) {
-  const std::string path = rel.empty() ? root : root + "/" + rel;
-  DIR* d = ::opendir(path.c_str());
-  if (d == nullptr) return IoError(path + ": opendir: " + std::strerror(errno), errno);
-  std::vector<std::string> names;
-  while (struct dirent* e = ::readdir(d)) {
-    std::string name = e->d_name;
-    if (name == "." || name == "..") continue;
-    if (rel.empty() && shadowed.count(name) > 0) continue;  // a view's name
-    names.push_back(std::move(name));
-  }
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
-  for (const auto& name : names) {
-    const std::string child_rel = rel.empty() ? name : rel + "/" + name;
-    const std::string child_path = root + "/" + child_rel;
-    struct stat st;
-    if (::lstat(child_path.c_str(), &st) != 0) continue;  // vanished: skip
-    if (S_ISDIR(st.st_mode)) {
-      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddDir(parent, name, st.st_mtim));
-      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, st.st_mode, st.st_uid, st.st_gid));  // the source's
-      UCPFS_RETURN_IF_ERROR(MirrorSource(tree, ino, root, child_rel, shadowed, n_files));
-    } else if (S_ISREG(st.st_mode)) {
-      Opener open = [child_path]() -> Result<std::shared_ptr<const ByteSource>> {
-        UCPFS_ASSIGN_OR_RETURN(auto f, FileSource::Open(child_path));
-        return std::shared_ptr<const ByteSource>(std::move(f));
-      };
-      UCPFS_ASSIGN_OR_RETURN(
-          Ino ino, tree.AddFile(parent, name, static_cast<uint64_t>(st.st_size), st.st_mtim, std::move(open)));
-      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, st.st_mode, st.st_uid, st.st_gid));  // the source's
-      ++*n_files;
-    }
-  }
-  return Status::Ok();
-}
-
 constexpr uint64_t kStatsJsonBytes = 1024;
 
 struct timespec Now() {
@@ -165,28 +127,27 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
 }
 
 // <dir>/ with the universal view's files, and `latest_universal` naming it. Checkpoint files
-// are hard links to their passthrough inodes, `source_prefix` + source_rel from the mount's root
-// ("<tag>/" for a view built from a tag directory). Every link is resolved before the first
-// node is added, so a missing source file or a taken name fails with the tree unchanged.
-Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string& source_prefix,
-                    struct timespec mtime, const ViewAccess& access, size_t* n_files) {
-  std::vector<Ino> links;  // the passthrough inode of each checkpoint file, in order
+// (the model states ds_to_universal copies) are served from `source_dir` + `source_prefix` +
+// source_rel, opened at open(2) and checked against the size seen now. Every one is resolved
+// before the first node is added, so a missing source file or a taken name fails with the tree
+// unchanged.
+Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string& source_dir,
+                    const std::string& source_prefix, struct timespec mtime, const ViewAccess& access,
+                    size_t* n_files) {
+  struct Copied {
+    std::string path;
+    struct stat st;
+  };
+  std::vector<Copied> copies;  // each checkpoint file, in order
   for (const auto& f : u.files) {
     if (f.source != nullptr) continue;
-    const std::string rel = source_prefix + f.source_rel;
-    Ino src = kRootIno;
-    size_t start = 0;
-    while (src != 0 && start <= rel.size()) {
-      const size_t end = std::min(rel.find('/', start), rel.size());
-      const TreeNode* n = tree.Lookup(src, rel.substr(start, end - start));
-      src = n == nullptr ? 0 : n->ino;
-      start = end + 1;
+    const std::string path = source_dir + "/" + source_prefix + f.source_rel;
+    struct stat st = {};
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      return NotFoundError(u.dir + "/" + f.rel_path + ": source file " + source_prefix + f.source_rel +
+                           " is not a regular file in the source");
     }
-    const TreeNode* node = src == 0 ? nullptr : tree.Get(src);
-    if (node == nullptr || node->is_dir) {
-      return NotFoundError(u.dir + "/" + f.rel_path + ": source file " + rel + " is not in the mount");
-    }
-    links.push_back(src);
+    copies.push_back({path, st});
   }
   if (tree.Lookup(kRootIno, u.dir) != nullptr) return InternalError(u.dir + ": the name is taken in the mount");
   UCPFS_ASSIGN_OR_RETURN(Ino udir, tree.AddDir(kRootIno, u.dir, mtime));
@@ -199,7 +160,14 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string
     }
     const std::string name = f.rel_path.substr(slash == std::string::npos ? 0 : slash + 1);
     if (f.source == nullptr) {
-      UCPFS_RETURN_IF_ERROR(tree.AddLink(parent, name, links[next_link++]));
+      const Copied& c = copies[next_link++];
+      Opener open = [path = c.path]() -> Result<std::shared_ptr<const ByteSource>> {
+        UCPFS_ASSIGN_OR_RETURN(auto file, FileSource::Open(path));
+        return std::shared_ptr<const ByteSource>(std::move(file));
+      };
+      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, name, static_cast<uint64_t>(c.st.st_size), c.st.st_mtim,
+                                                   std::move(open)));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, c.st.st_mode, c.st.st_uid, c.st.st_gid));
       continue;
     }
     const uint64_t n_bytes = f.source->Size();
@@ -283,17 +251,17 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
     }
   }
 
-  size_t n_passthrough = 0;
-  UCPFS_RETURN_IF_ERROR(MirrorSource(*tree, kRootIno, source_dir, "", shadowed, &n_passthrough));
+  // The source's own files are served beside the tree by the mount's Passthrough.
+  const size_t n_passthrough = ckpt.files.size();
   size_t n_universal = 0;
   if (universal) {
-    UCPFS_RETURN_IF_ERROR(AddUniversal(*tree, *universal, "", mtime, access, &n_universal));
+    UCPFS_RETURN_IF_ERROR(AddUniversal(*tree, *universal, source_dir, "", mtime, access, &n_universal));
   }
   for (auto& t : other_tags.tags) {
     if (!t.view) continue;
     const std::string tag_dir = source_dir + "/" + t.name;
     const Status added =
-        AddUniversal(*tree, *t.view, t.name + "/", mtime, AccessOfSources(tag_dir, t.files), &n_universal);
+        AddUniversal(*tree, *t.view, source_dir, t.name + "/", mtime, AccessOfSources(tag_dir, t.files), &n_universal);
     if (!added.ok()) {
       t.error = added.message();
       std::fprintf(stderr, "ucpfs: warning: no %s: %s\n", t.view->dir.c_str(), t.error.c_str());

@@ -39,7 +39,7 @@ std::string FileIdentity::Differences(const FileIdentity& now) const {
   return out;
 }
 
-Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, PreadFn pread_fn) {
+Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, io::IoEngineFactory make_engine) {
   // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; O_NOFOLLOW: a
   // checkpoint's file that is a symlink is refused, never followed out of the checkpoint.
   // Nothing is read before fstat shows a regular file.
@@ -66,7 +66,7 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, Pr
                                               : "not a regular file";
     return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
-  return std::shared_ptr<FileSource>(new FileSource(path, fd, IdentityOf(st), pread_fn ? pread_fn : &::pread));
+  return std::shared_ptr<FileSource>(new FileSource(path, fd, IdentityOf(st), std::move(make_engine)));
 }
 
 Status FileSource::CheckUnchanged() const {
@@ -90,22 +90,13 @@ Status FileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const 
                            std::to_string(byte_offset) + " past end (" +
                            std::to_string(n_bytes_) + " bytes)");
   }
-  size_t done = 0;
-  while (done < out.size()) {
-    ssize_t n = pread_(fd_, out.data() + done, out.size() - done, static_cast<off_t>(byte_offset + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int e = errno;
-      return IoError(path_ + ": pread at offset " + std::to_string(byte_offset + done) + ": " +
-                         std::strerror(e), e);
-    }
-    if (n == 0) {
-      return Status(StatusCode::kDataLoss, path_ + ": file shrank: short read at offset " +
-                                               std::to_string(byte_offset + done));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return Status::Ok();
+  // Engines are single-thread objects and many FUSE threads read one FileSource at once, so
+  // each read makes its own: for the pread engine that is a few small allocations next to a
+  // system call, with no state shared between threads and none left behind (a thread_local
+  // engine would have to outlive every FileSource and could not honour each one's factory).
+  const std::unique_ptr<io::IoEngine> engine = make_engine_ ? make_engine_() : io::MakePreadEngine();
+  if (!engine) return InternalError(path_ + ": the I/O engine factory made no engine");
+  return io::ReadExact(*engine, fd_, byte_offset, out, path_);
 }
 
 }  // namespace ucpfs

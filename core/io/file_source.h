@@ -1,13 +1,13 @@
-// FileSource: a ByteSource over a file on disk, read with pread(2). The only place in core/
-// that touches file descriptors for reading (besides the io_uring executor, later).
+// FileSource: a ByteSource over a file on disk. It owns the descriptor and reads through an
+// IoEngine (core/io/io_engine.h: the pread engine unless Open is given a factory, e.g. a fault
+// engine's in tests). Thread-safe: FUSE threads share one FileSource.
 #pragma once
-
-#include <sys/types.h>
 
 #include <memory>
 #include <string>
 
 #include "core/byte_source.h"
+#include "core/io/io_engine.h"
 
 namespace ucpfs {
 
@@ -27,23 +27,24 @@ struct FileIdentity {
   std::string Differences(const FileIdentity& now) const;
 };
 
-// The pread(2) a FileSource calls: the system's, or a test's that injects faults (short reads,
-// EINTR, EIO at chosen offsets) to exercise the read path.
-using PreadFn = ssize_t (*)(int fd, void* buf, size_t n_bytes, off_t byte_offset);
-
 class FileSource final : public ByteSource {
  public:
   // Opens `path` read-only without blocking and without following a final symlink, and checks
   // it is a regular file before anything reads it. Errors: kNotFound (ENOENT), kIo (other
   // errno, sys_errno set), kInvalidArgument naming the file when it is a symlink, a FIFO, a
   // socket, a device or a directory.
-  static Result<std::shared_ptr<FileSource>> Open(const std::string& path, PreadFn pread_fn = nullptr);
+  // `make_engine` makes the engine each ReadAt reads through (empty: io::MakePreadEngine); it
+  // is called once per ReadAt, from any thread, so it should make cheap engines (pread, a fault
+  // engine over pread), not a ring per read.
+  static Result<std::shared_ptr<FileSource>> Open(const std::string& path, io::IoEngineFactory make_engine = {});
   ~FileSource() override;
   FileSource(const FileSource&) = delete;
   FileSource& operator=(const FileSource&) = delete;
 
   uint64_t Size() const override { return n_bytes_; }
   const std::string& Name() const override { return path_; }
+  // Errors: kOutOfRange past Size(); io::ReadExact's (kIo "<path>: pread at offset N: <strerror>"
+  // with sys_errno, kDataLoss "<path>: file shrank: short read at offset N").
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
 
   // The file's identity when it was opened.
@@ -53,13 +54,14 @@ class FileSource final : public ByteSource {
   Status CheckUnchanged() const;
 
  private:
-  FileSource(std::string path, int fd, FileIdentity identity, PreadFn pread_fn)
-      : path_(std::move(path)), fd_(fd), n_bytes_(identity.n_bytes), identity_(identity), pread_(pread_fn) {}
+  FileSource(std::string path, int fd, FileIdentity identity, io::IoEngineFactory make_engine)
+      : path_(std::move(path)), fd_(fd), n_bytes_(identity.n_bytes), identity_(identity),
+        make_engine_(std::move(make_engine)) {}
   std::string path_;
   int fd_;
   uint64_t n_bytes_;
   FileIdentity identity_;
-  PreadFn pread_;
+  io::IoEngineFactory make_engine_;  // empty: pread
 };
 
 }  // namespace ucpfs

@@ -10,7 +10,7 @@ optimizer chunks). For each: every MNT/atomic/<param>/*.pt loads and equals the 
 tensor bit for bit, loaded the ways the running torch offers (e2e_common.served_loads: 1.13
 weights_only=True; torch >= 2.6 the default weights_only=True, mmap=True, mmap=True with
 weights_only=True, and no unsafe globals); ls -R / du / find / stat read no tensor data;
-8 concurrent readers read everything twice; writes fail with EROFS; mmap works; a remount
+8 concurrent readers read everything twice; writes to views fail with EROFS; mmap works; a remount
 reuses the index.
 """
 import concurrent.futures
@@ -90,8 +90,9 @@ def concurrent_readers(mnt):
 
 
 def writes_fail(mnt):
+    """Views are read-only (the source's own files are read-write: write_capture_test.py)."""
     some = next(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(mnt, "atomic")) for f in fs)
-    for attempt in (lambda: open(some, "r+b"), lambda: open(os.path.join(mnt, "new.pt"), "wb"),
+    for attempt in (lambda: open(some, "r+b"), lambda: open(os.path.join(mnt, "atomic", "new.pt"), "wb"),
                     lambda: os.mkdir(os.path.join(mnt, "atomic", "x")), lambda: os.unlink(some)):
         try:
             attempt()
@@ -185,7 +186,7 @@ def check_checkpoint(res, label, src, expected_path, workdir):
             res.check(f"{label}: ls/du/find/stat read no tensor data", lambda: metadata_ops_read_no_data(m))
             res.check(f"{label}: atomic files equal the full tensors", lambda: check_atomic_files(m, expected))
             res.check(f"{label}: 8 concurrent readers, twice", lambda: concurrent_readers(m))
-            res.check(f"{label}: writes fail with EROFS", lambda: writes_fail(m))
+            res.check(f"{label}: writes to views fail with EROFS", lambda: writes_fail(m))
             res.check(f"{label}: mmap", lambda: mmap_works(m))
             res.check(f"{label}: passthrough files", lambda: passthrough(m, src))
         with mounted(src, mnt) as (m, ready_s):

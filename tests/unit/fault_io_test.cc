@@ -1,7 +1,8 @@
-// The read path under injected I/O faults (FileSource's PreadFn): short reads and EINTR are
-// retried and give the right bytes; EIO at a random offset fails the whole read with the file,
-// the offset and the errno, and a view (an atomic file gathered from two shard files) never
-// returns partial data as success. Seeded: UCPFS_TEST_SEED replays a run.
+// The read path under injected I/O faults (FileSource reading through the fault engine of
+// core/io/io_engine.h): short reads and EINTR are retried and give the right bytes; EIO at a
+// random offset fails the whole read with the file, the offset and the errno, and a view (an
+// atomic file gathered from two shard files) never returns partial data as success. Seeded:
+// UCPFS_TEST_SEED replays a run.
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include "core/io/file_source.h"
+#include "core/io/io_engine.h"
 #include "core/views/atomic.h"
 #include "test_seed.h"
 
@@ -20,42 +22,30 @@ namespace ucpfs {
 namespace {
 
 namespace fs = std::filesystem;
+using io::Fault;
 
-// Fault plan shared with the injected pread (a plain function pointer cannot capture).
-struct Faults {
-  std::mt19937_64 rng{1};
-  double p_eintr = 0;
-  double p_short = 0;
-  off_t eio_from = -1;  // >= 0: any read that reaches this offset fails with EIO
-  uint64_t injected = 0;
-};
-Faults g_faults;
+// FileSource makes one engine per read; they all draw on (and count in) one plan.
+io::IoEngineFactory FaultyReads(std::shared_ptr<io::FaultPlan> plan) {
+  return [plan] { return io::MakeFaultEngine(io::MakePreadEngine(), plan); };
+}
 
-ssize_t FaultyPread(int fd, void* buf, size_t n, off_t off) {
+// `n` short-read or EINTR faults (short with probability p_short) at random offsets below
+// `n_bytes`, each firing on every read that reaches it.
+std::vector<Fault> RandomRetryableFaults(std::mt19937_64& rng, size_t n, uint64_t n_bytes, double p_short) {
   std::uniform_real_distribution<double> u(0, 1);
-  if (g_faults.eio_from >= 0 && off + static_cast<off_t>(n) > g_faults.eio_from) {
-    ++g_faults.injected;
-    errno = EIO;
-    return -1;
+  std::vector<Fault> faults;
+  for (size_t i = 0; i < n; ++i) {
+    faults.push_back(Fault{.kind = io::OpKind::kRead, .byte_offset = rng() % n_bytes,
+                           .effect = u(rng) < p_short ? Fault::Effect::kShort : Fault::Effect::kEintr,
+                           .times = -1});
   }
-  if (u(g_faults.rng) < g_faults.p_eintr) {
-    ++g_faults.injected;
-    errno = EINTR;
-    return -1;
-  }
-  if (n > 1 && u(g_faults.rng) < g_faults.p_short) {
-    ++g_faults.injected;
-    n = 1 + g_faults.rng() % (n - 1);
-  }
-  return ::pread(fd, buf, n, off);
+  return faults;
 }
 
 class FaultIo : public ::testing::Test {
  protected:
   void SetUp() override {
     seed_ = ucpfs::testing::TestSeed();
-    g_faults = Faults{};
-    g_faults.rng.seed(seed_);
     dir_ = fs::temp_directory_path() / ("ucpfs_fault_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
   }
@@ -78,11 +68,10 @@ class FaultIo : public ::testing::Test {
 TEST_F(FaultIo, ShortReadsAndEintrAreRetried) {
   std::vector<std::byte> want;
   const std::string path = WriteRandom("a.bin", 1 << 20, &want);
-  g_faults.p_eintr = 0.3;
-  g_faults.p_short = 0.5;
-  auto src = FileSource::Open(path, &FaultyPread);
-  ASSERT_TRUE(src.ok()) << src.error().ToString();
   std::mt19937_64 rng(seed_);
+  auto plan = std::make_shared<io::FaultPlan>(RandomRetryableFaults(rng, 400, want.size(), 0.6));
+  auto src = FileSource::Open(path, FaultyReads(plan));
+  ASSERT_TRUE(src.ok()) << src.error().ToString();
   for (int i = 0; i < 300; ++i) {
     const uint64_t off = rng() % want.size();
     const uint64_t n = rng() % (want.size() - off + 1);
@@ -91,7 +80,7 @@ TEST_F(FaultIo, ShortReadsAndEintrAreRetried) {
     ASSERT_TRUE(s.ok()) << s.ToString();
     ASSERT_TRUE(std::equal(got.begin(), got.end(), want.begin() + static_cast<long>(off))) << off << "+" << n;
   }
-  EXPECT_GT(g_faults.injected, 100u);
+  EXPECT_GT(plan->InjectedCount(), 100u);
 }
 
 TEST_F(FaultIo, EioFailsTheWholeReadWithTheFileAndOffset) {
@@ -99,9 +88,12 @@ TEST_F(FaultIo, EioFailsTheWholeReadWithTheFileAndOffset) {
   const std::string path = WriteRandom("b.bin", 1 << 16, &want);
   std::mt19937_64 rng(seed_);
   for (int i = 0; i < 50; ++i) {
-    g_faults.eio_from = static_cast<off_t>(rng() % want.size());
-    g_faults.p_short = 0.3;
-    auto src = FileSource::Open(path, &FaultyPread);
+    const uint64_t eio_at = rng() % want.size();
+    std::vector<Fault> faults = RandomRetryableFaults(rng, 20, want.size(), 1.0);
+    faults.push_back(Fault{.kind = io::OpKind::kRead, .byte_offset = eio_at, .effect = Fault::Effect::kError,
+                           .sys_errno = EIO, .times = -1});
+    auto plan = std::make_shared<io::FaultPlan>(std::move(faults));
+    auto src = FileSource::Open(path, FaultyReads(plan));
     ASSERT_TRUE(src.ok());
     std::vector<std::byte> all(want.size());
     Status s = (*src)->ReadAt(0, all);
@@ -110,8 +102,10 @@ TEST_F(FaultIo, EioFailsTheWholeReadWithTheFileAndOffset) {
     EXPECT_EQ(s.sys_errno(), EIO);
     EXPECT_NE(s.message().find(path), std::string::npos) << s.message();
     EXPECT_NE(s.message().find("offset"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(": pread at offset " + std::to_string(eio_at) + ": "), std::string::npos)
+        << s.message();
     // A range before the fault still reads.
-    std::vector<std::byte> head(static_cast<size_t>(g_faults.eio_from));
+    std::vector<std::byte> head(static_cast<size_t>(eio_at));
     ASSERT_TRUE((*src)->ReadAt(0, head).ok());
     EXPECT_TRUE(std::equal(head.begin(), head.end(), want.begin()));
   }
@@ -132,25 +126,28 @@ TEST_F(FaultIo, AViewNeverServesPartialData) {
     f.file_id = static_cast<uint32_t>(s);
     layout->fragments.push_back(f);
   }
-  auto build = [&](PreadFn fn) {
+  auto build = [&](io::IoEngineFactory make_engine) {
     auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-    files->push_back(*FileSource::Open(pa, fn));
-    files->push_back(*FileSource::Open(pb, fn));
+    files->push_back(*FileSource::Open(pa, make_engine));
+    files->push_back(*FileSource::Open(pb, make_engine));
     return *views::BuildAtomicFile(layout, {}, files, "atomic/w/fp32.pt");
   };
-  auto clean = build(nullptr);
+  auto clean = build({});
   std::vector<std::byte> want(clean->Size());
   ASSERT_TRUE(clean->ReadAt(0, want).ok());
 
-  g_faults.p_eintr = 0.2;
-  g_faults.p_short = 0.4;
-  auto flaky = build(&FaultyPread);
+  std::mt19937_64 rng(seed_);
+  std::vector<Fault> faults = RandomRetryableFaults(rng, 40, a.size(), 0.67);
+  auto flaky_plan = std::make_shared<io::FaultPlan>(faults);
+  auto flaky = build(FaultyReads(flaky_plan));
   std::vector<std::byte> got(flaky->Size());
   ASSERT_TRUE(flaky->ReadAt(0, got).ok());
   EXPECT_EQ(got, want);
+  EXPECT_GT(flaky_plan->InjectedCount(), 0u);
 
-  g_faults.eio_from = 1000;  // inside both shards' data
-  auto broken = build(&FaultyPread);
+  faults.push_back(Fault{.kind = io::OpKind::kRead, .byte_offset = 1000,  // inside both shards' data
+                         .effect = Fault::Effect::kError, .sys_errno = EIO, .times = -1});
+  auto broken = build(FaultyReads(std::make_shared<io::FaultPlan>(faults)));
   std::vector<std::byte> out(broken->Size(), std::byte{0x5A});
   Status s = broken->ReadAt(0, out);
   ASSERT_FALSE(s.ok());

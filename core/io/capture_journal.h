@@ -1,0 +1,86 @@
+// The write-capture journal: an append-only record of what was flushed and committed, read back
+// after a crash to decide which captured files to finish and which to discard. Pure bytes ->
+// records here (no I/O), so the parser of this untrusted file is unit-tested and fuzzed alone.
+//
+// File: the 8-byte magic "UCPFSJ01", then records, each
+//   u32 payload length (little endian) | u64 XXH64(payload, seed 0) | payload
+// and a payload is a u8 type then its fields (all little endian):
+//   kChunk   seq u64, byte_offset u64, n_bytes u64, hash u64  (XXH64 of those bytes of the part)
+//   kCommit  seq u64, size u64, mode u32, path length u32, path (relative to SRC)
+//   kDone    seq u64   (placed under its final name; the part no longer exists)
+//   kDiscard seq u64   (unlinked before it was placed)
+// A torn or damaged record ends the journal there (everything after it is ignored).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ucpfs::io {
+
+inline constexpr char kJournalMagic[8] = {'U', 'C', 'P', 'F', 'S', 'J', '0', '1'};
+// Bounds on what a journal may hold (it is untrusted input).
+inline constexpr size_t kMaxJournalBytes = size_t{256} << 20;
+inline constexpr size_t kMaxJournalPathBytes = 4096;
+
+enum class JournalType : uint8_t { kChunk = 1, kCommit = 2, kDone = 3, kDiscard = 4 };
+
+struct JournalRecord {
+  JournalType type = JournalType::kChunk;
+  uint64_t seq = 0;
+  uint64_t byte_offset = 0;  // kChunk
+  uint64_t n_bytes = 0;      // kChunk
+  uint64_t hash = 0;         // kChunk
+  uint64_t size = 0;         // kCommit
+  uint32_t mode = 0;         // kCommit
+  std::string path;          // kCommit
+};
+
+// One encoded record, ready to append.
+std::vector<std::byte> EncodeJournalRecord(const JournalRecord& record);
+
+struct ParsedJournal {
+  std::vector<JournalRecord> records;
+  // Why parsing stopped before the end ("" when every byte was a whole record): a torn tail
+  // after a crash is expected, a damaged record is worth a log line.
+  std::string stopped;
+  size_t n_bytes_used = 0;
+};
+
+// Errors: kCorrupt when the magic is wrong or the journal is larger than kMaxJournalBytes.
+Result<ParsedJournal> ParseJournal(std::span<const std::byte> bytes);
+
+// What recovery does with one captured file.
+struct RecoveryStep {
+  uint64_t seq = 0;
+  bool finish = false;    // true: place it (complete); false: discard it
+  std::string path;       // its final path (relative), "" when never committed
+  uint64_t size = 0;
+  uint32_t mode = 0;
+  std::string reason;     // for the log line when discarded
+  // kChunk records to verify against the part before finishing: the latest per offset, sorted,
+  // covering [0, size) without a gap.
+  std::vector<JournalRecord> chunks;
+};
+
+// The recovery plan for the parts present (`part_seqs`), from the journal: in commit order
+// (the position of each file's last kCommit), files whose recorded chunks cover their size are
+// finished until the first that is not; it and every later one are discarded; parts never
+// committed, and parts of files already done or discarded, are discarded. The verification of
+// each chunk's hash against the part's bytes is the caller's (a mismatch discards that file and
+// every later one: call MarkIncomplete).
+std::vector<RecoveryStep> PlanRecovery(const ParsedJournal& journal, const std::vector<uint64_t>& part_seqs);
+// After a finish step at `index` fails verification: it and every later finish step become
+// discards with `reason`.
+void MarkIncomplete(std::vector<RecoveryStep>& plan, size_t index, const std::string& reason);
+
+// A relative path that may be placed beneath SRC: not empty, not absolute, no "", "." or ".."
+// component, no NUL, components of at most 255 bytes, at most kMaxJournalPathBytes, and not
+// inside ".ucpfs". Errors: kInvalidArgument saying which rule.
+Status CheckPlacePath(const std::string& rel_path);
+
+}  // namespace ucpfs::io

@@ -1,0 +1,144 @@
+// WriteCapture: files saved into a mount, captured in the pinned host cache and made durable in
+// the background, crash-safely.
+//
+// A captured file lives in two places until it is durable:
+//   - its bytes, chunk by chunk, in the PinnedCache (write() returns once they are there; a full
+//     cache blocks the writer until flushers free chunks: back-pressure, never an error);
+//   - its backing file `SRC/.ucpfs/capture/<seq>.part`, which flushers fill with O_DIRECT writes
+//     of whole chunks (several in flight through an IoEngine, fixed buffers, out of order), a
+//     chunk being written as soon as it is full so files larger than the cache stream through.
+// It appears under its final name only once complete and durable: the committer truncates the
+// part to its exact size, fdatasyncs it, renames it over the final name (resolved beneath SRC,
+// never through a symlink) and fsyncs that directory. Commits happen strictly in the order of
+// Close/Fsync calls (close order), so a pointer file written last (`latest`, `.metadata`) is
+// never durable before the shards closed before it.
+//
+// Crash safety: a journal (`SRC/.ucpfs/capture/journal`) records each chunk written (offset,
+// length, xxHash64 of its bytes) and each commit (size, mode, final path) in close order. Start()
+// reads it back first: in close order, a closed file whose part holds every chunk with its
+// recorded hash is finished (renamed into place, one log line); from the first one that is not,
+// that file and every later one are discarded (one log line each), so nothing is ever visible
+// under a final name torn or ahead of what was closed before it; parts never closed are
+// discarded. The journal is untrusted input (it lives in the checkpoint directory): it is
+// bounded, every record is checksummed and every path checked before use.
+//
+// Errors while flushing (EIO, ENOSPC): the chunks stay in the cache, the file stays pending, and
+// the error is returned by Fsync/Sync (and Close, if it happened before); later commits wait
+// behind it (order is never broken). Sync() retries a failed file.
+//
+// Thread-safety: every method may be called from any thread at once. Lock order: a file's mutex
+// before the engine's mutex (mu_); no lock is held while blocked on the cache.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "core/io/io_engine.h"
+#include "core/io/pinned_cache.h"
+#include "core/status.h"
+
+namespace ucpfs::io {
+
+struct WriteCaptureOptions {
+  // SRC, opened O_DIRECTORY by the caller; must outlive the WriteCapture. Final paths are
+  // relative to it.
+  int source_dirfd = -1;
+  std::string source_dir;  // for messages
+  std::shared_ptr<PinnedCache> cache;
+  unsigned n_flushers = 2;
+  unsigned queue_depth = 8;  // ops in flight per flusher
+  // One engine per flusher thread (and one for the committer); default MakeDefaultEngine.
+  std::function<std::unique_ptr<IoEngine>()> make_engine;
+  // One line per event worth a log (recovery, flush errors).
+  std::function<void(const std::string&)> log;
+  // Called on the committer thread after a file is durable under its final name.
+  std::function<void(const std::string& rel_path)> on_durable;
+};
+
+// One file being captured. Opaque; shared by every open handle of the file.
+class CapturedFile;
+
+struct CaptureStats {
+  uint64_t cache_capacity_bytes = 0;
+  uint64_t cache_used_bytes = 0;
+  uint64_t dirty_bytes = 0;        // captured and not yet written to a part
+  uint64_t bytes_captured = 0;     // by write()
+  uint64_t bytes_flushed = 0;      // written to parts
+  uint64_t flush_busy_ns = 0;      // time with at least one flush write in flight
+  uint64_t writers_blocked_ns = 0; // time writers waited for a free chunk
+  uint64_t files_pending = 0;      // created and not yet durable
+  uint64_t files_committed = 0;
+  uint64_t flush_errors = 0;
+  std::string memory_kind;         // PinnedMemoryKindName
+  std::string engine;              // the flushers' IoEngine::Name()
+};
+
+class WriteCapture {
+ public:
+  // Opens (creating it) SRC/.ucpfs/capture without following symlinks, recovers what an earlier
+  // daemon left there (see above), then starts the flushers and the committer. Errors: kIo naming
+  // the path; kInvalidArgument for missing options; kCorrupt never (a bad journal is logged and
+  // its files discarded).
+  static Result<std::unique_ptr<WriteCapture>> Start(WriteCaptureOptions options);
+  // Drains (as Drain) and stops the threads.
+  ~WriteCapture();
+  WriteCapture(const WriteCapture&) = delete;
+  WriteCapture& operator=(const WriteCapture&) = delete;
+
+  // A new, empty file to be placed, when closed, at `name` in the directory `parent_dirfd` (an
+  // O_PATH or O_RDONLY directory descriptor beneath SRC; it is dup'ed, so it follows the
+  // directory through renames), with permission bits `mode`; whatever has that name then is
+  // replaced. Errors: kIo (creating the part).
+  Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode);
+
+  // The part's descriptor-level identity (st_dev, st_ino: the final file's after the rename) and
+  // the file's logical size and times.
+  struct stat Stat(const CapturedFile& file) const;
+  // Copies `data` into the cache at byte_offset (blocking while the cache is full). Errors:
+  // kIo when an earlier flush of this file failed and the chunk must be read back and cannot;
+  // kInvalidArgument after Close.
+  Status Write(CapturedFile& file, uint64_t byte_offset, std::span<const std::byte> data);
+  // What a reader sees: the bytes written so far (zeros in holes). Returns how many were read
+  // (fewer at the end of the file).
+  Result<size_t> Read(CapturedFile& file, uint64_t byte_offset, std::span<std::byte> out);
+  // Sets the logical size (shrinking drops bytes past it, growing reads as zeros).
+  Status Truncate(CapturedFile& file, uint64_t n_bytes);
+  // The last handle is gone: queues the file for commit in close order and returns at once.
+  // Returns an error this file's flushing already met, if any (the data is kept).
+  Status Close(CapturedFile& file);
+  // Returns once this file's bytes so far are durable under its final name, together with every
+  // file queued for commit before it. The file stays open for writing. Errors: the first flush or
+  // commit error of those files (kIo, kNoSpace with sys_errno).
+  Status Fsync(CapturedFile& file);
+  // Returns once every file closed (or fsync'd) before the call is durable. Retries files whose
+  // flush failed. Errors: as Fsync.
+  Status Sync();
+  // The pending file was unlinked: it is never placed, and its part is removed.
+  void Discard(CapturedFile& file);
+  // Whether the file has been placed under its final name at least once.
+  bool Placed(const CapturedFile& file) const;
+  // Whether it is closed and everything written is durable under its final name: the real file
+  // then tells its attributes.
+  bool Settled(const CapturedFile& file) const;
+  // A new O_PATH descriptor of the file's inode (the part, later the placed file), owned by the
+  // caller. Errors: kIo.
+  Result<int> OpenPath(const CapturedFile& file) const;
+  // chmod of a file not yet placed (applied to the part; placed files are chmod'ed directly).
+  Status SetMode(CapturedFile& file, mode_t mode);
+
+  CaptureStats Stats() const;
+
+ private:
+  struct Impl;
+  explicit WriteCapture(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ucpfs::io

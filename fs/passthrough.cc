@@ -1,0 +1,591 @@
+// See passthrough.h. Not for: FUSE types (fuse_mount.cc), the views (tree.cc), or how captured
+// bytes become durable (core/io/write_capture.cc).
+#include "fs/passthrough.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "fs/errno_map.h"
+
+namespace ucpfs::fs {
+namespace {
+
+bool Shown(mode_t mode) { return S_ISREG(mode) || S_ISDIR(mode); }
+
+Status Sys(int err, const std::string& what) { return PosixError(err, what + ": " + std::strerror(err)); }
+
+std::string ProcPath(int fd) { return "/proc/self/fd/" + std::to_string(fd); }
+
+// A name the kernel hands us is one component; refuse anything else outright.
+Status CheckName(std::string_view name) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string_view::npos ||
+      name.find('\0') != std::string_view::npos || name.size() > 255) {
+    return PosixError(EINVAL, "invalid name");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+PassthroughHandle::~PassthroughHandle() {
+  if (fd >= 0) close(fd);
+}
+
+Passthrough::Passthrough(int root_fd, std::string source_dir, std::shared_ptr<io::WriteCapture> capture)
+    : root_fd_(root_fd), source_dir_(std::move(source_dir)), capture_(std::move(capture)) {}
+
+Passthrough::~Passthrough() {
+  std::lock_guard lock(mu_);
+  for (auto& [id, node] : nodes_) {
+    if (node->fd >= 0 && node->fd != root_fd_) close(node->fd);
+  }
+  close(root_fd_);
+}
+
+Result<std::unique_ptr<Passthrough>> Passthrough::Make(const std::string& source_dir,
+                                                       std::shared_ptr<io::WriteCapture> capture) {
+  const int fd = open(source_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return IoError("open " + source_dir, errno);
+  struct stat st = {};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return IoError("stat " + source_dir, err);
+  }
+  std::unique_ptr<Passthrough> p(new Passthrough(fd, source_dir, std::move(capture)));
+  auto root = std::make_shared<Node>();
+  root->id = 1;
+  root->dev = st.st_dev;
+  root->ino = st.st_ino;
+  root->fd = fd;
+  root->is_dir = true;
+  root->parent_id = 1;
+  p->nodes_.emplace(1, root);
+  p->by_file_.emplace(std::make_pair(st.st_dev, st.st_ino), 1);
+  return p;
+}
+
+std::shared_ptr<Passthrough::Node> Passthrough::Find(Ino ino) const {
+  const uint64_t id = ino == kRootIno ? 1 : (ino & ~kPassthroughBit);
+  std::lock_guard lock(mu_);
+  const auto it = nodes_.find(id);
+  return it == nodes_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Passthrough::Node> Passthrough::DirNode(Ino ino) const {
+  std::shared_ptr<Node> n = Find(ino);
+  return n != nullptr && n->is_dir ? n : nullptr;
+}
+
+std::string Passthrough::PathOf(Ino ino) const {
+  std::string path;
+  std::lock_guard lock(mu_);
+  uint64_t id = ino == kRootIno ? 1 : (ino & ~kPassthroughBit);
+  for (int depth = 0; id != 1 && depth < 4096; ++depth) {
+    const auto it = nodes_.find(id);
+    if (it == nodes_.end()) return "<ino " + std::to_string(ino) + ">" + path;
+    path = "/" + it->second->name + path;
+    id = it->second->parent_id;
+  }
+  return path.empty() ? "/" : path;
+}
+
+Result<struct stat> Passthrough::StatNode(const Node& node) const {
+  if (node.captured != nullptr && capture_ != nullptr && !capture_->Settled(*node.captured)) {
+    struct stat st = capture_->Stat(*node.captured);
+    st.st_ino = InoOf(node);
+    return st;
+  }
+  struct stat st = {};
+  if (fstatat(node.fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
+    return Sys(errno, "stat " + node.name);
+  }
+  st.st_ino = InoOf(node);
+  return st;
+}
+
+Result<std::shared_ptr<Passthrough::Node>> Passthrough::NodeFor(const std::shared_ptr<Node>& dir,
+                                                                const std::string& name, bool take_ref,
+                                                                struct stat* st) {
+  const int fd = openat(dir->fd, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return Sys(errno, "open " + name);
+  if (fstatat(fd, "", st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
+    const int err = errno;
+    close(fd);
+    return Sys(err, "stat " + name);
+  }
+  if (!Shown(st->st_mode)) {
+    close(fd);
+    return PosixError(ENOENT, name + " is not a regular file or directory: not shown");
+  }
+  std::lock_guard lock(mu_);
+  const auto key = std::make_pair(st->st_dev, st->st_ino);
+  std::shared_ptr<Node> node;
+  if (const auto it = by_file_.find(key); it != by_file_.end()) {
+    node = nodes_.at(it->second);
+    close(fd);
+  } else {
+    node = std::make_shared<Node>();
+    node->id = next_id_++;
+    node->dev = st->st_dev;
+    node->ino = st->st_ino;
+    node->fd = fd;
+    node->is_dir = S_ISDIR(st->st_mode);
+    nodes_.emplace(node->id, node);
+    by_file_.emplace(key, node->id);
+  }
+  if (node->id != 1) {
+    node->parent_id = dir->id;
+    node->name = name;
+  }
+  if (take_ref) node->n_lookups.fetch_add(1);
+  return node;
+}
+
+std::shared_ptr<Passthrough::Node> Passthrough::Pending(uint64_t dir_id, const std::string& name) {
+  std::shared_ptr<Node> node;
+  {
+    std::lock_guard lock(mu_);
+    const auto it = overlay_.find({dir_id, name});
+    if (it == overlay_.end()) return nullptr;
+    const auto n = nodes_.find(it->second);
+    if (n == nodes_.end()) {
+      overlay_.erase(it);
+      return nullptr;
+    }
+    node = n->second;
+  }
+  if (capture_ != nullptr && node->captured != nullptr && capture_->Placed(*node->captured)) {
+    std::lock_guard lock(mu_);
+    overlay_.erase({dir_id, name});
+    return nullptr;  // now a real entry
+  }
+  return node;
+}
+
+Result<struct stat> Passthrough::Lookup(Ino parent, std::string_view name_view) {
+  const std::shared_ptr<Node> dir = DirNode(parent);
+  if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  UCPFS_RETURN_IF_ERROR(CheckName(name_view));
+  const std::string name(name_view);
+  if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
+    pending->n_lookups.fetch_add(1);
+    return StatNode(*pending);
+  }
+  struct stat st = {};
+  Result<std::shared_ptr<Node>> node = NodeFor(dir, name, true, &st);
+  if (!node.ok()) {
+    if (node.error().sys_errno() == ENOENT) {
+      struct stat none = {};
+      return none;  // st_ino 0: no such name
+    }
+    return node.error();
+  }
+  return StatNode(**node);
+}
+
+void Passthrough::Forget(Ino ino, uint64_t n_lookups) {
+  if (ino == kRootIno) return;
+  std::shared_ptr<Node> released;
+  std::lock_guard lock(mu_);
+  const auto it = nodes_.find(ino & ~kPassthroughBit);
+  if (it == nodes_.end() || it->second->id == 1) return;
+  Node& node = *it->second;
+  uint64_t now = node.n_lookups.load();
+  while (!node.n_lookups.compare_exchange_weak(now, now - std::min(now, n_lookups))) {
+  }
+  if (now > n_lookups || node.open_writers > 0) return;
+  // A pending captured file stays while its overlay entry names it.
+  for (const auto& [key, id] : overlay_) {
+    if (id == node.id) return;
+  }
+  released = it->second;
+  by_file_.erase({node.dev, node.ino});
+  nodes_.erase(it);
+  if (released->fd >= 0) close(released->fd);
+  released->fd = -1;
+}
+
+Result<struct stat> Passthrough::GetAttr(Ino ino) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  return StatNode(*node);
+}
+
+Result<struct stat> Passthrough::SetAttr(Ino ino, const struct stat& attr, int to_set, PassthroughHandle* handle) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  const bool captured = node->captured != nullptr && capture_ != nullptr && !capture_->Settled(*node->captured);
+  const std::string proc = ProcPath(node->fd);
+  if ((to_set & kSetMode) != 0) {
+    if (captured) {
+      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, attr.st_mode));
+    } else if (chmod(proc.c_str(), attr.st_mode & 07777) != 0) {
+      return Sys(errno, "chmod " + node->name);
+    }
+  }
+  if ((to_set & (kSetUid | kSetGid)) != 0) {
+    const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : static_cast<uid_t>(-1);
+    const gid_t gid = (to_set & kSetGid) != 0 ? attr.st_gid : static_cast<gid_t>(-1);
+    if (fchownat(node->fd, "", uid, gid, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
+      return Sys(errno, "chown " + node->name);
+    }
+  }
+  if ((to_set & kSetSize) != 0) {
+    if (node->is_dir) return PosixError(EISDIR, node->name + " is a directory");
+    if (captured) {
+      UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, static_cast<uint64_t>(attr.st_size)));
+    } else if (handle != nullptr && handle->fd >= 0) {
+      if (ftruncate(handle->fd, attr.st_size) != 0) return Sys(errno, "truncate " + node->name);
+    } else if (truncate(proc.c_str(), attr.st_size) != 0) {
+      return Sys(errno, "truncate " + node->name);
+    }
+  }
+  if ((to_set & (kSetAtime | kSetMtime)) != 0 && !captured) {
+    struct timespec times[2];
+    times[0].tv_nsec = UTIME_OMIT;
+    times[1].tv_nsec = UTIME_OMIT;
+    if ((to_set & kSetAtime) != 0) times[0] = (to_set & kSetAtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_atim;
+    if ((to_set & kSetMtime) != 0) times[1] = (to_set & kSetMtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_mtim;
+    if (utimensat(AT_FDCWD, proc.c_str(), times, 0) != 0) return Sys(errno, "set the times of " + node->name);
+  }
+  return StatNode(*node);
+}
+
+Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::shared_ptr<Node>& dir,
+                                                                     const std::string& name, mode_t mode,
+                                                                     std::shared_ptr<Node>* made) {
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<io::CapturedFile> file, capture_->Create(dir->fd, name, mode));
+  const struct stat st = capture_->Stat(*file);
+  Result<int> path_fd = capture_->OpenPath(*file);
+  if (!path_fd.ok()) {
+    capture_->Discard(*file);
+    return path_fd.error();
+  }
+  auto node = std::make_shared<Node>();
+  node->dev = st.st_dev;
+  node->ino = st.st_ino;
+  node->parent_id = dir->id;
+  node->name = name;
+  node->captured = file;
+  node->open_writers = 1;
+  {
+    std::lock_guard lock(mu_);
+    node->id = next_id_++;
+    // The part's inode: its O_PATH descriptor follows it through the rename into place.
+    node->fd = *path_fd;
+    nodes_.emplace(node->id, node);
+    by_file_[{node->dev, node->ino}] = node->id;
+    overlay_[{dir->id, name}] = node->id;
+  }
+  *made = node;
+  auto h = std::make_unique<PassthroughHandle>();
+  h->ino = InoOf(*node);
+  h->captured = std::move(file);
+  h->writable = true;
+  return h;
+}
+
+Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(Ino ino, int flags) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  if (node->is_dir) return PosixError(EISDIR, node->name + " is a directory");
+  const bool write = (flags & O_ACCMODE) != O_RDONLY;
+  bool open_writers = false;
+  {
+    std::lock_guard lock(mu_);
+    open_writers = node->open_writers > 0;
+  }
+  if (write && !open_writers && node->captured != nullptr && capture_ != nullptr &&
+      !capture_->Settled(*node->captured) && (flags & O_TRUNC) == 0) {
+    // Reopened for writing after its last close, before it is durable: make it durable, then
+    // write to it in place like any source file.
+    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*node->captured));
+  }
+  if (node->captured != nullptr && capture_ != nullptr && !capture_->Settled(*node->captured) &&
+      (!write || open_writers)) {
+    // Another open of a file being captured: reads see what was written; writes join it.
+    auto h = std::make_unique<PassthroughHandle>();
+    h->ino = ino;
+    h->captured = node->captured;
+    h->writable = write;
+    if (write) {
+      std::lock_guard lock(mu_);
+      ++node->open_writers;
+    }
+    if (write && (flags & O_TRUNC) != 0) UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, 0));
+    return h;
+  }
+  if (write && (flags & O_TRUNC) != 0 && capture_ != nullptr) {
+    // Rewriting a file: captured like a new one, which replaces it atomically when durable.
+    std::shared_ptr<Node> dir;
+    std::string name;
+    mode_t mode = 0644;
+    {
+      std::lock_guard lock(mu_);
+      const auto it = nodes_.find(node->parent_id);
+      if (it != nodes_.end()) dir = it->second;
+      name = node->name;
+    }
+    struct stat st = {};
+    if (fstatat(node->fd, "", &st, AT_EMPTY_PATH) == 0) mode = st.st_mode & 07777;
+    if (dir != nullptr && !name.empty()) {
+      std::shared_ptr<Node> made;
+      UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, mode, &made));
+      // The kernel knows this inode number: it now stands for the captured file (the old file
+      // is replaced when the new one is placed).
+      std::lock_guard lock(mu_);
+      nodes_.erase(made->id);
+      by_file_.erase({made->dev, made->ino});
+      by_file_.erase({node->dev, node->ino});
+      close(node->fd);
+      node->fd = made->fd;
+      made->fd = -1;
+      node->dev = made->dev;
+      node->ino = made->ino;
+      by_file_[{node->dev, node->ino}] = node->id;
+      node->captured = made->captured;
+      node->open_writers = 1;
+      overlay_[{dir->id, name}] = node->id;
+      h->ino = ino;
+      return h;
+    }
+  }
+  // Reopened through /proc: the O_PATH descriptor names the inode itself (no path is resolved).
+  const int fd = open(ProcPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW)) | O_CLOEXEC);
+  if (fd < 0) return Sys(errno, "open " + node->name);
+  auto h = std::make_unique<PassthroughHandle>();
+  h->ino = ino;
+  h->fd = fd;
+  h->writable = write;
+  return h;
+}
+
+Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::Create(Ino parent,
+                                                                                       std::string_view name_view,
+                                                                                       mode_t mode, int flags) {
+  const std::shared_ptr<Node> dir = DirNode(parent);
+  if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  UCPFS_RETURN_IF_ERROR(CheckName(name_view));
+  const std::string name(name_view);
+  if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
+    if ((flags & O_EXCL) != 0) return PosixError(EEXIST, name + " exists");
+    UCPFS_ASSIGN_OR_RETURN(auto h, Open(InoOf(*pending), flags | O_TRUNC));
+    pending->n_lookups.fetch_add(1);
+    UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*pending));
+    return std::make_pair(st, std::move(h));
+  }
+  struct stat existing = {};
+  if (fstatat(dir->fd, name.c_str(), &existing, AT_SYMLINK_NOFOLLOW) == 0) {
+    if ((flags & O_EXCL) != 0) return PosixError(EEXIST, name + " exists");
+    if (!Shown(existing.st_mode)) return PosixError(EEXIST, name + " exists and is not a regular file");
+    UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<Node> node, NodeFor(dir, name, true, &existing));
+    UCPFS_ASSIGN_OR_RETURN(auto h, Open(InoOf(*node), flags));
+    UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*node));
+    return std::make_pair(st, std::move(h));
+  }
+  if (capture_ != nullptr) {
+    std::shared_ptr<Node> made;
+    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, mode, &made));
+    made->n_lookups.fetch_add(1);
+    UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*made));
+    return std::make_pair(st, std::move(h));
+  }
+  const int fd = openat(dir->fd, name.c_str(), (flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC) & ~O_NOCTTY, mode & 07777);
+  if (fd < 0) return Sys(errno, "create " + name);
+  auto h = std::make_unique<PassthroughHandle>();
+  h->fd = fd;
+  h->writable = true;
+  struct stat st = {};
+  Result<std::shared_ptr<Node>> node = NodeFor(dir, name, true, &st);
+  if (!node.ok()) return node.error();
+  h->ino = InoOf(**node);
+  UCPFS_ASSIGN_OR_RETURN(st, StatNode(**node));
+  return std::make_pair(st, std::move(h));
+}
+
+Result<size_t> Passthrough::Read(PassthroughHandle& h, uint64_t byte_offset, std::span<std::byte> out) {
+  if (h.captured != nullptr) return capture_->Read(*h.captured, byte_offset, out);
+  size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = pread(h.fd, out.data() + done, out.size() - done, static_cast<off_t>(byte_offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Sys(errno, "read");
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return done;
+}
+
+Result<size_t> Passthrough::Write(PassthroughHandle& h, uint64_t byte_offset, std::span<const std::byte> data) {
+  if (!h.writable) return PosixError(EBADF, "not open for writing");
+  if (h.captured != nullptr) {
+    UCPFS_RETURN_IF_ERROR(capture_->Write(*h.captured, byte_offset, data));
+    return data.size();
+  }
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = pwrite(h.fd, data.data() + done, data.size() - done, static_cast<off_t>(byte_offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Sys(errno, "write");
+    done += static_cast<size_t>(n);
+  }
+  return done;
+}
+
+Status Passthrough::Fsync(PassthroughHandle& h, bool datasync) {
+  if (h.captured != nullptr) return capture_->Fsync(*h.captured);
+  if ((datasync ? fdatasync(h.fd) : fsync(h.fd)) != 0) return Sys(errno, "fsync");
+  return Status::Ok();
+}
+
+Status Passthrough::Release(PassthroughHandle& h) {
+  if (h.captured == nullptr || !h.writable) return Status::Ok();
+  bool last = false;
+  if (const std::shared_ptr<Node> node = Find(h.ino)) {
+    std::lock_guard lock(mu_);
+    last = --node->open_writers <= 0;
+  }
+  return last ? capture_->Close(*h.captured) : Status::Ok();
+}
+
+Result<struct stat> Passthrough::Mkdir(Ino parent, std::string_view name_view, mode_t mode) {
+  const std::shared_ptr<Node> dir = DirNode(parent);
+  if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  UCPFS_RETURN_IF_ERROR(CheckName(name_view));
+  const std::string name(name_view);
+  if (Pending(dir->id, name) != nullptr) return PosixError(EEXIST, name + " exists");
+  if (mkdirat(dir->fd, name.c_str(), mode & 07777) != 0) return Sys(errno, "mkdir " + name);
+  struct stat st = {};
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<Node> node, NodeFor(dir, name, true, &st));
+  return StatNode(*node);
+}
+
+Status Passthrough::Unlink(Ino parent, std::string_view name_view) {
+  const std::shared_ptr<Node> dir = DirNode(parent);
+  if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  UCPFS_RETURN_IF_ERROR(CheckName(name_view));
+  const std::string name(name_view);
+  if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
+    capture_->Discard(*pending->captured);
+    std::lock_guard lock(mu_);
+    overlay_.erase({dir->id, name});
+    return Status::Ok();
+  }
+  struct stat st = {};
+  if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "unlink " + name);
+  if (!Shown(st.st_mode)) return PosixError(ENOENT, name + " is not shown");
+  if (unlinkat(dir->fd, name.c_str(), 0) != 0) return Sys(errno, "unlink " + name);
+  return Status::Ok();
+}
+
+Status Passthrough::Rmdir(Ino parent, std::string_view name_view) {
+  const std::shared_ptr<Node> dir = DirNode(parent);
+  if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  UCPFS_RETURN_IF_ERROR(CheckName(name_view));
+  const std::string name(name_view);
+  struct stat st = {};
+  if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    std::lock_guard lock(mu_);
+    const auto it = by_file_.find({st.st_dev, st.st_ino});
+    if (it != by_file_.end()) {
+      for (const auto& [key, id] : overlay_) {
+        // Its parts live in .ucpfs/capture, so the real directory looks empty; placing them
+        // later needs it.
+        if (key.first == it->second) return PosixError(ENOTEMPTY, name + " holds files being saved");
+      }
+    }
+  }
+  if (unlinkat(dir->fd, name.c_str(), AT_REMOVEDIR) != 0) return Sys(errno, "rmdir " + name);
+  return Status::Ok();
+}
+
+Status Passthrough::Rename(Ino parent, std::string_view name_view, Ino new_parent, std::string_view new_name_view,
+                           unsigned flags) {
+  const std::shared_ptr<Node> dir = DirNode(parent);
+  const std::shared_ptr<Node> new_dir = DirNode(new_parent);
+  if (dir == nullptr || new_dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  UCPFS_RETURN_IF_ERROR(CheckName(name_view));
+  UCPFS_RETURN_IF_ERROR(CheckName(new_name_view));
+  const std::string name(name_view);
+  const std::string new_name(new_name_view);
+  // A pending source is made durable under its name first (rename is a sync point: DCP writes
+  // `.metadata.tmp`, fsyncs it and renames it to `.metadata`).
+  if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
+    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*pending->captured));
+    Pending(dir->id, name);  // drops the overlay entry of the placed file
+  }
+  // A pending target would be placed later over what the rename put there: discard it.
+  if (std::shared_ptr<Node> target = Pending(new_dir->id, new_name)) {
+    if ((flags & RENAME_NOREPLACE) != 0) return PosixError(EEXIST, new_name + " exists");
+    capture_->Discard(*target->captured);
+    std::lock_guard lock(mu_);
+    overlay_.erase({new_dir->id, new_name});
+  }
+  struct stat st = {};
+  if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "rename " + name);
+  if (!Shown(st.st_mode)) return PosixError(ENOENT, name + " is not shown");
+  if (renameat2(dir->fd, name.c_str(), new_dir->fd, new_name.c_str(), flags) != 0) {
+    return Sys(errno, "rename " + name + " to " + new_name);
+  }
+  std::lock_guard lock(mu_);
+  if (const auto it = by_file_.find({st.st_dev, st.st_ino}); it != by_file_.end()) {
+    Node& node = *nodes_.at(it->second);
+    node.parent_id = new_dir->id;
+    node.name = new_name;
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<Passthrough::DirItem>> Passthrough::List(Ino ino) {
+  const std::shared_ptr<Node> dir = DirNode(ino);
+  if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  const int fd = openat(dir->fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Sys(errno, "opendir " + dir->name);
+  DIR* d = fdopendir(fd);
+  if (d == nullptr) {
+    const int err = errno;
+    close(fd);
+    return Sys(err, "opendir " + dir->name);
+  }
+  std::vector<DirItem> items;
+  while (const dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    if (dir->id == 1 && name == ".ucpfs") continue;
+    struct stat st = {};
+    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !Shown(st.st_mode)) continue;
+    items.push_back({name, 0, st.st_mode & S_IFMT});
+  }
+  closedir(d);
+  std::vector<std::pair<std::string, uint64_t>> pending;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [key, id] : overlay_) {
+      if (key.first == dir->id) pending.emplace_back(key.second, id);
+    }
+  }
+  for (const auto& [name, id] : pending) {
+    if (Pending(dir->id, name) == nullptr) continue;
+    items.erase(std::remove_if(items.begin(), items.end(), [&](const DirItem& i) { return i.name == name; }),
+                items.end());
+    items.push_back({name, kPassthroughBit | id, S_IFREG});
+  }
+  std::sort(items.begin(), items.end(), [](const DirItem& a, const DirItem& b) { return a.name < b.name; });
+  return items;
+}
+
+struct statvfs Passthrough::StatFs() const {
+  struct statvfs sv = {};
+  fstatvfs(root_fd_, &sv);
+  return sv;
+}
+
+}  // namespace ucpfs::fs

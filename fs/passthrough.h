@@ -1,0 +1,143 @@
+// Passthrough: the source directory served read-write, as libfuse's passthrough_hp serves a
+// directory, with new files captured by io::WriteCapture. Knows no FUSE types; the Filesystem
+// routes every inode with kPassthroughBit here.
+//
+// Inodes: one Node per (st_dev, st_ino) of a real file or directory beneath SRC, holding an
+// O_PATH descriptor (so it follows the file through renames), a kernel lookup count, and the
+// (parent, name) it was last seen under. A node is erased when its count falls to zero,
+// re-checked under the map lock. The source root is pinned; the mount's root (kRootIno, the
+// view tree's root) stands for it, so callers pass kRootIno as the parent of top-level names.
+//
+// Captured files: create(2), and open(2) with O_TRUNC of an existing file, start a captured
+// file (io::WriteCapture) whose backing part lives in SRC/.ucpfs/capture until it is complete
+// and durable; until then its name is an overlay entry of its directory (lookup, listing,
+// unlink and rename see it) and its attributes come from the capture (the size written so far).
+// Without a WriteCapture, writes go straight to the source files.
+//
+// Trust: nothing is ever resolved through a symlink: every name is one component looked up with
+// *at() calls on an O_PATH directory descriptor and AT_SYMLINK_NOFOLLOW / O_NOFOLLOW. Symlinks,
+// FIFOs, sockets and devices in the source are not shown (lookup: ENOENT) and cannot be created.
+//
+// Thread-safety: every method may be called from any thread at once. Lock order: mu_ (the node
+// map and overlay), then a file's capture locks (inside WriteCapture); no lock is held across a
+// blocking capture call.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/io/write_capture.h"
+#include "core/status.h"
+#include "fs/tree.h"
+
+namespace ucpfs::fs {
+
+// Passthrough inode numbers carry this bit (tree inodes and subtree slots stay below it).
+inline constexpr Ino kPassthroughBit = Ino{1} << 62;
+
+// One open(2) of a passthrough file.
+struct PassthroughHandle {
+  Ino ino = 0;
+  int fd = -1;  // a real descriptor (plain files); -1 for captured files
+  std::shared_ptr<io::CapturedFile> captured;
+  bool writable = false;
+  ~PassthroughHandle();
+};
+
+class Passthrough {
+ public:
+  // `capture` null: no write capture (writes go to the files directly). Errors: kIo naming SRC.
+  static Result<std::unique_ptr<Passthrough>> Make(const std::string& source_dir,
+                                                   std::shared_ptr<io::WriteCapture> capture);
+  ~Passthrough();
+
+  static bool Owns(Ino ino) { return (ino & kPassthroughBit) != 0; }
+  int source_fd() const { return root_fd_; }
+
+  // A name in directory `parent` (kRootIno: the source root). ino 0: no such name. Takes one
+  // kernel reference. Errors: kIo with sys_errno (ENOTDIR, EACCES, ...).
+  Result<struct stat> Lookup(Ino parent, std::string_view name);
+  void Forget(Ino ino, uint64_t n_lookups);
+  Result<struct stat> GetAttr(Ino ino);
+  // `to_set`: FUSE_SET_ATTR_* style bits of kSetMode, kSetUid, kSetGid, kSetSize, kSetAtime,
+  // kSetMtime (with kSetAtimeNow/kSetMtimeNow). `handle` may be null.
+  enum : int { kSetMode = 1, kSetUid = 2, kSetGid = 4, kSetSize = 8, kSetAtime = 16, kSetMtime = 32,
+               kSetAtimeNow = 128, kSetMtimeNow = 256 };
+  Result<struct stat> SetAttr(Ino ino, const struct stat& attr, int to_set, PassthroughHandle* handle);
+
+  // Errors: EEXIST, EISDIR, ENOENT, EACCES... as the source gives them (kIo with sys_errno).
+  Result<std::unique_ptr<PassthroughHandle>> Open(Ino ino, int flags);
+  // Creates and opens; the returned stat's ino is the new node's (one reference taken).
+  Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Create(Ino parent, std::string_view name,
+                                                                            mode_t mode, int flags);
+  Result<size_t> Read(PassthroughHandle& h, uint64_t byte_offset, std::span<std::byte> out);
+  Result<size_t> Write(PassthroughHandle& h, uint64_t byte_offset, std::span<const std::byte> data);
+  Status Fsync(PassthroughHandle& h, bool datasync);
+  // The handle is closed: a captured file whose last writer this was is queued for commit.
+  Status Release(PassthroughHandle& h);
+
+  Result<struct stat> Mkdir(Ino parent, std::string_view name, mode_t mode);
+  Status Unlink(Ino parent, std::string_view name);
+  Status Rmdir(Ino parent, std::string_view name);
+  Status Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name, unsigned flags);
+
+  struct DirItem {
+    std::string name;
+    Ino ino = 0;  // the node's number when it has one, else 0 (listed without attributes)
+    mode_t type = 0;
+  };
+  // The directory's entries (files and directories only), sorted by name.
+  Result<std::vector<DirItem>> List(Ino dir);
+  struct statvfs StatFs() const;
+  // "/a/b" of a node, for messages.
+  std::string PathOf(Ino ino) const;
+
+ private:
+  struct Node {
+    uint64_t id = 0;
+    dev_t dev = 0;
+    ino_t ino = 0;
+    int fd = -1;  // O_PATH
+    bool is_dir = false;
+    std::atomic<uint64_t> n_lookups{0};
+    uint64_t parent_id = 0;
+    std::string name;
+    std::shared_ptr<io::CapturedFile> captured;  // pending or still written through the mount
+    int open_writers = 0;                        // captured: handles open for writing
+  };
+  Passthrough(int root_fd, std::string source_dir, std::shared_ptr<io::WriteCapture> capture);
+
+  std::shared_ptr<Node> Find(Ino ino) const;
+  std::shared_ptr<Node> DirNode(Ino ino) const;  // kRootIno -> the root node
+  // The node for a real entry `name` of `dir`, made when new, with one reference taken.
+  Result<std::shared_ptr<Node>> NodeFor(const std::shared_ptr<Node>& dir, const std::string& name, bool take_ref,
+                                        struct stat* st);
+  Result<struct stat> StatNode(const Node& node) const;
+  Ino InoOf(const Node& node) const { return node.id == 1 ? kRootIno : (kPassthroughBit | node.id); }
+  // The overlay entry (a pending captured file) of `name` in `dir`, or null; one whose file has
+  // been placed is dropped first (the real entry now has its name).
+  std::shared_ptr<Node> Pending(uint64_t dir_id, const std::string& name);
+  Result<std::unique_ptr<PassthroughHandle>> StartCapture(const std::shared_ptr<Node>& dir, const std::string& name,
+                                                          mode_t mode, std::shared_ptr<Node>* made);
+
+  const int root_fd_;
+  const std::string source_dir_;
+  const std::shared_ptr<io::WriteCapture> capture_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Node>> nodes_;                      // id -> node; guarded by mu_
+  std::map<std::pair<dev_t, ino_t>, uint64_t> by_file_;                  // guarded by mu_
+  std::map<std::pair<uint64_t, std::string>, uint64_t> overlay_;         // (dir id, name) -> id; mu_
+  uint64_t next_id_ = 2;                                                 // guarded by mu_
+};
+
+}  // namespace ucpfs::fs

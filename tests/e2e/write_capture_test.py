@@ -1,0 +1,159 @@
+"""End-to-end: saving into a real FUSE mount (issue 10, write capture), under the running torch.
+
+A DCP checkpoint (gen_dcp2x.py) is mounted; then, through the mount:
+ 1. torch.save of a state dict (several MiB, random tensors) into a new subdirectory: reading it
+    back through the mount at once gives the same tensors; once the mount is unmounted and the
+    daemon has drained, SRC holds exactly the bytes torch.save writes to a plain directory;
+ 2. a pointer file rewritten with open(..., 'w') (DeepSpeed's `latest`) replaces the old one;
+ 3. rename of a file being saved, unlink of one, mkdir/rmdir, truncate, append to an existing
+    file: SRC shows the same result as the same operations on a plain directory;
+ 4. the views stay read-only (EROFS) and their names cannot be taken;
+ 5. kill -9 of the daemon after a save: the next mount recovers; every file is either absent or
+    byte-exact (never torn), and nothing is left in .ucpfs/capture.
+
+Run by hand: UCPFS_BIN=build/cli/ucpfs /usr/bin/python3 tests/e2e/write_capture_test.py
+"""
+import errno
+import os
+import signal
+import subprocess
+import time
+
+import torch
+
+from e2e_common import Results, run, tmpdir, ucpfs_bin
+from mount_common import gen_fixture, is_mounted, mounted
+
+
+def state(seed, n_tensors=6, rows=512):
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(rows, 256, generator=g) for i in range(n_tensors)}
+
+
+def saved_bytes(obj, name):
+    """What torch.save writes for `obj` into a plain directory under the file name `name` (the
+    zip records are named after the file)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, os.path.basename(name))
+        torch.save(obj, path)
+        return open(path, "rb").read()
+
+
+def wait_unmounted_and_drained(mnt, src, names, timeout_s=60):
+    """After umount the daemon drains in the background: wait until every name is in SRC."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not is_mounted(mnt) and all(os.path.exists(os.path.join(src, n)) for n in names):
+            parts = [p for p in os.listdir(os.path.join(src, ".ucpfs", "capture")) if p.endswith(".part")]
+            if not parts:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"not drained after {timeout_s} s: {names}")
+
+
+def save_and_read_back(work, src):
+    mnt = os.path.join(work, "mnt")
+    sd = state(1)
+    want = saved_bytes(sd, "model.pt")
+    with mounted(src, mnt) as (m, _):
+        os.makedirs(os.path.join(m, "step2"))
+        torch.save(sd, os.path.join(m, "step2", "model.pt"))
+        got = torch.load(os.path.join(m, "step2", "model.pt"))
+        assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+        assert os.path.getsize(os.path.join(m, "step2", "model.pt")) == len(want)
+        with open(os.path.join(m, "latest"), "w") as f:
+            f.write("step1")
+        with open(os.path.join(m, "latest"), "w") as f:  # rewritten: O_TRUNC
+            f.write("step2")
+        assert open(os.path.join(m, "latest")).read() == "step2"
+    wait_unmounted_and_drained(mnt, src, ["step2/model.pt", "latest"])
+    assert open(os.path.join(src, "step2", "model.pt"), "rb").read() == want
+    assert open(os.path.join(src, "latest")).read() == "step2"
+    return len(want)
+
+
+def namespace_operations(work, src):
+    mnt = os.path.join(work, "mnt")
+    with mounted(src, mnt) as (m, _):
+        torch.save(state(2, 2), os.path.join(m, "a.tmp"))
+        os.rename(os.path.join(m, "a.tmp"), os.path.join(m, "a.pt"))  # DCP's .metadata.tmp -> .metadata
+        assert os.path.exists(os.path.join(src, "a.pt"))  # rename made it durable first
+        torch.save(state(3, 2), os.path.join(m, "gone.pt"))
+        os.unlink(os.path.join(m, "gone.pt"))
+        os.mkdir(os.path.join(m, "d"))
+        os.rmdir(os.path.join(m, "d"))
+        with open(os.path.join(m, "t.bin"), "wb") as f:
+            f.write(b"x" * 100000)
+            f.truncate(1234)
+        with open(os.path.join(m, "a.pt"), "ab") as f:
+            f.write(b"tail")
+        names = sorted(os.listdir(m))
+        for view in ("atomic", "target", ".ucpfs"):
+            assert view in names, names
+        for bad in (lambda: open(os.path.join(m, "atomic", "x"), "w"),
+                    lambda: os.mkdir(os.path.join(m, "target")),
+                    lambda: os.rename(os.path.join(m, "a.pt"), os.path.join(m, "atomic"))):
+            try:
+                bad()
+                raise AssertionError("a view was changed")
+            except OSError as e:
+                assert e.errno in (errno.EROFS, errno.EEXIST, errno.EPERM, errno.ENOENT, errno.EISDIR), e
+    wait_unmounted_and_drained(mnt, src, ["a.pt", "t.bin"])
+    assert open(os.path.join(src, "a.pt"), "rb").read() == saved_bytes(state(2, 2), "a.tmp") + b"tail"
+    assert not os.path.exists(os.path.join(src, "gone.pt"))
+    assert not os.path.exists(os.path.join(src, "d"))
+    assert open(os.path.join(src, "t.bin"), "rb").read() == b"x" * 1234
+
+
+def kill_during_saves(work, src):
+    """kill -9 right after a burst of closes: each file is whole or absent, never torn."""
+    mnt = os.path.join(work, "mnt-kill")
+    os.makedirs(mnt, exist_ok=True)
+    wants = {f"k/shard_{i}.pt": saved_bytes(state(10 + i, 3), f"shard_{i}.pt") for i in range(8)}
+    run([ucpfs_bin(), "mount", src, mnt, "--log", mnt + ".log"], timeout=120)
+    pid = None
+    with open("/proc/self/mounts") as f:
+        assert any(line.split()[1] == mnt for line in f)
+    out = subprocess.run(["pgrep", "-f", f"ucpfs mount {src} {mnt}"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids, "daemon not found"
+    pid = pids[0]
+    os.makedirs(os.path.join(mnt, "k"), exist_ok=True)
+    for name, data in wants.items():
+        with open(os.path.join(mnt, name), "wb") as f:
+            f.write(data)
+    with open(os.path.join(mnt, "k", "latest"), "w") as f:
+        f.write("k")
+    os.kill(pid, signal.SIGKILL)
+    subprocess.run(["umount", "-l", mnt])
+    # The next mount recovers what the killed daemon left.
+    with mounted(src, mnt) as (m, _):
+        pass
+    log = open(mnt + ".log").read()
+    placed = [n for n in wants if os.path.exists(os.path.join(src, n))]
+    for name in placed:
+        assert open(os.path.join(src, name), "rb").read() == wants[name], f"{name} is torn"
+    if os.path.exists(os.path.join(src, "k", "latest")):
+        assert len(placed) == len(wants), "latest is durable before its shards"
+    leftover = [p for p in os.listdir(os.path.join(src, ".ucpfs", "capture")) if p.endswith(".part")]
+    assert not leftover, leftover
+    return f"{len(placed)} of {len(wants)} shards placed; log: {log.count('capture recovery')} recovery lines"
+
+
+def main():
+    res = Results("write_capture")
+    with tmpdir("ucpfs-write-capture-") as work:
+        src = os.path.join(work, "ckpt")
+        gen_fixture("gen_dcp2x.py", src, "--variant", "2x")
+        res.check("torch.save into the mount: read back at once; SRC holds torch.save's exact bytes",
+                  lambda: save_and_read_back(work, src))
+        res.check("rename, unlink, mkdir/rmdir, truncate, append act on SRC; views stay read-only",
+                  lambda: namespace_operations(work, src))
+        res.check("kill -9 of the daemon: files whole or absent, latest never ahead, nothing left over",
+                  lambda: kill_during_saves(work, src))
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+// Write capture without a kernel: files written into a WriteCapture over a real directory land
+// byte-exact under their final names, in close order, only when complete; a cache smaller than
+// the files streams them (back-pressure, never an error); a flush error is reported by Fsync and
+// keeps the data until Sync retries; recovery after a crash finishes complete files in commit
+// order and discards incomplete ones and everything committed after them. Also the journal
+// parser on damaged input. Seeded: UCPFS_TEST_SEED replays a run.
+#include "core/io/write_capture.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "core/io/capture_journal.h"
+#include "test_seed.h"
+
+namespace ucpfs::io {
+namespace {
+
+namespace stdfs = std::filesystem;
+
+std::vector<std::byte> RandomBytes(std::mt19937_64& rng, size_t n) {
+  std::vector<std::byte> out(n);
+  for (auto& b : out) b = static_cast<std::byte>(rng() & 0xff);
+  return out;
+}
+
+std::vector<std::byte> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> raw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(raw.size());
+  std::memcpy(out.data(), raw.data(), raw.size());
+  return out;
+}
+
+class WriteCaptureTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = stdfs::temp_directory_path() / ("ucpfs-capture-" + std::to_string(getpid()) + "-" +
+                                           ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    stdfs::remove_all(dir_);
+    stdfs::create_directories(dir_ / "sub");
+    src_fd_ = open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ASSERT_GE(src_fd_, 0);
+    sub_fd_ = open((dir_ / "sub").c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    ASSERT_GE(sub_fd_, 0);
+  }
+  void TearDown() override {
+    capture_.reset();
+    close(sub_fd_);
+    close(src_fd_);
+    stdfs::remove_all(dir_);
+  }
+  void Start(size_t n_chunks, size_t chunk_bytes = 64 << 10, std::function<std::unique_ptr<IoEngine>()> engine = {}) {
+    PinnedCacheOptions co;
+    co.capacity_bytes = n_chunks * chunk_bytes;
+    co.chunk_bytes = chunk_bytes;
+    co.allow_cuda = false;
+    auto cache = PinnedCache::Make(co);
+    ASSERT_TRUE(cache.ok()) << cache.error().ToString();
+    WriteCaptureOptions o;
+    o.source_dirfd = src_fd_;
+    o.source_dir = dir_.string();
+    o.cache = std::shared_ptr<PinnedCache>(std::move(*cache));
+    o.make_engine = std::move(engine);
+    o.log = [this](const std::string& line) { log_.push_back(line); };
+    o.on_durable = [this](const std::string& rel) {
+      std::lock_guard lock(durable_mu_);
+      durable_.push_back(rel);
+    };
+    auto wc = WriteCapture::Start(std::move(o));
+    ASSERT_TRUE(wc.ok()) << wc.error().ToString();
+    capture_ = std::move(*wc);
+  }
+  std::shared_ptr<CapturedFile> Create(const std::string& name, int dirfd = -1) {
+    auto f = capture_->Create(dirfd < 0 ? src_fd_ : dirfd, name, 0640);
+    EXPECT_TRUE(f.ok()) << f.error().ToString();
+    return f.ok() ? *f : nullptr;
+  }
+  void WriteAll(CapturedFile& f, const std::vector<std::byte>& data, size_t piece) {
+    for (size_t at = 0; at < data.size(); at += piece) {
+      const size_t n = std::min(piece, data.size() - at);
+      ASSERT_TRUE(capture_->Write(f, at, std::span(data.data() + at, n)).ok());
+    }
+  }
+
+  stdfs::path dir_;
+  int src_fd_ = -1;
+  int sub_fd_ = -1;
+  std::unique_ptr<WriteCapture> capture_;
+  std::vector<std::string> log_;
+  std::mutex durable_mu_;
+  std::vector<std::string> durable_;
+};
+
+TEST_F(WriteCaptureTest, FilesLandByteExactInCloseOrderOnlyWhenComplete) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed());
+  Start(/*n_chunks=*/16);
+  // Uneven sizes: empty, smaller than a chunk, unaligned tails, several chunks.
+  const std::vector<size_t> sizes = {0, 1, 4095, 4097, 65536, 65536 * 3 + 17, 300000};
+  std::vector<std::vector<std::byte>> data;
+  std::vector<std::shared_ptr<CapturedFile>> files;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    data.push_back(RandomBytes(rng, sizes[i]));
+    files.push_back(Create("shard_" + std::to_string(i) + ".bin", i % 2 == 0 ? src_fd_ : sub_fd_));
+    WriteAll(*files.back(), data.back(), 1 + rng() % 70000);
+    // Not visible under its final name while being written.
+    const stdfs::path final_path = (i % 2 == 0 ? dir_ : dir_ / "sub") / ("shard_" + std::to_string(i) + ".bin");
+    EXPECT_FALSE(stdfs::exists(final_path));
+    // Readers of the file being written see the bytes written.
+    std::vector<std::byte> back(sizes[i]);
+    auto n = capture_->Read(*files.back(), 0, back);
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, sizes[i]);
+    EXPECT_EQ(back, data.back());
+    EXPECT_EQ(static_cast<size_t>(capture_->Stat(*files.back()).st_size), sizes[i]);
+  }
+  for (auto& f : files) ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const stdfs::path p = (i % 2 == 0 ? dir_ : dir_ / "sub") / ("shard_" + std::to_string(i) + ".bin");
+    EXPECT_EQ(ReadFile(p), data[i]) << p;
+    EXPECT_EQ(stdfs::status(p).permissions() & stdfs::perms::all, static_cast<stdfs::perms>(0640));
+  }
+  std::lock_guard lock(durable_mu_);
+  ASSERT_EQ(durable_.size(), sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(durable_[i], (i % 2 == 0 ? "" : "sub/") + ("shard_" + std::to_string(i) + ".bin"));
+  }
+  EXPECT_TRUE(stdfs::is_empty(dir_ / ".ucpfs" / "capture") == false);  // the journal
+  for (const auto& e : stdfs::directory_iterator(dir_ / ".ucpfs" / "capture")) {
+    EXPECT_NE(e.path().extension(), ".part") << e.path();
+  }
+}
+
+TEST_F(WriteCaptureTest, CacheSmallerThanTheFilesStreamsThemWithBackPressure) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 1);
+  Start(/*n_chunks=*/3);
+  // Two writers at once, 20 chunks each, through a 3-chunk cache.
+  std::vector<std::byte> a = RandomBytes(rng, 20 * 65536 + 100);
+  std::vector<std::byte> b = RandomBytes(rng, 20 * 65536 - 100);
+  auto fa = Create("a.bin");
+  auto fb = Create("b.bin");
+  std::thread ta([&] { WriteAll(*fa, a, 10000); });
+  std::thread tb([&] { WriteAll(*fb, b, 30000); });
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(capture_->Close(*fa).ok());
+  ASSERT_TRUE(capture_->Close(*fb).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_EQ(ReadFile((dir_ / "a.bin").string()), a);
+  EXPECT_EQ(ReadFile((dir_ / "b.bin").string()), b);
+  const CaptureStats s = capture_->Stats();
+  EXPECT_EQ(s.bytes_captured, a.size() + b.size());
+  EXPECT_GE(s.bytes_flushed, a.size() + b.size());
+  EXPECT_EQ(s.cache_used_bytes, 0u);
+  EXPECT_EQ(s.files_pending, 0u);
+}
+
+TEST_F(WriteCaptureTest, RandomWritesHolesTruncateAndRewrites) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 2);
+  Start(/*n_chunks=*/2);
+  auto f = Create("random.bin");
+  std::vector<std::byte> model;
+  for (int step = 0; step < 200; ++step) {
+    const uint64_t at = rng() % 400000;
+    if (rng() % 10 == 0) {
+      const uint64_t n = rng() % 400000;
+      ASSERT_TRUE(capture_->Truncate(*f, n).ok());
+      model.resize(n);
+      continue;
+    }
+    const std::vector<std::byte> piece = RandomBytes(rng, 1 + rng() % 20000);
+    ASSERT_TRUE(capture_->Write(*f, at, piece).ok());
+    if (model.size() < at + piece.size()) model.resize(at + piece.size());
+    std::memcpy(model.data() + at, piece.data(), piece.size());
+  }
+  std::vector<std::byte> back(model.size());
+  auto n = capture_->Read(*f, 0, back);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(back, model);
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_EQ(ReadFile((dir_ / "random.bin").string()), model);
+}
+
+TEST_F(WriteCaptureTest, FsyncOfAnOpenFilePlacesItAndLaterWritesFollow) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 3);
+  Start(/*n_chunks=*/4);
+  auto first = Create("first.bin");
+  const std::vector<std::byte> d1 = RandomBytes(rng, 5000);
+  WriteAll(*first, d1, 5000);
+  ASSERT_TRUE(capture_->Close(*first).ok());
+  auto f = Create("grow.bin");
+  const std::vector<std::byte> d2 = RandomBytes(rng, 70000);
+  WriteAll(*f, d2, 7000);
+  ASSERT_TRUE(capture_->Fsync(*f).ok());
+  // Fsync made it durable, with everything closed before it.
+  EXPECT_EQ(ReadFile((dir_ / "first.bin").string()), d1);
+  EXPECT_EQ(ReadFile((dir_ / "grow.bin").string()), d2);
+  const std::vector<std::byte> d3 = RandomBytes(rng, 1000);
+  ASSERT_TRUE(capture_->Write(*f, d2.size(), d3).ok());
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  std::vector<std::byte> want = d2;
+  want.insert(want.end(), d3.begin(), d3.end());
+  EXPECT_EQ(ReadFile((dir_ / "grow.bin").string()), want);
+  EXPECT_TRUE(capture_->Settled(*f));
+}
+
+TEST_F(WriteCaptureTest, DiscardedFileIsNeverPlaced) {
+  Start(/*n_chunks=*/4);
+  auto f = Create("gone.bin");
+  std::vector<std::byte> d(100000, std::byte{7});
+  WriteAll(*f, d, 100000);
+  capture_->Discard(*f);
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_FALSE(stdfs::exists(dir_ / "gone.bin"));
+}
+
+TEST_F(WriteCaptureTest, FlushErrorIsReportedAndTheDataKeptUntilSyncRetries) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 4);
+  // The first write at byte 65536 of any file fails with ENOSPC, once.
+  auto plan = std::make_shared<FaultPlan>(std::vector<Fault>{Fault{OpKind::kWrite, 65536, Fault::Effect::kError, ENOSPC, 1}});
+  Start(/*n_chunks=*/8, 64 << 10, [plan] { return MakeFaultEngine(MakePreadEngine(), plan); });
+  auto a = Create("a.bin");
+  const std::vector<std::byte> da = RandomBytes(rng, 200000);
+  WriteAll(*a, da, 50000);
+  const Status s = capture_->Fsync(*a);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(plan->InjectedCount(), 1u);
+  EXPECT_EQ(s.code(), StatusCode::kNoSpace) << s.ToString();
+  EXPECT_FALSE(stdfs::exists(dir_ / "a.bin"));
+  // A file closed after it waits behind it: never placed ahead of it.
+  auto b = Create("b.bin");
+  WriteAll(*b, RandomBytes(rng, 10), 10);
+  (void)capture_->Close(*b);
+  EXPECT_FALSE(stdfs::exists(dir_ / "b.bin"));
+  ASSERT_TRUE(capture_->Close(*a).ok() || true);
+  // The fault happened once: a retry succeeds with the data kept in the cache.
+  const Status retried = capture_->Sync();
+  ASSERT_TRUE(retried.ok()) << retried.ToString();
+  EXPECT_EQ(ReadFile((dir_ / "a.bin").string()), da);
+  EXPECT_TRUE(stdfs::exists(dir_ / "b.bin"));
+  EXPECT_GE(capture_->Stats().flush_errors, 1u);
+}
+
+// ---- recovery ----
+
+void WriteJournal(const stdfs::path& path, const std::vector<JournalRecord>& records, size_t truncate_tail = 0) {
+  std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(kJournalMagic),
+                               reinterpret_cast<const std::byte*>(kJournalMagic) + sizeof(kJournalMagic));
+  for (const auto& r : records) {
+    const auto e = EncodeJournalRecord(r);
+    bytes.insert(bytes.end(), e.begin(), e.end());
+  }
+  bytes.resize(bytes.size() - truncate_tail);
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
+                                              static_cast<std::streamsize>(bytes.size()));
+}
+
+JournalRecord ChunkRecord(uint64_t seq, uint64_t offset, const std::vector<std::byte>& data) {
+  return {JournalType::kChunk, seq, offset, data.size(), XXH64(data.data(), data.size(), 0), 0, 0, {}};
+}
+
+JournalRecord CommitRecord(uint64_t seq, uint64_t size, const std::string& path) {
+  return {JournalType::kCommit, seq, 0, 0, 0, size, 0644, path};
+}
+
+TEST_F(WriteCaptureTest, RecoveryFinishesCompleteFilesInOrderAndDiscardsTheRest) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 5);
+  const stdfs::path cap = dir_ / ".ucpfs" / "capture";
+  stdfs::create_directories(cap);
+  auto part = [&](uint64_t seq, const std::vector<std::byte>& d) {
+    std::ofstream(cap / (std::to_string(seq) + ".part"), std::ios::binary)
+        .write(reinterpret_cast<const char*>(d.data()), static_cast<std::streamsize>(d.size()));
+  };
+  const auto s1 = RandomBytes(rng, 100000), s2 = RandomBytes(rng, 3000), s3 = RandomBytes(rng, 5000);
+  const auto latest = RandomBytes(rng, 12);
+  part(1, s1);
+  part(2, s2);
+  std::vector<std::byte> torn = s3;
+  torn[100] ^= std::byte{1};  // flushed bytes that are not what the record says
+  part(3, torn);
+  part(4, latest);
+  part(5, RandomBytes(rng, 10));  // never closed
+  std::vector<std::byte> s1a(s1.begin(), s1.begin() + 65536), s1b(s1.begin() + 65536, s1.end());
+  WriteJournal(cap / "journal",
+               {ChunkRecord(1, 0, s1a), ChunkRecord(1, 65536, s1b), CommitRecord(1, s1.size(), "sub/shard_1"),
+                ChunkRecord(2, 0, s2), CommitRecord(2, s2.size(), "shard_2"), ChunkRecord(3, 0, s3),
+                CommitRecord(3, s3.size(), "shard_3"), ChunkRecord(4, 0, latest), CommitRecord(4, latest.size(), "latest")});
+  Start(4);
+  EXPECT_EQ(ReadFile((dir_ / "sub" / "shard_1").string()), s1);
+  EXPECT_EQ(ReadFile((dir_ / "shard_2").string()), s2);
+  EXPECT_FALSE(stdfs::exists(dir_ / "shard_3"));  // torn: discarded
+  EXPECT_FALSE(stdfs::exists(dir_ / "latest"));   // after a discarded file: never ahead of it
+  for (const auto& e : stdfs::directory_iterator(cap)) EXPECT_NE(e.path().extension(), ".part") << e.path();
+  std::string all;
+  for (const auto& l : log_) all += l + "\n";
+  EXPECT_NE(all.find("finished 'sub/shard_1'"), std::string::npos) << all;
+  EXPECT_NE(all.find("discarded 'shard_3'"), std::string::npos) << all;
+  EXPECT_NE(all.find("discarded 'latest'"), std::string::npos) << all;
+  EXPECT_NE(all.find("never closed"), std::string::npos) << all;
+}
+
+TEST_F(WriteCaptureTest, RecoveryNeverPlacesOutsideTheSourceOrThroughASymlink) {
+  const stdfs::path cap = dir_ / ".ucpfs" / "capture";
+  stdfs::create_directories(cap);
+  const stdfs::path outside = dir_.string() + "-outside";
+  stdfs::create_directories(outside);
+  stdfs::create_symlink(outside, dir_ / "link");
+  const std::vector<std::byte> d(10, std::byte{1});
+  for (uint64_t seq : {1, 2, 3}) {
+    std::ofstream(cap / (std::to_string(seq) + ".part"), std::ios::binary).write(reinterpret_cast<const char*>(d.data()), 10);
+  }
+  WriteJournal(cap / "journal", {ChunkRecord(1, 0, d), CommitRecord(1, 10, "../escape"), ChunkRecord(2, 0, d),
+                                 CommitRecord(2, 10, "link/x"), ChunkRecord(3, 0, d), CommitRecord(3, 10, ".ucpfs/x")});
+  Start(4);
+  EXPECT_FALSE(stdfs::exists(outside / "x"));
+  EXPECT_FALSE(stdfs::exists(dir_.parent_path() / "escape"));
+  EXPECT_FALSE(stdfs::exists(dir_ / ".ucpfs" / "x"));
+  stdfs::remove_all(outside);
+}
+
+TEST(CaptureJournal, DamagedAndTornRecordsEndTheJournal) {
+  std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(kJournalMagic),
+                               reinterpret_cast<const std::byte*>(kJournalMagic) + sizeof(kJournalMagic));
+  const std::vector<std::byte> d(5, std::byte{9});
+  for (uint64_t seq = 1; seq <= 3; ++seq) {
+    const auto e = EncodeJournalRecord(ChunkRecord(seq, 0, d));
+    bytes.insert(bytes.end(), e.begin(), e.end());
+  }
+  auto whole = ParseJournal(bytes);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(whole->records.size(), 3u);
+  EXPECT_TRUE(whole->stopped.empty());
+  auto torn = ParseJournal(std::span(bytes).first(bytes.size() - 3));
+  ASSERT_TRUE(torn.ok());
+  EXPECT_EQ(torn->records.size(), 2u);
+  EXPECT_FALSE(torn->stopped.empty());
+  bytes[sizeof(kJournalMagic) + 20] ^= std::byte{0x40};  // inside the first record
+  auto damaged = ParseJournal(bytes);
+  ASSERT_TRUE(damaged.ok());
+  EXPECT_EQ(damaged->records.size(), 0u);
+  EXPECT_NE(damaged->stopped.find("damaged"), std::string::npos);
+  EXPECT_FALSE(ParseJournal(std::span(bytes).first(4)).ok());  // no magic
+  // A commit whose path is too long for its payload, or absurd lengths, never over-reads.
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 6);
+  for (int i = 0; i < 2000; ++i) {
+    std::vector<std::byte> junk = bytes;
+    for (int k = 0; k < 4; ++k) junk[rng() % junk.size()] = static_cast<std::byte>(rng() & 0xff);
+    junk.resize(rng() % (junk.size() + 1));
+    (void)ParseJournal(junk);
+  }
+}
+
+TEST(CaptureJournal, PlacePathRules) {
+  EXPECT_TRUE(CheckPlacePath("global_step3/mp_rank_00_model_states.pt").ok());
+  EXPECT_TRUE(CheckPlacePath("latest").ok());
+  for (const char* bad : {"", "/etc/passwd", "../x", "a/../b", "a//b", "./a", ".ucpfs/capture/1.part", "a/"}) {
+    EXPECT_FALSE(CheckPlacePath(bad).ok()) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace ucpfs::io
