@@ -7,6 +7,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <climits>
 #include <cstdio>
 #include <cstring>
@@ -27,6 +31,8 @@
 #include "core/io/write_capture.h"
 #include "fs/namespace.h"
 #include "fs/passthrough.h"
+#include "fs/filesystem.h"
+#include "index/snapshot.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
 #include "index/view_inputs.h"
@@ -69,12 +75,8 @@ index::ScanProgress StderrProgress() {
   };
 }
 
-struct Loaded {
-  index::OpenedIndex opened;
-  index::KeyMapping mapping;
-};
-
-Result<Loaded> Load(const SourceArgs& args, bool progress) {
+// The snapshot options of SRC (rules loaded).
+Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress) {
   struct stat st;
   if (::stat(args.src.c_str(), &st) != 0) {
     return NotFoundError(args.src + ": no such directory");
@@ -82,18 +84,20 @@ Result<Loaded> Load(const SourceArgs& args, bool progress) {
   if (!S_ISDIR(st.st_mode)) {
     return InvalidArgumentError(args.src + ": not a directory (for a torch.save file use `ucpfs inspect FILE`)");
   }
-  index::IndexOptions opts;
-  opts.index_dir = args.index_dir;
-  opts.read_only = args.read_only_index;
-  if (progress) opts.progress = StderrProgress();
-  Loaded l;
-  UCPFS_ASSIGN_OR_RETURN(l.opened, index::OpenOrBuildIndex(AbsPath(args.src), opts));
-  std::vector<index::KeyRule> rules;
+  index::SnapshotOptions o;
+  o.source_dir = AbsPath(args.src);
+  o.index_dir = args.index_dir;
+  o.read_only_index = args.read_only_index;
+  if (progress) o.progress = StderrProgress();
   if (!args.rules.empty()) {
-    UCPFS_ASSIGN_OR_RETURN(rules, index::LoadRules(args.rules));
+    UCPFS_ASSIGN_OR_RETURN(o.key_rules, index::LoadRules(args.rules));
   }
-  UCPFS_ASSIGN_OR_RETURN(l.mapping, index::MapKeys(l.opened.checkpoint, rules));
-  return l;
+  return o;
+}
+
+Result<std::shared_ptr<const index::Snapshot>> Load(const SourceArgs& args, bool progress) {
+  UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress));
+  return index::OpenSnapshot(o, 1);
 }
 
 int Fail(const char* cmd, const Status& s) {
@@ -108,7 +112,7 @@ uint64_t TensorBytes(const index::Item& it) { return it.layout.NumElems() * Item
 int RunIndex(const SourceArgs& args) {
   auto l = Load(args, /*progress=*/true);
   if (!l.ok()) return Fail("index", l.error());
-  const auto& c = l->opened.checkpoint;
+  const auto& c = (*l)->opened.checkpoint;
   uint64_t tensor_bytes = 0, fragments = 0;
   for (const auto& it : c.items) {
     if (it.kind == index::ItemKind::kTensor) {
@@ -118,23 +122,23 @@ int RunIndex(const SourceArgs& args) {
   }
   std::cout << "ucpfs index: " << AbsPath(args.src) << ": " << c.format << " (" << c.flavor << "), "
             << c.files.size() << " files, " << c.items.size() << " items, " << fragments
-            << " fragments, " << tensor_bytes << " tensor bytes, " << l->mapping.params.size()
-            << " parameters, " << l->mapping.unmapped_keys.size() << " unmapped keys\n"
-            << "ucpfs index: " << index::IndexStateName(l->opened.state) << " at "
-            << l->opened.index_dir << " in " << l->opened.elapsed_s << " s\n";
+            << " fragments, " << tensor_bytes << " tensor bytes, " << (*l)->mapping.params.size()
+            << " parameters, " << (*l)->mapping.unmapped_keys.size() << " unmapped keys\n"
+            << "ucpfs index: " << index::IndexStateName((*l)->opened.state) << " at "
+            << (*l)->opened.index_dir << " in " << (*l)->opened.elapsed_s << " s\n";
   return 0;
 }
 
 int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   auto l = Load(args, /*progress=*/true);
   if (!l.ok()) return Fail("inspect", l.error());
-  const auto& c = l->opened.checkpoint;
+  const auto& c = (*l)->opened.checkpoint;
   nlohmann::ordered_json out;
   out["format"] = c.format;
   out["flavor"] = c.flavor;
   out["path"] = AbsPath(args.src);
   auto params = nlohmann::ordered_json::array();
-  for (const auto& p : l->mapping.params) {
+  for (const auto& p : (*l)->mapping.params) {
     nlohmann::ordered_json states = nlohmann::ordered_json::object();
     for (int k = 0; k < index::kNumStateKinds; ++k) {
       if (p.item[k] < 0) continue;
@@ -160,9 +164,9 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
     params.push_back({{"name", p.name}, {"states", std::move(states)}});
   }
   out["params"] = std::move(params);
-  out["unmapped_keys"] = l->mapping.unmapped_keys;
+  out["unmapped_keys"] = (*l)->mapping.unmapped_keys;
   // Non-parameter state: what target views serve in extra_state.pt, and what no view serves.
-  auto input = index::MakeTargetInput(c, l->mapping, index::OpenFileTable(AbsPath(args.src), c, nullptr), nullptr);
+  auto input = index::MakeTargetInput(c, (*l)->mapping, (*l)->files, nullptr);
   if (!input.ok()) return Fail("inspect", input.error());
   auto extra = nlohmann::ordered_json::array();
   for (const auto& e : (*input)->extras) {
@@ -179,7 +183,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
     return 0;
   }
   std::cout << out["path"].get<std::string>() << ": " << c.format << " (" << c.flavor << "), "
-            << l->mapping.params.size() << " parameters, " << c.files.size() << " files\n";
+            << (*l)->mapping.params.size() << " parameters, " << c.files.size() << " files\n";
   for (const auto& p : out["params"]) {
     std::cout << p["name"].get<std::string>() << '\n';
     for (const auto& [state, s] : p["states"].items()) {
@@ -195,9 +199,9 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
                 << s["nbytes"] << " B, in " << files << '\n';
     }
   }
-  if (!l->mapping.unmapped_keys.empty()) {
-    std::cout << "unmapped keys (" << l->mapping.unmapped_keys.size() << "):\n";
-    for (const auto& k : l->mapping.unmapped_keys) std::cout << "  " << k << '\n';
+  if (!(*l)->mapping.unmapped_keys.empty()) {
+    std::cout << "unmapped keys (" << (*l)->mapping.unmapped_keys.size() << "):\n";
+    for (const auto& k : (*l)->mapping.unmapped_keys) std::cout << "  " << k << '\n';
   }
   if (!out["extra_state"].empty()) {
     std::cout << "extra state, served in target/<layout>/rank_N/extra_state.pt (" << out["extra_state"].size()
@@ -242,6 +246,97 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
   return t;
 }
 
+// The file names whose durability completes a checkpoint. Any durable file triggers a try (a
+// `cp -r` of a checkpoint lands in directory order, its pointer not necessarily last), but
+// these are tried at once, the rest after a quiet spell.
+bool IsCompletionMarker(const std::string& rel) {
+  const std::string name = rel.substr(rel.find_last_of('/') + 1);
+  return name == "latest" || name == "latest_checkpointed_iteration.txt" || name == ".metadata" ||
+         (name.size() > 9 && name.compare(name.size() - 9, 9, ".metadata") == 0);
+}
+
+// Re-indexes the source in the background after saves into the mount and swaps the mount's
+// views to the new generation (Filesystem::Swap); the views of an incomplete checkpoint never
+// replace complete ones (a failed build keeps the served generation, logged once per reason).
+class Reindexer {
+ public:
+  using Build = std::function<Result<std::pair<std::shared_ptr<fs::Tree>, fs::NamespaceInfo>>(uint64_t generation)>;
+  explicit Reindexer(Build build) : build_(std::move(build)), thread_([this] { Loop(); }) {}
+  ~Reindexer() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Attach(fs::Filesystem* filesystem) {
+    std::lock_guard lock(mu_);
+    fs_ = filesystem;
+  }
+  void Detach() { Attach(nullptr); }
+  // A file became durable (or was renamed or removed) at `rel` beneath the source.
+  void Changed(const std::string& rel) {
+    {
+      std::lock_guard lock(mu_);
+      dirty_ = true;
+      urgent_ = urgent_ || IsCompletionMarker(rel);
+      last_change_ = std::chrono::steady_clock::now();
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock lock(mu_);
+    uint64_t generation = 1;
+    std::string last_error;
+    for (;;) {
+      cv_.wait(lock, [&] { return stopping_ || dirty_; });
+      if (stopping_) return;
+      // Quiet for 200 ms, or a completion marker.
+      while (!stopping_ && !urgent_ && std::chrono::steady_clock::now() - last_change_ < std::chrono::milliseconds(200)) {
+        cv_.wait_for(lock, std::chrono::milliseconds(50));
+      }
+      if (stopping_) return;
+      dirty_ = false;
+      urgent_ = false;
+      lock.unlock();
+      const auto t0 = std::chrono::steady_clock::now();
+      auto built = build_(generation + 1);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      lock.lock();
+      if (!built.ok()) {
+        if (built.error().message() != last_error) {
+          std::cerr << "ucpfs: views not updated (the source is not a complete checkpoint yet?): "
+                    << built.error().ToString() << std::endl;
+          last_error = built.error().message();
+        }
+        continue;
+      }
+      last_error.clear();
+      if (fs_ == nullptr) continue;
+      auto& [tree, info] = *built;
+      const Status swapped = fs_->Swap(std::move(tree), info.target_dir, info.resolve_target);
+      if (!swapped.ok()) {
+        std::cerr << "ucpfs: views not updated: " << swapped.ToString() << std::endl;
+        continue;
+      }
+      ++generation;
+      std::cerr << "ucpfs: generation " << generation << ": views of " << info.source_dir << " rebuilt in "
+                << seconds << " s (" << info.n_atomic_files << " atomic files)" << std::endl;
+    }
+  }
+
+  Build build_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  fs::Filesystem* fs_ = nullptr;  // guarded by mu_; set while the mount serves
+  bool dirty_ = false, urgent_ = false, stopping_ = false;
+  std::chrono::steady_clock::time_point last_change_;
+  std::thread thread_;  // last: started once the members above exist
+};
+
 // Builds the namespace and serves it; reports failure through `ready_fd` as text when >= 0.
 int ServeMount(const MountArgs& args, int ready_fd) {
   auto report = [&](const char* what, const Status& s) {
@@ -255,49 +350,128 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     }
     return 1;
   };
-  auto l = Load(args.source, /*progress=*/ready_fd < 0);
-  if (!l.ok()) return report("index", l.error());
+  auto snapshot_options = SnapshotOptionsOf(args.source, /*progress=*/ready_fd < 0);
+  if (!snapshot_options.ok()) return report("source", snapshot_options.error());
   auto targets = ParseTargetOptions(args);
   if (!targets.ok()) return report("options", targets.error());
-  fs::NamespaceInfo info;
-  auto tree = fs::BuildNamespace(AbsPath(args.source.src), l->opened, l->mapping, *targets, &info);
-  if (!tree.ok()) return report("namespace", tree.error());
-  fs::MountOptions mo;
-  mo.mountpoint = args.mountpoint;
-  mo.fuse_options = args.fuse_options;
-  mo.ready_fd = ready_fd;
-  // The source, read-write beside the views, saves captured in the pinned cache.
+  const std::string source_dir = snapshot_options->source_dir;
+
+  // The write capture first: its recovery finishes what a killed daemon left before indexing.
   std::shared_ptr<io::WriteCapture> capture;
+  std::shared_ptr<Reindexer> reindexer;
+  std::weak_ptr<Reindexer> weak_reindexer;
+  // Where durable files are reported (the reindexer, once it exists); guarded: the committer
+  // thread calls it.
+  struct ChangeSink {
+    std::mutex mu;
+    std::function<void(const std::string&)> to;
+    void operator()(const std::string& rel) {
+      std::lock_guard lock(mu);
+      if (to) to(rel);
+    }
+    void Set(std::function<void(const std::string&)> f) {
+      std::lock_guard lock(mu);
+      to = std::move(f);
+    }
+  };
+  auto changed = std::make_shared<ChangeSink>();
   if (!args.read_only) {
     io::PinnedCacheOptions co;
     auto size = io::ParseByteSize(args.cache_size);
     if (!size.ok()) return report("--cache-size", size.error());
     co.capacity_bytes = *size;
-    co.warn = [](const std::string& line) { std::cerr << "ucpfs: warning: " << line << "\n"; };
+    co.warn = [](const std::string& line) { std::cerr << "ucpfs: warning: " << line << std::endl; };
     auto cache = io::PinnedCache::Make(co);
     if (!cache.ok()) return report("cache", cache.error());
     io::WriteCaptureOptions wo;
-    wo.source_dir = info.source_dir;
+    wo.source_dir = source_dir;
     wo.cache = std::shared_ptr<io::PinnedCache>(std::move(*cache));
-    wo.log = [](const std::string& line) { std::cerr << line << "\n"; };
-    const int src_fd = ::open(info.source_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (src_fd < 0) return report("source", IoError("open " + info.source_dir, errno));
+    wo.log = [](const std::string& line) { std::cerr << line << std::endl; };
+    wo.on_durable = [changed](const std::string& rel) { (*changed)(rel); };
+    const int src_fd = ::open(source_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (src_fd < 0) return report("source", IoError("open " + source_dir, errno));
     wo.source_dirfd = src_fd;
     auto started = io::WriteCapture::Start(std::move(wo));
     if (!started.ok()) return report("write capture", started.error());
     capture = std::shared_ptr<io::WriteCapture>(std::move(*started));
   }
-  auto passthrough = fs::Passthrough::Make(info.source_dir, capture);
-  if (!passthrough.ok()) return report("source", passthrough.error());
-  mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
-  if (args.read_only) mo.fuse_options.push_back("ro");
+  fs::MountHooks hooks;
+  if (capture) {
+    hooks.sync = [capture] { return capture->Sync(); };
+    hooks.capture_stats = [capture] {
+      const io::CaptureStats s = capture->Stats();
+      nlohmann::ordered_json j;
+      j["cache_bytes"] = s.cache_capacity_bytes;
+      j["cache_used_bytes"] = s.cache_used_bytes;
+      j["dirty_bytes"] = s.dirty_bytes;
+      j["bytes_captured"] = s.bytes_captured;
+      j["bytes_flushed"] = s.bytes_flushed;
+      j["flush_busy_seconds"] = static_cast<double>(s.flush_busy_ns) / 1e9;
+      j["flush_bytes_per_second"] =
+          s.flush_busy_ns == 0 ? 0.0 : static_cast<double>(s.bytes_flushed) / (static_cast<double>(s.flush_busy_ns) / 1e9);
+      j["writers_blocked_seconds"] = static_cast<double>(s.writers_blocked_ns) / 1e9;
+      j["files_pending"] = s.files_pending;
+      j["files_committed"] = s.files_committed;
+      j["flush_errors"] = s.flush_errors;
+      j["memory"] = s.memory_kind;
+      j["engine"] = s.engine;
+      return j;
+    };
+  }
+  // One generation of the views: the checkpoint in SRC now, or, while it holds none, `.ucpfs/`.
+  const fs::TargetOptions target_options = *targets;
+  const index::SnapshotOptions so = *snapshot_options;
+  auto build = [so, target_options, hooks](uint64_t generation, bool allow_empty)
+      -> Result<std::pair<std::shared_ptr<fs::Tree>, fs::NamespaceInfo>> {
+    fs::NamespaceInfo info;
+    index::SnapshotOptions o = so;
+    if (generation > 1) o.progress = nullptr;
+    Result<std::shared_ptr<const index::Snapshot>> snapshot = index::OpenSnapshot(o, generation);
+    if (!snapshot.ok()) {
+      if (!allow_empty || snapshot.error().code() != StatusCode::kNotFound) return snapshot.error();
+      UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildEmptyNamespace(o.source_dir, snapshot.error().message(), generation,
+                                                                hooks, &info));
+      return std::make_pair(std::move(tree), std::move(info));
+    }
+    UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildNamespace(*snapshot, target_options, hooks, &info));
+    info.index_state = index::IndexStateName((*snapshot)->opened.state);
+    info.index_seconds = (*snapshot)->opened.elapsed_s;
+    return std::make_pair(std::move(tree), std::move(info));
+  };
+  auto first = build(1, /*allow_empty=*/true);
+  if (!first.ok()) return report("index", first.error());
+  auto& [tree, info] = *first;
+  if (capture) {
+    reindexer = std::make_shared<Reindexer>([build](uint64_t generation) { return build(generation, false); });
+    changed->Set([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
+  }
+  fs::MountOptions mo;
+  mo.mountpoint = args.mountpoint;
+  mo.fuse_options = args.fuse_options;
+  mo.ready_fd = ready_fd;
   // target/<layout>/ for layouts not given with --layout: built on first lookup.
   mo.dynamic_dir = info.target_dir;
   mo.resolve = info.resolve_target;
-  std::cerr << "ucpfs mount: serving " << info.source_dir << " at " << args.mountpoint << " ("
-            << info.n_atomic_files << " atomic files, " << info.n_target_files << " target files, index " << index::IndexStateName(l->opened.state)
-            << " in " << l->opened.elapsed_s << " s)\n";
-  Status s = fs::ServeTree(std::move(*tree), mo);
+  auto passthrough = fs::Passthrough::Make(source_dir, capture);
+  if (!passthrough.ok()) return report("source", passthrough.error());
+  if (reindexer) (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
+  mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+  if (args.read_only) mo.fuse_options.push_back("ro");
+  mo.started = [reindexer](fs::Filesystem* filesystem) {
+    if (reindexer) reindexer->Attach(filesystem);
+  };
+  if (info.n_atomic_files == 0 && info.target_dir == 0) {
+    std::cerr << "ucpfs mount: serving " << source_dir << " at " << args.mountpoint
+              << " (no checkpoint yet: views appear when one is saved)" << std::endl;
+  } else {
+    std::cerr << "ucpfs mount: serving " << info.source_dir << " at " << args.mountpoint << " ("
+              << info.n_atomic_files << " atomic files, " << info.n_target_files << " target files, index "
+              << info.index_state << " in " << info.index_seconds << " s)" << std::endl;
+  }
+  Status s = fs::ServeTree(std::move(tree), mo);
+  if (reindexer) reindexer->Detach();
+  changed->Set(nullptr);
+  reindexer.reset();
   mo.passthrough.reset();
   capture.reset();  // drains: everything captured is made durable before the daemon exits
   if (!s.ok()) return report("serve", s);

@@ -46,17 +46,33 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Make(std::shared_ptr<const Tree>
 Filesystem::Filesystem(std::shared_ptr<const Tree> tree, FilesystemOptions options)
     : tree_(std::move(tree)), options_(std::move(options)) {}
 
+Filesystem::Current Filesystem::CurrentGeneration() const {
+  std::shared_lock lock(mu_);
+  if (current_slot_ == 0) return {tree_, 0};
+  return {subtrees_.at(current_slot_)->tree, current_slot_ << kSlotShift};
+}
+
 Filesystem::Found Filesystem::Find(Ino ino, bool take_reference) const {
   Found f;
   if (Passthrough::Owns(ino)) return f;
+  if (ino == kRootIno) {  // the mount's root: the served generation's root (never counted)
+    const Current cur = CurrentGeneration();
+    f.tree = cur.tree;
+    f.base = cur.base;
+    f.node = f.tree->Get(kRootIno);
+    f.is_root = true;
+    return f;
+  }
   const uint64_t slot = ino >> kSlotShift;
-  std::shared_lock<std::shared_mutex> lock;  // the main tree is pinned: no lock, no count
+  std::shared_lock<std::shared_mutex> lock;  // the first generation is pinned: no lock, no count
   if (slot == 0) {
     f.tree = tree_;
   } else {
     lock = std::shared_lock(mu_);
     const auto it = subtrees_.find(slot);
     if (it == subtrees_.end()) return f;
+    // A generation's own root is served as kRootIno only.
+    if (it->second->is_generation && (ino & kLocalInoMask) == kRootIno) return f;
     f.tree = it->second->tree;
     f.base = slot << kSlotShift;
   }
@@ -69,30 +85,115 @@ Filesystem::Found Filesystem::Find(Ino ino, bool take_reference) const {
 }
 
 Filesystem::Found Filesystem::ChildOf(const Found& dir, const TreeNode* local) const {
-  return {dir.tree, local, dir.base};
+  return {dir.tree, local, dir.base, false};
+}
+
+Ino Filesystem::DynamicDirOf(uint64_t generation_slot) const {
+  if (generation_slot == 0) return options_.dynamic_dir;
+  std::shared_lock lock(mu_);
+  const auto it = subtrees_.find(generation_slot);
+  if (it == subtrees_.end()) return kRootIno;  // released: ".." goes to the root
+  return generation_slot << kSlotShift | it->second->dynamic_dir;
 }
 
 Ino Filesystem::GlobalParent(const Found& f) const {
-  if (f.base == 0) return f.node->parent;
-  return f.node->ino == kRootIno ? options_.dynamic_dir : (f.base | f.node->parent);
+  if (f.is_root) return kRootIno;
+  const uint64_t slot = f.base >> kSlotShift;
+  bool dynamic_child = false;
+  uint64_t generation_slot = 0;
+  if (slot != 0) {
+    std::shared_lock lock(mu_);
+    const auto it = subtrees_.find(slot);
+    if (it != subtrees_.end() && !it->second->is_generation) {
+      dynamic_child = true;
+      generation_slot = it->second->generation_slot;
+    }
+  }
+  if (dynamic_child) {
+    return f.node->ino == kRootIno ? DynamicDirOf(generation_slot) : (f.base | f.node->parent);
+  }
+  // A generation (or the first): children of its root are the mount root's.
+  return f.node->parent == kRootIno ? kRootIno : (f.base | f.node->parent);
+}
+
+bool Filesystem::IsDynamicDir(const Found& dir, SubtreeResolver* resolve) const {
+  if (dir.base == 0) {
+    if (options_.dynamic_dir == 0 || dir.node->ino != options_.dynamic_dir) return false;
+    if (resolve != nullptr) *resolve = options_.resolve;
+    return true;
+  }
+  std::shared_lock lock(mu_);
+  const auto it = subtrees_.find(dir.base >> kSlotShift);
+  if (it == subtrees_.end() || !it->second->is_generation || it->second->dynamic_dir == 0 ||
+      dir.node->ino != it->second->dynamic_dir) {
+    return false;
+  }
+  if (resolve != nullptr) *resolve = it->second->resolve;
+  return true;
 }
 
 std::string Filesystem::PathOf(Ino ino) const {
   if (Passthrough::Owns(ino) && options_.passthrough) return options_.passthrough->PathOf(ino);
+  if (ino == kRootIno) return "/";
   const uint64_t slot = ino >> kSlotShift;
   if (slot == 0) return tree_->PathOf(ino);
   std::shared_ptr<const Tree> tree;
   std::string name;
+  bool is_generation = false;
+  uint64_t generation_slot = 0;
   {
     std::shared_lock lock(mu_);
     const auto it = subtrees_.find(slot);
     if (it == subtrees_.end()) return "<ino " + std::to_string(ino) + ">";
     tree = it->second->tree;
     name = it->second->name;
+    is_generation = it->second->is_generation;
+    generation_slot = it->second->generation_slot;
   }
-  const std::string base = tree_->PathOf(options_.dynamic_dir) + "/" + name;
   const std::string rest = tree->PathOf(ino & kLocalInoMask);
+  if (is_generation) return rest;
+  const std::string base = PathOf(DynamicDirOf(generation_slot)) + "/" + name;
   return rest == "/" ? base : base + rest;
+}
+
+uint64_t Filesystem::Generation() const {
+  std::shared_lock lock(mu_);
+  return n_generations_;
+}
+
+Status Filesystem::Swap(std::shared_ptr<const Tree> tree, Ino dynamic_dir, SubtreeResolver resolve) {
+  if (tree == nullptr || tree->size() > kLocalInoMask) return InvalidArgumentError("Filesystem::Swap: bad tree");
+  if (dynamic_dir != 0) {
+    const TreeNode* dir = tree->Get(dynamic_dir);
+    if (dir == nullptr || !dir->is_dir || !resolve) {
+      return InvalidArgumentError("Filesystem::Swap: dynamic_dir is not a directory or has no resolver");
+    }
+  }
+  std::shared_ptr<const Tree> released;  // destroyed outside the lock
+  std::unique_lock lock(mu_);
+  if (subtrees_.size() >= kMaxLiveSubtrees || next_slot_ > kMaxSlot) {
+    return PosixError(ENOSPC, "too many generations and directories resolved");
+  }
+  auto gen = std::make_unique<Subtree>();
+  gen->tree = std::move(tree);
+  gen->is_generation = true;
+  gen->current = true;
+  gen->dynamic_dir = dynamic_dir;
+  gen->resolve = std::move(resolve);
+  const uint64_t slot = next_slot_++;
+  subtrees_.emplace(slot, std::move(gen));
+  const uint64_t old = current_slot_;
+  current_slot_ = slot;
+  ++n_generations_;
+  if (old != 0) {
+    Subtree& prev = *subtrees_.at(old);
+    prev.current = false;
+    if (prev.n_lookups.load(std::memory_order_acquire) == 0) {
+      released = std::move(prev.tree);
+      subtrees_.erase(old);
+    }
+  }
+  return Status::Ok();
 }
 
 size_t Filesystem::NumSubtrees() const {
@@ -103,10 +204,10 @@ size_t Filesystem::NumSubtrees() const {
 struct stat Filesystem::Stat(const Found& found) const {
   const TreeNode& node = *found.node;
   struct stat st = {};
-  st.st_ino = found.base | node.ino;
+  st.st_ino = found.is_root ? kRootIno : (found.base | node.ino);
   st.st_mode = static_cast<mode_t>((node.is_dir ? S_IFDIR : S_IFREG) | (node.mode & 07777));
   // The dynamic directory's subdirectory count is unknown: 1 tells find(1) not to count.
-  st.st_nlink = options_.dynamic_dir != 0 && st.st_ino == options_.dynamic_dir ? 1 : node.nlink;
+  st.st_nlink = node.is_dir && IsDynamicDir(found, nullptr) ? 1 : node.nlink;
   st.st_uid = node.uid >= 0 ? static_cast<uid_t>(node.uid) : options_.uid;
   st.st_gid = node.gid >= 0 ? static_cast<gid_t>(node.gid) : options_.gid;
   st.st_size = static_cast<off_t>(node.size);
@@ -116,7 +217,7 @@ struct stat Filesystem::Stat(const Found& found) const {
   st.st_atim = node.mtime;
   st.st_mtim = node.mtime;
   st.st_ctim = node.mtime;
-  if (options_.passthrough && found.base == 0 && node.ino == kRootIno) {
+  if (options_.passthrough && found.is_root) {
     // The mount's root is the source's root: its owner, mode and times.
     if (Result<struct stat> src = options_.passthrough->GetAttr(kRootIno); src.ok()) {
       st.st_mode = S_IFDIR | (src->st_mode & 07777);
@@ -144,7 +245,7 @@ Result<bool> Filesystem::ToSource(Ino parent, std::string_view name) const {
     if (Find(parent).node == nullptr) return NotFoundError("no inode " + std::to_string(parent));
     return false;
   }
-  return tree_->Lookup(kRootIno, std::string(name)) == nullptr;
+  return CurrentGeneration().tree->Lookup(kRootIno, std::string(name)) == nullptr;
 }
 
 Entry Filesystem::EntryOf(const Found& found) const {
@@ -156,20 +257,28 @@ Entry Filesystem::EntryOf(const Found& found) const {
   return e;
 }
 
-Result<Filesystem::Found> Filesystem::ResolveChild(const std::string& name) {
+Result<Filesystem::Found> Filesystem::ResolveChild(uint64_t generation_slot, const std::string& name) {
+  const auto key = std::make_pair(generation_slot, name);
+  SubtreeResolver resolve;
   {
     std::shared_lock lock(mu_);
-    const auto it = slot_of_.find(name);
+    const auto it = slot_of_.find(key);
     if (it != slot_of_.end()) {
       Subtree& sub = *subtrees_.at(it->second);
       sub.n_lookups.fetch_add(1, std::memory_order_relaxed);
-      return Found{sub.tree, sub.tree->Get(kRootIno), it->second << kSlotShift};
+      return Found{sub.tree, sub.tree->Get(kRootIno), it->second << kSlotShift, false};
+    }
+    if (generation_slot == 0) {
+      resolve = options_.resolve;
+    } else if (const auto g = subtrees_.find(generation_slot); g != subtrees_.end()) {
+      resolve = g->second->resolve;
     }
   }
-  std::string dir_path = tree_->PathOf(options_.dynamic_dir);
+  std::string dir_path = PathOf(DynamicDirOf(generation_slot));
   if (!dir_path.empty() && dir_path[0] == '/') dir_path.erase(0, 1);
   const std::string label = dir_path.empty() ? name : dir_path + "/" + name;
-  Result<std::shared_ptr<const Tree>> made = options_.resolve(name);  // outside the lock
+  if (!resolve) return NotFoundError(label + ": its generation was released");
+  Result<std::shared_ptr<const Tree>> made = resolve(name);  // outside the lock
   if (!made.ok()) {
     std::fprintf(stderr, "ucpfs: %s: %s\n", label.c_str(), made.error().ToString().c_str());
     return NotFoundError(label + ": " + made.error().message());
@@ -181,7 +290,7 @@ Result<Filesystem::Found> Filesystem::ResolveChild(const std::string& name) {
     return NotFoundError(label + ": no tree");
   }
   std::unique_lock lock(mu_);
-  auto it = slot_of_.find(name);
+  auto it = slot_of_.find(key);
   if (it == slot_of_.end()) {  // else another thread won the race: use theirs, drop ours
     if (subtrees_.size() >= kMaxLiveSubtrees || next_slot_ > kMaxSlot) {
       std::fprintf(stderr, "ucpfs: %s: too many directories resolved (%zu)\n", label.c_str(),
@@ -191,12 +300,13 @@ Result<Filesystem::Found> Filesystem::ResolveChild(const std::string& name) {
     auto sub = std::make_unique<Subtree>();
     sub->tree = std::move(tree);
     sub->name = name;
-    it = slot_of_.emplace(name, next_slot_).first;
+    sub->generation_slot = generation_slot;
+    it = slot_of_.emplace(key, next_slot_).first;
     subtrees_.emplace(next_slot_++, std::move(sub));
   }
   Subtree& sub = *subtrees_.at(it->second);
   sub.n_lookups.fetch_add(1, std::memory_order_relaxed);
-  return Found{sub.tree, sub.tree->Get(kRootIno), it->second << kSlotShift};
+  return Found{sub.tree, sub.tree->Get(kRootIno), it->second << kSlotShift, false};
 }
 
 Result<Entry> Filesystem::Lookup(Ino parent, std::string_view name) {
@@ -219,8 +329,8 @@ Result<Entry> Filesystem::Lookup(Ino parent, std::string_view name) {
     const TreeNode* local = dir.tree->Lookup(dir.node->ino, std::string(name));
     if (local != nullptr) {
       child = dir.base == 0 ? ChildOf(dir, local) : Find(dir.base | local->ino, true);
-    } else if (options_.dynamic_dir != 0 && parent == options_.dynamic_dir) {
-      UCPFS_ASSIGN_OR_RETURN(child, ResolveChild(std::string(name)));
+    } else if (IsDynamicDir(dir, nullptr)) {
+      UCPFS_ASSIGN_OR_RETURN(child, ResolveChild(dir.base >> kSlotShift, std::string(name)));
     }
   }
   // A node that vanished between Find and FindReferenced (its subtree was evicted) is absent.
@@ -255,9 +365,12 @@ void Filesystem::Forget(Ino ino, uint64_t n_lookups) {
   std::shared_ptr<const Tree> released;  // destroyed outside the lock
   std::unique_lock lock(mu_);
   const auto it = subtrees_.find(slot);
-  if (it == subtrees_.end() || it->second->n_lookups.load(std::memory_order_acquire) != 0) return;
+  if (it == subtrees_.end() || it->second->n_lookups.load(std::memory_order_acquire) != 0 ||
+      it->second->current) {
+    return;
+  }
   released = std::move(it->second->tree);
-  slot_of_.erase(it->second->name);
+  if (!it->second->is_generation) slot_of_.erase({it->second->generation_slot, it->second->name});
   subtrees_.erase(it);
   lock.unlock();
 }
@@ -360,10 +473,11 @@ Result<DirListing> Filesystem::OpenDir(Ino ino) const {
   if (!node->is_dir) return PosixError(ENOTDIR, PathOf(ino) + " is not a directory");
   DirListing listing;
   listing.items.reserve(node->children.size() + 2);
-  listing.items.push_back({".", found.base | node->ino});
+  listing.items.push_back({".", found.is_root ? kRootIno : (found.base | node->ino)});
   listing.items.push_back({"..", GlobalParent(found)});
   for (const auto& [name, child] : node->children) listing.items.push_back({name, found.base | child});
-  if (options_.passthrough && found.base == 0 && node->ino == kRootIno) {
+  if (found.is_root && found.base != 0) listing.cacheable = false;  // a later generation: swapped again
+  if (options_.passthrough && found.is_root) {
     // The source's top-level entries beside the views' names.
     listing.cacheable = false;
     UCPFS_ASSIGN_OR_RETURN(auto items, options_.passthrough->List(kRootIno));
@@ -374,13 +488,15 @@ Result<DirListing> Filesystem::OpenDir(Ino ino) const {
     std::sort(listing.items.begin() + 2, listing.items.end(),
               [](const DirListing::Item& a, const DirListing::Item& b) { return a.name < b.name; });
   }
-  if (options_.dynamic_dir != 0 && ino == options_.dynamic_dir) {
+  if (IsDynamicDir(found, nullptr)) {
     listing.cacheable = false;  // plus the subtrees built so far, merged in name order
     {
+      const uint64_t generation_slot = found.base >> kSlotShift;
       std::shared_lock lock(mu_);
-      for (const auto& [name, slot] : slot_of_) {
-        if (node->children.contains(name)) continue;  // shadowed (never resolved, in fact)
-        listing.items.push_back({name, slot << kSlotShift | kRootIno});
+      for (const auto& [key, slot] : slot_of_) {
+        if (key.first != generation_slot) continue;
+        if (node->children.contains(key.second)) continue;  // shadowed (never resolved, in fact)
+        listing.items.push_back({key.second, slot << kSlotShift | kRootIno});
       }
     }
     std::sort(listing.items.begin() + 2, listing.items.end(),
@@ -391,12 +507,12 @@ Result<DirListing> Filesystem::OpenDir(Ino ino) const {
 
 struct statvfs Filesystem::StatFs() const {
   if (options_.passthrough) return options_.passthrough->StatFs();  // the source's space: df
-  const uint64_t n_bytes = tree_->TotalFileBytes();
+  const uint64_t n_bytes = CurrentGeneration().tree->TotalFileBytes();
   struct statvfs sv = {};
   sv.f_bsize = kStatfsBlockSize;
   sv.f_frsize = kStatfsBlockSize;
   sv.f_blocks = n_bytes / kStatfsBlockSize + (n_bytes % kStatfsBlockSize != 0 ? 1 : 0);
-  sv.f_files = tree_->size();
+  sv.f_files = CurrentGeneration().tree->size();
   sv.f_namemax = kNameMax;
   sv.f_flag = ST_RDONLY;  // informational: statvfs(2) reports the mount's "ro" flag
   return sv;
@@ -418,7 +534,7 @@ Result<struct stat> Filesystem::SetAttr(Ino ino, const struct stat& attr, int to
 Result<std::pair<Entry, OpenFile>> Filesystem::Create(Ino parent, std::string_view name, mode_t mode, int flags) {
   UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
   if (!to_source) {
-    if (parent == kRootIno && tree_->Lookup(kRootIno, std::string(name)) != nullptr) {
+    if (parent == kRootIno && CurrentGeneration().tree->Lookup(kRootIno, std::string(name)) != nullptr) {
       return PosixError(EEXIST, "/" + std::string(name) + " is a view");
     }
     return PosixError(EROFS, PathOf(parent) + " is read-only");

@@ -143,22 +143,45 @@ class Filesystem {
   Status Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name, unsigned flags);
   bool HasPassthrough() const { return options_.passthrough != nullptr; }
 
+  // A new generation of the views (a Snapshot built after a save): from now on the root's view
+  // names are `tree`'s, with `dynamic_dir`/`resolve` its dynamic directory (0/empty: none).
+  // Inodes of earlier generations stay valid while the kernel holds them (readers keep their
+  // snapshot); a replaced generation is released once the kernel has forgotten all of them
+  // (the first generation, uncounted, stays for the mount's life). Errors: kInvalidArgument as
+  // Make; ENOSPC when the slots are used up.
+  Status Swap(std::shared_ptr<const Tree> tree, Ino dynamic_dir, SubtreeResolver resolve);
+  // Generations built so far (1 + swaps).
+  uint64_t Generation() const;
+
   // "/a/b/c" of an inode, through subtrees too, for messages.
   std::string PathOf(Ino ino) const;
   // Subtrees currently built (not evicted).
   size_t NumSubtrees() const;
 
  private:
+  // A tree served in a slot: a generation of the views (after a Swap) or a child of a dynamic
+  // directory (built on lookup).
   struct Subtree {
     std::shared_ptr<const Tree> tree;
-    std::string name;
+    std::string name;                    // dynamic child: its name; generation: ""
+    uint64_t generation_slot = 0;        // dynamic child: its generation's slot (0: the first)
+    bool is_generation = false;
+    bool current = false;                // the generation served at the root: never evicted
+    Ino dynamic_dir = 0;                 // generation: local inode of its dynamic directory
+    SubtreeResolver resolve;             // generation: its resolver
     std::atomic<uint64_t> n_lookups{0};  // kernel references to its inodes
   };
   // A node found by its (global) inode number; `tree` keeps a subtree alive while in use.
   struct Found {
     std::shared_ptr<const Tree> tree;
     const TreeNode* node = nullptr;  // nullptr: no such inode
-    Ino base = 0;                    // slot << 32 in a subtree; 0 in the main tree
+    Ino base = 0;                    // slot << 32 in a subtree; 0 in the first generation
+    bool is_root = false;            // the mount's root (kRootIno), whatever generation serves it
+  };
+  // The generation served at the root.
+  struct Current {
+    std::shared_ptr<const Tree> tree;
+    Ino base = 0;
   };
 
   Filesystem(std::shared_ptr<const Tree> tree, FilesystemOptions options);
@@ -169,8 +192,14 @@ class Filesystem {
   Ino GlobalParent(const Found& found) const;
   struct stat Stat(const Found& found) const;
   Entry EntryOf(const Found& found) const;
-  // The dynamic child `name`: found or built now, with one kernel reference taken.
-  Result<Found> ResolveChild(const std::string& name);
+  // The dynamic child `name` of generation `generation_slot`: found or built now, with one
+  // kernel reference taken.
+  Result<Found> ResolveChild(uint64_t generation_slot, const std::string& name);
+  Current CurrentGeneration() const;
+  // The dynamic directory of the generation holding `dir` (local inode, resolver), if `dir` is it.
+  bool IsDynamicDir(const Found& dir, SubtreeResolver* resolve) const;
+  void Evict(uint64_t slot);  // mu_ held exclusively by the caller via the lock passed
+  Ino DynamicDirOf(uint64_t generation_slot) const;  // global inode of a generation's dynamic dir
   // Whether `parent`/`name` goes to the passthrough (true) or is a view's (false; EROFS for
   // changes). Errors: kNotFound for an unknown parent.
   Result<bool> ToSource(Ino parent, std::string_view name) const;
@@ -180,8 +209,10 @@ class Filesystem {
   const FilesystemOptions options_;
   mutable std::shared_mutex mu_;
   std::map<uint64_t, std::unique_ptr<Subtree>> subtrees_;  // slot -> subtree; guarded by mu_
-  std::map<std::string, uint64_t, std::less<>> slot_of_;   // name -> slot; guarded by mu_
+  std::map<std::pair<uint64_t, std::string>, uint64_t> slot_of_;  // (generation slot, name) -> slot; mu_
   uint64_t next_slot_ = 1;                                  // guarded by mu_
+  uint64_t current_slot_ = 0;                               // the served generation; guarded by mu_
+  uint64_t n_generations_ = 1;                              // guarded by mu_
   // Source data-loss errors already logged, bounded so a storm of distinct ones cannot grow it.
   std::mutex logged_mu_;
   std::set<std::string> logged_data_loss_;  // guarded by logged_mu_

@@ -156,14 +156,16 @@ constexpr double kSourceTimeoutS = 1.0;
 
 double TimeoutOf(Ino ino) { return Passthrough::Owns(ino) ? kSourceTimeoutS : kCacheTimeoutS; }
 
-fuse_entry_param EntryParam(const Entry& entry, double negative_timeout = kCacheTimeoutS) {
+// `short_names`: names of the mount's root, whose views a new generation replaces (Swap), so the
+// kernel asks again within a second.
+fuse_entry_param EntryParam(const Entry& entry, double negative_timeout = kCacheTimeoutS, bool short_names = false) {
   fuse_entry_param e = {};
   // ino 0 is a negative entry, cached for entry_timeout like a positive one.
   if (entry.ino != 0) {
     e.ino = entry.ino;
     e.attr = entry.attr;
     e.attr_timeout = TimeoutOf(entry.ino);
-    e.entry_timeout = TimeoutOf(entry.ino);
+    e.entry_timeout = short_names ? kSourceTimeoutS : TimeoutOf(entry.ino);
   } else {
     e.entry_timeout = negative_timeout;
   }
@@ -204,7 +206,8 @@ void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     // A resolve failure is not a negative entry: a later lookup tries again.
     if (!entry.ok()) return ErrnoFromStatus(entry.error());
     const bool source = Passthrough::Owns(parent) || (parent == kRootIno && fs.HasPassthrough());
-    const fuse_entry_param e = EntryParam(*entry, source ? kSourceTimeoutS : kCacheTimeoutS);
+    const fuse_entry_param e =
+        EntryParam(*entry, source ? kSourceTimeoutS : kCacheTimeoutS, parent == kRootIno && fs.HasPassthrough());
     if (fuse_reply_entry(req, &e) != 0 && entry->ino != 0) fs.Forget(entry->ino, 1);
     return 0;
   });
@@ -431,7 +434,8 @@ void ReadDir(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi, bool pl
           entry = fs.Reference(item.ino);
         }
         if (!entry) continue;  // gone since opendir (an evicted subtree, a removed file)
-        const fuse_entry_param e = EntryParam(*entry);
+        const bool root = dir.items[0].ino == kRootIno && fs.HasPassthrough();
+        const fuse_entry_param e = EntryParam(*entry, kCacheTimeoutS, root);
         n_bytes = fuse_add_direntry_plus(req, buf.data() + used, size - used, item.name.c_str(), &e, next);
         if (n_bytes > size - used) {
           fs.Forget(entry->ino, 1);
@@ -660,6 +664,7 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   Server server;
   UCPFS_ASSIGN_OR_RETURN(server.fs, Filesystem::Make(std::move(tree), std::move(fs_options)));
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;
+  if (options.started) options.started(server.fs.get());
 
   std::vector<std::string> arg_strings = {
       "ucpfs",

@@ -9,6 +9,7 @@
 // stderr, never crashes the daemon.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +19,8 @@
 #include "fs/tree.h"
 
 namespace ucpfs::fs {
+
+class Filesystem;
 
 struct MountOptions {
   std::string mountpoint;
@@ -37,6 +40,9 @@ struct MountOptions {
   // The source served read-write beside the tree (FilesystemOptions::passthrough); null: the
   // mount is read-only ("ro").
   std::shared_ptr<Passthrough> passthrough;
+  // Called once the Filesystem exists, before the mount serves; the pointer is valid until
+  // ServeTree returns (e.g. to Swap a new generation of views in).
+  std::function<void(Filesystem*)> started;
 };
 
 // Mounts and serves until the filesystem is unmounted (ucpfs umount / fusermount3 -u) or the

@@ -27,7 +27,7 @@
 namespace ucpfs::fs {
 namespace {
 
-constexpr uint64_t kStatsJsonBytes = 1024;
+constexpr uint64_t kStatsJsonBytes = 4096;
 
 struct timespec Now() {
   struct timespec ts;
@@ -186,14 +186,73 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string
   return Status::Ok();
 }
 
+// `.ucpfs/`: status.json (`status_text`), stats.json (counters as of open(2): `counters`' and
+// the capture's, padded with spaces to a fixed size so the size is known before the content;
+// JSON allows trailing white space) and, with a capture, `sync` (its open(2) returns once
+// everything saved before it is durable).
+Status AddMeta(Tree& tree, struct timespec mtime, const std::string& status_text,
+               std::function<void(nlohmann::ordered_json&)> counters, const MountHooks& hooks) {
+  UCPFS_ASSIGN_OR_RETURN(Ino meta, tree.AddDir(kRootIno, ".ucpfs", mtime));
+  auto status_src = std::make_shared<MemorySource>(
+      ".ucpfs/status.json",
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(status_text.data()), status_text.size()));
+  const uint64_t status_n_bytes = status_src->Size();
+  UCPFS_RETURN_IF_ERROR(
+      tree.AddFile(meta, "status.json", status_n_bytes, Now(), FixedSource(std::move(status_src))).status());
+  Opener stats_open = [counters, capture = hooks.capture_stats]() -> Result<std::shared_ptr<const ByteSource>> {
+    nlohmann::ordered_json j;
+    if (counters) counters(j);
+    if (capture) j["capture"] = capture();
+    std::string text = JsonText(j) + "\n";
+    if (text.size() > kStatsJsonBytes) return InternalError("stats.json outgrew its " + std::to_string(kStatsJsonBytes) + " bytes");
+    text.resize(kStatsJsonBytes, ' ');
+    text.back() = '\n';
+    return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>(
+        ".ucpfs/stats.json",
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size())));
+  };
+  UCPFS_ASSIGN_OR_RETURN(Ino stats_ino,
+                         tree.AddFile(meta, "stats.json", kStatsJsonBytes, Now(), std::move(stats_open)));
+  UCPFS_RETURN_IF_ERROR(tree.MarkVolatile(stats_ino));
+  if (hooks.sync) {
+    Opener sync_open = [sync = hooks.sync]() -> Result<std::shared_ptr<const ByteSource>> {
+      UCPFS_RETURN_IF_ERROR(sync());
+      return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>(".ucpfs/sync", std::vector<std::byte>{}));
+    };
+    UCPFS_ASSIGN_OR_RETURN(Ino sync_ino, tree.AddFile(meta, "sync", 0, Now(), std::move(sync_open)));
+    UCPFS_RETURN_IF_ERROR(tree.MarkVolatile(sync_ino));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
-
-Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
-                                             const index::OpenedIndex& opened,
-                                             const index::KeyMapping& mapping,
-                                             const TargetOptions& targets, NamespaceInfo* info) {
+Result<std::shared_ptr<Tree>> BuildEmptyNamespace(const std::string& source_dir, const std::string& why,
+                                                  uint64_t generation, const MountHooks& hooks, NamespaceInfo* info) {
   auto tree = std::make_shared<Tree>();
+  const struct timespec mtime = Now();
+  nlohmann::ordered_json status;
+  status["source"] = source_dir;
+  status["format"] = "none";
+  status["no_checkpoint"] = why;
+  status["generation"] = generation;
+  const std::string status_text = JsonText(status) + "\n";
+  UCPFS_RETURN_IF_ERROR(AddMeta(*tree, mtime, status_text, nullptr, hooks));
+  if (info != nullptr) {
+    info->source_dir = source_dir;
+    info->status_json = status_text;
+  }
+  return tree;
+}
+
+
+Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapshot> snapshot,
+                                             const TargetOptions& targets, const MountHooks& hooks,
+                                             NamespaceInfo* info) {
+  auto tree = std::make_shared<Tree>();
+  const std::string& source_dir = snapshot->source_dir();
+  const index::OpenedIndex& opened = snapshot->opened;
+  const index::KeyMapping& mapping = snapshot->mapping;
   const auto& ckpt = opened.checkpoint;
   struct stat src_st;
   if (::stat(source_dir.c_str(), &src_st) != 0) {
@@ -202,8 +261,8 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   const struct timespec mtime = src_st.st_mtim;
 
   // Source files by id, opened on first read.
-  auto counters = std::make_shared<IoCounters>();
-  const index::FileTable files = index::OpenFileTable(source_dir, ckpt, counters);
+  const std::shared_ptr<IoCounters> counters = snapshot->counters;
+  const index::FileTable& files = snapshot->files;
   const ViewAccess access = AccessOfSources(source_dir, ckpt.files);
 
   // DeepSpeed: <tag>_universal/ and latest_universal. A checkpoint the view cannot serve is
@@ -329,8 +388,8 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   };
   auto budget = std::make_shared<LookupBudget>();
   budget->limit = targets.lookup_budget_bytes;
-  SubtreeResolver resolve_target =
-      [target_input, mtime, access, budget](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+  SubtreeResolver resolve_target = [snapshot, target_input, mtime, access, budget](
+                                       const std::string& name) -> Result<std::shared_ptr<const Tree>> {
     UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
     if (l.name != name) {
       return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
@@ -440,40 +499,19 @@ Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
   for (const auto& n : target_input->not_served) {
     status["not_served"].push_back({{"key", n.key}, {"reason", n.reason}});
   }
-  std::string status_text = JsonText(status) + "\n";
-  UCPFS_ASSIGN_OR_RETURN(Ino meta, tree->AddDir(kRootIno, ".ucpfs", mtime));
-  auto status_src = std::make_shared<MemorySource>(
-      ".ucpfs/status.json",
-      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(status_text.data()), status_text.size()));
-  const uint64_t status_n_bytes = status_src->Size();
-  UCPFS_RETURN_IF_ERROR(
-      tree->AddFile(meta, "status.json", status_n_bytes, Now(), FixedSource(std::move(status_src))).status());
-
-  // stats.json: counters as of open(2), padded with spaces to a fixed size (JSON allows
-  // trailing white space) so the size is known before the content.
-  Opener stats_open = [counters, budget]() -> Result<std::shared_ptr<const ByteSource>> {
-    nlohmann::ordered_json j;
+  status["generation"] = snapshot->generation;
+  const std::string status_text = JsonText(status) + "\n";
+  auto source_counters = [counters, budget](nlohmann::ordered_json& j) {
     j["source_bytes_read"] = counters->source_bytes_read.load();
     j["source_reads"] = counters->source_reads.load();
     j["source_read_errors"] = counters->source_read_errors.load();
     j["source_files_opened"] = counters->files_opened.load();
-    {
-      std::lock_guard lock(budget->mu);
-      j["lookup_layouts"] = {{"live", budget->n_live},
-                             {"memory_bytes", budget->used},
-                             {"memory_limit_bytes", budget->limit}};
-    }
-    std::string text = JsonText(j) + "\n";
-    text.resize(kStatsJsonBytes, ' ');
-    text.back() = '\n';
-    return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>(
-        ".ucpfs/stats.json",
-        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size())));
+    std::lock_guard lock(budget->mu);
+    j["lookup_layouts"] = {{"live", budget->n_live},
+                           {"memory_bytes", budget->used},
+                           {"memory_limit_bytes", budget->limit}};
   };
-  UCPFS_ASSIGN_OR_RETURN(Ino stats_ino,
-                         tree->AddFile(meta, "stats.json", kStatsJsonBytes, Now(), std::move(stats_open)));
-  UCPFS_RETURN_IF_ERROR(tree->MarkVolatile(stats_ino));
-
+  UCPFS_RETURN_IF_ERROR(AddMeta(*tree, mtime, status_text, source_counters, hooks));
   if (info != nullptr) {
     info->source_dir = source_dir;
     info->n_atomic_files = n_atomic;

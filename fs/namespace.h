@@ -13,8 +13,13 @@
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "fs/tree.h"
+#include <functional>
+
+#include <nlohmann/json.hpp>
+
 #include "index/catalog.h"
 #include "index/key_map.h"
+#include "index/snapshot.h"
 
 namespace ucpfs::fs {
 
@@ -31,6 +36,8 @@ struct NamespaceInfo {
   // `opened` index and `mapping` given to BuildNamespace, which must outlive it; thread-safe.
   Ino target_dir = 0;
   SubtreeResolver resolve_target;
+  std::string index_state;   // set by the caller, for its messages
+  double index_seconds = 0;
 };
 
 // Which target views to build, and how to slice parameters for them.
@@ -54,9 +61,23 @@ struct TargetOptions {
 // Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored
 // dtype cannot be converted (names the parameter); kInvalidArgument when a layout does not fit
 // the model (names the layout and why).
-Result<std::shared_ptr<Tree>> BuildNamespace(const std::string& source_dir,
-                                             const index::OpenedIndex& opened,
-                                             const index::KeyMapping& mapping,
-                                             const TargetOptions& targets, NamespaceInfo* info);
+// What the mount adds to `.ucpfs/` beside the views (each optional).
+struct MountHooks {
+  // `.ucpfs/sync`: its open(2) returns once everything saved into the mount before it is
+  // durable (`ucpfs sync MNT`), and fails with the flush error otherwise.
+  std::function<Status()> sync;
+  // The write capture's counters, as stats.json's "capture".
+  std::function<nlohmann::ordered_json()> capture_stats;
+};
+
+// The views of `snapshot` (kept alive by the tree's openers and the target resolver).
+Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapshot> snapshot,
+                                             const TargetOptions& targets, const MountHooks& hooks,
+                                             NamespaceInfo* info);
+
+// The namespace of a source that holds no checkpoint (yet): `.ucpfs/` only, status.json saying
+// `why` under "no_checkpoint".
+Result<std::shared_ptr<Tree>> BuildEmptyNamespace(const std::string& source_dir, const std::string& why,
+                                                  uint64_t generation, const MountHooks& hooks, NamespaceInfo* info);
 
 }  // namespace ucpfs::fs

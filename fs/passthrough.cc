@@ -483,6 +483,7 @@ Status Passthrough::Unlink(Ino parent, std::string_view name_view) {
   if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "unlink " + name);
   if (!Shown(st.st_mode)) return PosixError(ENOENT, name + " is not shown");
   if (unlinkat(dir->fd, name.c_str(), 0) != 0) return Sys(errno, "unlink " + name);
+  if (changed_) changed_(PathOf(InoOf(*dir)) + "/" + name);
   return Status::Ok();
 }
 
@@ -504,6 +505,7 @@ Status Passthrough::Rmdir(Ino parent, std::string_view name_view) {
     }
   }
   if (unlinkat(dir->fd, name.c_str(), AT_REMOVEDIR) != 0) return Sys(errno, "rmdir " + name);
+  if (changed_) changed_(PathOf(InoOf(*dir)) + "/" + name);
   return Status::Ok();
 }
 
@@ -535,12 +537,15 @@ Status Passthrough::Rename(Ino parent, std::string_view name_view, Ino new_paren
   if (renameat2(dir->fd, name.c_str(), new_dir->fd, new_name.c_str(), flags) != 0) {
     return Sys(errno, "rename " + name + " to " + new_name);
   }
-  std::lock_guard lock(mu_);
-  if (const auto it = by_file_.find({st.st_dev, st.st_ino}); it != by_file_.end()) {
-    Node& node = *nodes_.at(it->second);
-    node.parent_id = new_dir->id;
-    node.name = new_name;
+  {
+    std::lock_guard lock(mu_);
+    if (const auto it = by_file_.find({st.st_dev, st.st_ino}); it != by_file_.end()) {
+      Node& node = *nodes_.at(it->second);
+      node.parent_id = new_dir->id;
+      node.name = new_name;
+    }
   }
+  if (changed_) changed_(PathOf(InoOf(*new_dir)) + "/" + new_name);
   return Status::Ok();
 }
 

@@ -27,6 +27,7 @@
 #include <sys/statvfs.h>
 
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -99,6 +100,8 @@ class Passthrough {
   // The directory's entries (files and directories only), sorted by name.
   Result<std::vector<DirItem>> List(Ino dir);
   struct statvfs StatFs() const;
+  // Called after a rename, unlink or rmdir changed the source (relative path of the name).
+  void SetChanged(std::function<void(const std::string&)> changed) { changed_ = std::move(changed); }
   // "/a/b" of a node, for messages.
   std::string PathOf(Ino ino) const;
 
@@ -133,6 +136,7 @@ class Passthrough {
   const int root_fd_;
   const std::string source_dir_;
   const std::shared_ptr<io::WriteCapture> capture_;
+  std::function<void(const std::string&)> changed_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Node>> nodes_;                      // id -> node; guarded by mu_
   std::map<std::pair<dev_t, ino_t>, uint64_t> by_file_;                  // guarded by mu_
