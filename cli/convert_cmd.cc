@@ -25,6 +25,7 @@
 #include "core/views/atomic.h"
 #include "core/views/target.h"
 #include "index/catalog.h"
+#include "index/snapshot.h"
 #include "index/key_map.h"
 #include "index/view_inputs.h"
 
@@ -136,23 +137,23 @@ int RunConvert(const ConvertArgs& args) {
     return Fail(NotFoundError(args.source.src + ": not a checkpoint directory"));
   }
   const std::string src = AbsPath(args.source.src);
-  index::IndexOptions opts;
-  opts.index_dir = args.source.index_dir;
-  opts.read_only = args.source.read_only_index;
-  auto opened = index::OpenOrBuildIndex(src, opts);
-  if (!opened.ok()) return Fail(opened.error());
-  std::vector<index::KeyRule> key_rules;
+  index::SnapshotOptions so;
+  so.source_dir = src;
+  so.index_dir = args.source.index_dir;
+  so.read_only_index = args.source.read_only_index;
   if (!args.source.rules.empty()) {
     auto r = index::LoadRules(args.source.rules);
     if (!r.ok()) return Fail(r.error());
-    key_rules = std::move(*r);
+    so.key_rules = std::move(*r);
   }
-  auto mapping = index::MapKeys(opened->checkpoint, key_rules);
-  if (!mapping.ok()) return Fail(mapping.error());
-  const auto& ckpt = opened->checkpoint;
-
-  auto counters = std::make_shared<IoCounters>();
-  const Files files = index::OpenFileTable(src, ckpt, counters);
+  // The same Snapshot the mount serves (index, key mapping, file table).
+  auto snapshot = index::OpenSnapshot(so, 1);
+  if (!snapshot.ok()) return Fail(snapshot.error());
+  const index::Snapshot& snap = **snapshot;
+  const auto& ckpt = snap.checkpoint();
+  const auto* mapping = &snap.mapping;
+  const std::shared_ptr<IoCounters>& counters = snap.counters;
+  const Files& files = snap.files;
 
   auto patterns = index::PatternOptionsFor(ckpt, *preset, rules);
   if (!patterns.ok()) return Fail(patterns.error());
