@@ -553,9 +553,90 @@ int RunMount(const MountArgs& mount_args) {
   return 1;
 }
 
+namespace {
+
+// Opens MNT/.ucpfs/sync: the daemon answers the open once everything captured before it is
+// durable. Errors: kNotFound when MNT is not a writable ucpfs mount; kIo with the errno the
+// daemon returned (EIO, ENOSPC) when a flush failed.
+Status SyncMount(const std::string& mnt) {
+  const std::string path = mnt + "/.ucpfs/sync";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFoundError(mnt + " is not a writable ucpfs mount (no .ucpfs/sync)");
+    return IoError("sync " + mnt + " (see the daemon's log for the file)", err);
+  }
+  ::close(fd);
+  return Status::Ok();
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream text;
+  text << f.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+int RunSync(const std::string& mountpoint) {
+  const Status s = SyncMount(AbsPathOrJoined(mountpoint));
+  if (!s.ok()) return Fail("sync", s);
+  return 0;
+}
+
+int RunStatus(const std::string& mountpoint, bool json) {
+  const std::string mnt = AbsPathOrJoined(mountpoint);
+  const std::string status_text = ReadText(mnt + "/.ucpfs/status.json");
+  const std::string stats_text = ReadText(mnt + "/.ucpfs/stats.json");
+  const auto status = nlohmann::json::parse(status_text, nullptr, false);
+  const auto stats = nlohmann::json::parse(stats_text, nullptr, false);
+  if (status.is_discarded() || stats.is_discarded()) {
+    return Fail("status", NotFoundError(mnt + " is not a ucpfs mount (no readable .ucpfs/status.json)"));
+  }
+  if (json) {
+    std::cout << JsonText(nlohmann::ordered_json{{"status", status}, {"stats", stats}}) << '\n';
+    return 0;
+  }
+  auto mib = [](const nlohmann::json& v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", v.is_number() ? v.get<double>() / (1 << 20) : 0.0);
+    return std::string(buf);
+  };
+  std::cout << "mount:      " << mnt << '\n' << "source:     " << status.value("source", "?") << '\n';
+  if (status.contains("no_checkpoint")) {
+    std::cout << "checkpoint: none yet (" << status["no_checkpoint"].get<std::string>() << ")\n";
+  } else {
+    std::cout << "checkpoint: " << status.value("format", "?") << " (" << status.value("flavor", "") << "), "
+              << status["counts"].value("params", 0) << " parameters\n";
+  }
+  std::cout << "generation: " << status.value("generation", 1) << '\n';
+  std::cout << "source reads: " << mib(stats.value("source_bytes_read", 0)) << " in " << stats.value("source_reads", 0)
+            << " reads, " << stats.value("source_read_errors", 0) << " errors\n";
+  if (stats.contains("capture")) {
+    const auto& c = stats["capture"];
+    std::cout << "write cache: " << mib(c["cache_used_bytes"]) << " used of " << mib(c["cache_bytes"]) << " ("
+              << c.value("memory", "?") << "), " << mib(c["dirty_bytes"]) << " dirty\n"
+              << "captured:   " << mib(c["bytes_captured"]) << ", flushed " << mib(c["bytes_flushed"]) << " at "
+              << mib(c["flush_bytes_per_second"]) << "/s (" << c.value("engine", "?") << ")\n"
+              << "files:      " << c.value("files_pending", 0) << " pending, " << c.value("files_committed", 0)
+              << " made durable, " << c.value("flush_errors", 0) << " flush errors\n"
+              << "writers blocked: " << c.value("writers_blocked_seconds", 0.0) << " s\n";
+  } else {
+    std::cout << "write cache: none (read-only mount)\n";
+  }
+  return 0;
+}
+
 int RunUmount(const std::string& mountpoint) {
+  // Everything captured is made durable before the mount goes (the daemon drains on unmount
+  // too, but only after umount has returned). A read-only mount has nothing to sync.
+  const std::string mnt = AbsPathOrJoined(mountpoint);
+  if (Status synced = SyncMount(mnt); !synced.ok() && synced.code() != StatusCode::kNotFound) {
+    std::cerr << "ucpfs umount: warning: " << synced.ToString() << '\n';
+  }
   // Only ucpfs mounts: `ucpfs umount` of another filesystem is refused, naming its type.
-  Status s = fs::UnmountUcpfs(AbsPathOrJoined(mountpoint));
+  Status s = fs::UnmountUcpfs(mnt);
   if (!s.ok()) return Fail("umount", s);
   return 0;
 }

@@ -36,6 +36,12 @@ struct MountArgs {
 
 // Returns once the mount is live (the daemon keeps serving), or serves in the foreground.
 int RunMount(const MountArgs& args);
+// Makes everything captured durable first (as `ucpfs sync`), then unmounts.
 int RunUmount(const std::string& mountpoint);
+// Returns once everything saved into the mount before the call is durable; non-zero with the
+// reason when a flush failed (the data stays in the daemon's cache).
+int RunSync(const std::string& mountpoint);
+// Prints what the mount serves (status.json) and its counters (stats.json).
+int RunStatus(const std::string& mountpoint, bool json);
 
 }  // namespace ucpfs::cli

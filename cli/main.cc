@@ -59,6 +59,18 @@ int main(int argc, char** argv) {
   CLI::App* umount_cmd = app.add_subcommand("umount", "Unmount a ucpfs mount");
   umount_cmd->add_option("MNT", umount_path, "mount point")->required();
 
+  std::string sync_path;
+  CLI::App* sync_cmd = app.add_subcommand(
+      "sync", "Return once everything saved into mount MNT before now is durable in its source");
+  sync_cmd->add_option("MNT", sync_path, "mount point")->required();
+
+  std::string status_path;
+  bool status_json = false;
+  CLI::App* status_cmd = app.add_subcommand(
+      "status", "Show what mount MNT serves and its counters (write cache, flushes, source reads)");
+  status_cmd->add_option("MNT", status_path, "mount point")->required();
+  status_cmd->add_flag("--json", status_json, "print {\"status\": ..., \"stats\": ...} as JSON");
+
   ucpfs::cli::SourceArgs index_args;
   CLI::App* index_cmd = app.add_subcommand("index", "Build (or verify and reuse) the index of checkpoint SRC");
   index_cmd->add_option("SRC", index_args.src, "checkpoint directory")->required();
@@ -103,6 +115,8 @@ int main(int argc, char** argv) {
     return ucpfs::cli::RunMount(mount);
   }
   if (umount_cmd->parsed()) return ucpfs::cli::RunUmount(umount_path);
+  if (sync_cmd->parsed()) return ucpfs::cli::RunSync(sync_path);
+  if (status_cmd->parsed()) return ucpfs::cli::RunStatus(status_path, status_json);
   if (convert->parsed()) return ucpfs::cli::RunConvert(convert_args);
   if (index_cmd->parsed()) return ucpfs::cli::RunIndex(index_args);
   if (inspect->parsed()) {
