@@ -17,7 +17,10 @@
 //     fd, the op's range, the offset where it failed and the engine, e.g.
 //       "write of 65536 bytes at offset 0 on fd 7 failed at offset 8192 (pread engine): No space
 //        left on device".
-//     A failed op's IoCompletion::n_bytes is what moved before the error, so it failed at
+//     ("fdatasync on fd 7 failed (io_uring engine): ..."). A write that moves nothing without
+//     an error is kIo with sys_errno 0 ("...: wrote nothing"). The fault engine passes its inner
+//     engine's errors on as worded there (naming the piece of the op that failed). A failed
+//     op's IoCompletion::n_bytes is what moved before the error, so it failed at
 //     byte_offset + n_bytes (bytes before that point may have been written).
 //   - Ops of one batch may run in any order and complete in any order; a caller that needs an
 //     order (data before its fdatasync) waits for the first batch before submitting the next.
@@ -28,7 +31,7 @@
 //
 // Lifetimes: an op's buffer must stay valid until its completion has been reaped, or the engine
 // destroyed: destroying an engine waits for the ops it has in the kernel and drops their
-// completions.
+// completions (file ops always end; a read of a pipe that nobody writes would hold it up).
 //
 // Thread-safety: an engine object is used by one thread at a time (one per flusher, or one per
 // reader thread); make one per thread. Make* functions are thread-safe, and so is a FaultPlan
@@ -48,8 +51,10 @@
 //     are the read path's ("<what>: pread at offset N: <strerror>"), so FileSource reads through
 //     it unchanged.
 //   - QueueDepth of the pread engine is 1: it runs each op inside Submit, to completion.
-//   - Fault: what kShort does when the fault's offset is where the op starts, that a fault
-//     fires at most once per op, and that fdatasync faults ignore byte_offset.
+//   - Fault: when each effect fires (a fault at most once per op; shorts and errors where the
+//     transfer reaches the offset, EINTR on the attempt that covers it), what kShort does when
+//     the op starts at its offset, which fires first at one offset, and that fdatasync faults
+//     ignore byte_offset.
 #pragma once
 
 #include <sys/uio.h>
@@ -101,8 +106,10 @@ class IoEngine {
   // internal list that Reap returns first) when the ring is full. The pread engine runs each op
   // to completion inside Submit. The buffers must stay valid until the op's completion has been
   // reaped. Errors: kIo when the engine itself fails (io_uring_submit or io_uring_wait_cqe:
-  // sys_errno set), not an op: ops fail through their completions. After such an error the
-  // ops of this call that were queued are still reaped as usual.
+  // sys_errno set), not an op: ops fail through their completions. After such an error some of
+  // this call's ops may have been queued and the rest not (InFlight() tells how many are
+  // pending); keep reaping while InFlight() > 0 before freeing buffers, and expect the engine
+  // to fail again (RunAll does this and fails the ops left without a completion).
   virtual Status Submit(std::span<const IoOp> ops) = 0;
   // Completions of submitted ops, at most out.size(); waits for at least one when `wait` and
   // any are in flight. Returns how many were written to `out`. Errors: kIo when the engine
@@ -169,7 +176,8 @@ struct Fault {
     kShort,
     kEintr,   // the first attempt whose range covers byte_offset fails with EINTR (then retried)
     kError,   // completes with errno `sys_errno` (EIO, ENOSPC, ...) after moving the bytes before
-              // byte_offset; a sys_errno <= 0 counts as EIO
+              // byte_offset; a sys_errno <= 0 counts as EIO, and EINTR/EAGAIN are retried as a
+              // system call's would be
   };
   OpKind kind = OpKind::kRead;
   uint64_t byte_offset = 0;

@@ -363,7 +363,9 @@ struct WriteCapture::Impl {
           slot.valid_bytes = n_write;
         }
         slot.in_flight = true;
-        Flight fl{f, index, slot.generation, n_data, 0};
+        // Hashed under the file's lock: a writer changing the chunk afterwards (while the kernel
+        // reads it) bumps its generation, and then neither the record nor the release happens.
+        Flight fl{f, index, slot.generation, n_data, XXH64(slot.mem->data, static_cast<size_t>(n_data), 0)};
         flights.push_back(fl);
         IoOp op;
         op.kind = OpKind::kWrite;
@@ -376,16 +378,6 @@ struct WriteCapture::Impl {
         ops.push_back(op);
       }
       if (ops.empty()) continue;
-      // Hashes outside any lock: a writer changing the chunk meanwhile bumps its generation, and
-      // then neither the record nor the release happens.
-      for (auto& fl : flights) {
-        std::byte* data = nullptr;
-        {
-          std::lock_guard lock(fl.file->mu);
-          data = fl.file->chunks[fl.index].mem->data;
-        }
-        fl.hash = XXH64(data, static_cast<size_t>(fl.n_data), 0);
-      }
       const uint64_t t0 = NowNs();
       std::vector<IoCompletion> results = engine->RunAll(ops);
       flush_busy_ns.fetch_add(NowNs() - t0);

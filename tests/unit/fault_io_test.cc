@@ -1,14 +1,16 @@
 // The read path under injected I/O faults (FileSource reading through the fault engine of
 // core/io/io_engine.h): short reads and EINTR are retried and give the right bytes; EIO at a
 // random offset fails the whole read with the file, the offset and the errno, and a view (an
-// atomic file gathered from two shard files) never returns partial data as success. Seeded:
-// UCPFS_TEST_SEED replays a run.
+// atomic file gathered from two shard files) never returns partial data as success; threads
+// sharing one FileSource all read right. Seeded: UCPFS_TEST_SEED replays a run.
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -61,26 +63,62 @@ class FaultIo : public ::testing::Test {
     return path;
   }
 
+  // A random file of n_bytes, opened to read through a fault engine with `n_faults` random
+  // short-read and EINTR faults (in `plan_`).
+  std::shared_ptr<FileSource> OpenFlaky(const std::string& name, size_t n_bytes, size_t n_faults,
+                                        std::vector<std::byte>* bytes) {
+    const std::string path = WriteRandom(name, n_bytes, bytes);
+    std::mt19937_64 rng(seed_ + n_faults);
+    plan_ = std::make_shared<io::FaultPlan>(RandomRetryableFaults(rng, n_faults, n_bytes, 0.6));
+    auto src = FileSource::Open(path, FaultyReads(plan_));
+    EXPECT_TRUE(src.ok()) << src.error().ToString();
+    return src.ok() ? *src : nullptr;
+  }
+
   uint64_t seed_ = 0;
   fs::path dir_;
+  std::shared_ptr<io::FaultPlan> plan_;
 };
 
 TEST_F(FaultIo, ShortReadsAndEintrAreRetried) {
   std::vector<std::byte> want;
-  const std::string path = WriteRandom("a.bin", 1 << 20, &want);
+  auto src = OpenFlaky("a.bin", 1 << 20, 400, &want);
+  ASSERT_NE(src, nullptr);
   std::mt19937_64 rng(seed_);
-  auto plan = std::make_shared<io::FaultPlan>(RandomRetryableFaults(rng, 400, want.size(), 0.6));
-  auto src = FileSource::Open(path, FaultyReads(plan));
-  ASSERT_TRUE(src.ok()) << src.error().ToString();
   for (int i = 0; i < 300; ++i) {
     const uint64_t off = rng() % want.size();
     const uint64_t n = rng() % (want.size() - off + 1);
     std::vector<std::byte> got(n);
-    Status s = (*src)->ReadAt(off, got);
+    Status s = src->ReadAt(off, got);
     ASSERT_TRUE(s.ok()) << s.ToString();
     ASSERT_TRUE(std::equal(got.begin(), got.end(), want.begin() + static_cast<long>(off))) << off << "+" << n;
   }
-  EXPECT_GT(plan->InjectedCount(), 100u);
+  EXPECT_GT(plan_->InjectedCount(), 100u);
+}
+
+// FUSE threads share one FileSource: each read makes its own engine, all drawing on one plan.
+TEST_F(FaultIo, ConcurrentReadersOfOneFileShareOnePlan) {
+  std::vector<std::byte> want;
+  auto src = OpenFlaky("c.bin", 1 << 18, 200, &want);
+  ASSERT_NE(src, nullptr);
+  std::atomic<int> bad{0};
+  std::vector<std::thread> readers;
+  for (uint64_t t = 0; t < 4; ++t) {
+    readers.emplace_back([&, t] {
+      std::mt19937_64 thread_rng(seed_ + t);
+      for (int i = 0; i < 100; ++i) {
+        const uint64_t off = thread_rng() % want.size();
+        std::vector<std::byte> got(thread_rng() % (want.size() - off + 1));
+        if (!src->ReadAt(off, got).ok() ||
+            !std::equal(got.begin(), got.end(), want.begin() + static_cast<long>(off))) {
+          ++bad;
+        }
+      }
+    });
+  }
+  for (auto& r : readers) r.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(plan_->InjectedCount(), 100u);
 }
 
 TEST_F(FaultIo, EioFailsTheWholeReadWithTheFileAndOffset) {
