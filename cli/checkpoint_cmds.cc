@@ -413,6 +413,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
       j["files_pending"] = s.files_pending;
       j["files_committed"] = s.files_committed;
       j["flush_errors"] = s.flush_errors;
+      j["chunks_coalesced"] = s.chunks_coalesced;
       j["memory"] = s.memory_kind;
       j["engine"] = s.engine;
       return j;

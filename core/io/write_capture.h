@@ -39,6 +39,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/io/io_engine.h"
 #include "core/io/pinned_cache.h"
@@ -76,9 +77,16 @@ struct CaptureStats {
   uint64_t files_pending = 0;      // created and not yet durable
   uint64_t files_committed = 0;
   uint64_t flush_errors = 0;
+  uint64_t chunks_coalesced = 0;   // chunks written as part of a larger write with their neighbour
   std::string memory_kind;         // PinnedMemoryKindName
   std::string engine;              // the flushers' IoEngine::Name()
 };
+
+// Merges write ops that continue each other both in their file and in memory into one op (not
+// from a fixed buffer: it spans several), sorted by (fd, offset). members[k] lists the
+// user_data of the ops that the k-th returned op (whose user_data is k) carries. Exposed for
+// its unit test.
+std::vector<IoOp> CoalesceWrites(std::vector<IoOp> ops, std::vector<std::vector<uint64_t>>* members);
 
 class WriteCapture {
  public:

@@ -366,6 +366,37 @@ TEST(CaptureJournal, DamagedAndTornRecordsEndTheJournal) {
   }
 }
 
+TEST(CoalesceWrites, MergesWhatContinuesInTheFileAndInMemory) {
+  alignas(4096) static std::byte arena[6 * 4096];
+  auto op = [&](int fd, uint64_t offset, int chunk, uint64_t id) {
+    IoOp o;
+    o.kind = OpKind::kWrite;
+    o.fd = fd;
+    o.byte_offset = offset;
+    o.buffer = arena + chunk * 4096;
+    o.n_bytes = 4096;
+    o.registered_buffer = chunk;
+    o.user_data = id;
+    return o;
+  };
+  // fd 3: offsets 0,4096,8192 from chunks 0,1,2 (one write); fd 3 offset 12288 from chunk 4
+  // (memory not adjacent); fd 4 offset 4096 from chunk 3 (another file). Given out of order.
+  std::vector<std::vector<uint64_t>> members;
+  const std::vector<IoOp> out = CoalesceWrites(
+      {op(3, 8192, 2, 10), op(4, 4096, 3, 11), op(3, 0, 0, 12), op(3, 12288, 4, 13), op(3, 4096, 1, 14)}, &members);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0].fd, 3);
+  EXPECT_EQ(out[0].byte_offset, 0u);
+  EXPECT_EQ(out[0].n_bytes, 3u * 4096);
+  EXPECT_EQ(out[0].registered_buffer, -1);
+  EXPECT_EQ(members[out[0].user_data], (std::vector<uint64_t>{12, 14, 10}));
+  EXPECT_EQ(out[1].byte_offset, 12288u);
+  EXPECT_EQ(out[1].registered_buffer, 4);
+  EXPECT_EQ(members[out[1].user_data], (std::vector<uint64_t>{13}));
+  EXPECT_EQ(out[2].fd, 4);
+  EXPECT_EQ(members[out[2].user_data], (std::vector<uint64_t>{11}));
+}
+
 TEST(CaptureJournal, PlacePathRules) {
   EXPECT_TRUE(CheckPlacePath("global_step3/mp_rank_00_model_states.pt").ok());
   EXPECT_TRUE(CheckPlacePath("latest").ok());
