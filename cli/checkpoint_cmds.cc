@@ -32,6 +32,7 @@
 #include "fs/namespace.h"
 #include "fs/passthrough.h"
 #include "fs/filesystem.h"
+#include "index/run_dir.h"
 #include "index/snapshot.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
@@ -428,12 +429,39 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     index::SnapshotOptions o = so;
     if (generation > 1) o.progress = nullptr;
     Result<std::shared_ptr<const index::Snapshot>> snapshot = index::OpenSnapshot(o, generation);
-    if (!snapshot.ok()) {
-      if (!allow_empty || snapshot.error().code() != StatusCode::kNotFound) return snapshot.error();
+    if (!snapshot.ok() && snapshot.error().code() == StatusCode::kNotFound) {
+      // Not a checkpoint itself: a run directory holding several (index/run_dir.h)?
+      UCPFS_ASSIGN_OR_RETURN(const index::RunCheckpoints found, index::FindRunCheckpoints(o.source_dir));
+      std::vector<fs::NamedSnapshot> run;
+      nlohmann::ordered_json listed = nlohmann::ordered_json::array();
+      for (const auto& c : found.checkpoints) {
+        index::SnapshotOptions sub = o;
+        sub.source_dir = o.source_dir + "/" + c.name;
+        if (!o.index_dir.empty()) sub.index_dir = o.index_dir + "/" + c.name;
+        auto opened = index::OpenSnapshot(sub, generation);
+        nlohmann::ordered_json entry = {{"name", c.name}, {"marker", c.marker}};
+        if (opened.ok()) {
+          run.push_back({c.name, std::move(*opened)});
+        } else {
+          entry["error"] = opened.error().ToString();  // still being saved, or not readable
+        }
+        listed.push_back(std::move(entry));
+      }
+      if (!run.empty()) {
+        fs::MountHooks run_hooks = hooks;
+        run_hooks.status_extra["run"] = {{"newest", run.back().name}, {"checkpoints", listed},
+                                         {"left_out", found.n_left_out}};
+        UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildRunNamespace(run, target_options, run_hooks, &info));
+        info.index_state = index::IndexStateName(run.back().snapshot->opened.state);
+        info.index_seconds = run.back().snapshot->opened.elapsed_s;
+        return std::make_pair(std::move(tree), std::move(info));
+      }
+      if (!allow_empty) return snapshot.error();
       UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildEmptyNamespace(o.source_dir, snapshot.error().message(), generation,
                                                                 hooks, &info));
       return std::make_pair(std::move(tree), std::move(info));
     }
+    if (!snapshot.ok()) return snapshot.error();
     UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildNamespace(*snapshot, target_options, hooks, &info));
     info.index_state = index::IndexStateName((*snapshot)->opened.state);
     info.index_seconds = (*snapshot)->opened.elapsed_s;

@@ -186,6 +186,24 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string
   return Status::Ok();
 }
 
+// `atomic/<param>/<state>.pt` files under `atomic`.
+Status AddAtomicFiles(Tree& tree, Ino atomic, std::vector<index::AtomicView> atomic_views, struct timespec mtime,
+                      const ViewAccess& access, size_t* n_atomic, uint64_t* atomic_bytes) {
+  std::map<std::string, Ino> param_dirs;
+  for (auto& v : atomic_views) {
+    auto [dir, fresh] = param_dirs.try_emplace(v.dir, 0);
+    if (fresh) {
+      UCPFS_ASSIGN_OR_RETURN(dir->second, tree.AddDir(atomic, v.dir, mtime));
+    }
+    const uint64_t n_bytes = v.source->Size();
+    *atomic_bytes += n_bytes;
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))));
+    UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
+    ++*n_atomic;
+  }
+  return Status::Ok();
+}
+
 // `.ucpfs/`: status.json (`status_text`), stats.json (counters as of open(2): `counters`' and
 // the capture's, padded with spaces to a fixed size so the size is known before the content;
 // JSON allows trailing white space) and, with a capture, `sync` (its open(2) returns once
@@ -333,18 +351,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
                          index::PatternOptionsFor(ckpt, targets.preset, targets.rules));
   UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, mapping, files, patterns));
-  std::map<std::string, Ino> param_dirs;
-  for (auto& v : atomic_views) {
-    auto [dir, fresh] = param_dirs.try_emplace(v.dir, 0);
-    if (fresh) {
-      UCPFS_ASSIGN_OR_RETURN(dir->second, tree->AddDir(atomic, v.dir, mtime));
-    }
-    const uint64_t n_bytes = v.source->Size();
-    atomic_bytes += n_bytes;
-    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree->AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))));
-    UCPFS_RETURN_IF_ERROR(tree->SetAccess(ino, access.mode, access.uid, access.gid));
-    ++n_atomic;
-  }
+  UCPFS_RETURN_IF_ERROR(AddAtomicFiles(*tree, atomic, std::move(atomic_views), mtime, access, &n_atomic, &atomic_bytes));
 
   // target/<layout>/rank_<N>/: the --layout views now; any other valid layout name when it is
   // first looked up (NamespaceInfo::resolve_target).
@@ -500,6 +507,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     status["not_served"].push_back({{"key", n.key}, {"reason", n.reason}});
   }
   status["generation"] = snapshot->generation;
+  for (const auto& [key, value] : hooks.status_extra.items()) status[key] = value;
   const std::string status_text = JsonText(status) + "\n";
   auto source_counters = [counters, budget](nlohmann::ordered_json& j) {
     j["source_bytes_read"] = counters->source_bytes_read.load();
@@ -520,6 +528,41 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     info->status_json = std::move(status_text);
     info->target_dir = target;
     info->resolve_target = std::move(resolve_target);
+  }
+  return tree;
+}
+
+Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>& run, const TargetOptions& targets,
+                                                const MountHooks& hooks, NamespaceInfo* info) {
+  if (run.empty()) return InvalidArgumentError("a run with no checkpoint");
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<Tree> tree, BuildNamespace(run.back().snapshot, targets, hooks, info));
+  if (tree->Lookup(kRootIno, "checkpoints") != nullptr) {
+    return InvalidArgumentError("the views of the newest checkpoint already use the name 'checkpoints'");
+  }
+  const struct timespec mtime = Now();
+  UCPFS_ASSIGN_OR_RETURN(Ino all, tree->AddDir(kRootIno, "checkpoints", mtime));
+  for (const NamedSnapshot& named : run) {
+    const index::Snapshot& snap = *named.snapshot;
+    const index::Checkpoint& ckpt = snap.checkpoint();
+    const ViewAccess access = AccessOfSources(snap.source_dir(), ckpt.files);
+    UCPFS_ASSIGN_OR_RETURN(Ino dir, tree->AddDir(all, named.name, mtime));
+    UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(dir, "atomic", mtime));
+    UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
+                           index::PatternOptionsFor(ckpt, targets.preset, targets.rules));
+    UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, snap.mapping, snap.files, patterns));
+    size_t n_atomic = 0;
+    uint64_t atomic_bytes = 0;
+    UCPFS_RETURN_IF_ERROR(AddAtomicFiles(*tree, atomic, std::move(atomic_views), mtime, access, &n_atomic, &atomic_bytes));
+    if (!targets.layouts.empty()) {
+      UCPFS_ASSIGN_OR_RETURN(Ino target, tree->AddDir(dir, "target", mtime));
+      UCPFS_ASSIGN_OR_RETURN(auto input, MakeSharedTargetInput(ckpt, snap.mapping, snap.files, targets, patterns));
+      size_t n_target = 0;
+      for (const auto& l : targets.layouts) {
+        UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(input, l));
+        UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
+        UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
+      }
+    }
   }
   return tree;
 }

@@ -68,12 +68,27 @@ struct MountHooks {
   std::function<Status()> sync;
   // The write capture's counters, as stats.json's "capture".
   std::function<nlohmann::ordered_json()> capture_stats;
+  // More top-level keys of status.json (e.g. "run": the checkpoints of a run directory).
+  nlohmann::ordered_json status_extra = nlohmann::ordered_json::object();
 };
 
 // The views of `snapshot` (kept alive by the tree's openers and the target resolver).
 Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapshot> snapshot,
                                              const TargetOptions& targets, const MountHooks& hooks,
                                              NamespaceInfo* info);
+
+// One checkpoint of a run directory.
+struct NamedSnapshot {
+  std::string name;  // its subdirectory
+  std::shared_ptr<const index::Snapshot> snapshot;
+};
+
+// A run directory (index/run_dir.h): the newest checkpoint (`run.back()`) served as by
+// BuildNamespace at the root (atomic/, target/ with layouts built on lookup, .ucpfs/), and every
+// checkpoint of the run by name: `checkpoints/<name>/atomic/` and, for the layouts given with
+// --layout, `checkpoints/<name>/target/<layout>/`. Errors: BuildNamespace's, for any of them.
+Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>& run, const TargetOptions& targets,
+                                                const MountHooks& hooks, NamespaceInfo* info);
 
 // The namespace of a source that holds no checkpoint (yet): `.ucpfs/` only, status.json saying
 // `why` under "no_checkpoint".

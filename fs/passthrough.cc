@@ -474,10 +474,13 @@ Status Passthrough::Unlink(Ino parent, std::string_view name_view) {
   UCPFS_RETURN_IF_ERROR(CheckName(name_view));
   const std::string name(name_view);
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
-    capture_->Discard(*pending->captured);
-    std::lock_guard lock(mu_);
-    overlay_.erase({dir->id, name});
-    return Status::Ok();
+    const bool discarded = capture_->Discard(*pending->captured);
+    {
+      std::lock_guard lock(mu_);
+      overlay_.erase({dir->id, name});
+    }
+    if (discarded) return Status::Ok();
+    // Placed meanwhile: it is a real entry now, removed below.
   }
   struct stat st = {};
   if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "unlink " + name);
@@ -527,7 +530,7 @@ Status Passthrough::Rename(Ino parent, std::string_view name_view, Ino new_paren
   // A pending target would be placed later over what the rename put there: discard it.
   if (std::shared_ptr<Node> target = Pending(new_dir->id, new_name)) {
     if ((flags & RENAME_NOREPLACE) != 0) return PosixError(EEXIST, new_name + " exists");
-    capture_->Discard(*target->captured);
+    (void)capture_->Discard(*target->captured);  // placed already: the rename replaces it
     std::lock_guard lock(mu_);
     overlay_.erase({new_dir->id, new_name});
   }

@@ -361,7 +361,9 @@ struct WriteCapture::Impl {
       ops.clear();
       for (auto& [f, index] : batch) {
         std::lock_guard lock(f->mu);
-        ChunkSlot& slot = f->chunks[index];
+        const auto found = f->chunks.find(index);
+        if (found == f->chunks.end()) continue;  // truncated away
+        ChunkSlot& slot = found->second;
         slot.queued = false;
         if (f->discarded || !slot.mem || !slot.dirty) {
           if (f->discarded && slot.mem) {
@@ -516,7 +518,10 @@ struct WriteCapture::Impl {
     }
     const std::string rel = RelPath(*f);
     if (renameat(capture_fd, f->part_name.c_str(), f->parent_fd, f->name.c_str()) != 0) {
-      return Errno("rename " + PartPath(*f) + " to " + options.source_dir + "/" + rel, errno);
+      const int err = errno;
+      std::lock_guard lock(f->mu);
+      if (f->discarded) return Status::Ok();  // unlinked while being committed: its part is gone
+      return Errno("rename " + PartPath(*f) + " to " + options.source_dir + "/" + rel, err);
     }
     const int dir = openat(f->parent_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir >= 0) {
@@ -920,12 +925,17 @@ Result<size_t> WriteCapture::Read(CapturedFile& f, uint64_t byte_offset, std::sp
 
 Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
   Impl& m = *impl_;
-  std::lock_guard lock(f.mu);
+  std::unique_lock lock(f.mu);
   if (n_bytes < f.size) {
+    // No write of this file may land after the part is cut: it would bring bytes past the new
+    // size back, which a later extension must read as zeros.
+    f.cv.wait(lock, [&] {
+      return std::none_of(f.chunks.begin(), f.chunks.end(), [](const auto& c) { return c.second.in_flight; });
+    });
     for (auto it = f.chunks.begin(); it != f.chunks.end();) {
       const uint64_t start = it->first * m.chunk_bytes;
       ChunkSlot& slot = it->second;
-      if (start >= n_bytes && !slot.in_flight && !slot.queued) {
+      if (start >= n_bytes) {  // a queued one is skipped by its flusher (no slot any more)
         if (slot.mem) ReleaseChunk(*m.cache, *slot.mem);
         if (slot.dirty) m.dirty_chunks.fetch_sub(1);
         it = f.chunks.erase(it);
@@ -940,10 +950,9 @@ Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
           slot.dirty = true;
           m.dirty_chunks.fetch_add(1);
         }
-      } else if (start < n_bytes && n_bytes < start + m.chunk_bytes && slot.on_disk) {
-        // Not resident: the part's bytes past n_bytes are cut by ftruncate at commit, and a later
-        // write reads back only up to the size.
       }
+      // Not resident: the part's bytes past n_bytes are cut below, and a later write reads back
+      // only up to the size.
       ++it;
     }
     if (ftruncate(f.fd, static_cast<off_t>(n_bytes)) != 0) return Errno("truncate " + m.PartPath(f), errno);
@@ -989,11 +998,12 @@ Status WriteCapture::Sync() {
   return m.WaitFor(ticket);
 }
 
-void WriteCapture::Discard(CapturedFile& f) {
+bool WriteCapture::Discard(CapturedFile& f) {
   Impl& m = *impl_;
   {
     std::lock_guard lock(f.mu);
-    if (f.placed || f.discarded) return;
+    if (f.placed) return false;
+    if (f.discarded) return true;
     f.discarded = true;
     for (auto& [index, slot] : f.chunks) {
       if (slot.mem && !slot.in_flight) {
@@ -1008,6 +1018,7 @@ void WriteCapture::Discard(CapturedFile& f) {
   m.Journal({JournalType::kDiscard, f.seq, 0, 0, 0, 0, 0, {}});
   std::lock_guard lock(m.mu);
   m.pending.erase(f.seq);
+  return true;
 }
 
 bool WriteCapture::Placed(const CapturedFile& file) const {

@@ -128,8 +128,9 @@ class WriteCapture {
   // Returns once every file closed (or fsync'd) before the call is durable. Retries files whose
   // flush failed. Errors: as Fsync.
   Status Sync();
-  // The pending file was unlinked: it is never placed, and its part is removed.
-  void Discard(CapturedFile& file);
+  // The pending file was unlinked: it is never placed, and its part is removed. Returns false
+  // when it was placed already (then the caller removes it from its directory).
+  bool Discard(CapturedFile& file);
   // Whether the file has been placed under its final name at least once.
   bool Placed(const CapturedFile& file) const;
   // Whether it is closed and everything written is durable under its final name: the real file

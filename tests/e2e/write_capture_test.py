@@ -9,12 +9,17 @@ A DCP checkpoint (gen_dcp2x.py) is mounted; then, through the mount:
     file: SRC shows the same result as the same operations on a plain directory;
  4. the views stay read-only (EROFS) and their names cannot be taken;
  5. kill -9 of the daemon after a save: the next mount recovers; every file is either absent or
-    byte-exact (never torn), and nothing is left in .ucpfs/capture.
+    byte-exact (never torn), and nothing is left in .ucpfs/capture;
+ 6. a run directory (step-1/, step-2/, each a DCP checkpoint): atomic/ serves the newest,
+    checkpoints/<name>/atomic/ each by name; a third checkpoint copied in becomes atomic/ within
+    seconds without a remount, while a reader that opened the old atomic file keeps its bytes.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs /usr/bin/python3 tests/e2e/write_capture_test.py
 """
 import errno
+import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -22,7 +27,7 @@ import time
 import torch
 
 from e2e_common import Results, run, tmpdir, ucpfs_bin
-from mount_common import gen_fixture, is_mounted, mounted
+from mount_common import expected_atomic, gen_fixture, is_mounted, mounted
 
 
 def state(seed, n_tensors=6, rows=512):
@@ -141,6 +146,59 @@ def kill_during_saves(work, src):
     return f"{len(placed)} of {len(wants)} shards placed; log: {log.count('capture recovery')} recovery lines"
 
 
+def atomic_equal(root, expected):
+    """Every atomic fp32 under `root` equals the expected tensors."""
+    want = expected_atomic(expected)
+    assert sorted(os.listdir(root)) == sorted(p.replace("/", "%2F") for p in want), os.listdir(root)
+    for param, files in want.items():
+        got = torch.load(os.path.join(root, param.replace("/", "%2F"), "fp32.pt"))["param"]
+        assert torch.equal(got, files["fp32.pt"]), param
+    return len(want)
+
+
+def wait_until(fn, timeout_s=20):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if fn():
+                return time.monotonic()
+        except (OSError, AssertionError, RuntimeError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError("not within the time limit")
+
+
+def run_directory(work):
+    run_dir = os.path.join(work, "run")
+    expected = {}
+    for i in (1, 2):
+        out = os.path.join(work, f"gen-step-{i}")
+        expected[i] = torch.load(gen_fixture("gen_dcp2x.py", out, "--variant", "2x", "--seed", str(i)))
+        shutil.copytree(out, os.path.join(run_dir, f"step-{i}"))
+        time.sleep(0.05)  # step-2's .metadata is the newer
+    out3 = os.path.join(work, "gen-step-3")
+    expected[3] = torch.load(gen_fixture("gen_dcp2x.py", out3, "--variant", "2x", "--seed", "3"))
+    with mounted(run_dir, os.path.join(work, "mnt-run")) as (m, _):
+        n = atomic_equal(os.path.join(m, "atomic"), expected[2])
+        for i in (1, 2):
+            atomic_equal(os.path.join(m, "checkpoints", f"step-{i}", "atomic"), expected[i])
+        st = json.load(open(os.path.join(m, ".ucpfs", "status.json")))
+        assert st["run"]["newest"] == "step-2", st["run"]
+        # A reader of the old view keeps its snapshot across the swap.
+        some = sorted(os.listdir(os.path.join(m, "atomic")))[0]
+        old = open(os.path.join(m, "atomic", some, "fp32.pt"), "rb")
+        old_bytes = old.read()
+        old.seek(0)
+        t0 = time.monotonic()
+        subprocess.run(["cp", "-r", out3, os.path.join(m, "step-3")], check=True)
+        t1 = wait_until(lambda: json.load(open(os.path.join(m, ".ucpfs", "status.json")))["run"]["newest"] == "step-3")
+        atomic_equal(os.path.join(m, "atomic"), expected[3])
+        atomic_equal(os.path.join(m, "checkpoints", "step-3", "atomic"), expected[3])
+        assert old.read() == old_bytes, "a reader of the old view saw new bytes"
+        old.close()
+    return f"{n} parameters; step-3's views {t1 - t0:.2f} s after cp started"
+
+
 def main():
     res = Results("write_capture")
     with tmpdir("ucpfs-write-capture-") as work:
@@ -152,6 +210,8 @@ def main():
                   lambda: namespace_operations(work, src))
         res.check("kill -9 of the daemon: files whole or absent, latest never ahead, nothing left over",
                   lambda: kill_during_saves(work, src))
+        res.check("run directory: newest at atomic/, each by name, a new checkpoint swapped in without a remount",
+                  lambda: run_directory(work))
     res.finish()
 
 

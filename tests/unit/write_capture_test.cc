@@ -225,9 +225,25 @@ TEST_F(WriteCaptureTest, DiscardedFileIsNeverPlaced) {
   auto f = Create("gone.bin");
   std::vector<std::byte> d(100000, std::byte{7});
   WriteAll(*f, d, 100000);
-  capture_->Discard(*f);
+  EXPECT_TRUE(capture_->Discard(*f));
   ASSERT_TRUE(capture_->Sync().ok());
   EXPECT_FALSE(stdfs::exists(dir_ / "gone.bin"));
+}
+
+TEST_F(WriteCaptureTest, UnlinkWhileQueuedForCommitNeverPlacesItNorFailsSync) {
+  Start(/*n_chunks=*/4);
+  for (int i = 0; i < 50; ++i) {
+    auto f = Create("racy.bin");
+    std::vector<std::byte> d(70000, std::byte{static_cast<unsigned char>(i)});
+    WriteAll(*f, d, 70000);
+    ASSERT_TRUE(capture_->Close(*f).ok());
+    if (!capture_->Discard(*f)) {  // placed first: the caller removes it
+      ASSERT_EQ(unlink((dir_ / "racy.bin").c_str()), 0);
+    }
+    const Status s = capture_->Sync();
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_FALSE(stdfs::exists(dir_ / "racy.bin")) << i;
+  }
 }
 
 TEST_F(WriteCaptureTest, FlushErrorIsReportedAndTheDataKeptUntilSyncRetries) {
