@@ -1,5 +1,8 @@
-// Filesystem without a kernel: lookups, errno mapping, reads, listings, and the lifetime of
-// subtrees built on lookup (kernel references counted, evicted when all are forgotten).
+// Filesystem without a kernel: lookups, errno mapping, reads, listings, the lifetime of
+// subtrees built on lookup (kernel references counted, evicted when all are forgotten), new
+// generations of the views (Swap: old inodes readable until forgotten), and the source served
+// read-write beside the views, saves captured (create, write, read back, fsync, rename,
+// unlink, views EROFS).
 #include "fs/filesystem.h"
 
 #include <fcntl.h>
@@ -13,6 +16,11 @@
 #include <thread>
 #include <vector>
 
+#include <filesystem>
+#include <fstream>
+
+#include "core/io/pinned_cache.h"
+#include "core/io/write_capture.h"
 #include "fs/errno_map.h"
 
 namespace ucpfs::fs {
@@ -222,6 +230,123 @@ TEST(FilesystemTest, MakeRefusesABadDynamicDirectory) {
   };
   EXPECT_EQ(Filesystem::Make(tree, options).error().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Filesystem::Make(nullptr, {}).error().code(), StatusCode::kInvalidArgument);
+}
+
+std::shared_ptr<Tree> ViewTree(const std::string& text) {
+  auto tree = std::make_shared<Tree>(kMtime);
+  const Ino atomic = *tree->AddDir(kRootIno, "atomic", kMtime);
+  (void)*tree->AddFile(atomic, "w.pt", text.size(), kMtime, TextOpener(text));
+  return tree;
+}
+
+std::string ReadAll(Filesystem& fs, Ino ino) {
+  Result<OpenFile> file = fs.Open(ino, O_RDONLY);
+  EXPECT_TRUE(file.ok());
+  if (!file.ok()) return "";
+  std::vector<std::byte> buf(4096);
+  Result<size_t> n = fs.Read(*file, 0, buf);
+  EXPECT_TRUE(n.ok());
+  (void)fs.Release(*file);
+  return std::string(reinterpret_cast<const char*>(buf.data()), n.ok() ? *n : 0);
+}
+
+TEST(FilesystemTest, SwapServesTheNewGenerationAndKeepsTheOldUntilForgotten) {
+  auto fs = std::move(Filesystem::Make(ViewTree("first"), {})).value();
+  // The first generation is pinned: its inodes are served as they are.
+  const Ino old_dir = fs->Lookup(kRootIno, "atomic")->ino;
+  const Ino old_file = fs->Lookup(old_dir, "w.pt")->ino;
+  ASSERT_TRUE(fs->Swap(ViewTree("second!"), 0, nullptr).ok());
+  EXPECT_EQ(fs->Generation(), 2u);
+  const Entry new_dir = *fs->Lookup(kRootIno, "atomic");
+  EXPECT_NE(new_dir.ino, old_dir);
+  const Entry new_file = *fs->Lookup(new_dir.ino, "w.pt");
+  EXPECT_EQ(ReadAll(*fs, new_file.ino), "second!");
+  EXPECT_EQ(ReadAll(*fs, old_file), "first");  // a reader of the old snapshot
+  EXPECT_EQ(fs->Lookup(new_dir.ino, "..")->ino, kRootIno);
+  EXPECT_EQ(fs->PathOf(new_file.ino), "/atomic/w.pt");
+  // A third generation: the second (not current, still referenced) stays until forgotten.
+  ASSERT_TRUE(fs->Swap(ViewTree("third"), 0, nullptr).ok());
+  EXPECT_EQ(ReadAll(*fs, new_file.ino), "second!");
+  // Two kernel references to it (the ".." lookup's answer, the root, is not counted).
+  fs->Forget(new_file.ino, 1);
+  EXPECT_TRUE(fs->GetAttr(new_file.ino).ok());
+  fs->Forget(new_dir.ino, 1);
+  EXPECT_EQ(ErrnoFromStatus(fs->GetAttr(new_file.ino).error()), ENOENT);  // released
+  EXPECT_EQ(ReadAll(*fs, fs->Lookup(fs->Lookup(kRootIno, "atomic")->ino, "w.pt")->ino), "third");
+}
+
+class PassthroughFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("ucpfs-fs-pt-" + std::to_string(getpid()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_ / "old");
+    std::ofstream(dir_ / "old" / "a.txt") << "source";
+    src_fd_ = open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    io::PinnedCacheOptions co;
+    co.capacity_bytes = 4 << 20;
+    co.chunk_bytes = 1 << 20;
+    co.allow_cuda = false;
+    io::WriteCaptureOptions wo;
+    wo.source_dirfd = src_fd_;
+    wo.source_dir = dir_.string();
+    wo.cache = std::shared_ptr<io::PinnedCache>(std::move(io::PinnedCache::Make(co)).value());
+    capture_ = std::shared_ptr<io::WriteCapture>(std::move(io::WriteCapture::Start(std::move(wo))).value());
+    FilesystemOptions options;
+    options.passthrough = std::shared_ptr<Passthrough>(std::move(Passthrough::Make(dir_.string(), capture_)).value());
+    fs_ = std::move(Filesystem::Make(ViewTree("view"), std::move(options))).value();
+  }
+  void TearDown() override {
+    fs_.reset();
+    capture_.reset();
+    close(src_fd_);
+    std::filesystem::remove_all(dir_);
+  }
+  std::filesystem::path dir_;
+  int src_fd_ = -1;
+  std::shared_ptr<io::WriteCapture> capture_;
+  std::unique_ptr<Filesystem> fs_;
+};
+
+TEST_F(PassthroughFixture, SavesAreCapturedAndLandWhenDurable) {
+  // The source's files beside the views.
+  Result<DirListing> root = fs_->OpenDir(kRootIno);
+  ASSERT_TRUE(root.ok());
+  std::vector<std::string> names;
+  for (const auto& item : root->items) names.push_back(item.name);
+  EXPECT_EQ(names, (std::vector<std::string>{".", "..", "atomic", "old"}));
+  const Entry old = *fs_->Lookup(kRootIno, "old");
+  EXPECT_TRUE(Passthrough::Owns(old.ino));
+  EXPECT_EQ(ReadAll(*fs_, fs_->Lookup(old.ino, "a.txt")->ino), "source");
+  // Create, write, read back before it is durable; not in SRC until then.
+  auto made = fs_->Create(kRootIno, "saved.pt", 0644, O_WRONLY | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(made.ok()) << made.error().ToString();
+  const std::string text(3 << 20, 'x');
+  ASSERT_TRUE(fs_->Write(made->second, 0, std::span(reinterpret_cast<const std::byte*>(text.data()), text.size())).ok());
+  EXPECT_EQ(fs_->GetAttr(made->first.ino)->st_size, static_cast<off_t>(text.size()));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "saved.pt"));
+  ASSERT_TRUE(fs_->Fsync(made->second, false).ok());
+  EXPECT_EQ(std::filesystem::file_size(dir_ / "saved.pt"), text.size());
+  ASSERT_TRUE(fs_->Release(made->second).ok());
+  // Rename and unlink act on the source; views refuse both.
+  ASSERT_TRUE(fs_->Rename(kRootIno, "saved.pt", old.ino, "moved.pt", 0).ok());
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "old" / "moved.pt"));
+  EXPECT_EQ(ErrnoFromStatus(fs_->Rename(old.ino, "moved.pt", kRootIno, "atomic", 0)), EROFS);
+  EXPECT_EQ(ErrnoFromStatus(fs_->Unlink(kRootIno, "atomic")), EROFS);
+  EXPECT_EQ(ErrnoFromStatus(fs_->Create(kRootIno, "atomic", 0644, O_WRONLY | O_CREAT).error()), EEXIST);
+  const Entry view_dir = *fs_->Lookup(kRootIno, "atomic");
+  EXPECT_EQ(ErrnoFromStatus(fs_->Create(view_dir.ino, "x", 0644, O_WRONLY | O_CREAT).error()), EROFS);
+  // A pending file unlinked before it is durable never lands.
+  auto gone = fs_->Create(old.ino, "gone.pt", 0644, O_WRONLY | O_CREAT);
+  ASSERT_TRUE(gone.ok());
+  ASSERT_TRUE(fs_->Write(gone->second, 0, std::span(reinterpret_cast<const std::byte*>(text.data()), 10)).ok());
+  ASSERT_TRUE(fs_->Unlink(old.ino, "gone.pt").ok());
+  ASSERT_TRUE(fs_->Release(gone->second).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "old" / "gone.pt"));
+  Result<Entry> none = fs_->Lookup(old.ino, "gone.pt");
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->ino, 0u);
 }
 
 }  // namespace
