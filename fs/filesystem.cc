@@ -563,6 +563,11 @@ Status Filesystem::Fsync(OpenFile& file, bool datasync) {
   return s;
 }
 
+Status Filesystem::Flush(OpenFile& file) {
+  if (!file.passthrough) return Status::Ok();
+  return options_.passthrough->Flush(*file.passthrough);
+}
+
 Status Filesystem::Release(OpenFile& file) {
   if (!file.passthrough) return Status::Ok();
   Status s = options_.passthrough->Release(*file.passthrough);

@@ -135,6 +135,8 @@ class Filesystem {
   Result<std::pair<Entry, OpenFile>> Create(Ino parent, std::string_view name, mode_t mode, int flags);
   Result<size_t> Write(OpenFile& file, uint64_t byte_offset, std::span<const std::byte> data);
   Status Fsync(OpenFile& file, bool datasync);
+  // close(2) of an open file (each close of each descriptor): the error a save into it met.
+  Status Flush(OpenFile& file);
   // The last close of an open file (every open gets exactly one).
   Status Release(OpenFile& file);
   Result<Entry> Mkdir(Ino parent, std::string_view name, mode_t mode);

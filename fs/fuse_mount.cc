@@ -330,6 +330,16 @@ void OpWrite(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off
   });
 }
 
+// close(2): views are opened noflush (never sent here); a source file reports its save's error.
+void OpFlush(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  Handle(req, "flush", [&] {
+    const Status s = FsOf(req).Flush(HandleOf<OpenFileHandle>(fi)->file);
+    if (!s.ok()) return ErrnoFromStatus(s);
+    fuse_reply_err(req, 0);
+    return 0;
+  });
+}
+
 void OpFsync(fuse_req_t req, fuse_ino_t, int datasync, fuse_file_info* fi) {
   Handle(req, "fsync", [&] {
     const Status s = FsOf(req).Fsync(HandleOf<OpenFileHandle>(fi)->file, datasync != 0);
@@ -392,7 +402,7 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
 
 void OpRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   OpenFileHandle* handle = HandleOf<OpenFileHandle>(fi);
-  // close(2) has returned already: a flush error was logged and is reported by fsync/sync.
+  // The last close: its error went to flush (close(2)); a later flush error to fsync/sync.
   (void)FsOf(req).Release(handle->file);
   ServerOf(req).handles.Destroy(handle);
   fuse_reply_err(req, 0);
@@ -534,7 +544,7 @@ const fuse_lowlevel_ops kOps = {
     .open = OpOpen,
     .read = OpRead,
     .write = OpWrite,
-    .flush = nullptr,  // files are opened with noflush; nothing to flush anyway
+    .flush = OpFlush,
     .release = OpRelease,
     .fsync = OpFsync,
     .opendir = OpOpendir,

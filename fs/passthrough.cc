@@ -446,6 +446,11 @@ Status Passthrough::Fsync(PassthroughHandle& h, bool datasync) {
   return Status::Ok();
 }
 
+Status Passthrough::Flush(PassthroughHandle& h) {
+  if (h.captured == nullptr) return Status::Ok();
+  return capture_->Error(*h.captured);
+}
+
 Status Passthrough::Release(PassthroughHandle& h) {
   if (h.captured == nullptr || !h.writable) return Status::Ok();
   bool last = false;

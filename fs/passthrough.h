@@ -84,6 +84,8 @@ class Passthrough {
   Result<size_t> Read(PassthroughHandle& h, uint64_t byte_offset, std::span<std::byte> out);
   Result<size_t> Write(PassthroughHandle& h, uint64_t byte_offset, std::span<const std::byte> data);
   Status Fsync(PassthroughHandle& h, bool datasync);
+  // close(2) of a handle (every close, not only the last): a flush error the file met so far.
+  Status Flush(PassthroughHandle& h);
   // The handle is closed: a captured file whose last writer this was is queued for commit.
   Status Release(PassthroughHandle& h);
 

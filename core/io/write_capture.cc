@@ -1021,6 +1021,12 @@ bool WriteCapture::Discard(CapturedFile& f) {
   return true;
 }
 
+Status WriteCapture::Error(const CapturedFile& file) const {
+  auto& f = const_cast<CapturedFile&>(file);
+  std::lock_guard lock(f.mu);
+  return f.error;
+}
+
 bool WriteCapture::Placed(const CapturedFile& file) const {
   auto& f = const_cast<CapturedFile&>(file);
   std::lock_guard lock(f.mu);

@@ -131,6 +131,8 @@ class WriteCapture {
   // The pending file was unlinked: it is never placed, and its part is removed. Returns false
   // when it was placed already (then the caller removes it from its directory).
   bool Discard(CapturedFile& file);
+  // The file's first flush error not yet retried (OK if none): what close(2) reports.
+  Status Error(const CapturedFile& file) const;
   // Whether the file has been placed under its final name at least once.
   bool Placed(const CapturedFile& file) const;
   // Whether it is closed and everything written is durable under its final name: the real file
