@@ -376,25 +376,41 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     }
   };
   auto changed = std::make_shared<ChangeSink>();
-  if (!args.read_only) {
+  bool read_only = args.read_only;
+  if (!read_only) {
     io::PinnedCacheOptions co;
     auto size = io::ParseByteSize(args.cache_size);
     if (!size.ok()) return report("--cache-size", size.error());
+    const uint64_t physical = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    if (*size < 2 * co.chunk_bytes || *size > physical) {
+      return report("--cache-size", InvalidArgumentError("the cache must hold at least 2 chunks of " +
+                                                          std::to_string(co.chunk_bytes >> 20) + " MiB and fit in " +
+                                                          std::to_string(physical >> 20) + " MiB of memory, not " +
+                                                          args.cache_size));
+    }
     co.capacity_bytes = *size;
     co.warn = [](const std::string& line) { std::cerr << "ucpfs: warning: " << line << std::endl; };
-    auto cache = io::PinnedCache::Make(co);
-    if (!cache.ok()) return report("cache", cache.error());
     io::WriteCaptureOptions wo;
     wo.source_dir = source_dir;
-    wo.cache = std::shared_ptr<io::PinnedCache>(std::move(*cache));
+    wo.cache_options = co;  // made when the first file is saved: a mount only read pins no memory
     wo.log = [](const std::string& line) { std::cerr << line << std::endl; };
     wo.on_durable = [changed](const std::string& rel) { (*changed)(rel); };
     const int src_fd = ::open(source_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (src_fd < 0) return report("source", IoError("open " + source_dir, errno));
     wo.source_dirfd = src_fd;
     auto started = io::WriteCapture::Start(std::move(wo));
-    if (!started.ok()) return report("write capture", started.error());
-    capture = std::shared_ptr<io::WriteCapture>(std::move(*started));
+    const int err = started.ok() ? 0 : started.error().sys_errno();
+    if (!started.ok() && (err == EROFS || err == EACCES || err == EPERM)) {
+      // A source we may not write (a shared, read-only checkpoint): served read-only.
+      std::cerr << "ucpfs mount: warning: " << started.error().ToString() << ": the source is not writable, "
+                << "so the mount is read-only (no write capture)" << std::endl;
+      read_only = true;
+      ::close(src_fd);
+    } else if (!started.ok()) {
+      return report("write capture", started.error());
+    } else {
+      capture = std::shared_ptr<io::WriteCapture>(std::move(*started));
+    }
   }
   fs::MountHooks hooks;
   if (capture) {
@@ -485,7 +501,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   if (!passthrough.ok()) return report("source", passthrough.error());
   if (reindexer) (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
   mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
-  if (args.read_only) mo.fuse_options.push_back("ro");
+  if (read_only) mo.fuse_options.push_back("ro");
   mo.started = [reindexer](fs::Filesystem* filesystem) {
     if (reindexer) reindexer->Attach(filesystem);
   };

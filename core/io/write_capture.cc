@@ -206,6 +206,8 @@ struct WriteCapture::Impl {
   std::atomic<uint64_t> bytes_captured{0}, bytes_flushed{0}, files_committed{0}, flush_errors{0};
   std::atomic<uint64_t> dirty_chunks{0}, flush_busy_ns{0}, in_flight_writes{0}, ops_coalesced{0};
   std::vector<std::thread> threads;
+  std::mutex start_mu;
+  bool started = false;  // guarded by start_mu; cache, chunk_bytes and threads are set once
 
   void Log(const std::string& line) const {
     if (options.log) options.log(line);
@@ -757,6 +759,22 @@ struct WriteCapture::Impl {
     return Status::Ok();
   }
 
+  // The cache (made now from options.cache_options unless given) and the threads, on the first
+  // file captured: a mount that is only read holds no pinned memory.
+  Status EnsureStarted() {
+    std::lock_guard lock(start_mu);
+    if (started) return Status::Ok();
+    if (cache == nullptr) {
+      UCPFS_ASSIGN_OR_RETURN(auto made, PinnedCache::Make(options.cache_options));
+      cache = std::shared_ptr<PinnedCache>(std::move(made));
+    }
+    chunk_bytes = cache->chunk_bytes();
+    for (unsigned i = 0; i < std::max(1u, options.n_flushers); ++i) threads.emplace_back([this] { FlusherLoop(); });
+    threads.emplace_back([this] { CommitterLoop(); });
+    started = true;
+    return Status::Ok();
+  }
+
   void Stop() {
     {
       std::lock_guard lock(mu);
@@ -780,12 +798,10 @@ WriteCapture::~WriteCapture() {
 }
 
 Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions options) {
-  if (options.source_dirfd < 0 || options.cache == nullptr) {
-    return InvalidArgumentError("write capture needs the source directory and a cache");
-  }
+  if (options.source_dirfd < 0) return InvalidArgumentError("write capture needs the source directory");
   auto impl = std::make_unique<Impl>();
   impl->cache = options.cache;
-  impl->chunk_bytes = options.cache->chunk_bytes();
+  if (impl->cache != nullptr) impl->chunk_bytes = impl->cache->chunk_bytes();
   impl->options = std::move(options);
   const std::string src = impl->options.source_dir;
   char real[PATH_MAX];
@@ -808,13 +824,13 @@ Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions op
   std::unique_ptr<WriteCapture> wc(new WriteCapture(std::move(impl)));
   Impl& m = *wc->impl_;
   UCPFS_RETURN_IF_ERROR(m.Recover());
-  for (unsigned i = 0; i < std::max(1u, m.options.n_flushers); ++i) m.threads.emplace_back([&m] { m.FlusherLoop(); });
-  m.threads.emplace_back([&m] { m.CommitterLoop(); });
+  if (m.cache != nullptr) UCPFS_RETURN_IF_ERROR(m.EnsureStarted());
   return wc;
 }
 
 Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, const std::string& name, mode_t mode) {
   Impl& m = *impl_;
+  UCPFS_RETURN_IF_ERROR(m.EnsureStarted());
   auto f = std::make_shared<CapturedFile>();
   f->cache = m.cache.get();
   {
@@ -1056,7 +1072,18 @@ Status WriteCapture::SetMode(CapturedFile& f, mode_t mode) {
 CaptureStats WriteCapture::Stats() const {
   const Impl& m = *impl_;
   CaptureStats s;
-  const PinnedCache::Stats cs = m.cache->stats();
+  std::shared_ptr<PinnedCache> cache;
+  {
+    std::lock_guard lock(const_cast<Impl&>(m).start_mu);
+    cache = m.cache;
+  }
+  if (cache == nullptr) {
+    s.cache_capacity_bytes = m.options.cache_options.capacity_bytes;
+    s.memory_kind = "not allocated yet";
+    s.engine = m.engine_name;
+    return s;
+  }
+  const PinnedCache::Stats cs = cache->stats();
   s.cache_capacity_bytes = cs.capacity_bytes;
   s.cache_used_bytes = cs.used_bytes;
   s.writers_blocked_ns = cs.blocked_ns;
@@ -1067,7 +1094,7 @@ CaptureStats WriteCapture::Stats() const {
   s.files_committed = m.files_committed.load();
   s.flush_errors = m.flush_errors.load();
   s.chunks_coalesced = m.ops_coalesced.load();
-  s.memory_kind = PinnedMemoryKindName(m.cache->kind());
+  s.memory_kind = PinnedMemoryKindName(cache->kind());
   s.engine = m.engine_name;
   std::lock_guard lock(m.mu);
   s.files_pending = m.pending.size();

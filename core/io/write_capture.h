@@ -52,7 +52,10 @@ struct WriteCaptureOptions {
   // relative to it.
   int source_dirfd = -1;
   std::string source_dir;  // for messages
+  // The cache; null: one is made from cache_options when the first file is captured (a mount
+  // that is only read holds no pinned memory).
   std::shared_ptr<PinnedCache> cache;
+  PinnedCacheOptions cache_options;
   unsigned n_flushers = 2;
   unsigned queue_depth = 8;  // ops in flight per flusher
   // One engine per flusher thread (and one for the committer); default MakeDefaultEngine.
@@ -103,7 +106,8 @@ class WriteCapture {
   // A new, empty file to be placed, when closed, at `name` in the directory `parent_dirfd` (an
   // O_PATH or O_RDONLY directory descriptor beneath SRC; it is dup'ed, so it follows the
   // directory through renames), with permission bits `mode`; whatever has that name then is
-  // replaced. Errors: kIo (creating the part).
+  // replaced. Errors: kIo (creating the part); PinnedCache::Make's for the first file when the
+  // cache is made then.
   Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode);
 
   // The part's descriptor-level identity (st_dev, st_ino: the final file's after the rename) and
