@@ -581,6 +581,14 @@ struct WriteCapture::Impl {
         if (s.ok()) {
           commit_queue.pop_front();
           committed_ticket = item.ticket;
+          if (commit_queue.empty() && pending.empty()) {
+            // Nothing captured is alive: the journal's records are all spent. Start it afresh,
+            // so it stays small over a long mount (a crash now has nothing to recover).
+            std::lock_guard journal_lock(journal_mu);
+            if (ftruncate(journal_fd, sizeof(kJournalMagic)) != 0) {
+              Log("ucpfs: capture journal cannot be truncated: " + std::string(std::strerror(errno)));
+            }
+          }
         } else {
           head_error = s;
           head_error_ticket = item.ticket;
