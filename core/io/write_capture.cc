@@ -204,7 +204,13 @@ struct WriteCapture::Impl {
   std::mutex journal_mu;
 
   std::atomic<uint64_t> bytes_captured{0}, bytes_flushed{0}, files_committed{0}, flush_errors{0};
-  std::atomic<uint64_t> dirty_chunks{0}, flush_busy_ns{0}, in_flight_writes{0}, ops_coalesced{0};
+  std::atomic<uint64_t> dirty_chunks{0}, flush_busy_ns{0}, ops_coalesced{0};
+  // flush_busy_ns counts the time with at least one flusher's batch in flight: the union of the
+  // flushers' busy intervals, not their sum (which overlapping flushers would count twice).
+  // busy_mu is a leaf lock, never held with another.
+  std::mutex busy_mu;
+  unsigned batches_in_flight = 0;
+  uint64_t busy_since_ns = 0;
   std::vector<std::thread> threads;
   std::mutex start_mu;
   bool started = false;  // guarded by start_mu; cache, chunk_bytes and threads are set once
@@ -409,9 +415,15 @@ struct WriteCapture::Impl {
       // from a fixed buffer then: it spans two).
       std::vector<std::vector<uint64_t>> members;  // per op sent: the flights it carries
       std::vector<IoOp> sent = CoalesceWrites(ops, &members);
-      const uint64_t t0 = NowNs();
+      {
+        std::lock_guard busy(busy_mu);
+        if (batches_in_flight++ == 0) busy_since_ns = NowNs();
+      }
       std::vector<IoCompletion> results = engine->RunAll(sent);
-      flush_busy_ns.fetch_add(NowNs() - t0);
+      {
+        std::lock_guard busy(busy_mu);
+        if (--batches_in_flight == 0) flush_busy_ns.fetch_add(NowNs() - busy_since_ns);
+      }
       ops_coalesced.fetch_add(ops.size() - sent.size());
       // Completed last chunk first: the cache hands chunks out LIFO, so the next file's chunks
       // come out ascending in memory, and coalesce again.
