@@ -389,6 +389,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
                                                           args.cache_size));
     }
     co.capacity_bytes = *size;
+    co.lock_on_first_use = true;  // no second-long populate of the whole cache before a save
     co.warn = [](const std::string& line) { std::cerr << "ucpfs: warning: " << line << std::endl; };
     io::WriteCaptureOptions wo;
     wo.source_dir = source_dir;

@@ -93,6 +93,14 @@ class FaultEngine final : public IoEngine {
   size_t InFlight() const override { return pending_.size() + ready_.size(); }
   unsigned QueueDepth() const override { return inner_->QueueDepth(); }
 
+  Status RegisterBufferSlots(unsigned n) override {
+    UCPFS_RETURN_IF_ERROR(internal::CheckNothingInFlight(*this, "RegisterBufferSlots"));
+    return inner_->RegisterBufferSlots(n);
+  }
+  Status UpdateBuffer(unsigned index, const iovec& region) override {
+    UCPFS_RETURN_IF_ERROR(internal::CheckNothingInFlight(*this, "UpdateBuffer"));
+    return inner_->UpdateBuffer(index, region);
+  }
   Status RegisterBuffers(std::span<const iovec> regions) override {
     UCPFS_RETURN_IF_ERROR(internal::CheckNothingInFlight(*this, "RegisterBuffers"));
     return inner_->RegisterBuffers(regions);

@@ -100,6 +100,12 @@ class PreadEngine final : public IoEngine {
   Status RegisterBuffers(std::span<const iovec> /*regions: no fixed buffers*/) override {
     return internal::CheckNothingInFlight(*this, "RegisterBuffers");
   }
+  Status RegisterBufferSlots(unsigned /*n: no fixed buffers*/) override {
+    return internal::CheckNothingInFlight(*this, "RegisterBufferSlots");
+  }
+  Status UpdateBuffer(unsigned /*index*/, const iovec& /*region*/) override {
+    return internal::CheckNothingInFlight(*this, "UpdateBuffer");
+  }
 
  private:
   // One system call per attempt.

@@ -124,6 +124,15 @@ class IoEngine {
   // Engines without fixed buffers accept and ignore it. Errors: kInvalidArgument when ops are
   // in flight; kIo with sys_errno (ENOMEM past RLIMIT_MEMLOCK, EFAULT, EINVAL).
   virtual Status RegisterBuffers(std::span<const iovec> regions) = 0;
+  // Sparse registration: `n` fixed-buffer slots, all empty (ops naming an empty slot run as
+  // ordinary reads and writes), filled one at a time by UpdateBuffer, e.g. as the pinned cache
+  // locks each chunk on first use (registering pins the pages: at once, it would fault in all
+  // of them). Replaces earlier registrations. Engines without fixed buffers accept and ignore
+  // both. Errors: as RegisterBuffers.
+  virtual Status RegisterBufferSlots(unsigned n) = 0;
+  // Fills slot `index` (of RegisterBufferSlots) with `region`. Errors: kInvalidArgument for an
+  // index out of range or ops in flight; kIo with sys_errno.
+  virtual Status UpdateBuffer(unsigned index, const iovec& region) = 0;
 
   // Runs `ops` to completion (Submit, then Reap until all are back) and returns one completion
   // per op, in the order of `ops`, with the ops' own user_data. FirstError(RunAll(ops)) is the

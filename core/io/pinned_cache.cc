@@ -79,6 +79,11 @@ struct PinnedCache::Impl {
   std::vector<bool> in_use;
   bool shut_down = false;
   Stats stats;
+  // lock_on_first_use: touched[i] once chunk i has been locked (or tried); guarded by mu.
+  bool lock_on_first_use = false;
+  std::vector<bool> touched;
+  bool lock_refused = false;  // guarded by mu
+  std::function<void(const std::string&)> warn;
 
   Chunk TakeLocked() {
     const uint32_t index = free_list.back();  // LIFO: the chunk released last is warm in cache
@@ -86,6 +91,35 @@ struct PinnedCache::Impl {
     in_use[index] = true;
     stats.used_bytes += chunk_bytes;
     return Chunk{base + size_t{index} * chunk_bytes, index};
+  }
+
+  // First use of a chunk under lock_on_first_use: fault and lock its pages (outside mu: the
+  // chunk is the caller's alone now).
+  Chunk FirstUse(const Chunk& chunk, bool first) {
+    if (!first) return chunk;
+    if (::syscall(SYS_mlock, chunk.data, chunk_bytes) != 0) {
+      const int e = errno;
+      bool tell = false;
+      {
+        std::lock_guard lock(mu);
+        tell = !lock_refused;
+        lock_refused = true;
+        kind = PinnedMemoryKind::kUnlocked;
+      }
+      if (tell && warn) {
+        warn("pinned cache: mlock refused (" + std::string(std::strerror(e)) + "; RLIMIT_MEMLOCK " +
+             RlimitMemlockText() + "): using unlocked memory, which the kernel may page out");
+      }
+    }
+    // mlock of a writable private mapping faults its pages in for writing: nothing else to do.
+    return chunk;
+  }
+
+  // Marks `index` used; true when this is its first use.
+  bool MarkTouched(uint32_t index) {
+    if (!lock_on_first_use || touched[index]) return false;
+    touched[index] = true;
+    return true;
   }
 };
 
@@ -133,6 +167,24 @@ Result<std::unique_ptr<PinnedCache>> PinnedCache::Make(const PinnedCacheOptions&
     } else {
       warn("pinned cache: " + cuda.error().message() + "; using mlock'd host memory instead");
     }
+  }
+
+  if (impl->allocation == nullptr && options.lock_on_first_use) {
+    // Reserved now, faulted and locked chunk by chunk on first use (Acquire).
+    void* mapping = ::mmap(nullptr, static_cast<size_t>(n_bytes), PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mapping == MAP_FAILED) {
+      const int e = errno;
+      return Status(StatusCode::kResourceExhausted,
+                    "pinned cache: mmap of " + std::to_string(n_bytes) + " bytes failed: " + std::strerror(e), e);
+    }
+    impl->allocation = static_cast<std::byte*>(mapping);
+    impl->allocation_bytes = static_cast<size_t>(n_bytes);
+    impl->base = impl->allocation;
+    impl->kind = PinnedMemoryKind::kLocked;  // until a chunk's mlock is refused
+    impl->lock_on_first_use = true;
+    impl->touched.assign(static_cast<size_t>(n_chunks), false);
+    impl->warn = options.warn;
   }
 
   if (impl->allocation == nullptr) {
@@ -191,14 +243,20 @@ std::optional<Chunk> PinnedCache::Acquire() {
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
   }
   if (m.shut_down) return std::nullopt;
-  return m.TakeLocked();
+  const Chunk chunk = m.TakeLocked();
+  const bool first = m.MarkTouched(chunk.index);
+  lock.unlock();
+  return m.FirstUse(chunk, first);
 }
 
 std::optional<Chunk> PinnedCache::TryAcquire() {
   Impl& m = *impl_;
-  std::lock_guard lock(m.mu);
+  std::unique_lock lock(m.mu);
   if (m.shut_down || m.free_list.empty()) return std::nullopt;
-  return m.TakeLocked();
+  const Chunk chunk = m.TakeLocked();
+  const bool first = m.MarkTouched(chunk.index);
+  lock.unlock();
+  return m.FirstUse(chunk, first);
 }
 
 Status PinnedCache::Release(const Chunk& chunk) {
@@ -237,7 +295,10 @@ void PinnedCache::Shutdown() {
 
 size_t PinnedCache::chunk_bytes() const { return impl_->chunk_bytes; }
 size_t PinnedCache::n_chunks() const { return impl_->n_chunks; }
-PinnedMemoryKind PinnedCache::kind() const { return impl_->kind; }
+PinnedMemoryKind PinnedCache::kind() const {
+  std::lock_guard lock(impl_->mu);  // lock_on_first_use may turn it to kUnlocked
+  return impl_->kind;
+}
 
 std::vector<iovec> PinnedCache::Regions() const {
   std::vector<iovec> regions(impl_->n_chunks);

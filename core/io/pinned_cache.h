@@ -65,6 +65,12 @@ struct PinnedCacheOptions {
   // "mlock of ... refused (...): unlocked". May be empty: the line is then dropped, and kind()
   // still tells.
   std::function<void(const std::string&)> warn;
+  // Lock each chunk when it is first handed out, instead of populating and locking the whole
+  // capacity in Make (which costs about 1 s per 2 GiB here, and the memory from the start): the
+  // first use of a chunk then faults and locks its pages (as a tmpfs write faults its pages). A
+  // refused mlock is warned about once (through `warn`, then from Acquire) and the cache goes
+  // on unlocked. Host memory only (cudaHostAlloc pins everything at once).
+  bool lock_on_first_use = false;
 };
 
 // One chunk: chunk_bytes of memory, its index in Regions() (the fixed-buffer index).

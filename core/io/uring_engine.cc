@@ -146,6 +146,32 @@ class UringEngine final : public IoEngine {
     return Status::Ok();
   }
 
+  Status RegisterBufferSlots(unsigned n) override {
+    UCPFS_RETURN_IF_ERROR(RegisterBuffers({}));  // drops what was registered
+    if (n == 0) return Status::Ok();
+    if (int r = io_uring_register_buffers_sparse(&ring_, n); r < 0) {
+      return IoError("io_uring_register_buffers_sparse of " + std::to_string(n) + " slots: " + std::strerror(-r), -r);
+    }
+    registered_.assign(n, iovec{nullptr, 0});  // empty slots: FixedIndex never picks them
+    return Status::Ok();
+  }
+
+  Status UpdateBuffer(unsigned index, const iovec& region) override {
+    UCPFS_RETURN_IF_ERROR(internal::CheckNothingInFlight(*this, "UpdateBuffer"));
+    if (index >= registered_.size()) {
+      return InvalidArgumentError("UpdateBuffer: slot " + std::to_string(index) + " of " +
+                                  std::to_string(registered_.size()));
+    }
+    __u64 tag = 0;
+    if (int r = io_uring_register_buffers_update_tag(&ring_, index, &region, &tag, 1); r < 0) {
+      return IoError("io_uring_register_buffers_update_tag of slot " + std::to_string(index) + ": " +
+                         std::strerror(-r),
+                     -r);
+    }
+    registered_[index] = region;
+    return Status::Ok();
+  }
+
  private:
   explicit UringEngine(unsigned queue_depth) : slots_(queue_depth) {
     free_slots_.reserve(queue_depth);

@@ -348,8 +348,12 @@ struct WriteCapture::Impl {
 
   void FlusherLoop() {
     std::unique_ptr<IoEngine> engine = options.make_engine ? options.make_engine() : MakeDefaultEngine(options.queue_depth);
+    // Fixed buffers, registered chunk by chunk when this flusher first writes from one (the
+    // cache locks a chunk on its first use; registering all of them now would fault in and pin
+    // the whole capacity).
     const std::vector<iovec> regions = cache->Regions();
-    const bool fixed = engine->RegisterBuffers(regions).ok();
+    const bool fixed = engine->RegisterBufferSlots(static_cast<unsigned>(regions.size())).ok();
+    std::vector<bool> registered(regions.size(), false);
     const size_t depth = std::max<size_t>(1, std::min<size_t>(options.queue_depth, engine->QueueDepth()));
     std::vector<Flight> flights;
     std::vector<IoOp> ops;
@@ -406,7 +410,12 @@ struct WriteCapture::Impl {
         op.byte_offset = start;
         op.buffer = slot.mem->data;
         op.n_bytes = static_cast<size_t>(n_write);
-        op.registered_buffer = fixed ? static_cast<int>(slot.mem->index) : -1;
+        op.registered_buffer = -1;
+        if (fixed && (registered[slot.mem->index] ||
+                      engine->UpdateBuffer(slot.mem->index, regions[slot.mem->index]).ok())) {
+          registered[slot.mem->index] = true;
+          op.registered_buffer = static_cast<int>(slot.mem->index);
+        }
         op.user_data = flights.size() - 1;
         ops.push_back(op);
       }

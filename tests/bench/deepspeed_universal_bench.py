@@ -40,6 +40,8 @@ import time
 
 import torch
 
+from bench_common import Mount
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 GEN = os.path.join(ROOT, "tests", "e2e", "fixtures", "gen_deepspeed.py")
@@ -88,60 +90,6 @@ class Cache:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
-
-
-# --- the mount's daemon -----------------------------------------------------------------------
-
-def daemon_pid(argv):
-    """The daemon `ucpfs mount` forked: the one process left with exactly this command line."""
-    want = "\0".join(argv) + "\0"
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline") as f:
-                    if f.read() == want:
-                        found.append(int(d))
-            except OSError:
-                pass
-    assert len(found) == 1, (argv, found)
-    return found[0]
-
-
-def daemon_figures(pid):
-    """(peak RSS in MiB, user + system CPU seconds) of a live process."""
-    with open(f"/proc/{pid}/status") as f:
-        hwm_kib = int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1))
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    return hwm_kib / 1024, cpu_s
-
-
-class Mount:
-    """A fresh mount; `seconds` is how long `ucpfs mount` took (index included when built)."""
-
-    def __init__(self, ucpfs, src, mnt, log_file):
-        self.argv = [ucpfs, "mount", src, mnt, "--log", log_file]
-        self.mnt = mnt
-
-    def __enter__(self):
-        os.makedirs(self.mnt, exist_ok=True)
-        t0 = time.perf_counter()
-        subprocess.run(self.argv, check=True)
-        self.seconds = time.perf_counter() - t0
-        self.pid = daemon_pid(self.argv)
-        return self
-
-    def figures(self):
-        return daemon_figures(self.pid)
-
-    def __exit__(self, *exc):
-        subprocess.run(["fusermount3", "-u", self.mnt], check=True)
-        for _ in range(500):  # the daemon exits once unmounted
-            if not os.path.exists(f"/proc/{self.pid}"):
-                break
-            time.sleep(0.01)
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -277,7 +225,7 @@ def bench_model(a, name, cache_how):
                 shutil.rmtree(os.path.join(src, ".ucpfs"), ignore_errors=True)
             cache.drop()
             t0 = time.perf_counter()
-            with Mount(a.ucpfs, src, mnt, mlog) as m:
+            with Mount([a.ucpfs, "mount", src, mnt, "--log", mlog], mnt) as m:
                 n = body(m.mnt)
                 seconds = time.perf_counter() - t0
                 rss_mib, cpu_s = m.figures()
@@ -294,7 +242,7 @@ def bench_model(a, name, cache_how):
             return dict(seconds=t)
         measure("conv", conv)
         if r == 0:  # the mount must give the converter's answer before it is timed
-            with Mount(a.ucpfs, src, mnt, mlog) as m:
+            with Mount([a.ucpfs, "mount", src, mnt, "--log", mlog], mnt) as m:
                 n_files, n_checked = check_universal(os.path.join(m.mnt, tag + "_universal"), ds_out)
                 first_name = sorted(os.listdir(os.path.join(m.mnt, "atomic")))[0]
             log(f"[{name}] sanity: {n_files} universal files, as the converter's; {n_checked} compared "

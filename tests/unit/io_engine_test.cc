@@ -348,6 +348,39 @@ TEST_P(Conformance, RegisterBuffersNeedsNothingInFlight) {
 }
 
 // O_DIRECT from 4096-aligned buffers registered as fixed buffers: what the flusher does.
+TEST_P(Conformance, SparseSlotsFilledOneAtATime) {
+  constexpr size_t kBlock = 4096;
+  struct Free {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::unique_ptr<std::byte, Free> a(static_cast<std::byte*>(std::aligned_alloc(kBlock, kBlock)));
+  std::unique_ptr<std::byte, Free> b(static_cast<std::byte*>(std::aligned_alloc(kBlock, kBlock)));
+  ASSERT_TRUE(a && b);
+  const Bytes da = RandomBytes(rng_, kBlock), db = RandomBytes(rng_, kBlock);
+  std::copy(da.begin(), da.end(), a.get());
+  std::copy(db.begin(), db.end(), b.get());
+  ASSERT_TRUE(engine_->RegisterBufferSlots(4).ok());
+  ASSERT_TRUE(engine_->UpdateBuffer(1, iovec{a.get(), kBlock}).ok());
+  Fd fd(::open(dir_.File("sparse.bin").c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ASSERT_GE(fd.get(), 0);
+  // From a filled slot, and from an empty one (an ordinary write).
+  IoOp wa = Write(fd.get(), 0, a.get(), kBlock, 0);
+  wa.registered_buffer = 1;
+  IoOp wb = Write(fd.get(), kBlock, b.get(), kBlock, 1);
+  wb.registered_buffer = 2;
+  const IoOp writes[] = {wa, wb};
+  std::vector<IoCompletion> done = engine_->RunAll(writes);
+  ASSERT_TRUE(FirstError(done).ok()) << FirstError(done).ToString();
+  Bytes back(2 * kBlock);
+  ASSERT_TRUE(ReadExact(*engine_, fd.get(), 0, back, "sparse.bin").ok());
+  EXPECT_TRUE(std::equal(da.begin(), da.end(), back.begin()));
+  EXPECT_TRUE(std::equal(db.begin(), db.end(), back.begin() + kBlock));
+  if (engine_->Name().find("io_uring") != std::string::npos) {
+    EXPECT_EQ(engine_->UpdateBuffer(9, iovec{a.get(), kBlock}).code(), StatusCode::kInvalidArgument);
+  }
+  ASSERT_TRUE(engine_->RegisterBuffers({}).ok());
+}
+
 TEST_P(Conformance, DirectIoFromRegisteredBuffers) {
   constexpr size_t kBlock = 4096, kBlocks = 16, kRegion = kBlock * kBlocks;
   const int raw_fd = ::open(dir_.File("direct.bin").c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644);

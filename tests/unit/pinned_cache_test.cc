@@ -329,6 +329,35 @@ TEST(PinnedCacheTest, SeededStressNoChunkHeldTwice) {
   EXPECT_EQ(indices, (std::vector<uint32_t>{0, 1, 2, 3}));
 }
 
+TEST(PinnedCacheTest, LockOnFirstUseLocksEachChunkWhenFirstHandedOut) {
+  if (!HasIpcLock()) GTEST_SKIP() << "needs CAP_IPC_LOCK to see chunks locked";
+  PinnedCacheOptions o = SmallOptions(16);
+  o.allow_cuda = false;
+  o.lock_on_first_use = true;
+  const int64_t before_kb = ProcStatusKb("VmLck");
+  auto cache = MakeOrDie(o);
+  ASSERT_NE(cache, nullptr);
+  EXPECT_EQ(cache->kind(), PinnedMemoryKind::kLocked);
+  EXPECT_EQ(ProcStatusKb("VmLck"), before_kb);  // nothing locked (nor faulted in) yet
+  const int64_t chunk_kb = static_cast<int64_t>(cache->chunk_bytes() / 1024);
+  std::optional<Chunk> a = cache->Acquire();
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(ProcStatusKb("VmLck") - before_kb, chunk_kb);
+  std::memset(a->data, 0x5a, cache->chunk_bytes());  // writable, locked memory
+  ASSERT_TRUE(cache->Release(*a).ok());
+  std::optional<Chunk> again = cache->Acquire();  // LIFO: the same chunk, locked already
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->index, a->index);
+  EXPECT_EQ(ProcStatusKb("VmLck") - before_kb, chunk_kb);
+  std::optional<Chunk> b = cache->TryAcquire();
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(ProcStatusKb("VmLck") - before_kb, 2 * chunk_kb);
+  ASSERT_TRUE(cache->Release(*again).ok());
+  ASSERT_TRUE(cache->Release(*b).ok());
+  cache.reset();
+  EXPECT_EQ(ProcStatusKb("VmLck"), before_kb);
+}
+
 TEST(PinnedCacheTest, MemoryIsLockedWhenItCanBe) {
   // The kind this process must get: CUDA host memory with a GPU, else locked memory when the
   // process may lock it (CAP_IPC_LOCK, or a large enough RLIMIT_MEMLOCK), else unlocked.

@@ -69,6 +69,7 @@ class WriteCaptureTest : public ::testing::Test {
     co.capacity_bytes = n_chunks * chunk_bytes;
     co.chunk_bytes = chunk_bytes;
     co.allow_cuda = false;
+    co.lock_on_first_use = true;  // as the mount makes it
     auto cache = PinnedCache::Make(co);
     ASSERT_TRUE(cache.ok()) << cache.error().ToString();
     WriteCaptureOptions o;
@@ -187,6 +188,8 @@ class SlowWriteEngine final : public IoEngine {
   size_t InFlight() const override { return inner_->InFlight(); }
   unsigned QueueDepth() const override { return inner_->QueueDepth(); }
   Status RegisterBuffers(std::span<const iovec> regions) override { return inner_->RegisterBuffers(regions); }
+  Status RegisterBufferSlots(unsigned n) override { return inner_->RegisterBufferSlots(n); }
+  Status UpdateBuffer(unsigned index, const iovec& region) override { return inner_->UpdateBuffer(index, region); }
 
  private:
   std::unique_ptr<IoEngine> inner_;
