@@ -75,7 +75,12 @@ Status FileSource::CheckUnchanged() const {
     int e = errno;
     return IoError(path_ + ": fstat: " + std::strerror(e), e);
   }
-  const std::string diff = identity_.Differences(IdentityOf(st));
+  FileIdentity now = IdentityOf(st);
+  // Unlinking an inode (a save renaming a new file over its name) changes its ctime and nothing
+  // else: the bytes this descriptor reads are still the ones opened. Size and mtime still tell
+  // an edit made before or after the unlink.
+  if (st.st_nlink == 0) now.ctime_ns = identity_.ctime_ns;
+  const std::string diff = identity_.Differences(now);
   if (!diff.empty()) {
     return Status(StatusCode::kDataLoss, path_ + ": changed while open (" + diff + "); remount to re-index it");
   }

@@ -50,7 +50,8 @@ class FileSource final : public ByteSource {
   // The file's identity when it was opened.
   const FileIdentity& identity() const { return identity_; }
   // fstat again: kDataLoss naming the file and what changed since it was opened (an edit in
-  // place changes mtime and ctime), kIo when fstat fails.
+  // place changes mtime and ctime; ctime alone is not compared once the file is unlinked, which
+  // changes it), kIo when fstat fails.
   Status CheckUnchanged() const;
 
  private:

@@ -1,6 +1,7 @@
 // Source files: FIFOs, sockets and symlinks are refused by name without blocking; a file
-// replaced or edited in place after indexing is never served (kDataLoss naming it); any number
-// of files is served through a small descriptor cache.
+// replaced or edited in place after indexing is never served (kDataLoss naming it), while an
+// open one replaced by a rename keeps serving what it opened; any number of files is served
+// through a small descriptor cache.
 #include "core/io/lazy_file_source.h"
 
 #include <fcntl.h>
@@ -111,6 +112,29 @@ TEST_F(SourceFiles, AReplacedFileIsNeverServed) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error().code(), StatusCode::kDataLoss);
   EXPECT_NE(r.error().message().find("inode"), std::string::npos) << r.error().message();
+}
+
+TEST_F(SourceFiles, AnOpenFileReplacedByRenameKeepsServingTheBytesItOpened) {
+  // A save into the mount renames new files over the old names; readers of the views of the
+  // old files keep reading them (unlinking an inode changes its ctime and nothing else).
+  const std::string path = Write("__0_0.distcp", "0123456789");
+  LazyFileSource src(path, Indexed(path));
+  ASSERT_EQ(*Read(src), "0123456789");
+  const int writer = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(writer, 0);
+  fs::rename(Write("new", "ABCDEFGHIJ"), path);
+  auto kept = Read(src);
+  ASSERT_TRUE(kept.ok()) << kept.error().ToString();
+  EXPECT_EQ(*kept, "0123456789");
+
+  // An edit of the unlinked file is still refused.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_EQ(::pwrite(writer, "xy", 2, 0), 2);
+  ::close(writer);
+  auto edited = Read(src);
+  ASSERT_FALSE(edited.ok());
+  EXPECT_EQ(edited.error().code(), StatusCode::kDataLoss);
+  EXPECT_NE(edited.error().message().find("mtime"), std::string::npos) << edited.error().message();
 }
 
 TEST_F(SourceFiles, ManyFilesThroughASmallDescriptorCache) {
