@@ -259,10 +259,14 @@ bool IsCompletionMarker(const std::string& rel) {
 // Re-indexes the source in the background after saves into the mount and swaps the mount's
 // views to the new generation (Filesystem::Swap); the views of an incomplete checkpoint never
 // replace complete ones (a failed build keeps the served generation, logged once per reason).
+// Once a checkpoint is served, a new generation replaces it only after a completion marker
+// changed: a save over it writes its shards first, and an index of the old marker (DCP's
+// .metadata) over a mix of new and old shards is valid-looking and wrong.
 class Reindexer {
  public:
   using Build = std::function<Result<std::pair<std::shared_ptr<fs::Tree>, fs::NamespaceInfo>>(uint64_t generation)>;
-  explicit Reindexer(Build build) : build_(std::move(build)), thread_([this] { Loop(); }) {}
+  Reindexer(Build build, bool serving_checkpoint)
+      : build_(std::move(build)), serving_checkpoint_(serving_checkpoint), thread_([this] { Loop(); }) {}
   ~Reindexer() {
     {
       std::lock_guard lock(mu_);
@@ -281,7 +285,9 @@ class Reindexer {
     {
       std::lock_guard lock(mu_);
       dirty_ = true;
-      urgent_ = urgent_ || IsCompletionMarker(rel);
+      const bool marker = IsCompletionMarker(rel);
+      urgent_ = urgent_ || marker;
+      marker_changed_ = marker_changed_ || marker;
       last_change_ = std::chrono::steady_clock::now();
     }
     cv_.notify_all();
@@ -302,12 +308,16 @@ class Reindexer {
       if (stopping_) return;
       dirty_ = false;
       urgent_ = false;
+      // Only a marker changed before the build started counts for what it reads.
+      const bool marker = marker_changed_;
+      marker_changed_ = false;
       lock.unlock();
       const auto t0 = std::chrono::steady_clock::now();
       auto built = build_(generation + 1);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       lock.lock();
       if (!built.ok()) {
+        marker_changed_ = marker_changed_ || marker;  // still to be served once complete
         if (built.error().message() != last_error) {
           std::cerr << "ucpfs: views not updated (the source is not a complete checkpoint yet?): "
                     << built.error().ToString() << std::endl;
@@ -316,7 +326,11 @@ class Reindexer {
         continue;
       }
       last_error.clear();
-      if (fs_ == nullptr) continue;
+      if (fs_ == nullptr) {
+        marker_changed_ = marker_changed_ || marker;
+        continue;
+      }
+      if (serving_checkpoint_ && !marker) continue;  // shards of a save not finished yet
       auto& [tree, info] = *built;
       const Status swapped = fs_->Swap(std::move(tree), info.target_dir, info.resolve_target);
       if (!swapped.ok()) {
@@ -324,6 +338,7 @@ class Reindexer {
         continue;
       }
       ++generation;
+      serving_checkpoint_ = true;
       std::cerr << "ucpfs: generation " << generation << ": views of " << info.source_dir << " rebuilt in "
                 << seconds << " s (" << info.n_atomic_files << " atomic files)" << std::endl;
     }
@@ -334,6 +349,8 @@ class Reindexer {
   std::condition_variable cv_;
   fs::Filesystem* fs_ = nullptr;  // guarded by mu_; set while the mount serves
   bool dirty_ = false, urgent_ = false, stopping_ = false;
+  bool marker_changed_ = false;  // a completion marker changed since the last build started
+  bool serving_checkpoint_;      // the served generation holds a checkpoint (not only .ucpfs/)
   std::chrono::steady_clock::time_point last_change_;
   std::thread thread_;  // last: started once the members above exist
 };
@@ -488,7 +505,9 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   if (!first.ok()) return report("index", first.error());
   auto& [tree, info] = *first;
   if (capture) {
-    reindexer = std::make_shared<Reindexer>([build](uint64_t generation) { return build(generation, false); });
+    const bool has_checkpoint = info.n_atomic_files != 0 || info.target_dir != 0;
+    reindexer = std::make_shared<Reindexer>([build](uint64_t generation) { return build(generation, false); },
+                                            has_checkpoint);
     changed->Set([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
   }
   fs::MountOptions mo;
