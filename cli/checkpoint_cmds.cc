@@ -262,11 +262,42 @@ bool IsCompletionMarker(const std::string& rel) {
 // Once a checkpoint is served, a new generation replaces it only after a completion marker
 // changed: a save over it writes its shards first, and an index of the old marker (DCP's
 // .metadata) over a mix of new and old shards is valid-looking and wrong.
+// One generation of the views, and the snapshot they read (null: no checkpoint yet).
+struct Generation {
+  std::shared_ptr<fs::Tree> tree;
+  fs::NamespaceInfo info;
+  std::shared_ptr<const index::Snapshot> snapshot;
+};
+
+// The snapshot whose views the root serves. Before a save renames a file over one of its source
+// files, that file is opened (index::OpenSourceFile), so the served views, and readers who keep
+// them, read the bytes indexed even after the next generation replaces them.
+class ServedSnapshot {
+ public:
+  void Set(std::shared_ptr<const index::Snapshot> s) {
+    std::lock_guard lock(mu_);
+    snapshot_ = std::move(s);
+  }
+  void BeforeReplace(const std::string& rel) {
+    std::shared_ptr<const index::Snapshot> s;
+    {
+      std::lock_guard lock(mu_);
+      s = snapshot_;
+    }
+    if (s) index::OpenSourceFile(*s, rel);
+  }
+
+ private:
+  std::mutex mu_;
+  std::shared_ptr<const index::Snapshot> snapshot_;  // guarded by mu_
+};
+
 class Reindexer {
  public:
-  using Build = std::function<Result<std::pair<std::shared_ptr<fs::Tree>, fs::NamespaceInfo>>(uint64_t generation)>;
-  Reindexer(Build build, bool serving_checkpoint)
-      : build_(std::move(build)), serving_checkpoint_(serving_checkpoint), thread_([this] { Loop(); }) {}
+  using Build = std::function<Result<Generation>(uint64_t generation)>;
+  Reindexer(Build build, bool serving_checkpoint, std::shared_ptr<ServedSnapshot> served)
+      : build_(std::move(build)), serving_checkpoint_(serving_checkpoint), served_(std::move(served)),
+        thread_([this] { Loop(); }) {}
   ~Reindexer() {
     {
       std::lock_guard lock(mu_);
@@ -331,7 +362,7 @@ class Reindexer {
         continue;
       }
       if (serving_checkpoint_ && !marker) continue;  // shards of a save not finished yet
-      auto& [tree, info] = *built;
+      auto& [tree, info, snapshot] = *built;
       const Status swapped = fs_->Swap(std::move(tree), info.target_dir, info.resolve_target);
       if (!swapped.ok()) {
         std::cerr << "ucpfs: views not updated: " << swapped.ToString() << std::endl;
@@ -339,6 +370,7 @@ class Reindexer {
       }
       ++generation;
       serving_checkpoint_ = true;
+      served_->Set(std::move(snapshot));
       std::cerr << "ucpfs: generation " << generation << ": views of " << info.source_dir << " rebuilt in "
                 << seconds << " s (" << info.n_atomic_files << " atomic files)" << std::endl;
     }
@@ -351,6 +383,7 @@ class Reindexer {
   bool dirty_ = false, urgent_ = false, stopping_ = false;
   bool marker_changed_ = false;  // a completion marker changed since the last build started
   bool serving_checkpoint_;      // the served generation holds a checkpoint (not only .ucpfs/)
+  const std::shared_ptr<ServedSnapshot> served_;
   std::chrono::steady_clock::time_point last_change_;
   std::thread thread_;  // last: started once the members above exist
 };
@@ -393,6 +426,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     }
   };
   auto changed = std::make_shared<ChangeSink>();
+  auto served = std::make_shared<ServedSnapshot>();
   bool read_only = args.read_only;
   if (!read_only) {
     io::PinnedCacheOptions co;
@@ -413,6 +447,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     wo.cache_options = co;  // made when the first file is saved: a mount only read pins no memory
     wo.log = [](const std::string& line) { std::cerr << line << std::endl; };
     wo.on_durable = [changed](const std::string& rel) { (*changed)(rel); };
+    wo.before_replace = [served](const std::string& rel) { served->BeforeReplace(rel); };
     const int src_fd = ::open(source_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (src_fd < 0) return report("source", IoError("open " + source_dir, errno));
     wo.source_dirfd = src_fd;
@@ -458,7 +493,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   const fs::TargetOptions target_options = *targets;
   const index::SnapshotOptions so = *snapshot_options;
   auto build = [so, target_options, hooks](uint64_t generation, bool allow_empty)
-      -> Result<std::pair<std::shared_ptr<fs::Tree>, fs::NamespaceInfo>> {
+      -> Result<Generation> {
     fs::NamespaceInfo info;
     index::SnapshotOptions o = so;
     if (generation > 1) o.progress = nullptr;
@@ -493,21 +528,22 @@ int ServeMount(const MountArgs& args, int ready_fd) {
       if (!allow_empty) return snapshot.error();
       UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildEmptyNamespace(o.source_dir, snapshot.error().message(), generation,
                                                                 hooks, &info));
-      return std::make_pair(std::move(tree), std::move(info));
+      return Generation{std::move(tree), std::move(info), nullptr};
     }
     if (!snapshot.ok()) return snapshot.error();
     UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildNamespace(*snapshot, target_options, hooks, &info));
     info.index_state = index::IndexStateName((*snapshot)->opened.state);
     info.index_seconds = (*snapshot)->opened.elapsed_s;
-    return std::make_pair(std::move(tree), std::move(info));
+    return Generation{std::move(tree), std::move(info), *snapshot};
   };
   auto first = build(1, /*allow_empty=*/true);
   if (!first.ok()) return report("index", first.error());
-  auto& [tree, info] = *first;
+  auto& [tree, info, first_snapshot] = *first;
   if (capture) {
+    served->Set(first_snapshot);
     const bool has_checkpoint = info.n_atomic_files != 0 || info.target_dir != 0;
     reindexer = std::make_shared<Reindexer>([build](uint64_t generation) { return build(generation, false); },
-                                            has_checkpoint);
+                                            has_checkpoint, served);
     changed->Set([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
   }
   fs::MountOptions mo;

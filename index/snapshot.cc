@@ -18,4 +18,12 @@ Result<std::shared_ptr<const Snapshot>> OpenSnapshot(const SnapshotOptions& opti
   return std::shared_ptr<const Snapshot>(std::move(s));
 }
 
+void OpenSourceFile(const Snapshot& snapshot, const std::string& rel_path) {
+  const auto& files = snapshot.checkpoint().files;
+  for (size_t i = 0; i < files.size() && i < snapshot.files->size(); ++i) {
+    if (files[i].rel_path != rel_path) continue;
+    if (const auto* lazy = dynamic_cast<const LazyFileSource*>((*snapshot.files)[i].get())) (void)lazy->Open();
+  }
+}
+
 }  // namespace ucpfs::index

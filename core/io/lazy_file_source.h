@@ -74,6 +74,9 @@ class LazyFileSource final : public ByteSource {
   uint64_t Size() const override { return expected_.n_bytes; }
   const std::string& Name() const override { return path_; }
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  // Opens the file now, as a first read would (checked against the indexed identity), so that
+  // reads keep reaching it once another file is renamed over its name. Errors: as ReadAt's open.
+  Status Open() const { return Get().status(); }
 
  private:
   Result<std::shared_ptr<FileSource>> Get() const;

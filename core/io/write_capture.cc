@@ -540,6 +540,7 @@ struct WriteCapture::Impl {
       return Status::Ok();
     }
     const std::string rel = RelPath(*f);
+    if (options.before_replace) options.before_replace(rel);
     if (renameat(capture_fd, f->part_name.c_str(), f->parent_fd, f->name.c_str()) != 0) {
       const int err = errno;
       std::lock_guard lock(f->mu);

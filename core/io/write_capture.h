@@ -64,6 +64,9 @@ struct WriteCaptureOptions {
   std::function<void(const std::string&)> log;
   // Called on the committer thread after a file is durable under its final name.
   std::function<void(const std::string& rel_path)> on_durable;
+  // Called on the committer thread just before a file is renamed over `rel_path` (whatever is
+  // there is replaced): what still reads the old file can open it now.
+  std::function<void(const std::string& rel_path)> before_replace;
 };
 
 // One file being captured. Opaque; shared by every open handle of the file.

@@ -82,6 +82,7 @@ class WriteCaptureTest : public ::testing::Test {
       std::lock_guard lock(durable_mu_);
       durable_.push_back(rel);
     };
+    o.before_replace = before_replace_;
     auto wc = WriteCapture::Start(std::move(o));
     ASSERT_TRUE(wc.ok()) << wc.error().ToString();
     capture_ = std::move(*wc);
@@ -105,6 +106,7 @@ class WriteCaptureTest : public ::testing::Test {
   std::vector<std::string> log_;
   std::mutex durable_mu_;
   std::vector<std::string> durable_;
+  std::function<void(const std::string&)> before_replace_;  // set before Start
 };
 
 TEST_F(WriteCaptureTest, FilesLandByteExactInCloseOrderOnlyWhenComplete) {
@@ -146,6 +148,31 @@ TEST_F(WriteCaptureTest, FilesLandByteExactInCloseOrderOnlyWhenComplete) {
   for (const auto& e : stdfs::directory_iterator(dir_ / ".ucpfs" / "capture")) {
     EXPECT_NE(e.path().extension(), ".part") << e.path();
   }
+}
+
+TEST_F(WriteCaptureTest, BeforeReplaceIsCalledWhileTheOldFileIsStillInPlace) {
+  // A served view's source file: whoever still reads it opens it before the new one lands.
+  { std::ofstream(dir_ / "sub" / "shard.bin", std::ios::binary) << "old bytes"; }
+  std::vector<std::string> called;
+  int old_fd = -1;
+  before_replace_ = [&](const std::string& rel) {
+    called.push_back(rel);
+    old_fd = open((dir_ / rel).c_str(), O_RDONLY | O_CLOEXEC);
+  };
+  Start(/*n_chunks=*/4);
+  auto f = Create("shard.bin", sub_fd_);
+  const std::string text = "new bytes, longer";
+  ASSERT_TRUE(capture_->Write(*f, 0, std::as_bytes(std::span(text.data(), text.size()))).ok());
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  ASSERT_EQ(called, std::vector<std::string>{"sub/shard.bin"});
+  ASSERT_GE(old_fd, 0);
+  char old[32] = {};
+  EXPECT_EQ(pread(old_fd, old, sizeof old, 0), 9);
+  EXPECT_STREQ(old, "old bytes");
+  close(old_fd);
+  const std::vector<std::byte> placed = ReadFile(dir_ / "sub" / "shard.bin");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(placed.data()), placed.size()), text);
 }
 
 TEST_F(WriteCaptureTest, CacheSmallerThanTheFilesStreamsThemWithBackPressure) {
