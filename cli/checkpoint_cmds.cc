@@ -523,7 +523,8 @@ int ServeMount(const MountArgs& args, int ready_fd) {
         UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildRunNamespace(run, target_options, run_hooks, &info));
         info.index_state = index::IndexStateName(run.back().snapshot->opened.state);
         info.index_seconds = run.back().snapshot->opened.elapsed_s;
-        return std::make_pair(std::move(tree), std::move(info));
+        // The newest is the served snapshot whose files a save replacing them keeps open.
+        return Generation{std::move(tree), std::move(info), run.back().snapshot};
       }
       if (!allow_empty) return snapshot.error();
       UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildEmptyNamespace(o.source_dir, snapshot.error().message(), generation,
