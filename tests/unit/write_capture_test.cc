@@ -42,7 +42,7 @@ std::vector<std::byte> ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   std::vector<char> raw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   std::vector<std::byte> out(raw.size());
-  std::memcpy(out.data(), raw.data(), raw.size());
+  if (!raw.empty()) std::memcpy(out.data(), raw.data(), raw.size());
   return out;
 }
 
