@@ -285,7 +285,6 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
 
   // DeepSpeed: <tag>_universal/ and latest_universal. A checkpoint the view cannot serve is
   // still mounted, without it; the reason goes to the log and status.json.
-  std::set<std::string> shadowed = {".ucpfs", "atomic", "target"};
   std::optional<index::UniversalView> universal;
   std::string universal_error;
   {
@@ -297,10 +296,6 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
       universal_error = built.error().message();
       std::fprintf(stderr, "ucpfs: warning: no universal view: %s\n", universal_error.c_str());
     }
-  }
-  if (universal) {
-    shadowed.insert(universal->dir);
-    if (!universal->latest_universal.empty()) shadowed.insert("latest_universal");
   }
   // A save directory (`latest` names its tag): <tag>_universal/ for every other tag as well,
   // each built from its tag directory alone (index/deepspeed_tags.h). A tag that cannot be
@@ -316,11 +311,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
       std::fprintf(stderr, "ucpfs: warning: no universal views of the other tags: %s\n", other_tags_error.c_str());
     }
     for (const auto& t : other_tags.tags) {
-      if (t.view) {
-        shadowed.insert(t.view->dir);
-      } else {
-        std::fprintf(stderr, "ucpfs: warning: no %s_universal: %s\n", t.name.c_str(), t.error.c_str());
-      }
+      if (!t.view) std::fprintf(stderr, "ucpfs: warning: no %s_universal: %s\n", t.name.c_str(), t.error.c_str());
     }
     if (other_tags.n_left_out > 0) {
       std::fprintf(stderr, "ucpfs: warning: %zu more subdirectories not examined for tags (at most %zu tags)\n",

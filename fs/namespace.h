@@ -1,7 +1,8 @@
-// Builds the namespace of a mount from an opened index: the source's own files passed through
-// read-only, `atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt`, and `.ucpfs/status.json`.
-// Knows no FUSE types. Everything is sized here, before the mount goes live; no tensor byte is
-// read until a file is read.
+// Builds the views of a mount (a Tree) from a Snapshot: `atomic/<param>/<state>.pt`, `target/`,
+// DeepSpeed's `<tag>_universal/`, `.ucpfs/` (status.json, stats.json, sync); for a run
+// directory also `checkpoints/<name>/`. The source's own files are not in the tree: the mount's
+// Passthrough serves them beside it. Knows no FUSE types. Everything is sized here, before the
+// views go live; no tensor byte is read until a file is read.
 #pragma once
 
 #include <memory>
