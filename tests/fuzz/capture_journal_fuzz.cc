@@ -8,13 +8,34 @@
 #include <cstdlib>
 #include <vector>
 
+#include <algorithm>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "core/io/capture_journal.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace ucpfs::io;
   std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(kJournalMagic),
                                reinterpret_cast<const std::byte*>(kJournalMagic) + sizeof(kJournalMagic));
-  bytes.insert(bytes.end(), reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size);
+  if (size > 0 && (data[0] & 1) != 0) {
+    // Framed: the input is payloads (a length byte, then that many bytes), each wrapped in a
+    // record header with its true checksum, so the fuzzer reaches the decoder and the planner
+    // instead of stopping at the checksum.
+    size_t at = 1;
+    while (at < size) {
+      const size_t n = std::min<size_t>(data[at], size - at - 1);
+      const uint8_t* payload = data + at + 1;
+      const uint64_t hash = XXH64(payload, n, 0);
+      for (int i = 0; i < 4; ++i) bytes.push_back(static_cast<std::byte>((n >> (8 * i)) & 0xff));
+      for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<std::byte>((hash >> (8 * i)) & 0xff));
+      bytes.insert(bytes.end(), reinterpret_cast<const std::byte*>(payload), reinterpret_cast<const std::byte*>(payload) + n);
+      at += 1 + n;
+    }
+  } else {
+    bytes.insert(bytes.end(), reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size);
+  }
   auto parsed = ParseJournal(bytes);
   if (!parsed.ok()) return 0;
   std::vector<uint64_t> parts;
