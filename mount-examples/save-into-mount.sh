@@ -37,9 +37,10 @@ import sys, torch
 mnt, expected = sys.argv[1], torch.load(sys.argv[2])
 torch.save({"note": torch.arange(10)}, f"{mnt}/extra.pt")
 got = torch.load(f"{mnt}/atomic/layers.0.attention.wq.weight/fp32.pt")["param"]
-want = expected["layers.0.attention.wq.weight"].float()
+# fp32.pt is the fp32 master the trainer saved beside the bf16 weight.
+want = expected["optimizer.state.layers.0.attention.wq.weight.fp32_param"]
 assert torch.equal(got, want), "the view differs from what was saved"
-print("atomic/layers.0.attention.wq.weight/fp32.pt:", tuple(got.shape), "equals the tensor the ranks saved")
+print("atomic/layers.0.attention.wq.weight/fp32.pt:", tuple(got.shape), "equals the fp32 master the ranks saved")
 PY
 "$UCPFS" status "$mnt"
 "$UCPFS" sync "$mnt"
