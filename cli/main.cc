@@ -26,11 +26,15 @@ int main(int argc, char** argv) {
   // A checkpoint may have more files than the default soft limit; source files are reached
   // through a bounded descriptor cache sized from the limit in force (FdCache).
   ucpfs::RaiseOpenFileLimit();
-  CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP) as resharded views:\n"
+  CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP, DeepSpeed) as resharded views:\n"
                "  MNT/atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt   consolidated per-parameter state\n"
                "  MNT/target/<layout>/rank_N/{model,optim}.pt       each rank's shard for a new layout\n"
-               "  MNT/<source files>                                the checkpoint's own files, read-only\n"
-               "  MNT/.ucpfs/status.json                            what is mounted"};
+               "  MNT/<tag>_universal/, MNT/latest_universal        DeepSpeed: what ds_to_universal writes\n"
+               "  MNT/<source files>                                the checkpoint's own files, read-write:\n"
+               "                                                    saves return at memory speed, are made\n"
+               "                                                    durable in the background and shown as\n"
+               "                                                    views without a remount\n"
+               "  MNT/.ucpfs/status.json, stats.json                what is mounted; counters"};
   app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION);
   app.require_subcommand(0, 1);
 
