@@ -169,29 +169,13 @@ Result<std::unique_ptr<PinnedCache>> PinnedCache::Make(const PinnedCacheOptions&
     }
   }
 
-  if (impl->allocation == nullptr && options.lock_on_first_use) {
-    // Reserved now, faulted and locked chunk by chunk on first use (Acquire).
-    void* mapping = ::mmap(nullptr, static_cast<size_t>(n_bytes), PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (mapping == MAP_FAILED) {
-      const int e = errno;
-      return Status(StatusCode::kResourceExhausted,
-                    "pinned cache: mmap of " + std::to_string(n_bytes) + " bytes failed: " + std::strerror(e), e);
-    }
-    impl->allocation = static_cast<std::byte*>(mapping);
-    impl->allocation_bytes = static_cast<size_t>(n_bytes);
-    impl->base = impl->allocation;
-    impl->kind = PinnedMemoryKind::kLocked;  // until a chunk's mlock is refused
-    impl->lock_on_first_use = true;
-    impl->touched.assign(static_cast<size_t>(n_chunks), false);
-    impl->warn = options.warn;
-  }
-
   if (impl->allocation == nullptr) {
     // MAP_POPULATE faults every page in now (writes on a private mapping), so even when mlock
-    // is refused below the write path takes no page faults while memory is plentiful.
+    // is refused below the write path takes no page faults while memory is plentiful. With
+    // lock_on_first_use the range is only reserved: Acquire faults and locks chunk by chunk.
+    const int populate = options.lock_on_first_use ? MAP_NORESERVE : MAP_POPULATE;
     void* mapping = ::mmap(nullptr, static_cast<size_t>(n_bytes), PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+                           MAP_PRIVATE | MAP_ANONYMOUS | populate, -1, 0);
     if (mapping == MAP_FAILED) {
       const int e = errno;
       return Status(StatusCode::kResourceExhausted,
@@ -200,9 +184,14 @@ Result<std::unique_ptr<PinnedCache>> PinnedCache::Make(const PinnedCacheOptions&
     impl->allocation = static_cast<std::byte*>(mapping);  // page-aligned, so 4096-aligned
     impl->allocation_bytes = static_cast<size_t>(n_bytes);
     impl->base = impl->allocation;
-    // mlock through syscall(2): the sanitizers' runtimes replace mlock() and munlock() with
-    // no-ops that report success, so a sanitizer build would call unlocked memory locked.
-    if (::syscall(SYS_mlock, mapping, impl->allocation_bytes) == 0) {
+    if (options.lock_on_first_use) {
+      impl->kind = PinnedMemoryKind::kLocked;  // until a chunk's mlock is refused
+      impl->lock_on_first_use = true;
+      impl->touched.assign(static_cast<size_t>(n_chunks), false);
+      impl->warn = options.warn;
+    } else if (::syscall(SYS_mlock, mapping, impl->allocation_bytes) == 0) {
+      // mlock through syscall(2): the sanitizers' runtimes replace mlock() and munlock() with
+      // no-ops that report success, so a sanitizer build would call unlocked memory locked.
       impl->kind = PinnedMemoryKind::kLocked;
     } else {
       const int e = errno;

@@ -143,7 +143,7 @@ std::vector<IoOp> CoalesceWrites(std::vector<IoOp> ops, std::vector<std::vector<
 
 class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
  public:
-  std::mutex mu;
+  mutable std::mutex mu;
   std::condition_variable cv;  // a chunk write completed, or the file changed state
   uint64_t seq = 0;
   std::string part_name;
@@ -182,7 +182,7 @@ struct WriteCapture::Impl {
   int journal_fd = -1;
   std::string capture_dir;  // for messages
   std::string source_real;  // realpath of SRC, to express destinations relative to it
-  std::string engine_name;
+  std::string engine_name;  // the flushers' engine, once they run; guarded by start_mu
 
   mutable std::mutex mu;  // everything below; taken after a file's mutex, never before
   std::condition_variable work_cv;    // flush queue or commit queue changed
@@ -212,7 +212,7 @@ struct WriteCapture::Impl {
   unsigned batches_in_flight = 0;
   uint64_t busy_since_ns = 0;
   std::vector<std::thread> threads;
-  std::mutex start_mu;
+  mutable std::mutex start_mu;
   bool started = false;  // guarded by start_mu; cache, chunk_bytes and threads are set once
 
   void Log(const std::string& line) const {
@@ -348,6 +348,10 @@ struct WriteCapture::Impl {
 
   void FlusherLoop() {
     std::unique_ptr<IoEngine> engine = options.make_engine ? options.make_engine() : MakeDefaultEngine(options.queue_depth);
+    {
+      std::lock_guard lock(start_mu);
+      engine_name = engine->Name();
+    }
     // Fixed buffers, registered chunk by chunk when this flusher first writes from one (the
     // cache locks a chunk on its first use; registering all of them now would fault in and pin
     // the whole capacity).
@@ -846,11 +850,6 @@ Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions op
   if (!capture.ok()) return capture.error();
   impl->capture_fd = *capture;
   impl->capture_dir = src + "/.ucpfs/capture";
-  {
-    std::unique_ptr<IoEngine> probe =
-        impl->options.make_engine ? impl->options.make_engine() : MakeDefaultEngine(impl->options.queue_depth);
-    impl->engine_name = probe->Name();
-  }
   std::unique_ptr<WriteCapture> wc(new WriteCapture(std::move(impl)));
   Impl& m = *wc->impl_;
   UCPFS_RETURN_IF_ERROR(m.Recover());
@@ -892,7 +891,7 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
 }
 
 struct stat WriteCapture::Stat(const CapturedFile& file) const {
-  auto& f = const_cast<CapturedFile&>(file);
+  const CapturedFile& f = file;
   std::lock_guard lock(f.mu);
   struct stat st = f.part_stat;
   st.st_mode = static_cast<mode_t>(S_IFREG | f.mode);
@@ -1068,13 +1067,13 @@ bool WriteCapture::Discard(CapturedFile& f) {
 }
 
 Status WriteCapture::Error(const CapturedFile& file) const {
-  auto& f = const_cast<CapturedFile&>(file);
+  const CapturedFile& f = file;
   std::lock_guard lock(f.mu);
   return f.error;
 }
 
 bool WriteCapture::Placed(const CapturedFile& file) const {
-  auto& f = const_cast<CapturedFile&>(file);
+  const CapturedFile& f = file;
   std::lock_guard lock(f.mu);
   return f.placed;
 }
@@ -1087,7 +1086,7 @@ Result<int> WriteCapture::OpenPath(const CapturedFile& file) const {
 }
 
 bool WriteCapture::Settled(const CapturedFile& file) const {
-  auto& f = const_cast<CapturedFile&>(file);
+  const CapturedFile& f = file;
   std::lock_guard lock(f.mu);
   return f.settled;
 }
@@ -1104,13 +1103,13 @@ CaptureStats WriteCapture::Stats() const {
   CaptureStats s;
   std::shared_ptr<PinnedCache> cache;
   {
-    std::lock_guard lock(const_cast<Impl&>(m).start_mu);
+    std::lock_guard lock(m.start_mu);
     cache = m.cache;
+    s.engine = m.engine_name.empty() ? "not started yet" : m.engine_name;
   }
   if (cache == nullptr) {
     s.cache_capacity_bytes = m.options.cache_options.capacity_bytes;
     s.memory_kind = "not allocated yet";
-    s.engine = m.engine_name;
     return s;
   }
   const PinnedCache::Stats cs = cache->stats();
@@ -1125,7 +1124,6 @@ CaptureStats WriteCapture::Stats() const {
   s.flush_errors = m.flush_errors.load();
   s.chunks_coalesced = m.ops_coalesced.load();
   s.memory_kind = PinnedMemoryKindName(cache->kind());
-  s.engine = m.engine_name;
   std::lock_guard lock(m.mu);
   s.files_pending = m.pending.size();
   return s;

@@ -85,7 +85,7 @@ struct CaptureStats {
   uint64_t flush_errors = 0;
   uint64_t chunks_coalesced = 0;   // chunks written as part of a larger write with their neighbour
   std::string memory_kind;         // PinnedMemoryKindName
-  std::string engine;              // the flushers' IoEngine::Name()
+  std::string engine;              // the flushers' IoEngine::Name() ("not started yet" before the first save)
 };
 
 // Merges write ops that continue each other both in their file and in memory into one op (not
