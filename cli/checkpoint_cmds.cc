@@ -31,6 +31,7 @@
 #include "core/io/write_capture.h"
 #include "fs/namespace.h"
 #include "fs/passthrough.h"
+#include "index/safetensors_view.h"
 #include "fs/filesystem.h"
 #include "index/run_dir.h"
 #include "index/snapshot.h"
@@ -222,6 +223,13 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   return 0;
 }
 
+Result<uint64_t> ParseShardSize(const std::string& text) {
+  if (text.empty()) return index::kDefaultSafetensorsShardBytes;
+  UCPFS_ASSIGN_OR_RETURN(uint64_t n, io::ParseByteSize(text));
+  if (n == 0) return InvalidArgumentError("--safetensors-shard-size: a shard holds at least 1 byte");
+  return n;
+}
+
 namespace {
 
 // Parses the target-view options (before the daemon forks, so typos fail at once).
@@ -244,6 +252,7 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
     t.pp_split = std::move(split);
   }
   t.lookup_budget_bytes = args.lookup_memory_mib << 20;
+  UCPFS_ASSIGN_OR_RETURN(t.safetensors_shard_n_bytes, ParseShardSize(args.safetensors_shard_size));
   return t;
 }
 
@@ -253,6 +262,7 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
 bool IsCompletionMarker(const std::string& rel) {
   const std::string name = rel.substr(rel.find_last_of('/') + 1);
   return name == "latest" || name == "latest_checkpointed_iteration.txt" || name == ".metadata" ||
+         name == "model.safetensors.index.json" || name == "pytorch_model.bin.index.json" ||
          (name.size() > 9 && name.compare(name.size() - 9, 9, ".metadata") == 0);
 }
 

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "core/status.h"
+
 namespace ucpfs::cli {
 
 struct SourceArgs {
@@ -31,8 +33,13 @@ struct MountArgs {
   std::string pp_split;                   // --pp-split a,b,...
   uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib
   std::string cache_size = "2G";          // --cache-size: the pinned write-capture cache
+  std::string safetensors_shard_size;     // --safetensors-shard-size (empty: Hugging Face's 5GB)
   bool read_only = false;                 // --read-only: no writes, no capture
 };
+
+// The --safetensors-shard-size value (io::ParseByteSize forms; empty: Hugging Face's default,
+// 5 GB decimal). Errors: kInvalidArgument for a bad text or zero.
+Result<uint64_t> ParseShardSize(const std::string& text);
 
 // Returns once the mount is live (the daemon keeps serving), or serves in the foreground.
 int RunMount(const MountArgs& args);

@@ -27,6 +27,7 @@
 #include "index/catalog.h"
 #include "index/snapshot.h"
 #include "index/key_map.h"
+#include "index/safetensors_view.h"
 #include "index/view_inputs.h"
 
 namespace ucpfs::cli {
@@ -105,9 +106,11 @@ int Fail(const Status& s) {
 
 int RunConvert(const ConvertArgs& args) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (args.layouts.empty() && !args.atomic) {
-    return Fail(InvalidArgumentError("nothing to write: give --layout=L and/or --atomic"));
+  if (args.layouts.empty() && !args.atomic && !args.safetensors) {
+    return Fail(InvalidArgumentError("nothing to write: give --layout=L, --atomic and/or --safetensors"));
   }
+  auto shard_n_bytes = ParseShardSize(args.safetensors_shard_size);
+  if (!shard_n_bytes.ok()) return Fail(shard_n_bytes.error());
   // Arguments first, so that a typo fails before the index is opened.
   std::vector<layout::Layout> layouts;
   for (const auto& name : args.layouts) {
@@ -176,11 +179,18 @@ int RunConvert(const ConvertArgs& args) {
         if (!rf.ok()) return Fail(rf.error().WithContext("layout " + l.name + " rank " + std::to_string(r)));
         const std::string dir = "target/" + l.name + "/rank_" + std::to_string(r) + "/";
         jobs.push_back({dir + "model.pt", rf->model});
+        if (rf->model_safetensors) jobs.push_back({dir + "model.safetensors", rf->model_safetensors});
         if (rf->optim) jobs.push_back({dir + "optim.pt", rf->optim});
         if (rf->extra) jobs.push_back({dir + "extra_state.pt", rf->extra});
         jobs.push_back({dir + "ucp_info.json", rf->info});
       }
     }
+  }
+  if (args.safetensors) {
+    auto views = index::BuildSafetensorsView(ckpt, *mapping, files, *patterns, *shard_n_bytes);
+    if (!views.ok()) return Fail(views.error());
+    if (views->empty()) return Fail(NotFoundError(src + ": no model weights to write as safetensors"));
+    for (auto& v : *views) jobs.push_back({"safetensors/" + v.name, std::move(v.source)});
   }
   if (args.atomic) {
     auto views = index::BuildAtomicViews(ckpt, *mapping, files, *patterns);

@@ -18,6 +18,8 @@ struct ConvertArgs {
   std::string dst;
   std::vector<std::string> layouts;  // --layout (repeatable)
   bool atomic = false;
+  bool safetensors = false;          // --safetensors: DST/safetensors/ (index/safetensors_view.h)
+  std::string safetensors_shard_size;  // --safetensors-shard-size (empty: 5 GB)
   std::string preset = "auto";       // --preset
   std::string pattern_rules;         // --pattern-rules FILE (layout/patterns.h ParseRules format)
   std::string pp_split;              // --pp-split a,b,...

@@ -26,9 +26,13 @@ int main(int argc, char** argv) {
   // A checkpoint may have more files than the default soft limit; source files are reached
   // through a bounded descriptor cache sized from the limit in force (FdCache).
   ucpfs::RaiseOpenFileLimit();
-  CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP, DeepSpeed) as resharded views:\n"
+  CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP, DeepSpeed, safetensors or torch.save\n"
+               "weights) as resharded views:\n"
                "  MNT/atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt   consolidated per-parameter state\n"
                "  MNT/target/<layout>/rank_N/{model,optim}.pt       each rank's shard for a new layout\n"
+               "  MNT/target/<layout>/rank_N/model.safetensors      the same weights as safetensors\n"
+               "  MNT/safetensors/model-0000K-of-0000N.safetensors  the weights consolidated, sharded as\n"
+               "                                                    Hugging Face saves them (+ index.json)\n"
                "  MNT/<tag>_universal/, MNT/latest_universal        DeepSpeed: what ds_to_universal writes\n"
                "  MNT/<source files>                                the checkpoint's own files, read-write:\n"
                "                                                    saves return at memory speed, are made\n"
@@ -57,6 +61,8 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--cache-size", mount.cache_size,
                         "pinned host cache that captures saves into the mount (default 2G; e.g. 512M, 8G)");
   mount_cmd->add_flag("--read-only", mount.read_only, "serve read-only: no writes, no write capture");
+  mount_cmd->add_option("--safetensors-shard-size", mount.safetensors_shard_size,
+                        "largest file of safetensors/ (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
   AddSourceOptions(mount_cmd, mount.source);
 
   std::string umount_path;
@@ -95,6 +101,10 @@ int main(int argc, char** argv) {
   convert->add_option("DST", convert_args.dst, "output directory (created)")->required();
   convert->add_option("--layout", convert_args.layouts, "target layout tp<T>_pp<P>_dp<D>[_ep<E>][_zero1] (repeatable)");
   convert->add_flag("--atomic", convert_args.atomic, "also write atomic/<param>/<state>.pt");
+  convert->add_flag("--safetensors", convert_args.safetensors,
+                    "also write safetensors/: the weights as sharded safetensors + model.safetensors.index.json");
+  convert->add_option("--safetensors-shard-size", convert_args.safetensors_shard_size,
+                      "largest safetensors shard (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
   convert->add_option("--preset", convert_args.preset, "pattern preset: auto, torchtitan, megatron, hf");
   convert->add_option("--pattern-rules", convert_args.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
   convert->add_option("--pp-split", convert_args.pp_split, "layers per pipeline stage a,b,...");

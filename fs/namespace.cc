@@ -21,6 +21,7 @@
 #include "core/views/atomic.h"
 #include "core/views/target.h"
 #include "index/deepspeed_tags.h"
+#include "index/safetensors_view.h"
 #include "index/universal_view.h"
 #include "index/view_inputs.h"
 
@@ -95,18 +96,21 @@ ViewAccess AccessOfSources(const std::string& source_dir, const std::vector<inde
   return a;
 }
 
-// Adds `rank_<N>/{model.pt,optim.pt,extra_state.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
+// Adds `rank_<N>/{model.pt,model.safetensors,optim.pt,extra_state.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
 // Rank files depend on (tp, pp, ep) for model.pt and, without ZeRO partitioning, optim.pt; DP
 // replicas link to the first such file. Counts the distinct files added in *n_files.
 Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struct timespec mtime,
                       const ViewAccess& access, size_t* n_files) {
   const layout::Layout& l = plan.layout();
-  std::map<std::tuple<int, int, int>, std::pair<Ino, Ino>> shared_files;  // (tp,pp,ep) -> model, optim
+  struct Shared {
+    Ino first = 0, second = 0, third = 0;  // model.pt, optim.pt, model.safetensors
+  };
+  std::map<std::tuple<int, int, int>, Shared> shared_files;  // (tp,pp,ep) -> the rank files DP replicas share
   for (int rank = 0; rank < l.World(); ++rank) {
     UCPFS_ASSIGN_OR_RETURN(auto files_of_rank, plan.Build(rank));
     UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree.AddDir(ldir, "rank_" + std::to_string(rank), mtime));
     const auto c = layout::CoordsOf(l, rank);
-    auto it = shared_files.try_emplace({c.tp, c.pp, c.ep}, 0, 0).first;
+    auto it = shared_files.try_emplace({c.tp, c.pp, c.ep}).first;
     auto add = [&](const char* name, std::shared_ptr<const ByteSource> src, Ino* share) -> Status {
       if (share != nullptr && *share != 0) return tree.AddLink(rdir, name, *share);
       const uint64_t n_bytes = src->Size();
@@ -117,6 +121,9 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struc
       return Status::Ok();
     };
     UCPFS_RETURN_IF_ERROR(add("model.pt", files_of_rank.model, &it->second.first));
+    if (files_of_rank.model_safetensors) {
+      UCPFS_RETURN_IF_ERROR(add("model.safetensors", files_of_rank.model_safetensors, &it->second.third));
+    }
     if (files_of_rank.optim) {
       UCPFS_RETURN_IF_ERROR(add("optim.pt", files_of_rank.optim, l.zero == 0 ? &it->second.second : nullptr));
     }
@@ -200,6 +207,22 @@ Status AddAtomicFiles(Tree& tree, Ino atomic, std::vector<index::AtomicView> ato
     UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))));
     UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
     ++*n_atomic;
+  }
+  return Status::Ok();
+}
+
+// `safetensors/` under `parent` (index/safetensors_view.h), when the source has weights.
+Status AddSafetensorsView(Tree& tree, Ino parent, const index::Snapshot& snap, const index::PatternOptions& patterns,
+                          uint64_t shard_n_bytes, struct timespec mtime, const ViewAccess& access, size_t* n_files) {
+  UCPFS_ASSIGN_OR_RETURN(auto files, index::BuildSafetensorsView(snap.checkpoint(), snap.mapping, snap.files, patterns,
+                                                                 shard_n_bytes));
+  if (files.empty()) return Status::Ok();
+  UCPFS_ASSIGN_OR_RETURN(Ino dir, tree.AddDir(parent, "safetensors", mtime));
+  for (auto& f : files) {
+    const uint64_t n_bytes = f.source->Size();
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir, f.name, n_bytes, mtime, FixedSource(std::move(f.source))));
+    UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
+    ++*n_files;
   }
   return Status::Ok();
 }
@@ -343,6 +366,9 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
                          index::PatternOptionsFor(ckpt, targets.preset, targets.rules));
   UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, mapping, files, patterns));
   UCPFS_RETURN_IF_ERROR(AddAtomicFiles(*tree, atomic, std::move(atomic_views), mtime, access, &n_atomic, &atomic_bytes));
+  size_t n_safetensors = 0;
+  UCPFS_RETURN_IF_ERROR(AddSafetensorsView(*tree, kRootIno, *snapshot, patterns, targets.safetensors_shard_n_bytes, mtime,
+                                           access, &n_safetensors));
 
   // target/<layout>/rank_<N>/: the --layout views now; any other valid layout name when it is
   // first looked up (NamespaceInfo::resolve_target).
@@ -451,6 +477,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   status["counts"] = {{"params", mapping.params.size()},
                       {"atomic_files", n_atomic},
                       {"target_files", n_target},
+                      {"safetensors_files", n_safetensors},
                       {"atomic_bytes", atomic_bytes},
                       {"source_files", n_passthrough},
                       {"universal_files", n_universal},
@@ -544,6 +571,9 @@ Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>
     size_t n_atomic = 0;
     uint64_t atomic_bytes = 0;
     UCPFS_RETURN_IF_ERROR(AddAtomicFiles(*tree, atomic, std::move(atomic_views), mtime, access, &n_atomic, &atomic_bytes));
+    size_t n_safetensors = 0;
+    UCPFS_RETURN_IF_ERROR(
+        AddSafetensorsView(*tree, dir, snap, patterns, targets.safetensors_shard_n_bytes, mtime, access, &n_safetensors));
     if (!targets.layouts.empty()) {
       UCPFS_ASSIGN_OR_RETURN(Ino target, tree->AddDir(dir, "target", mtime));
       UCPFS_ASSIGN_OR_RETURN(auto input, MakeSharedTargetInput(ckpt, snap.mapping, snap.files, targets, patterns));

@@ -50,6 +50,8 @@ struct TargetOptions {
   // Memory that layouts built on lookup may take together (--lookup-memory-mib). A layout
   // whose estimate (rank 0's heap bytes × ranks) would pass it is refused, not built.
   uint64_t lookup_budget_bytes = uint64_t{256} << 20;
+  // safetensors/: the largest shard (--safetensors-shard-size; index/safetensors_view.h).
+  uint64_t safetensors_shard_n_bytes = 5'000'000'000;
 };
 
 

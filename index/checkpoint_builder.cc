@@ -56,6 +56,27 @@ Result<uint32_t> CheckpointBuilder::AddFile(const std::string& rel_path) {
   return id;
 }
 
+Item CheckpointBuilder::WholeTensor(std::string key, DType dtype, std::vector<int64_t> shape, uint32_t file_id,
+                                   uint64_t byte_offset, std::vector<int64_t> strides) {
+  Item item;
+  item.key = std::move(key);
+  item.kind = ItemKind::kTensor;
+  item.dtype = dtype;
+  item.layout.shape = std::move(shape);
+  if (item.layout.NumElems() == 0) return item;
+  slice::Fragment f;
+  f.box.offsets.assign(item.layout.shape.size(), 0);
+  f.box.sizes = item.layout.shape;
+  f.flat_lo = 0;
+  f.flat_hi = item.layout.NumElems();
+  f.file_id = file_id;
+  f.byte_offset = byte_offset;
+  f.dtype = dtype;
+  f.strides = std::move(strides);
+  item.layout.fragments.push_back(std::move(f));
+  return item;
+}
+
 Result<format::TorchFile> CheckpointBuilder::OpenTorchFile(uint32_t file_id) const {
   return format::TorchFile::Open(sources_.at(file_id));
 }

@@ -43,6 +43,12 @@ class CheckpointBuilder {
   // replicas. Errors: kCorrupt naming `where` and the item.
   Status FinishTensor(Item& item, const std::string& where);
 
+  // A tensor item `key` stored whole in file `file_id` at [byte_offset, ...) as `dtype` with
+  // `shape`, row-major unless `strides` (in elements) are given: one fragment covering it (none
+  // when it has no elements).
+  static Item WholeTensor(std::string key, DType dtype, std::vector<int64_t> shape, uint32_t file_id,
+                          uint64_t byte_offset, std::vector<int64_t> strides = {});
+
   // Appends an item (in source order) and returns the checkpoint when done.
   void AddItem(Item item) { ckpt_.items.push_back(std::move(item)); }
   Checkpoint Take() { return std::move(ckpt_); }

@@ -122,9 +122,10 @@ struct MatcherRule {
   std::string label;  // "user rule 2 (pattern ...)" / "built-in rule 5 (...)"
 };
 
-const std::vector<KeyRule>& CompiledBuiltins() {
+const std::vector<KeyRule>& CompiledBuiltins(std::string_view format) {
   static const std::vector<KeyRule> rules = BuiltinRules();
-  return rules;
+  static const std::vector<KeyRule> weights = BuiltinRules("weights");
+  return format == "weights" ? weights : rules;
 }
 
 Result<std::string> ReadWholeFile(const std::string& path) {
@@ -327,8 +328,17 @@ void MatchPositionalOptimizerState(KeyMapping* m) {
 
 }  // namespace
 
-std::vector<KeyRule> BuiltinRules() {
-  std::vector<KeyRule> rules = {
+std::vector<KeyRule> BuiltinRules(std::string_view format) {
+  std::vector<KeyRule> rules;
+  if (format == "weights") {
+    // A weights-only source holds nothing but the model's state dict: every tensor is the
+    // weight its name says, "model." prefix and all (Hugging Face names keep it).
+    rules.push_back(Rule(R"(^(.+)$)", "$1", StateKind::kWeight));
+    Status s = CompileRule(&rules.back());
+    (void)s;
+    return rules;
+  }
+  rules = {
       // Optimizer state, most specific first.
       // torchtitan: optimizer.state.<fqn>.<k>
       Rule(R"(^optim(?:izer)?\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
@@ -385,7 +395,7 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
     if (!s.ok()) return s.WithContext("user rule " + std::to_string(i));
     user.push_back(std::move(r));
   }
-  const std::vector<KeyRule>& builtins = CompiledBuiltins();
+  const std::vector<KeyRule>& builtins = CompiledBuiltins(checkpoint.format);
   std::vector<MatcherRule> rules;
   rules.reserve(user.size() + builtins.size());
   for (size_t i = 0; i < user.size(); ++i) {

@@ -71,10 +71,12 @@ struct KeyMapping {
 // (naming the file, the rule index and what is wrong, e.g. a bad regex or unknown state).
 Result<std::vector<KeyRule>> LoadRules(const std::string& path);
 
-// The built-in rules, in the order they are tried.
-std::vector<KeyRule> BuiltinRules();
+// The built-in rules of a source format (Checkpoint::format), in the order they are tried:
+// "weights" (weights_scan.h) has one, every tensor being the weight its name says; every other
+// format shares the rules above.
+std::vector<KeyRule> BuiltinRules(std::string_view format = "");
 
-// Maps every item of `checkpoint`: user rules first, then built-ins; the first matching rule
+// Maps every item of `checkpoint`: user rules first, then the built-ins of its format; the first matching rule
 // wins. A tensor key matching a rule whose state is already taken for that parameter is an
 // error naming both keys (kInvalidArgument). A non-tensor (kBytes) item is a parameter's state
 // only when a rule makes it that parameter's step (e.g. `optimizer.state.<fqn>.step` saved as a

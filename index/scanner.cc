@@ -5,6 +5,7 @@
 
 #include "index/dcp_scan.h"
 #include "index/deepspeed_scan.h"
+#include "index/weights_scan.h"
 
 namespace ucpfs::index {
 namespace {
@@ -27,12 +28,23 @@ class DeepSpeedFormatScanner final : public Scanner {
   }
 };
 
+class WeightsScanner final : public Scanner {
+ public:
+  std::string_view Name() const override { return "weights"; }
+  bool Recognizes(const std::string& dir) const override { return IsWeightsDirectory(dir); }
+  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
+    return ScanWeights(dir, progress);
+  }
+};
+
 }  // namespace
 
 std::span<const Scanner* const> Scanners() {
   static const DcpScanner dcp;
   static const DeepSpeedFormatScanner deepspeed;
-  static const std::array<const Scanner*, 2> all = {&dcp, &deepspeed};
+  static const WeightsScanner weights;
+  // Weights last: other formats' directories may hold .pt or .safetensors files too.
+  static const std::array<const Scanner*, 3> all = {&dcp, &deepspeed, &weights};
   return all;
 }
 
@@ -41,7 +53,8 @@ Result<const Scanner*> ScannerFor(const std::string& dir) {
     if (s->Recognizes(dir)) return s;
   }
   return NotFoundError(dir + " is not a checkpoint ucpfs reads: no DCP metadata (.metadata, __<r>.metadata) "
-                       "and no DeepSpeed save (latest, mp_rank_XX_model_states.pt)");
+                       "no DeepSpeed save (latest, mp_rank_XX_model_states.pt) and no weights (*.safetensors, "
+                       "model.safetensors.index.json, a .pt/.pth/.bin state dict)");
 }
 
 Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress) {

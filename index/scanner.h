@@ -4,7 +4,8 @@
 // a directory.
 //
 // Formats: "dcp" (PyTorch DCP, torch 1.13 and 2.x, Megatron-Core torch_dist; dcp_scan.h) and
-// "deepspeed" (a DeepSpeed save directory or one tag of it; deepspeed_scan.h).
+// "deepspeed" (a DeepSpeed save directory or one tag of it; deepspeed_scan.h) and "weights"
+// (Hugging Face safetensors or a torch.save state dict, no optimizer state; weights_scan.h).
 #pragma once
 
 #include <cstdint>

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/checked.h"
+#include "core/format/safetensors.h"
 #include "core/format/torch_file.h"
 #include "core/format/torch_writer.h"
 #include "core/layout/zero.h"
@@ -310,19 +311,27 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
 
   // model.pt
   SaveValue model = SaveValue::OrderedDict();
+  std::vector<std::pair<std::string, format::SaveTensor>> model_tensors;
+  bool safetensors_dtypes = true;
   for (const auto& h : held) {
     const auto& p = in.params[h.param];
     const int s = p.states[S(TargetState::kWeight)] ? S(TargetState::kWeight) : S(TargetState::kFp32);
     const DType dtype = p.dtypes[s];
     UCPFS_RETURN_IF_ERROR(CheckConvertible(*h.local[s], dtype, p.keys[s]));
-    model.Set(h.view.local_name,
-              SaveValue::Tensor(dtype, h.view.local_shape,
-                                std::make_shared<LayoutProvider>(h.local[s], dtype, in.files)));
+    format::SaveTensor t{dtype, h.view.local_shape, std::make_shared<LayoutProvider>(h.local[s], dtype, in.files)};
+    safetensors_dtypes = safetensors_dtypes && !format::SafetensorsDTypeName(dtype).empty();
+    model_tensors.emplace_back(h.view.local_name, t);
+    model.Set(h.view.local_name, SaveValue::Tensor(std::move(t)));
     add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
   }
   RankFiles out;
   UCPFS_ASSIGN_OR_RETURN(auto model_file, format::LazyTorchFile::Build(model, dir + "model.pt"));
   out.model = std::move(model_file);
+  if (safetensors_dtypes) {
+    UCPFS_ASSIGN_OR_RETURN(out.model_safetensors,
+                           format::LazySafetensorsFile::Build(std::move(model_tensors), {{"format", "pt"}},
+                                                              dir + "model.safetensors"));
+  }
 
   // optim.pt
   if (has_optim_) {

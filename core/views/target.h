@@ -2,6 +2,7 @@
 // `target/<layout>/rank_<N>/`):
 //   model.pt      OrderedDict fqn -> this rank's local tensor, in the source's model dtype (the
 //                 weight item's dtype), in the source's parameter order (model.load_state_dict);
+//   model.safetensors  the same tensors as a safetensors file (format/safetensors.h);
 //   optim.pt      only when the source has optimizer state (fp32 masters or Adam moments):
 //                 zero 0: a torch.optim state dict {'state': {i: {'step', 'exp_avg',
 //                 'exp_avg_sq'}}, 'param_groups': [...], ['fp32': OrderedDict fqn -> master]}
@@ -125,6 +126,9 @@ struct TargetInput {
 
 struct RankFiles {
   std::shared_ptr<const ByteSource> model;  // model.pt
+  // model.safetensors: model.pt's tensors as safetensors.torch.save_file writes them
+  // (metadata {"format": "pt"}); null when a dtype has no safetensors name (complex32).
+  std::shared_ptr<const ByteSource> model_safetensors;
   std::shared_ptr<const ByteSource> optim;  // optim.pt; null when the source has no optimizer state
   std::shared_ptr<const ByteSource> info;   // ucp_info.json
   std::shared_ptr<const ByteSource> extra;  // extra_state.pt; null when the rank gets no extra item

@@ -1,0 +1,260 @@
+// See weights_scan.h.
+#include "index/weights_scan.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "core/format/safetensors.h"
+#include "core/format/torch_file.h"
+#include "index/checkpoint_builder.h"
+
+namespace ucpfs::index {
+namespace {
+
+constexpr std::string_view kSafetensorsIndex = "model.safetensors.index.json";
+constexpr std::string_view kTorchIndex = "pytorch_model.bin.index.json";
+constexpr uint64_t kMaxIndexBytes = 256ull << 20;
+constexpr size_t kMaxListedNames = 100000;
+
+bool IsRegular(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+bool IsTorchName(std::string_view name) {
+  return EndsWith(name, ".pt") || EndsWith(name, ".pth") || EndsWith(name, ".bin");
+}
+
+// The regular files of `dir` (no symlinks, no hidden names), sorted; at most kMaxListedNames.
+std::vector<std::string> RegularFiles(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.empty() || name[0] == '.' || name.size() > 255) continue;
+    if (!IsRegular(dir + "/" + name)) continue;
+    names.push_back(name);
+    if (names.size() >= kMaxListedNames) break;
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+struct Listing {
+  bool safetensors_index = false;
+  bool torch_index = false;
+  std::vector<std::string> safetensors;  // *.safetensors
+  std::vector<std::string> torch;        // *.pt, *.pth, *.bin
+};
+
+Listing List(const std::string& dir) {
+  Listing l;
+  for (const std::string& name : RegularFiles(dir)) {
+    if (name == kSafetensorsIndex) l.safetensors_index = true;
+    else if (name == kTorchIndex) l.torch_index = true;
+    else if (EndsWith(name, ".safetensors")) l.safetensors.push_back(name);
+    else if (IsTorchName(name)) l.torch.push_back(name);
+  }
+  return l;
+}
+
+class WeightsScan {
+ public:
+  explicit WeightsScan(const std::string& dir) : builder_(dir) {}
+
+  Result<Checkpoint> Run(const ScanProgress& progress) {
+    progress_ = progress;
+    const Listing l = List(builder_.dir());
+    std::string container;
+    if (l.safetensors_index) {
+      container = "safetensors";
+      UCPFS_RETURN_IF_ERROR(FromIndex(std::string(kSafetensorsIndex), /*safetensors=*/true));
+    } else if (!l.safetensors.empty()) {
+      container = "safetensors";
+      total_ = l.safetensors.size();
+      for (const std::string& name : l.safetensors) UCPFS_RETURN_IF_ERROR(AddSafetensorsFile(name, nullptr));
+    } else if (l.torch_index) {
+      container = "torch";
+      UCPFS_RETURN_IF_ERROR(FromIndex(std::string(kTorchIndex), /*safetensors=*/false));
+    } else if (l.torch.size() == 1) {
+      container = "torch";
+      total_ = 1;
+      UCPFS_RETURN_IF_ERROR(AddTorchFile(l.torch.front(), nullptr));
+    } else if (l.torch.size() > 1) {
+      return UnsupportedError(builder_.dir() + ": " + std::to_string(l.torch.size()) +
+                              " torch.save files (" + l.torch[0] + ", " + l.torch[1] +
+                              ", ...) and no " + std::string(kTorchIndex) +
+                              " saying which tensors each holds; ucpfs serves one state dict per directory");
+    } else {
+      return NotFoundError(builder_.dir() + ": no weights (" + std::string(kSafetensorsIndex) +
+                           ", *.safetensors, " + std::string(kTorchIndex) + " or a .pt/.pth/.bin file)");
+    }
+    Checkpoint& c = builder_.checkpoint();
+    c.format = "weights";
+    c.flavor = container;
+    nlohmann::json info;
+    info["container"] = container;
+    nlohmann::json files = nlohmann::json::array();
+    for (const SourceFile& f : c.files) files.push_back(f.rel_path);
+    info["files"] = std::move(files);
+    info["skipped_values"] = skipped_values_;
+    c.format_info = info.dump();
+    if (c.format_info.size() > kMaxFormatInfoBytes) {
+      return ResourceExhaustedError(builder_.dir() + ": too many weight files to record");
+    }
+    return builder_.Take();
+  }
+
+ private:
+  // The tensors a shard must hold: name -> still expected. Null: take every tensor.
+  using Expected = std::map<std::string, bool>;
+
+  Status Add(Item item, const std::string& where) {
+    if (!names_.insert(item.key).second) {
+      return CorruptError(where + ": tensor '" + item.key + "' is stored twice (also in an earlier file)");
+    }
+    UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
+    builder_.AddItem(std::move(item));
+    return Status::Ok();
+  }
+
+  Status AddSafetensorsFile(const std::string& rel_path, Expected* expected) {
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(rel_path));
+    const ByteSource& src = *builder_.source(id);
+    UCPFS_ASSIGN_OR_RETURN(format::SafetensorsHeader h, format::ReadSafetensors(src));
+    for (format::SafetensorsTensor& t : h.tensors) {
+      UCPFS_RETURN_IF_ERROR(Expect(expected, t.name, src.Name()));
+      UCPFS_RETURN_IF_ERROR(Add(CheckpointBuilder::WholeTensor(std::move(t.name), t.dtype, std::move(t.shape), id,
+                                                               t.byte_offset),
+                                src.Name()));
+    }
+    Done();
+    return Status::Ok();
+  }
+
+  Status AddTorchFile(const std::string& rel_path, Expected* expected) {
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(rel_path));
+    UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
+    const std::string& where = builder_.source(id)->Name();
+    std::set<std::string> seen_here;
+    for (const format::TensorRecord& t : tf.tensors()) {
+      if (t.key.empty()) {
+        return UnsupportedError(where + ": the file holds a single tensor, not a state dict of named tensors");
+      }
+      // A tensor reachable by two paths (tied weights) is listed under each; the same path
+      // twice (a dict saved with a repeated key) is one.
+      if (!seen_here.insert(t.key).second) continue;
+      UCPFS_RETURN_IF_ERROR(Expect(expected, t.key, where));
+      std::vector<int64_t> strides;
+      if (!t.contiguous) strides = t.stride;
+      UCPFS_RETURN_IF_ERROR(
+          Add(CheckpointBuilder::WholeTensor(t.key, t.dtype, t.shape, id, t.data_offset, std::move(strides)), where));
+    }
+    skipped_values_ += CountPlainLeaves(tf);
+    Done();
+    return Status::Ok();
+  }
+
+  // Non-tensor leaves of a torch file's top-level dict (e.g. an "epoch" saved beside the
+  // weights): counted, not served.
+  static uint64_t CountPlainLeaves(const format::TorchFile& tf) {
+    const pickle::PickleGraph& g = tf.graph();
+    const pickle::NodeId root = g.root();
+    if (root == pickle::kNoNode || g.kind(root) != pickle::Kind::kDict) return 0;
+    uint64_t n = 0;
+    for (const auto& [k, v] : g.dict_items(root)) {
+      const pickle::Kind kind = g.kind(v);
+      if (kind != pickle::Kind::kTensor && kind != pickle::Kind::kDict && kind != pickle::Kind::kList &&
+          kind != pickle::Kind::kTuple) {
+        ++n;
+      }
+    }
+    return n;
+  }
+
+  Status Expect(Expected* expected, const std::string& name, const std::string& where) {
+    if (expected == nullptr) return Status::Ok();
+    auto it = expected->find(name);
+    if (it == expected->end()) {
+      return CorruptError(where + ": holds tensor '" + name + "', which the index's weight_map does not assign to it");
+    }
+    it->second = false;
+    return Status::Ok();
+  }
+
+  // An index (HF `*.index.json`): its weight_map names each tensor's file. The files are read
+  // in the order of their first mention; items follow each file's own order.
+  Status FromIndex(const std::string& index_name, bool safetensors) {
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(index_name));
+    const ByteSource& src = *builder_.source(id);
+    if (src.Size() > kMaxIndexBytes) {
+      return ResourceExhaustedError(src.Name() + ": " + std::to_string(src.Size()) + " bytes, over the " +
+                                    std::to_string(kMaxIndexBytes >> 20) + " MiB an index may have");
+    }
+    UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, ReadRange(src, 0, src.Size(), kMaxIndexBytes));
+    const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    UCPFS_ASSIGN_OR_RETURN(auto weight_map, format::ParseSafetensorsIndex(text, src.Name()));
+    std::vector<std::string> order;
+    std::map<std::string, Expected> by_file;
+    for (auto& [name, file] : weight_map) {
+      if (!SafeRelativePath(file) || file == index_name) {
+        return CorruptError(src.Name() + ": weight_map assigns '" + name + "' to '" + file +
+                            "', which is not a data file inside the checkpoint directory");
+      }
+      auto [it, inserted] = by_file.try_emplace(file);
+      if (inserted) order.push_back(file);
+      if (!it->second.emplace(name, true).second) {
+        return CorruptError(src.Name() + ": weight_map lists '" + name + "' twice");
+      }
+    }
+    total_ = order.size();
+    for (const std::string& file : order) {
+      Expected& expected = by_file[file];
+      UCPFS_RETURN_IF_ERROR(safetensors ? AddSafetensorsFile(file, &expected) : AddTorchFile(file, &expected));
+      for (const auto& [name, missing] : expected) {
+        if (missing) {
+          return CorruptError(src.Name() + ": weight_map puts tensor '" + name + "' in " + file +
+                              ", which does not hold it");
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  void Done() {
+    if (progress_) progress_(++done_, total_);
+  }
+
+  CheckpointBuilder builder_;
+  ScanProgress progress_;
+  uint64_t done_ = 0, total_ = 0;
+  uint64_t skipped_values_ = 0;
+  std::set<std::string> names_;
+};
+
+}  // namespace
+
+bool IsWeightsDirectory(const std::string& dir) {
+  const Listing l = List(dir);
+  return l.safetensors_index || l.torch_index || !l.safetensors.empty() || !l.torch.empty();
+}
+
+Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress) {
+  return WeightsScan(dir).Run(progress);
+}
+
+}  // namespace ucpfs::index

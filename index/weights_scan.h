@@ -1,0 +1,38 @@
+// Weights-only sources: a directory holding plain model weights, as Hugging Face, Meta and
+// users save them, with no sharding metadata (every tensor is whole):
+//   - safetensors: `model.safetensors.index.json` naming the shard of every tensor
+//     (`model-0000K-of-0000N.safetensors`), else every `*.safetensors` file of the directory
+//     (a single `model.safetensors`, or several with distinct tensor names);
+//   - torch.save: `pytorch_model.bin.index.json` with `pytorch_model-0000K-of-0000N.bin` shards,
+//     else the directory's one torch.save file (`*.pt`, `*.pth`, `*.bin`: `pytorch_model.bin`,
+//     `consolidated.00.pth`, a `.pt` state dict).
+// Every tensor becomes a weight item keyed by its state-dict name (a torch file's nested dicts
+// are joined with '.'); key mapping takes the names as they are (Checkpoint::format "weights",
+// key_map.h). Non-tensor values of a torch file are not served (the count is in format_info).
+//
+// Checkpoint::format_info (JSON): {"container": "safetensors" | "torch", "files": [...],
+// "skipped_values": N (torch: non-tensor leaves not served)}.
+//
+// Untrusted input: the safetensors reader distrusts every header (core/format/safetensors.h),
+// an index must name files inside the directory (never through a symlink) and agree with them
+// exactly (every tensor of a listed file in the weight map, every weight-map entry in its file),
+// and a tensor name appears once. Errors: kNotFound (no weights), kCorrupt naming the file and
+// the tensor, kUnsupported (several torch files without an index, compressed records...).
+#pragma once
+
+#include <string>
+
+#include "core/status.h"
+#include "index/checkpoint.h"
+#include "index/scanner.h"
+
+namespace ucpfs::index {
+
+// True when `dir` holds (regular files, not symlinks) a weights index, a `*.safetensors` file,
+// or a torch.save candidate (`*.pt`, `*.pth`, `*.bin`; ScanWeights refuses several without an
+// index). Tried after every other format, whose directories may hold such files too.
+bool IsWeightsDirectory(const std::string& dir);
+
+Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress = nullptr);
+
+}  // namespace ucpfs::index
