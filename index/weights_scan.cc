@@ -223,6 +223,12 @@ class WeightsScan {
     }
     total_ = order.size();
     for (const std::string& file : order) {
+      // A shard the index names but the directory lacks is a broken checkpoint, not "no
+      // checkpoint here" (kNotFound would let a mount fall back to an empty namespace).
+      if (Result<uint32_t> added = builder_.AddFile(file); !added.ok()) {
+        if (added.error().code() != StatusCode::kNotFound) return added.status();
+        return CorruptError(src.Name() + ": weight_map names " + file + ", which is missing");
+      }
       Expected& expected = by_file[file];
       UCPFS_RETURN_IF_ERROR(safetensors ? AddSafetensorsFile(file, &expected) : AddTorchFile(file, &expected));
       for (const auto& [name, missing] : expected) {
