@@ -112,6 +112,7 @@ class WeightsScan {
     for (const SourceFile& f : c.files) files.push_back(f.rel_path);
     info["files"] = std::move(files);
     info["skipped_values"] = skipped_values_;
+    if (!state_dict_key_.empty()) info["state_dict_key"] = state_dict_key_;
     c.format_info = info.dump();
     if (c.format_info.size() > kMaxFormatInfoBytes) {
       return ResourceExhaustedError(builder_.dir() + ": too many weight files to record");
@@ -150,11 +151,20 @@ class WeightsScan {
     UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(rel_path));
     UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
     const std::string& where = builder_.source(id)->Name();
+    const std::string prefix = WrapperPrefix(tf);
+    if (!prefix.empty()) state_dict_key_ = prefix.substr(0, prefix.size() - 1);
     std::set<std::string> seen_here;
-    for (const format::TensorRecord& t : tf.tensors()) {
-      if (t.key.empty()) {
+    for (const format::TensorRecord& rec : tf.tensors()) {
+      if (rec.key.empty()) {
         return UnsupportedError(where + ": the file holds a single tensor, not a state dict of named tensors");
       }
+      if (!rec.key.starts_with(prefix)) {
+        ++skipped_values_;  // beside the wrapped state dict (e.g. an optimizer's tensors)
+        continue;
+      }
+      format::TensorRecord t = rec;
+      t.key = rec.key.substr(prefix.size());
+      if (t.key.empty()) continue;
       // A tensor reachable by two paths (tied weights) is listed under each; the same path
       // twice (a dict saved with a repeated key) is one.
       if (!seen_here.insert(t.key).second) continue;
@@ -167,6 +177,24 @@ class WeightsScan {
     skipped_values_ += CountPlainLeaves(tf);
     Done();
     return Status::Ok();
+  }
+
+  // "<key>." when the file wraps its state dict in a top-level dict under a usual key
+  // ({"state_dict": sd, "epoch": 3}, {"model": sd}, {"module": sd}) and holds no tensor at the
+  // top level itself; else "". The first of those keys present (in that order) wins.
+  static std::string WrapperPrefix(const format::TorchFile& tf) {
+    const pickle::PickleGraph& g = tf.graph();
+    const pickle::NodeId root = g.root();
+    if (root == pickle::kNoNode || g.kind(root) != pickle::Kind::kDict) return "";
+    std::map<std::string, pickle::NodeId> dicts;
+    for (const auto& [k, v] : g.dict_items(root)) {
+      if (g.kind(v) == pickle::Kind::kTensor) return "";
+      if (g.kind(k) == pickle::Kind::kString && g.kind(v) == pickle::Kind::kDict) dicts[std::string(g.text(k))] = v;
+    }
+    for (const char* key : {"state_dict", "model_state_dict", "model", "module"}) {
+      if (dicts.count(key)) return std::string(key) + ".";
+    }
+    return "";
   }
 
   // Non-tensor leaves of a torch file's top-level dict (e.g. an "epoch" saved beside the
@@ -249,6 +277,7 @@ class WeightsScan {
   ScanProgress progress_;
   uint64_t done_ = 0, total_ = 0;
   uint64_t skipped_values_ = 0;
+  std::string state_dict_key_;  // the top-level key a torch file wraps its state dict in, if any
   std::set<std::string> names_;
 };
 

@@ -8,10 +8,13 @@
 //     `consolidated.00.pth`, a `.pt` state dict).
 // Every tensor becomes a weight item keyed by its state-dict name (a torch file's nested dicts
 // are joined with '.'); key mapping takes the names as they are (Checkpoint::format "weights",
-// key_map.h). Non-tensor values of a torch file are not served (the count is in format_info).
+// key_map.h). A torch file whose top level holds no tensor but a dict under "state_dict",
+// "model_state_dict", "model" or "module" (the first present) is that dict's state dict
+// (Lightning, training scripts); tensors elsewhere in it (an optimizer's) and non-tensor values
+// are not served (counted in format_info).
 //
 // Checkpoint::format_info (JSON): {"container": "safetensors" | "torch", "files": [...],
-// "skipped_values": N (torch: non-tensor leaves not served)}.
+// "skipped_values": N (torch: values not served), "state_dict_key": the wrapper key, if any}.
 //
 // Untrusted input: the safetensors reader distrusts every header (core/format/safetensors.h),
 // an index must name files inside the directory (never through a symlink) and agree with them

@@ -7,7 +7,9 @@ the real producers:
   - safetensors/fp32: one `model.safetensors`;
   - torch/bin: one `pytorch_model.bin` (torch.save of the state dict, tied head: the embedding's
     storage saved once under both names);
-  - torch/pth: `consolidated.00.pth`, a bf16 state dict.
+  - torch/pth: `consolidated.00.pth`, a bf16 state dict;
+  - torch/wrapped: `model.pt` = {"model": fp16 state dict, "step": 7, "optimizer": {...}}, as
+    training scripts save (the state dict under "model" is served, the rest is not).
 Each is mounted at its directory and checked:
  1. atomic/<name>/fp32.pt holds the tensor upcast to fp32, bit for bit;
  2. target/tp1_pp1_dp1/rank_0/model.pt equals the state dict (names, order-free, dtypes, bits);
@@ -125,7 +127,8 @@ def load_source(src):
                 sd.update(st.load_file(os.path.join(src, n)))
         return sd
     (pt,) = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
-    return torch.load(os.path.join(src, pt))
+    sd = torch.load(os.path.join(src, pt))
+    return sd["model"] if "model" in sd and isinstance(sd["model"], dict) else sd
 
 
 def tp_piece(name, t, tp, r):
@@ -244,10 +247,14 @@ def main():
         else:
             print("weights_only: no python with safetensors: the safetensors sources are skipped", flush=True)
         for name, fname, dtype, tied in (("pt_bin", "pytorch_model.bin", torch.float32, True),
-                                         ("pt_pth", "consolidated.00.pth", torch.bfloat16, False)):
+                                         ("pt_pth", "consolidated.00.pth", torch.bfloat16, False),
+                                         ("pt_wrapped", "model.pt", torch.float16, False)):
             d = os.path.join(work, name)
             os.makedirs(d)
-            torch.save(llama_state_dict(dtype, 3, tied=tied), os.path.join(d, fname))
+            sd = llama_state_dict(dtype, 3, tied=tied)
+            if name == "pt_wrapped":  # a training script's file: the state dict under "model"
+                sd = {"model": sd, "step": 7, "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}
+            torch.save(sd, os.path.join(d, fname))
             sources[name] = d
         for name, src in sources.items():
             sd = load_source(src)
