@@ -807,6 +807,7 @@ Status LazySafetensorsFile::ReadAt(uint64_t byte_offset, std::span<std::byte> ou
     return OutOfRangeError(name_ + ": read of " + std::to_string(out.size()) + " bytes at offset " +
                            std::to_string(byte_offset) + " past end (" + std::to_string(size_) + " bytes)");
   }
+  if (out.empty()) return Status::Ok();  // out.data() may be null: no memcpy from it
   size_t done = 0;
   if (byte_offset < header_.size()) {
     done = static_cast<size_t>(std::min<uint64_t>(header_.size() - byte_offset, out.size()));

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -46,7 +47,8 @@
 namespace ucpfs::format {
 
 struct SafetensorsLimits {
-  uint64_t max_header_bytes = 100'000'000;  // the safetensors library's own bound
+  // The library's own bound; also bounds ParseSafetensorsIndex's text.
+  uint64_t max_header_bytes = 100'000'000;
   uint64_t max_tensors = 1u << 20;
   uint32_t max_rank = 64;
 };
@@ -62,7 +64,8 @@ struct SafetensorsTensor {
 struct SafetensorsHeader {
   uint64_t header_n_bytes = 0;        // N (the JSON's length, padding included)
   uint64_t data_byte_offset = 0;      // 8 + N
-  std::vector<SafetensorsTensor> tensors;                      // in data-offset order
+  // In data-offset order; empty tensors at one offset first, then by name.
+  std::vector<SafetensorsTensor> tensors;
   std::vector<std::pair<std::string, std::string>> metadata;   // __metadata__, in file order
 };
 
