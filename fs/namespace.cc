@@ -211,11 +211,18 @@ Status AddAtomicFiles(Tree& tree, Ino atomic, std::vector<index::AtomicView> ato
   return Status::Ok();
 }
 
-// `safetensors/` under `parent` (index/safetensors_view.h), when the source has weights.
+// `safetensors/` under `parent` (index/safetensors_view.h), when the source has weights
+// safetensors can hold; otherwise *error says why there is none (the mount goes on without it).
 Status AddSafetensorsView(Tree& tree, Ino parent, const index::Snapshot& snap, const index::PatternOptions& patterns,
-                          uint64_t shard_n_bytes, struct timespec mtime, const ViewAccess& access, size_t* n_files) {
-  UCPFS_ASSIGN_OR_RETURN(auto files, index::BuildSafetensorsView(snap.checkpoint(), snap.mapping, snap.files, patterns,
-                                                                 shard_n_bytes));
+                          uint64_t shard_n_bytes, struct timespec mtime, const ViewAccess& access, size_t* n_files,
+                          std::string* error) {
+  auto built = index::BuildSafetensorsView(snap.checkpoint(), snap.mapping, snap.files, patterns, shard_n_bytes);
+  if (!built.ok()) {
+    *error = built.error().ToString();
+    std::fprintf(stderr, "ucpfs: warning: no safetensors/ view: %s\n", error->c_str());
+    return Status::Ok();
+  }
+  auto& files = *built;
   if (files.empty()) return Status::Ok();
   UCPFS_ASSIGN_OR_RETURN(Ino dir, tree.AddDir(parent, "safetensors", mtime));
   for (auto& f : files) {
@@ -367,8 +374,9 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, mapping, files, patterns));
   UCPFS_RETURN_IF_ERROR(AddAtomicFiles(*tree, atomic, std::move(atomic_views), mtime, access, &n_atomic, &atomic_bytes));
   size_t n_safetensors = 0;
+  std::string safetensors_error;
   UCPFS_RETURN_IF_ERROR(AddSafetensorsView(*tree, kRootIno, *snapshot, patterns, targets.safetensors_shard_n_bytes, mtime,
-                                           access, &n_safetensors));
+                                           access, &n_safetensors, &safetensors_error));
 
   // target/<layout>/rank_<N>/: the --layout views now; any other valid layout name when it is
   // first looked up (NamespaceInfo::resolve_target).
@@ -483,6 +491,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
                       {"universal_files", n_universal},
                       {"items", ckpt.items.size()},
                       {"unmapped_keys", mapping.unmapped_keys.size()}};
+  if (!safetensors_error.empty()) status["safetensors"] = {{"error", safetensors_error}};
   status["target_layouts"] = nlohmann::ordered_json::array();
   for (const auto& l : targets.layouts) status["target_layouts"].push_back(l.name);
   if (universal) {
@@ -572,8 +581,9 @@ Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>
     uint64_t atomic_bytes = 0;
     UCPFS_RETURN_IF_ERROR(AddAtomicFiles(*tree, atomic, std::move(atomic_views), mtime, access, &n_atomic, &atomic_bytes));
     size_t n_safetensors = 0;
-    UCPFS_RETURN_IF_ERROR(
-        AddSafetensorsView(*tree, dir, snap, patterns, targets.safetensors_shard_n_bytes, mtime, access, &n_safetensors));
+    std::string safetensors_error;
+    UCPFS_RETURN_IF_ERROR(AddSafetensorsView(*tree, dir, snap, patterns, targets.safetensors_shard_n_bytes, mtime, access,
+                                             &n_safetensors, &safetensors_error));
     if (!targets.layouts.empty()) {
       UCPFS_ASSIGN_OR_RETURN(Ino target, tree->AddDir(dir, "target", mtime));
       UCPFS_ASSIGN_OR_RETURN(auto input, MakeSharedTargetInput(ckpt, snap.mapping, snap.files, targets, patterns));

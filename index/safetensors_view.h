@@ -37,8 +37,9 @@ struct SafetensorsViewFile {
 };
 
 // The view's files, shards first, the index last; empty when the source has no weight.
-// Errors: kInvalidArgument when max_shard_n_bytes is 0; a dtype safetensors cannot hold
-// (kUnsupported naming the parameter); views::PatternsOf's.
+// Errors: kInvalidArgument when max_shard_n_bytes is 0 or a name safetensors cannot hold (not
+// UTF-8, "__metadata__"); a dtype safetensors cannot hold (kUnsupported naming the parameter);
+// views::PatternsOf's. The mount serves no safetensors/ then, and says why in status.json.
 Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& checkpoint,
                                                               const KeyMapping& mapping, const FileTable& files,
                                                               const PatternOptions& patterns,

@@ -328,9 +328,9 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
   UCPFS_ASSIGN_OR_RETURN(auto model_file, format::LazyTorchFile::Build(model, dir + "model.pt"));
   out.model = std::move(model_file);
   if (safetensors_dtypes) {
-    UCPFS_ASSIGN_OR_RETURN(out.model_safetensors,
-                           format::LazySafetensorsFile::Build(std::move(model_tensors), {{"format", "pt"}},
-                                                              dir + "model.safetensors"));
+    // Names safetensors cannot hold (not UTF-8, "__metadata__") leave the rank without it.
+    auto st = format::LazySafetensorsFile::Build(std::move(model_tensors), {{"format", "pt"}}, dir + "model.safetensors");
+    if (st.ok()) out.model_safetensors = std::move(*st);
   }
 
   // optim.pt

@@ -127,7 +127,8 @@ struct TargetInput {
 struct RankFiles {
   std::shared_ptr<const ByteSource> model;  // model.pt
   // model.safetensors: model.pt's tensors as safetensors.torch.save_file writes them
-  // (metadata {"format": "pt"}); null when a dtype has no safetensors name (complex32).
+  // (metadata {"format": "pt"}); null when safetensors cannot hold one of them (a dtype with no
+  // safetensors name, e.g. complex32; a name that is not UTF-8 or is "__metadata__").
   std::shared_ptr<const ByteSource> model_safetensors;
   std::shared_ptr<const ByteSource> optim;  // optim.pt; null when the source has no optimizer state
   std::shared_ptr<const ByteSource> info;   // ucp_info.json

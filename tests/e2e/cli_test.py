@@ -47,7 +47,15 @@ def main():
                 assert n in r.stderr, (n, r.stderr)
 
         res.check("missing file", lambda: expect_error(os.path.join(d, "nope.pt"), 1, "nope.pt", "not found"))
-        res.check("directory without a checkpoint", lambda: expect_error(d, 1, d))
+        empty = os.path.join(d, "empty")
+        os.makedirs(empty)
+        open(os.path.join(empty, "notes.txt"), "w").write("not a checkpoint")
+        res.check("directory without a checkpoint", lambda: expect_error(empty, 1, empty))
+
+        def weights_dir():  # one torch.save file: a weights-only source
+            r = run([exe, "inspect", d])
+            assert "weights (torch), 2 parameters" in r.stdout, r.stdout
+        res.check("directory of one torch.save file: weights", weights_dir)
 
         blob = open(good, "rb").read()
         for cut in (0, 10, len(blob) // 2, len(blob) - 1):

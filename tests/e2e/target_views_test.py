@@ -59,7 +59,7 @@ NAME = "e2e_target_views"
 LAYOUTS = ["tp2_pp2_dp2", "tp1_pp4_dp1", "tp2_pp1_dp2_zero1", "tp3_pp3_dp1", "tp1_pp1_dp1"]
 SOURCES = [("r2_rows", 2, "rows"), ("r2_cols", 2, "cols"), ("r3_mixed", 3, "mixed"),
            ("r4_grid", 4, "grid")]
-FILES = ["model.pt", "optim.pt", "ucp_info.json"]
+FILES = ["model.pt", "model.safetensors", "optim.pt", "ucp_info.json"]
 
 
 # ---------------------------------------------------------------- reference slicer (independent)
@@ -287,10 +287,27 @@ def check_layout(res, label, dst, lay_name, full, info):
         model, optim, names = reference_rank(full, info, lay, r)
         what = f"{label} {lay_name} rank_{r}"
         res.check(f"{what}: model.pt", lambda: check_model(os.path.join(d, "model.pt"), model, what))
+        res.check(f"{what}: model.safetensors holds model.pt's tensors",
+                  lambda: check_model_safetensors(d, what))
         res.check(f"{what}: optim.pt", lambda: check_optim(os.path.join(d, "optim.pt"), optim, lay,
                                                             info["steps"], what))
         res.check(f"{what}: ucp_info.json", lambda: check_info(os.path.join(d, "ucp_info.json"), lay_name,
                                                                 lay, r, full, names, what))
+
+
+def check_model_safetensors(d, what):
+    """model.safetensors: save_file's bytes for model.pt's tensors (where the safetensors
+    library is installed: torch 2.13's environment), else at least the header's names."""
+    model = torch.load(os.path.join(d, "model.pt"))
+    data = open(os.path.join(d, "model.safetensors"), "rb").read()
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    assert sorted(k for k in header if k != "__metadata__") == sorted(model), f"{what}: model.safetensors names"
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        return
+    assert st.save({k: v.contiguous() for k, v in model.items()}, metadata={"format": "pt"}) == data, \
+        f"{what}: model.safetensors differs from safetensors.torch.save of model.pt"
 
 
 def _eq(a, b, what):
@@ -403,7 +420,7 @@ def check_mount(src, out, workdir):
                     assert open(a, "rb").read() == open(b, "rb").read(), f"{a} differs from convert's {b}"
         # tp2_pp2_dp2: rank = tp + 2*(dp + 2*pp); ranks 0 and 2 differ only in dp.
         d = os.path.join(m, "target", "tp2_pp2_dp2")
-        for f in ("model.pt", "optim.pt"):
+        for f in ("model.pt", "model.safetensors", "optim.pt"):
             assert os.stat(os.path.join(d, "rank_0", f)).st_ino == os.stat(os.path.join(d, "rank_2", f)).st_ino, f
         assert os.stat(os.path.join(d, "rank_0", "model.pt")).st_ino != os.stat(os.path.join(d, "rank_1", "model.pt")).st_ino
         z = os.path.join(m, "target", "tp2_pp1_dp2_zero1")
