@@ -169,6 +169,7 @@ int RunConvert(const ConvertArgs& args) {
     (*input)->preset = patterns->preset;
     (*input)->rules = patterns->rules;
     (*input)->vocab_size = patterns->vocab_size;
+    (*input)->model_facts = patterns->model_facts;
     (*input)->pp_split = pp_split;
     std::shared_ptr<const views::TargetInput> shared = *input;
     for (const auto& l : layouts) {

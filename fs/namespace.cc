@@ -55,6 +55,7 @@ Result<std::shared_ptr<const views::TargetInput>> MakeSharedTargetInput(const in
   in->preset = patterns.preset;
   in->rules = patterns.rules;
   in->vocab_size = patterns.vocab_size;
+  in->model_facts = patterns.model_facts;
   in->pp_split = targets.pp_split;
   return std::shared_ptr<const views::TargetInput>(std::move(in));
 }

@@ -156,4 +156,58 @@ Status CheckpointBuilder::CompareReplicas(const Item& item, const slice::Fragmen
   return Status::Ok();
 }
 
+void PlaceRange(const Placement& pl, uint64_t lo, uint64_t hi, uint32_t file_id, uint64_t byte_offset, DType dtype,
+                std::vector<slice::Fragment>* out) {
+  auto fragment = [&](slice::Box box, uint64_t flat_lo, uint64_t flat_hi, uint64_t bytes) {
+    slice::Fragment f;
+    f.box = std::move(box);
+    f.flat_lo = flat_lo;
+    f.flat_hi = flat_hi;
+    f.file_id = file_id;
+    f.byte_offset = bytes;
+    f.dtype = dtype;
+    out->push_back(std::move(f));
+  };
+  if (pl.pieces.empty()) {
+    slice::Box whole;
+    whole.offsets.assign(pl.global_shape.size(), 0);
+    whole.sizes = pl.global_shape;
+    fragment(std::move(whole), lo, hi, byte_offset);
+    return;
+  }
+  uint64_t start = 0;
+  for (const slice::Box& piece : pl.pieces) {
+    const uint64_t vol = piece.Volume();
+    const uint64_t a = std::max(lo, start), b = std::min(hi, start + vol);
+    if (a < b) fragment(piece, a - start, b - start, byte_offset + (a - lo) * ItemSize(dtype));
+    start += vol;
+  }
+}
+
+Result<Item> PlacedItem(const Placement& pl, const std::string& key, const format::TensorRecord& rec,
+                        uint32_t file_id, const std::string& where) {
+  Item item;
+  item.key = key;
+  item.kind = ItemKind::kTensor;
+  item.dtype = rec.dtype;
+  item.layout.shape = pl.global_shape;
+  if (rec.contiguous) {
+    PlaceRange(pl, 0, rec.n_elems, file_id, rec.data_offset, rec.dtype, &item.layout.fragments);
+  } else if (pl.pieces.empty()) {
+    slice::Fragment f;
+    f.box.offsets.assign(rec.shape.size(), 0);
+    f.box.sizes = rec.shape;
+    f.flat_lo = 0;
+    f.flat_hi = rec.n_elems;
+    f.file_id = file_id;
+    f.byte_offset = rec.data_offset;
+    f.dtype = rec.dtype;
+    f.strides = rec.stride;
+    item.layout.fragments.push_back(std::move(f));
+  } else {
+    return UnsupportedError(where + ": " + rec.key + " is a non-contiguous slice of a tensor-parallel parameter");
+  }
+  return item;
+}
+
 }  // namespace ucpfs::index

@@ -64,6 +64,27 @@ class CheckpointBuilder {
   std::map<std::string, uint32_t> file_ids_;  // rel_path -> file id
 };
 
+// Where one tensor-parallel rank's slice of a parameter lies in the global tensor (the DeepSpeed
+// and Megatron-LM scanners place each rank's stored tensor with it).
+struct Placement {
+  std::vector<int64_t> global_shape;
+  // Global boxes, in local order; their concatenation along dim 0 (or, for a single box, the
+  // box itself) is the local tensor. Empty: the local tensor is the whole global tensor.
+  std::vector<slice::Box> pieces;
+  bool skip = false;  // a replica of tp rank 0's (tp-replicated): not read
+};
+
+// Appends the global fragments of local elements [lo, hi), stored contiguously at byte_offset
+// of file_id, to `out`.
+void PlaceRange(const Placement& pl, uint64_t lo, uint64_t hi, uint32_t file_id, uint64_t byte_offset, DType dtype,
+                std::vector<slice::Fragment>* out);
+
+// The item `key` (dtype and global shape of `pl`) holding stored tensor `rec` of file_id where
+// `pl` places it. A non-contiguous tensor is kept with its strides when it is the whole tensor.
+// Errors: kUnsupported, naming `where` and the record, for a non-contiguous slice.
+Result<Item> PlacedItem(const Placement& pl, const std::string& key, const format::TensorRecord& rec,
+                        uint32_t file_id, const std::string& where);
+
 // "[1, 2, 3]" for messages.
 std::string JoinInts(const std::vector<int64_t>& v);
 

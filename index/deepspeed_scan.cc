@@ -221,44 +221,6 @@ nlohmann::json PlainJson(const pickle::PickleGraph& g, pickle::NodeId n, int dep
   }
 }
 
-// Where one tensor-parallel rank's slice of a parameter lies in the global tensor.
-struct Placement {
-  std::vector<int64_t> global_shape;
-  // Global boxes, in local order; their concatenation along dim 0 (or, for a single box, the
-  // box itself) is the local tensor. Empty: the local tensor is the whole global tensor.
-  std::vector<slice::Box> pieces;
-  bool skip = false;  // a replica of tp rank 0's (tp-replicated): not read
-};
-
-// The global fragments of local elements [lo, hi) stored contiguously at byte_offset.
-void PlaceRange(const Placement& pl, uint64_t lo, uint64_t hi, uint32_t file_id, uint64_t byte_offset, DType dtype,
-                std::vector<slice::Fragment>* out) {
-  auto fragment = [&](slice::Box box, uint64_t flat_lo, uint64_t flat_hi, uint64_t bytes) {
-    slice::Fragment f;
-    f.box = std::move(box);
-    f.flat_lo = flat_lo;
-    f.flat_hi = flat_hi;
-    f.file_id = file_id;
-    f.byte_offset = bytes;
-    f.dtype = dtype;
-    out->push_back(std::move(f));
-  };
-  if (pl.pieces.empty()) {
-    slice::Box whole;
-    whole.offsets.assign(pl.global_shape.size(), 0);
-    whole.sizes = pl.global_shape;
-    fragment(std::move(whole), lo, hi, byte_offset);
-    return;
-  }
-  uint64_t start = 0;
-  for (const slice::Box& piece : pl.pieces) {
-    const uint64_t vol = piece.Volume();
-    const uint64_t a = std::max(lo, start), b = std::min(hi, start + vol);
-    if (a < b) fragment(piece, a - start, b - start, byte_offset + (a - lo) * ItemSize(dtype));
-    start += vol;
-  }
-}
-
 class DeepSpeedScanner {
  public:
   explicit DeepSpeedScanner(const std::string& dir) : builder_(dir) {}
@@ -558,28 +520,7 @@ class DeepSpeedScanner {
                                            int tp_rank) const {
     UCPFS_ASSIGN_OR_RETURN(const Placement pl, Place(name, t.shape, tp_rank));
     if (pl.skip) return std::optional<Item>();
-    Item item;
-    item.key = name;
-    item.kind = ItemKind::kTensor;
-    item.dtype = t.dtype;
-    item.layout.shape = pl.global_shape;
-    if (t.contiguous) {
-      PlaceRange(pl, 0, t.n_elems, file_id, t.data_offset, t.dtype, &item.layout.fragments);
-    } else if (pl.pieces.empty()) {
-      slice::Fragment f;
-      f.box.offsets.assign(t.shape.size(), 0);
-      f.box.sizes = t.shape;
-      f.flat_lo = 0;
-      f.flat_hi = t.n_elems;
-      f.file_id = file_id;
-      f.byte_offset = t.data_offset;
-      f.dtype = t.dtype;
-      f.strides = t.stride;
-      item.layout.fragments.push_back(std::move(f));
-    } else {
-      return UnsupportedError(builder_.source(file_id)->Name() + ": " + t.key +
-                              " is a non-contiguous slice of a tensor-parallel parameter");
-    }
+    UCPFS_ASSIGN_OR_RETURN(Item item, PlacedItem(pl, name, t, file_id, builder_.source(file_id)->Name()));
     return std::optional<Item>(std::move(item));
   }
 

@@ -5,6 +5,7 @@
 
 #include "index/dcp_scan.h"
 #include "index/deepspeed_scan.h"
+#include "index/megatron_scan.h"
 #include "index/weights_scan.h"
 
 namespace ucpfs::index {
@@ -28,6 +29,15 @@ class DeepSpeedFormatScanner final : public Scanner {
   }
 };
 
+class MegatronLegacyScanner final : public Scanner {
+ public:
+  std::string_view Name() const override { return "megatron"; }
+  bool Recognizes(const std::string& dir) const override { return IsMegatronLegacyDirectory(dir); }
+  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
+    return ScanMegatronLegacy(dir, progress);
+  }
+};
+
 class WeightsScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "weights"; }
@@ -42,9 +52,10 @@ class WeightsScanner final : public Scanner {
 std::span<const Scanner* const> Scanners() {
   static const DcpScanner dcp;
   static const DeepSpeedFormatScanner deepspeed;
+  static const MegatronLegacyScanner megatron;
   static const WeightsScanner weights;
   // Weights last: other formats' directories may hold .pt or .safetensors files too.
-  static const std::array<const Scanner*, 3> all = {&dcp, &deepspeed, &weights};
+  static const std::array<const Scanner*, 4> all = {&dcp, &deepspeed, &megatron, &weights};
   return all;
 }
 
@@ -52,9 +63,10 @@ Result<const Scanner*> ScannerFor(const std::string& dir) {
   for (const Scanner* s : Scanners()) {
     if (s->Recognizes(dir)) return s;
   }
-  return NotFoundError(dir + " is not a checkpoint ucpfs reads: no DCP metadata (.metadata, __<r>.metadata) "
-                       "no DeepSpeed save (latest, mp_rank_XX_model_states.pt) and no weights (*.safetensors, "
-                       "model.safetensors.index.json, a .pt/.pth/.bin state dict)");
+  return NotFoundError(dir + " is not a checkpoint ucpfs reads: no DCP metadata (.metadata, __<r>.metadata), "
+                       "no DeepSpeed save (latest, mp_rank_XX_model_states.pt), no Megatron-LM save "
+                       "(latest_checkpointed_iteration.txt, mp_rank_XX/model_optim_rng.pt) and no weights "
+                       "(*.safetensors, model.safetensors.index.json, a .pt/.pth/.bin state dict)");
 }
 
 Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress) {

@@ -3,9 +3,11 @@
 // (Scanners) lists them in the order they are tried; ScannerFor picks the first that recognises
 // a directory.
 //
-// Formats: "dcp" (PyTorch DCP, torch 1.13 and 2.x, Megatron-Core torch_dist; dcp_scan.h) and
-// "deepspeed" (a DeepSpeed save directory or one tag of it; deepspeed_scan.h) and "weights"
-// (Hugging Face safetensors or a torch.save state dict, no optimizer state; weights_scan.h).
+// Formats: "dcp" (PyTorch DCP, torch 1.13 and 2.x, Megatron-Core torch_dist; dcp_scan.h),
+// "deepspeed" (a DeepSpeed save directory or one tag of it; deepspeed_scan.h), "megatron"
+// (a Megatron-LM legacy `--ckpt-format torch` save directory or one iteration of it;
+// megatron_scan.h) and "weights" (Hugging Face safetensors or a torch.save state dict, no
+// optimizer state; weights_scan.h), tried in that order.
 #pragma once
 
 #include <cstdint>

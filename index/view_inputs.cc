@@ -15,6 +15,7 @@
 
 #include "core/format/plain_value.h"
 #include "core/views/atomic.h"
+#include "index/megatron_scan.h"
 #include "index/universal_view.h"
 
 namespace ucpfs::index {
@@ -303,6 +304,10 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
   UCPFS_ASSIGN_OR_RETURN(SourcePatterns own, SourcePatternsOf(checkpoint));
   for (auto& r : own.rules) o.rules.push_back(std::move(r));
   o.vocab_size = own.vocab_size;
+  if (checkpoint.format == "megatron") {
+    UCPFS_ASSIGN_OR_RETURN(o.model_facts, MegatronModelFacts(checkpoint));
+    if (o.model_facts.vocab_size > 0) o.vocab_size = o.model_facts.vocab_size;
+  }
   return o;
 }
 
@@ -321,7 +326,8 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
     pattern_params.push_back({p.name, layout.shape, views::ShardDim(layout)});
   }
   UCPFS_ASSIGN_OR_RETURN(views::ModelPatterns mp,
-                         views::PatternsOf(pattern_params, patterns.preset, patterns.rules, patterns.vocab_size));
+                         views::PatternsOf(pattern_params, patterns.preset, patterns.rules, patterns.vocab_size,
+                                           patterns.model_facts));
   struct AtomicState {
     const char* file;
     StateKind primary;

@@ -54,6 +54,7 @@ struct PatternOptions {
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;  // the user's rules, then the checkpoint's own
   std::optional<int64_t> vocab_size;  // the checkpoint's unpadded vocabulary, when recorded
+  layout::ModelInfo model_facts;      // what the checkpoint records about its model (Megatron-LM args)
 };
 
 // The user's preset and rules, then the patterns the checkpoint records itself (DeepSpeed's

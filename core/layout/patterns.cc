@@ -289,7 +289,9 @@ Result<ParamPattern> FromBuiltIn(Preset preset, const BuiltIn& rule, const std::
   if (p.expert >= 0) p.n_experts = info.n_experts;
   if (p.tp == TpKind::kVocab) {
     p.vocab_size = info.vocab_size;
-    if (preset == Preset::kMegatron) p.vocab_pad_multiple = kMegatronVocabMultiple;
+    if (preset == Preset::kMegatron) {
+      p.vocab_pad_multiple = info.vocab_pad_multiple > 0 ? info.vocab_pad_multiple : kMegatronVocabMultiple;
+    }
   }
   const bool is_weight = shape.size() == 2;
   const int64_t rows = shape.empty() ? 0 : shape[0];
@@ -501,6 +503,21 @@ ModelInfo DetectModelInfo(Preset preset, const std::vector<ParamInfo>& params) {
   }
   info.tied_embeddings = has_embedding && !has_head;
   return info;
+}
+
+void ApplyModelFacts(const ModelInfo& facts, ModelInfo* info) {
+  auto take = [](int64_t fact, int64_t* into) {
+    if (fact > 0) *into = fact;
+  };
+  if (facts.n_layers > 0) info->n_layers = facts.n_layers;
+  take(facts.n_experts, &info->n_experts);
+  if (facts.gated_linear_unit.has_value()) info->gated_linear_unit = facts.gated_linear_unit;
+  take(facts.hidden_size, &info->hidden_size);
+  take(facts.num_attention_heads, &info->num_attention_heads);
+  take(facts.num_query_groups, &info->num_query_groups);
+  take(facts.head_dim, &info->head_dim);
+  take(facts.vocab_size, &info->vocab_size);
+  take(facts.vocab_pad_multiple, &info->vocab_pad_multiple);
 }
 
 Status CheckLayoutForModel(const Layout& layout, const ModelInfo& info,

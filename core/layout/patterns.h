@@ -122,8 +122,15 @@ struct ModelInfo {
   int64_t num_query_groups = 0;     // 0 = unknown (from config only)
   int64_t head_dim = 0;             // 0 = unknown (from config only)
   int64_t vocab_size = 0;           // original (unpadded) vocabulary; 0 = the global rows
+  // Megatron's make_vocab_size_divisible_by (the padded vocabulary is a multiple of it times
+  // T); 0 = the preset's default, 128.
+  int64_t vocab_pad_multiple = 0;
 };
 ModelInfo DetectModelInfo(Preset preset, const std::vector<ParamInfo>& params);
+
+// Facts a checkpoint records about its model (Megatron-LM's args) over what the names and
+// shapes proved: every non-zero number and every set optional of `facts` replaces info's.
+void ApplyModelFacts(const ModelInfo& facts, ModelInfo* info);
 
 // Whole-model checks of a layout, so that an invalid layout is refused with one reason before
 // any parameter is sliced: pp vs the layer count (PipelineSplit, with `layers_per_stage` from

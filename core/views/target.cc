@@ -205,7 +205,8 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
                                                             : *p.states[S(TargetState::kFp32)];
     pattern_params.push_back({p.name, primary.shape, ShardDim(primary)});
   }
-  UCPFS_ASSIGN_OR_RETURN(ModelPatterns mp, PatternsOf(pattern_params, input->preset, input->rules, input->vocab_size));
+  UCPFS_ASSIGN_OR_RETURN(ModelPatterns mp, PatternsOf(pattern_params, input->preset, input->rules, input->vocab_size,
+                                                           input->model_facts));
   plan.preset_ = mp.preset;
   const layout::ModelInfo& info = mp.info;
   UCPFS_RETURN_IF_ERROR(layout::CheckLayoutForModel(plan.layout_, info, input->pp_split));
@@ -221,7 +222,8 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
 }
 
 Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout::Preset preset,
-                                 const std::vector<layout::Rule>& rules, std::optional<int64_t> vocab_size) {
+                                 const std::vector<layout::Rule>& rules, std::optional<int64_t> vocab_size,
+                                 const layout::ModelInfo& facts) {
   ModelPatterns out;
   std::vector<std::string> names;
   std::vector<layout::ParamInfo> infos;
@@ -232,6 +234,7 @@ Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout
   out.preset = preset == layout::Preset::kAuto ? layout::DetectPreset(names) : preset;
   out.info = layout::DetectModelInfo(out.preset, infos);
   if (vocab_size) out.info.vocab_size = *vocab_size;
+  layout::ApplyModelFacts(facts, &out.info);
   for (const auto& p : params) {
     auto pattern = layout::PatternFor(out.preset, p.name, p.shape, out.info, rules);
     if (!pattern.ok()) {

@@ -108,10 +108,12 @@ struct ModelPatterns {
   layout::ModelInfo info;
   std::vector<layout::ParamPattern> patterns;  // per param
 };
-// `vocab_size` overrides ModelInfo::vocab_size (a source that records its unpadded vocabulary).
+// `vocab_size` overrides ModelInfo::vocab_size (a source that records its unpadded vocabulary);
+// then `facts` (what the source records about its model: layout::ApplyModelFacts).
 // Errors: PatternFor's (a rule that does not fit a parameter's shape), naming the parameter.
 Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout::Preset preset,
-                                 const std::vector<layout::Rule>& rules, std::optional<int64_t> vocab_size);
+                                 const std::vector<layout::Rule>& rules, std::optional<int64_t> vocab_size,
+                                 const layout::ModelInfo& facts = {});
 
 struct TargetInput {
   std::vector<TargetParam> params;  // in the source's parameter order
@@ -119,6 +121,7 @@ struct TargetInput {
   layout::Preset preset = layout::Preset::kAuto;  // kAuto: DetectPreset over the names
   std::vector<layout::Rule> rules;                // user pattern rules, then the source's own
   std::optional<int64_t> vocab_size;              // the source's unpadded vocabulary, if recorded
+  layout::ModelInfo model_facts;                  // what the source records about its model
   std::optional<std::vector<int>> pp_split;       // --pp-split: layers per stage
   std::vector<ExtraItem> extras;       // served in extra_state.pt, in source order
   std::vector<NotServed> not_served;   // items no layout serves

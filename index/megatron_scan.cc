@@ -1,0 +1,670 @@
+// ScanMegatronLegacy: Megatron-LM legacy save directory -> Checkpoint. See megatron_scan.h.
+//
+// Error rule: the first problem wins, in this order: the tracker file, the rank directories,
+// rank 0's args, then each rank's file in (pp, tp) order; every message names the file.
+#include "index/megatron_scan.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cctype>
+#include <map>
+#include <optional>
+#include <set>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/checked.h"
+#include "core/format/torch_file.h"
+#include "core/layout/layout.h"
+#include "index/checkpoint_builder.h"
+
+namespace ucpfs::index {
+namespace {
+
+constexpr std::string_view kTracker = "latest_checkpointed_iteration.txt";
+constexpr std::string_view kModelFile = "model_optim_rng.pt";
+constexpr uint64_t kMaxTrackerBytes = 64;
+constexpr int64_t kMaxDegree = 4096;
+constexpr int64_t kMaxLayers = 1 << 20;
+constexpr int64_t kMaxDim = int64_t{1} << 40;
+
+bool IsRegular(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool IsDirectory(const std::string& path) {  // a real directory, not a symlink to one
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string Pad(int64_t v, int width) {
+  std::string s = std::to_string(v);
+  return s.size() < static_cast<size_t>(width) ? std::string(static_cast<size_t>(width) - s.size(), '0') + s : s;
+}
+
+// The rank directory Megatron-LM's get_checkpoint_name gives (tensor and pipeline rank).
+std::string RankDir(int tp_rank, int pp_rank, int pp) {
+  return "mp_rank_" + Pad(tp_rank, 2) + (pp > 1 ? "_" + Pad(pp_rank, 3) : "");
+}
+
+// ---- reading the pickled structure as data ----
+
+// The key/value pairs of a dict, an OrderedDict, or an object's BUILD state dict
+// (argparse.Namespace pickles as NEWOBJ + BUILD of its __dict__).
+std::span<const std::pair<pickle::NodeId, pickle::NodeId>> Pairs(const pickle::PickleGraph& g, pickle::NodeId n) {
+  if (g.kind(n) == pickle::Kind::kDict) return g.dict_items(n);
+  if (g.kind(n) == pickle::Kind::kObject) {
+    const pickle::ObjectInfo o = g.object(n);
+    if (g.kind(o.state) == pickle::Kind::kDict) return g.dict_items(o.state);
+    return o.dict_items;
+  }
+  return {};
+}
+
+pickle::NodeId Get(const pickle::PickleGraph& g, pickle::NodeId dict, std::string_view key) {
+  pickle::NodeId found = pickle::kNoNode;
+  for (const auto& [k, v] : Pairs(g, dict)) {
+    if (g.kind(k) == pickle::Kind::kString && g.text(k) == key) found = v;
+  }
+  return found;
+}
+
+std::optional<int64_t> IntOf(const pickle::PickleGraph& g, pickle::NodeId n) {
+  if (g.kind(n) == pickle::Kind::kInt) return g.int_value(n);
+  return std::nullopt;
+}
+
+std::optional<double> NumberOf(const pickle::PickleGraph& g, pickle::NodeId n) {
+  if (g.kind(n) == pickle::Kind::kFloat) return g.float_value(n);
+  if (g.kind(n) == pickle::Kind::kInt) return static_cast<double>(g.int_value(n));
+  return std::nullopt;
+}
+
+bool Truthy(const pickle::PickleGraph& g, pickle::NodeId n) {
+  switch (g.kind(n)) {
+    case pickle::Kind::kBool: return g.bool_value(n);
+    case pickle::Kind::kInt: return g.int_value(n) != 0;
+    default: return false;
+  }
+}
+
+bool IsNone(const pickle::PickleGraph& g, pickle::NodeId n) {
+  return n == pickle::kNoNode || g.kind(n) == pickle::Kind::kNone;
+}
+
+// The model facts of `args` (megatron_scan.h).
+struct Args {
+  int tp = 1, pp = 1;
+  int64_t num_layers = 0, hidden_size = 0, heads = 0, query_groups = 0, kv_channels = 0;
+  int64_t padded_vocab = 0, vocab = 0, divisible_by = 0;
+  int64_t first_stage_layers = 0, last_stage_layers = 0;  // decoder_first/last_pipeline_num_layers
+  bool swiglu = false, tied = true, distributed_optimizer = false, wd_on_qk_layernorm = false;
+  double version = 0;
+};
+
+Result<Args> ReadArgs(const format::TorchFile& tf, const std::string& where) {
+  const pickle::PickleGraph& g = tf.graph();
+  const pickle::NodeId args = Get(g, g.root(), "args");
+  if (Pairs(g, args).empty()) {
+    return CorruptError(where + ": no 'args' (the argparse.Namespace Megatron-LM saves) in the checkpoint");
+  }
+  Args a;
+  auto need = [&](std::string_view key, int64_t lo, int64_t hi) -> Result<int64_t> {
+    std::optional<int64_t> v = IntOf(g, Get(g, args, key));
+    if (!v) return CorruptError(where + ": args." + std::string(key) + " is missing or not an int");
+    if (*v < lo || *v > hi) {
+      return CorruptError(where + ": args." + std::string(key) + " = " + std::to_string(*v) + " is out of range [" +
+                          std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    }
+    return *v;
+  };
+  auto optional_int = [&](std::string_view key, int64_t lo, int64_t hi) -> Result<int64_t> {
+    const pickle::NodeId n = Get(g, args, key);
+    if (IsNone(g, n)) return int64_t{0};
+    return need(key, lo, hi);
+  };
+  UCPFS_ASSIGN_OR_RETURN(const int64_t tp, need("tensor_model_parallel_size", 1, kMaxDegree));
+  UCPFS_ASSIGN_OR_RETURN(const int64_t pp, need("pipeline_model_parallel_size", 1, kMaxDegree));
+  a.tp = static_cast<int>(tp);
+  a.pp = static_cast<int>(pp);
+  UCPFS_ASSIGN_OR_RETURN(a.num_layers, need("num_layers", 1, kMaxLayers));
+  UCPFS_ASSIGN_OR_RETURN(a.hidden_size, need("hidden_size", 1, kMaxDim));
+  UCPFS_ASSIGN_OR_RETURN(a.heads, need("num_attention_heads", 1, kMaxDim));
+  UCPFS_ASSIGN_OR_RETURN(a.padded_vocab, need("padded_vocab_size", 1, kMaxDim));
+  UCPFS_ASSIGN_OR_RETURN(a.divisible_by, optional_int("make_vocab_size_divisible_by", 1, kMaxDim));
+  UCPFS_ASSIGN_OR_RETURN(a.vocab, optional_int("vocab_size", 1, kMaxDim));
+  UCPFS_ASSIGN_OR_RETURN(a.kv_channels, optional_int("kv_channels", 1, kMaxDim));
+  a.query_groups = a.heads;
+  if (Truthy(g, Get(g, args, "group_query_attention"))) {
+    UCPFS_ASSIGN_OR_RETURN(a.query_groups, need("num_query_groups", 1, a.heads));
+  }
+  if (a.kv_channels == 0) {
+    if (a.hidden_size % a.heads != 0) return CorruptError(where + ": args.hidden_size is not divisible by the heads");
+    a.kv_channels = a.hidden_size / a.heads;
+  }
+  if (a.vocab > a.padded_vocab) {
+    return CorruptError(where + ": args.vocab_size " + std::to_string(a.vocab) + " exceeds padded_vocab_size " +
+                        std::to_string(a.padded_vocab));
+  }
+  a.swiglu = Truthy(g, Get(g, args, "swiglu"));
+  a.tied = !Truthy(g, Get(g, args, "untie_embeddings_and_output_weights"));
+  a.distributed_optimizer = Truthy(g, Get(g, args, "use_distributed_optimizer"));
+  a.wd_on_qk_layernorm = Truthy(g, Get(g, args, "apply_wd_to_qk_layernorm"));
+
+  auto refuse = [&](const std::string& why) { return UnsupportedError(where + ": " + why + " is not supported"); };
+  UCPFS_ASSIGN_OR_RETURN(const int64_t ep, optional_int("expert_model_parallel_size", 1, kMaxDegree));
+  UCPFS_ASSIGN_OR_RETURN(const int64_t experts, optional_int("num_experts", 0, kMaxDim));
+  if (ep > 1 || experts > 0) return refuse("a mixture-of-experts model (args.num_experts, expert_model_parallel_size)");
+  UCPFS_ASSIGN_OR_RETURN(const int64_t vpp, optional_int("virtual_pipeline_model_parallel_size", 1, kMaxDegree));
+  UCPFS_ASSIGN_OR_RETURN(const int64_t vpp_layers, optional_int("num_layers_per_virtual_pipeline_stage", 1, kMaxLayers));
+  if (vpp > 1 || vpp_layers > 0) return refuse("a virtual pipeline (args.virtual_pipeline_model_parallel_size)");
+  if (Truthy(g, Get(g, args, "account_for_embedding_in_pipeline_split")) ||
+      Truthy(g, Get(g, args, "account_for_loss_in_pipeline_split"))) {
+    return refuse("a pipeline split that accounts for the embedding or the loss");
+  }
+  UCPFS_ASSIGN_OR_RETURN(a.first_stage_layers, optional_int("decoder_first_pipeline_num_layers", 0, a.num_layers));
+  UCPFS_ASSIGN_OR_RETURN(a.last_stage_layers, optional_int("decoder_last_pipeline_num_layers", 0, a.num_layers));
+  const std::optional<double> version = NumberOf(g, Get(g, g.root(), "checkpoint_version"));
+  if (!version) return CorruptError(where + ": no checkpoint_version");
+  if (*version < 3.0) {
+    return refuse("checkpoint_version " + std::to_string(*version) + " (older QKV layouts; 3.0 and later are read)");
+  }
+  a.version = *version;
+  return a;
+}
+
+// The layers of each pipeline stage, as Megatron splits them: evenly, or with the first and
+// last stage's counts given and the rest split evenly over the middle stages.
+Result<std::vector<int64_t>> StageLayers(const Args& a, const std::string& where) {
+  std::vector<int64_t> n(static_cast<size_t>(a.pp), 0);
+  int64_t rest = a.num_layers;
+  int middle = a.pp;
+  if (a.pp > 1 && a.first_stage_layers > 0) {
+    n.front() = a.first_stage_layers;
+    rest -= a.first_stage_layers;
+    --middle;
+  }
+  if (a.pp > 1 && a.last_stage_layers > 0) {
+    n.back() = a.last_stage_layers;
+    rest -= a.last_stage_layers;
+    --middle;
+  }
+  if (rest < 0 || (middle == 0 && rest != 0) || (middle > 0 && rest % middle != 0)) {
+    return CorruptError(where + ": args.num_layers " + std::to_string(a.num_layers) +
+                        " cannot be split over pipeline stages " + std::to_string(a.pp) + " as args say");
+  }
+  for (int s = 0; s < a.pp; ++s) {
+    const bool given = (s == 0 && a.pp > 1 && a.first_stage_layers > 0) ||
+                       (s == a.pp - 1 && a.pp > 1 && a.last_stage_layers > 0);
+    if (!given) n[static_cast<size_t>(s)] = rest / middle;
+  }
+  return n;
+}
+
+// `decoder.layers.<n>.` / `encoder.layers.<n>.`: the position of <n> and its value.
+std::optional<std::pair<size_t, size_t>> LayerNumberAt(const std::string& name) {
+  for (std::string_view stack : {"decoder.layers.", "encoder.layers."}) {
+    size_t at = name.find(stack);
+    while (at != std::string::npos) {
+      if (at == 0 || name[at - 1] == '.') {
+        const size_t begin = at + stack.size();
+        size_t end = begin;
+        while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end])) != 0) ++end;
+        if (end > begin && end - begin <= 9 && end < name.size() && name[end] == '.') return std::make_pair(begin, end);
+      }
+      at = name.find(stack, at + 1);
+    }
+  }
+  return std::nullopt;
+}
+
+class MegatronScanner {
+ public:
+  explicit MegatronScanner(const std::string& dir) : builder_(dir) {}
+
+  Result<Checkpoint> Run(const ScanProgress& progress) {
+    UCPFS_RETURN_IF_ERROR(FindIteration());
+    // Rank 0's args decide the degrees; then every rank's directory must be there.
+    std::string rank0;
+    for (const std::string& candidate : {RankDir(0, 0, 1), RankDir(0, 0, 2)}) {
+      if (IsRegular(Abs(candidate + "/" + std::string(kModelFile)))) {
+        rank0 = candidate;
+        break;
+      }
+    }
+    if (rank0.empty()) {
+      return NotFoundError(Abs("") + " holds no " + RankDir(0, 0, 1) + "/" + std::string(kModelFile) + " or " +
+                           RankDir(0, 0, 2) + "/" + std::string(kModelFile));
+    }
+    UCPFS_ASSIGN_OR_RETURN(const uint32_t id0, builder_.AddFile(Rel(rank0 + "/" + std::string(kModelFile))));
+    UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf0, builder_.OpenTorchFile(id0));
+    const std::string where0 = builder_.source(id0)->Name();
+    UCPFS_ASSIGN_OR_RETURN(args_, ReadArgs(tf0, where0));
+    if (rank0 != RankDir(0, 0, args_.pp)) {
+      return CorruptError(where0 + ": args say pipeline size " + std::to_string(args_.pp) + ", but the rank directory is " +
+                          rank0);
+    }
+    UCPFS_ASSIGN_OR_RETURN(stage_layers_, StageLayers(args_, where0));
+    const int64_t n_files = int64_t{args_.tp} * args_.pp;
+    if (n_files > 65536) return UnsupportedError(where0 + ": " + std::to_string(n_files) + " rank files");
+    for (int s = 0; s < args_.pp; ++s) {
+      for (int t = 0; t < args_.tp; ++t) {
+        const std::string d = RankDir(t, s, args_.pp);
+        if (!IsDirectory(Abs(d))) {
+          return CorruptError(Abs(d) + ": the directory of tp rank " + std::to_string(t) + ", pipeline stage " +
+                              std::to_string(s) + " is missing (or not a directory)");
+        }
+      }
+    }
+    // A rank directory beyond the degrees means args and files disagree.
+    for (const std::string& extra : {RankDir(args_.tp, 0, args_.pp), RankDir(0, args_.pp, args_.pp)}) {
+      if (args_.pp > 1 || extra != RankDir(0, args_.pp, args_.pp)) {
+        if (IsDirectory(Abs(extra))) {
+          return CorruptError(Abs(extra) + ": a rank directory beyond args' tp " + std::to_string(args_.tp) + " x pp " +
+                              std::to_string(args_.pp));
+        }
+      }
+    }
+    Checkpoint& cp = builder_.checkpoint();
+    cp.format = "megatron";
+    cp.flavor = "megatron-lm-legacy tp" + std::to_string(args_.tp) + " pp" + std::to_string(args_.pp) +
+                (args_.distributed_optimizer ? " distributed-optimizer" : "") + " " + iter_dir_;
+
+    uint64_t done = 0;
+    for (int s = 0; s < args_.pp; ++s) {
+      for (int t = 0; t < args_.tp; ++t) {
+        UCPFS_RETURN_IF_ERROR(ScanRank(t, s));
+        if (progress) progress(++done, static_cast<uint64_t>(n_files));
+      }
+    }
+    for (Item& item : merged_) {
+      if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, Abs(iter_dir_)));
+      builder_.AddItem(std::move(item));
+    }
+    cp.format_info = FormatInfo();
+    return builder_.Take();
+  }
+
+ private:
+  std::string Rel(const std::string& p) const { return iter_dir_.empty() ? p : iter_dir_ + "/" + p; }
+  std::string Abs(const std::string& p) const {
+    const std::string rel = Rel(p);
+    return rel.empty() ? builder_.dir() : builder_.dir() + "/" + rel;
+  }
+
+  // The tracker names the iteration directory; without one the directory is it.
+  Status FindIteration() {
+    if (!IsRegular(builder_.dir() + "/" + std::string(kTracker))) return Status::Ok();
+    UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(std::string(kTracker)));
+    const ByteSource& src = *builder_.source(id);
+    if (src.Size() > kMaxTrackerBytes) {
+      return CorruptError(src.Name() + ": " + std::to_string(src.Size()) + " bytes, not an iteration number");
+    }
+    std::string text(src.Size(), '\0');
+    UCPFS_RETURN_IF_ERROR(src.ReadAt(0, std::as_writable_bytes(std::span(text.data(), text.size()))));
+    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back())) != 0) text.pop_back();
+    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front())) != 0) text.erase(0, 1);
+    const bool digits = !text.empty() && text.size() <= 12 &&
+                        std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (text == "release") {
+      iter_dir_ = "release";
+    } else if (digits) {
+      iter_dir_ = "iter_" + Pad(std::stoll(text), 7);
+    } else {
+      return CorruptError(src.Name() + ": '" + text.substr(0, 32) + "' is neither an iteration number nor 'release'");
+    }
+    iteration_ = text;
+    if (!IsDirectory(Abs(""))) {
+      return CorruptError(src.Name() + ": names iteration " + text + ", but " + Abs("") +
+                          " is not a directory (missing, or a symlink)");
+    }
+    return Status::Ok();
+  }
+
+  // One rank's model tensors and optimizer state, placed in the global tensors.
+  Status ScanRank(int t, int s) {
+    const std::string rel = RankDir(t, s, args_.pp) + "/" + std::string(kModelFile);
+    if (!IsRegular(Abs(rel))) {
+      return CorruptError(Abs(rel) + ": missing (or not a regular file) for tp rank " + std::to_string(t) +
+                          ", pipeline stage " + std::to_string(s));
+    }
+    UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(Rel(rel)));
+    UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
+    const std::string where = builder_.source(id)->Name();
+    UCPFS_RETURN_IF_ERROR(CheckSameArgs(tf, where));
+    const pickle::PickleGraph& g = tf.graph();
+    if (!IsNone(g, Get(g, g.root(), "model0"))) {
+      return UnsupportedError(where + ": model chunks model0, model1, ... (a virtual pipeline) are not supported");
+    }
+    if (Pairs(g, Get(g, g.root(), "model")).empty()) return CorruptError(where + ": no 'model' state dict");
+
+    int64_t first_layer = 0;
+    for (int i = 0; i < s; ++i) first_layer += stage_layers_[static_cast<size_t>(i)];
+    const int64_t n_layers = stage_layers_[static_cast<size_t>(s)];
+    const bool last_copy_of_tied = args_.tied && args_.pp > 1 && s == args_.pp - 1;
+
+    // Model tensors, in state-dict order: (global name, record).
+    std::vector<std::pair<std::string, const format::TensorRecord*>> params;
+    std::set<std::string> skip;  // the tied copy: its optimizer state is skipped too
+    int64_t max_local_layer = -1;
+    constexpr std::string_view kModel = "model.";
+    for (const format::TensorRecord& rec : tf.tensors()) {
+      if (rec.key.rfind(kModel, 0) != 0) continue;
+      std::string name = rec.key.substr(kModel.size());
+      if (name.find("_extra_state") != std::string::npos) continue;  // Transformer Engine metadata
+      if (auto at = LayerNumberAt(name)) {
+        const int64_t local = std::stoll(name.substr(at->first, at->second - at->first));
+        if (local >= n_layers) {
+          return CorruptError(where + ": " + rec.key + ": layer " + std::to_string(local) + " of a stage with " +
+                              std::to_string(n_layers) + " layers (args.num_layers " +
+                              std::to_string(args_.num_layers) + ", pp " + std::to_string(args_.pp) + ")");
+        }
+        max_local_layer = std::max(max_local_layer, local);
+        name = name.substr(0, at->first) + std::to_string(local + first_layer) + name.substr(at->second);
+      }
+      if (last_copy_of_tied && s > 0 && name == "output_layer.weight") skip.insert(name);
+      params.emplace_back(std::move(name), &rec);
+    }
+    if (n_layers > 0 && max_local_layer + 1 != n_layers) {
+      return CorruptError(where + ": the stage holds layers 0.." + std::to_string(max_local_layer) + ", args give it " +
+                          std::to_string(n_layers));
+    }
+    for (const auto& [name, rec] : params) {
+      if (skip.count(name) != 0) continue;
+      UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(name, *rec, id, t, name, where));
+      if (item) UCPFS_RETURN_IF_ERROR(Merge(std::move(*item), t));
+    }
+    if (args_.distributed_optimizer) return Status::Ok();  // distrib_optim.pt: not read yet
+    return OptimizerState(tf, id, t, params, skip, where);
+  }
+
+  Status CheckSameArgs(const format::TorchFile& tf, const std::string& where) const {
+    UCPFS_ASSIGN_OR_RETURN(const Args a, ReadArgs(tf, where));
+    if (a.tp != args_.tp || a.pp != args_.pp || a.num_layers != args_.num_layers || a.hidden_size != args_.hidden_size ||
+        a.heads != args_.heads || a.query_groups != args_.query_groups || a.padded_vocab != args_.padded_vocab ||
+        a.swiglu != args_.swiglu || a.tied != args_.tied || a.distributed_optimizer != args_.distributed_optimizer) {
+      return CorruptError(where + ": its args (tp, pp, layers, sizes, vocabulary, swiglu, tied embeddings or optimizer) "
+                          "differ from rank 0's");
+    }
+    return Status::Ok();
+  }
+
+  // Where tp rank t's stored tensor `name` of shape `local` lies in the global tensor.
+  Result<Placement> Place(const std::string& name, const std::vector<int64_t>& local, int t,
+                          const std::string& where) const {
+    Placement pl;
+    pl.global_shape = local;
+    layout::ModelInfo info = Facts();
+    info.vocab_size = 0;  // the stored rows, padding included, are the global tensor
+    auto pattern = layout::PatternFor(layout::Preset::kMegatron, name, local, info);
+    if (!pattern.ok()) {
+      if (pattern.error().code() != StatusCode::kNotFound) return pattern.error().WithContext(where);
+      pattern = layout::PatternFromGeometry(local, std::nullopt);  // not a Megatron name: replicated
+    }
+    if (pattern->tp == layout::TpKind::kReplicate || pattern->tp == layout::TpKind::kPartial || args_.tp == 1) {
+      pl.skip = t != 0;
+      return pl;
+    }
+    const auto d = static_cast<size_t>(pattern->tp_dim);
+    if (d >= local.size()) return CorruptError(where + ": " + name + " of shape " + JoinInts(local) + " has no dim to split");
+    const std::optional<uint64_t> global = CheckedMul(static_cast<uint64_t>(local[d]), static_cast<uint64_t>(args_.tp));
+    if (!global || *global > (uint64_t{1} << 48)) return CorruptError(where + ": " + name + ": the global size overflows");
+    pl.global_shape[d] = static_cast<int64_t>(*global);
+    if (pattern->tp == layout::TpKind::kVocab && pl.global_shape[0] != args_.padded_vocab) {
+      return CorruptError(where + ": " + name + " has " + std::to_string(local[0]) + " rows per tp rank, " +
+                          std::to_string(pl.global_shape[0]) + " in all; args.padded_vocab_size is " +
+                          std::to_string(args_.padded_vocab));
+    }
+    UCPFS_ASSIGN_OR_RETURN(layout::ParamPattern global_pattern,
+                           layout::PatternFor(layout::Preset::kMegatron, name, pl.global_shape, info));
+    global_pattern.vocab_pad_multiple = 0;  // the stored padding is part of the global tensor
+    layout::Layout lay;
+    lay.tp = args_.tp;
+    layout::RankCoords coords;
+    coords.tp = t;
+    auto view = layout::TargetSlice(layout::Preset::kMegatron, name, global_pattern, pl.global_shape, lay,
+                                    {0, static_cast<int>(args_.num_layers)}, coords);
+    if (!view.ok()) return view.error().WithContext(where);
+    if (view->local_shape != local || (view->pieces.size() > 1 && view->cat_dim != 0)) {
+      return CorruptError(where + ": " + name + " of shape " + JoinInts(local) +
+                          " is not a tp slice of the global tensor its pattern gives (local shape " +
+                          JoinInts(view->local_shape) + ")");
+    }
+    pl.pieces = view->pieces;
+    return pl;
+  }
+
+  // A stored tensor of tp rank t as (part of) the global item `key` of parameter `name`;
+  // nullopt for a replica that is not read.
+  Result<std::optional<Item>> PlacedTensor(const std::string& name, const format::TensorRecord& rec, uint32_t file_id,
+                                           int t, const std::string& key, const std::string& where) const {
+    UCPFS_ASSIGN_OR_RETURN(const Placement pl, Place(name, rec.shape, t, where));
+    if (pl.skip) return std::optional<Item>();
+    UCPFS_ASSIGN_OR_RETURN(Item item, PlacedItem(pl, key, rec, file_id, where));
+    return std::optional<Item>(std::move(item));
+  }
+
+  // Adds tp rank t's part of an item (as the DeepSpeed scanner merges its ranks).
+  Status Merge(Item item, int t) {
+    auto [it, fresh] = merged_index_.try_emplace(item.key, merged_.size());
+    if (fresh) {
+      contributed_.insert({item.key, t});
+      merged_.push_back(std::move(item));
+      return Status::Ok();
+    }
+    Item& into = merged_[it->second];
+    if (into.layout.shape.empty()) return Status::Ok();  // a step: every tp rank's is the same
+    if (!contributed_.insert({item.key, t}).second) {
+      return CorruptError(builder_.dir() + ": '" + item.key + "' is stored by two pipeline stages");
+    }
+    if (into.layout.shape != item.layout.shape) {
+      return CorruptError(builder_.dir() + ": '" + item.key + "': the slice of tp rank " + std::to_string(t) +
+                          " makes a tensor of shape " + JoinInts(item.layout.shape) + ", another rank's " +
+                          JoinInts(into.layout.shape));
+    }
+    for (slice::Fragment& f : item.layout.fragments) into.layout.fragments.push_back(std::move(f));
+    return Status::Ok();
+  }
+
+  // The non-distributed optimizer's state: positions matched to parameters (megatron_scan.h).
+  Status OptimizerState(const format::TorchFile& tf, uint32_t file_id, int t,
+                        const std::vector<std::pair<std::string, const format::TensorRecord*>>& params,
+                        const std::set<std::string>& skip, const std::string& where) {
+    const pickle::PickleGraph& g = tf.graph();
+    const pickle::NodeId opt = Get(g, g.root(), "optimizer");
+    if (IsNone(g, opt)) return Status::Ok();  // saved with --no-save-optim
+    if (g.kind(opt) == pickle::Kind::kList) {
+      return UnsupportedError(where + ": the optimizer is a ChainedOptimizer of " +
+                              std::to_string(g.items(opt).size()) + " optimizers");
+    }
+    // Float16OptimizerWithFloat16Params: {optimizer: torch.optim state dict, fp32_from_fp16_params,
+    // grad_scaler}; FP32Optimizer: the torch.optim state dict itself.
+    pickle::NodeId inner = Get(g, opt, "optimizer");
+    std::string prefix = "optimizer.optimizer.";
+    const bool float16 = !IsNone(g, inner);
+    if (!float16) {
+      inner = opt;
+      prefix = "optimizer.";
+    }
+    const pickle::NodeId groups = Get(g, inner, "param_groups");
+    if (g.kind(groups) != pickle::Kind::kList) return CorruptError(where + ": optimizer param_groups is not a list");
+    std::map<std::string, const format::TensorRecord*> by_key;
+    for (const format::TensorRecord& rec : tf.tensors()) by_key.emplace(rec.key, &rec);
+
+    // Each group's class: weight decay on or off (and not an expert group).
+    std::set<bool> classes;
+    for (size_t gi = 0; gi < g.items(groups).size(); ++gi) {
+      const pickle::NodeId group = g.items(groups)[gi];
+      const std::string gw = where + ": optimizer param_groups[" + std::to_string(gi) + "]";
+      const std::optional<double> wd_mult = NumberOf(g, Get(g, group, "wd_mult"));
+      if (!wd_mult) return UnsupportedError(gw + " has no wd_mult (Megatron-Core < 0.5 param groups are not read)");
+      if (Truthy(g, Get(g, group, "is_expert_parallel"))) return UnsupportedError(gw + " is an expert-parallel group");
+      const std::optional<double> lr_mult = NumberOf(g, Get(g, group, "lr_mult"));
+      if (!classes.insert(*wd_mult == 0.0).second || (lr_mult && *lr_mult != 1.0)) {
+        return UnsupportedError(gw + ": param groups that differ by more than weight decay (lr_mult, decoupled_lr) "
+                                     "cannot be matched to parameters");
+      }
+    }
+    size_t matched = 0;
+    for (size_t gi = 0; gi < g.items(groups).size(); ++gi) {
+      const pickle::NodeId group = g.items(groups)[gi];
+      const std::string gk = std::to_string(gi);
+      const bool no_wd = *NumberOf(g, Get(g, group, "wd_mult")) == 0.0;
+      const pickle::NodeId positions = Get(g, group, "params");
+      if (g.kind(positions) != pickle::Kind::kList) {
+        return CorruptError(where + ": optimizer param_groups[" + gk + "].params is not a list");
+      }
+      // The group's parameters, in model order, as Megatron's _get_param_groups picks them.
+      std::vector<size_t> members;
+      for (size_t pi = 0; pi < params.size(); ++pi) {
+        const std::string& name = params[pi].first;
+        const bool bias_or_1d = (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) ||
+                                params[pi].second->shape.size() == 1;
+        const bool qk_norm = name.find("q_layernorm.") != std::string::npos || name.find("k_layernorm.") != std::string::npos;
+        if ((bias_or_1d && !(args_.wd_on_qk_layernorm && qk_norm)) == no_wd) members.push_back(pi);
+      }
+      if (members.size() != g.items(positions).size()) {
+        return UnsupportedError(where + ": optimizer param_groups[" + gk + "] holds " +
+                                std::to_string(g.items(positions).size()) + " parameters; the model has " +
+                                std::to_string(members.size()) + (no_wd ? " without" : " with") +
+                                " weight decay (frozen parameters or other param-group rules?)");
+      }
+      matched += members.size();
+      size_t master = 0;  // position in fp32_from_fp16_params[gi]
+      for (size_t j = 0; j < members.size(); ++j) {
+        const auto& [name, weight] = params[members[j]];
+        const std::optional<int64_t> pos = IntOf(g, g.items(positions)[j]);
+        if (!pos || *pos < 0) return CorruptError(where + ": optimizer param_groups[" + gk + "].params holds a non-index");
+        const bool half = weight->dtype == DType::kBFloat16 || weight->dtype == DType::kFloat16;
+        std::vector<std::pair<std::string, std::string>> states = {
+            {prefix + "state." + std::to_string(*pos) + ".exp_avg", ".exp_avg"},
+            {prefix + "state." + std::to_string(*pos) + ".exp_avg_sq", ".exp_avg_sq"}};
+        if (float16 && half) {
+          states.emplace_back("optimizer.fp32_from_fp16_params." + gk + "." + std::to_string(master++), ".fp32_param");
+        }
+        for (const auto& [source_key, suffix] : states) {
+          auto rec = by_key.find(source_key);
+          if (rec == by_key.end()) {
+            return CorruptError(where + ": no " + source_key + " (the " + suffix.substr(1) + " of '" + name + "')");
+          }
+          if (rec->second->shape != weight->shape) {
+            return CorruptError(where + ": " + source_key + " has shape " + JoinInts(rec->second->shape) + ", '" + name +
+                                "' " + JoinInts(weight->shape));
+          }
+          if (skip.count(name) != 0) continue;
+          UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item,
+                                 PlacedTensor(name, *rec->second, file_id, t, "optimizer.state." + name + suffix, where));
+          if (item) UCPFS_RETURN_IF_ERROR(Merge(std::move(*item), t));
+        }
+        auto step = by_key.find(prefix + "state." + std::to_string(*pos) + ".step");
+        if (step != by_key.end() && step->second->n_elems == 1 && skip.count(name) == 0) {
+          Item item;
+          item.key = "optimizer.state." + name + ".step";
+          item.dtype = step->second->dtype;
+          slice::Fragment f;
+          f.flat_lo = 0;
+          f.flat_hi = 1;
+          f.file_id = file_id;
+          f.byte_offset = step->second->data_offset;
+          f.dtype = step->second->dtype;
+          item.layout.fragments.push_back(std::move(f));
+          UCPFS_RETURN_IF_ERROR(Merge(std::move(item), t));
+        }
+      }
+    }
+    if (matched != params.size()) {
+      return UnsupportedError(where + ": the optimizer's param groups hold " + std::to_string(matched) +
+                              " parameters, the model " + std::to_string(params.size()));
+    }
+    return Status::Ok();
+  }
+
+  layout::ModelInfo Facts() const {
+    layout::ModelInfo info;
+    info.n_layers = static_cast<int>(args_.num_layers);
+    info.gated_linear_unit = args_.swiglu;
+    info.hidden_size = args_.hidden_size;
+    info.num_attention_heads = args_.heads;
+    info.num_query_groups = args_.query_groups;
+    info.head_dim = args_.kv_channels;
+    info.vocab_size = args_.vocab;
+    info.vocab_pad_multiple = args_.divisible_by;
+    info.tied_embeddings = args_.tied;
+    return info;
+  }
+
+  std::string FormatInfo() const {
+    nlohmann::json info;
+    info["iteration"] = iteration_.empty() ? nlohmann::json(nullptr) : nlohmann::json(iteration_);
+    info["dir"] = iter_dir_;
+    info["tp"] = args_.tp;
+    info["pp"] = args_.pp;
+    info["num_layers"] = args_.num_layers;
+    info["hidden_size"] = args_.hidden_size;
+    info["num_attention_heads"] = args_.heads;
+    info["num_query_groups"] = args_.query_groups;
+    info["kv_channels"] = args_.kv_channels;
+    info["swiglu"] = args_.swiglu;
+    info["tied_embeddings"] = args_.tied;
+    info["padded_vocab_size"] = args_.padded_vocab;
+    info["vocab_size"] = args_.vocab > 0 ? nlohmann::json(args_.vocab) : nlohmann::json(nullptr);
+    info["make_vocab_size_divisible_by"] = args_.divisible_by;
+    info["distributed_optimizer"] = args_.distributed_optimizer;
+    info["checkpoint_version"] = args_.version;
+    return info.dump();
+  }
+
+  CheckpointBuilder builder_;
+  std::string iteration_;  // the tracker's text, or "" without a tracker
+  std::string iter_dir_;   // relative to the directory ("" when the directory is it)
+  Args args_;
+  std::vector<int64_t> stage_layers_;
+  std::vector<Item> merged_;  // items in first-seen order
+  std::map<std::string, size_t> merged_index_;
+  std::set<std::pair<std::string, int>> contributed_;  // (item key, tp rank) added
+};
+
+}  // namespace
+
+bool IsMegatronLegacyDirectory(const std::string& dir) {
+  if (IsRegular(dir + "/" + std::string(kTracker))) return true;
+  for (const std::string& d : {RankDir(0, 0, 1), RankDir(0, 0, 2)}) {
+    if (IsDirectory(dir + "/" + d) && IsRegular(dir + "/" + d + "/" + std::string(kModelFile))) return true;
+  }
+  return false;
+}
+
+Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress& progress) {
+  return MegatronScanner(dir).Run(progress);
+}
+
+Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& c) {
+  layout::ModelInfo facts;
+  if (c.format != "megatron") return facts;
+  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, false);
+  auto number = [&](const char* key) -> int64_t {
+    const auto it = info.find(key);
+    return it != info.end() && it->is_number_integer() ? it->get<int64_t>() : -1;
+  };
+  if (!info.is_object() || number("num_layers") < 1 || number("num_attention_heads") < 1 ||
+      number("num_query_groups") < 1 || number("kv_channels") < 1 || number("hidden_size") < 1 ||
+      !info.value("swiglu", nlohmann::json()).is_boolean()) {
+    return CorruptError("index: the Megatron format_info is not what the scanner writes");
+  }
+  facts.n_layers = static_cast<int>(std::min<int64_t>(number("num_layers"), kMaxLayers));
+  facts.num_attention_heads = number("num_attention_heads");
+  facts.num_query_groups = number("num_query_groups");
+  facts.head_dim = number("kv_channels");
+  facts.hidden_size = number("hidden_size");
+  facts.gated_linear_unit = info["swiglu"].get<bool>();
+  facts.vocab_size = std::max<int64_t>(number("vocab_size"), 0);
+  facts.vocab_pad_multiple = std::max<int64_t>(number("make_vocab_size_divisible_by"), 0);
+  return facts;
+}
+
+}  // namespace ucpfs::index

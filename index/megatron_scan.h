@@ -1,0 +1,65 @@
+// Megatron-LM legacy scanner: a save directory of Megatron-LM's `--ckpt-format torch`
+// (research/torch-formats.md D.2): `latest_checkpointed_iteration.txt` (an iteration or
+// `release`) naming `iter_<7 digits>/` (or `release/`), or one such directory itself, holding
+// `mp_rank_<TT>[_<PPP>]/model_optim_rng.pt` per tensor-parallel rank TT and pipeline stage PPP
+// (`_PPP` only when pp > 1), written by dp rank 0 of each.
+//
+// Everything about the model comes from the saved `args` (an argparse.Namespace, read as data):
+// tensor_model_parallel_size, pipeline_model_parallel_size, num_layers (stages split evenly, or
+// decoder_first/last_pipeline_num_layers), num_attention_heads, num_query_groups
+// (group_query_attention), kv_channels, hidden_size, swiglu, padded_vocab_size,
+// make_vocab_size_divisible_by, vocab_size (when the run gave one), untie_embeddings_and_output_weights.
+// Every rank's file must agree with rank 0's args; checkpoint_version must be >= 3.0.
+//
+// Items (keys the built-in key rules map), each a GLOBAL tensor: every model tensor `<fqn>` of
+// `model` with the stage's layer numbers made global (`decoder.layers.<n>`, legacy
+// `encoder.layers.<n>`), each tp rank's slice placed through layout::TargetSlice with the
+// Megatron preset and the args' facts (column, row, vocabulary with its padded rows, SwiGLU
+// linear_fc1 [gate; up], group-interleaved linear_qkv; tp-replicated tensors read from tp rank 0);
+// with tied embeddings, the last stage's copy (`output_layer.weight` and its optimizer state) is
+// not read (Megatron keeps it equal to the first stage's embedding). Optimizer state of the
+// non-distributed optimizer (`optimizer`: Float16OptimizerWithFloat16Params' {optimizer,
+// fp32_from_fp16_params} or FP32Optimizer's torch.optim state dict): `optimizer.state.<fqn>.
+// fp32_param` (bf16/fp16 parameters' fp32 masters; fp32 parameters are their own master),
+// `.exp_avg`, `.exp_avg_sq`, `.step`. Megatron's param groups keep only positions: a position is
+// matched to its parameter as Megatron built the groups (model order, weight decay off for
+// biases and 1-D tensors: wd_mult 0), each shape checked.
+//
+// Checkpoint::format_info (JSON): {"iteration": the tracker's text or null, "dir": the iteration
+// directory, "tp", "pp", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+// "kv_channels", "swiglu", "tied_embeddings", "padded_vocab_size", "vocab_size" (null when args
+// has none), "make_vocab_size_divisible_by", "distributed_optimizer", "checkpoint_version"}.
+//
+// Supported: Megatron-LM checkpoint_version 3.0 files as Megatron-LM with Megatron-Core
+// >= 0.5 writes them (param groups with wd_mult). Refused with kUnsupported naming the file:
+// virtual pipelines (`model0`, ...), expert parallelism and MoE (num_experts), pipeline splits
+// that account for embedding or loss, checkpoint versions < 3.0, a ChainedOptimizer of several
+// optimizers, param groups that differ by more than weight decay (lr_mult / decoupled_lr
+// overrides), and (for now) the distributed optimizer's distrib_optim.pt (its model weights are
+// served, its optimizer state is not). Every inconsistency (a missing rank directory or file, a
+// tracker naming no directory, args that disagree, shapes that do not make one tensor, a
+// truncated file) is kCorrupt naming the file.
+#pragma once
+
+#include <string>
+
+#include "core/layout/patterns.h"
+#include "core/status.h"
+#include "index/checkpoint.h"
+#include "index/scanner.h"
+
+namespace ucpfs::index {
+
+// True when `dir` holds a regular `latest_checkpointed_iteration.txt`, or is itself an
+// iteration directory (a directory `mp_rank_00` or `mp_rank_00_000` with `model_optim_rng.pt`).
+bool IsMegatronLegacyDirectory(const std::string& dir);
+
+// Errors: kNotFound, kCorrupt, kUnsupported (see above), naming the file.
+Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress& progress = nullptr);
+
+// The model facts a "megatron" checkpoint's format_info records (heads, query groups, head
+// dim, hidden size, SwiGLU, layers, unpadded vocabulary, vocabulary pad multiple); all zero for
+// other formats. Errors: kCorrupt when format_info is not what the scanner writes.
+Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
+
+}  // namespace ucpfs::index
