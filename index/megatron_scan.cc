@@ -273,7 +273,7 @@ class MegatronScanner {
     Checkpoint& cp = builder_.checkpoint();
     cp.format = "megatron";
     cp.flavor = "megatron-lm-legacy tp" + std::to_string(args_.tp) + " pp" + std::to_string(args_.pp) +
-                (args_.distributed_optimizer ? " distributed-optimizer" : "") + " " + iter_dir_;
+                (args_.distributed_optimizer ? " distributed-optimizer" : "") + (iter_dir_.empty() ? "" : " " + iter_dir_);
 
     uint64_t done = 0;
     for (int s = 0; s < args_.pp; ++s) {
@@ -291,7 +291,7 @@ class MegatronScanner {
   }
 
  private:
-  std::string Rel(const std::string& p) const { return iter_dir_.empty() ? p : iter_dir_ + "/" + p; }
+  std::string Rel(const std::string& p) const { return iter_dir_.empty() || p.empty() ? iter_dir_ + p : iter_dir_ + "/" + p; }
   std::string Abs(const std::string& p) const {
     const std::string rel = Rel(p);
     return rel.empty() ? builder_.dir() : builder_.dir() + "/" + rel;
@@ -377,7 +377,7 @@ class MegatronScanner {
     for (const auto& [name, rec] : params) {
       if (skip.count(name) != 0) continue;
       UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(name, *rec, id, t, name, where));
-      if (item) UCPFS_RETURN_IF_ERROR(Merge(std::move(*item), t));
+      if (item) UCPFS_RETURN_IF_ERROR(Merge(std::move(*item), t, where));
     }
     if (args_.distributed_optimizer) return Status::Ok();  // distrib_optim.pt: not read yet
     return OptimizerState(tf, id, t, params, skip, where);
@@ -450,7 +450,7 @@ class MegatronScanner {
   }
 
   // Adds tp rank t's part of an item (as the DeepSpeed scanner merges its ranks).
-  Status Merge(Item item, int t) {
+  Status Merge(Item item, int t, const std::string& where) {
     auto [it, fresh] = merged_index_.try_emplace(item.key, merged_.size());
     if (fresh) {
       contributed_.insert({item.key, t});
@@ -460,10 +460,10 @@ class MegatronScanner {
     Item& into = merged_[it->second];
     if (into.layout.shape.empty()) return Status::Ok();  // a step: every tp rank's is the same
     if (!contributed_.insert({item.key, t}).second) {
-      return CorruptError(builder_.dir() + ": '" + item.key + "' is stored by two pipeline stages");
+      return CorruptError(where + ": '" + item.key + "' is stored by another pipeline stage too");
     }
     if (into.layout.shape != item.layout.shape) {
-      return CorruptError(builder_.dir() + ": '" + item.key + "': the slice of tp rank " + std::to_string(t) +
+      return CorruptError(where + ": '" + item.key + "': the slice of tp rank " + std::to_string(t) +
                           " makes a tensor of shape " + JoinInts(item.layout.shape) + ", another rank's " +
                           JoinInts(into.layout.shape));
     }
@@ -559,7 +559,7 @@ class MegatronScanner {
           if (skip.count(name) != 0) continue;
           UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item,
                                  PlacedTensor(name, *rec->second, file_id, t, "optimizer.state." + name + suffix, where));
-          if (item) UCPFS_RETURN_IF_ERROR(Merge(std::move(*item), t));
+          if (item) UCPFS_RETURN_IF_ERROR(Merge(std::move(*item), t, where));
         }
         auto step = by_key.find(prefix + "state." + std::to_string(*pos) + ".step");
         if (step != by_key.end() && step->second->n_elems == 1 && skip.count(name) == 0) {
@@ -573,7 +573,7 @@ class MegatronScanner {
           f.byte_offset = step->second->data_offset;
           f.dtype = step->second->dtype;
           item.layout.fragments.push_back(std::move(f));
-          UCPFS_RETURN_IF_ERROR(Merge(std::move(item), t));
+          UCPFS_RETURN_IF_ERROR(Merge(std::move(item), t, where));
         }
       }
     }

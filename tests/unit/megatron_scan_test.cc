@@ -1,0 +1,276 @@
+// ScanMegatronLegacy on small Megatron-LM legacy saves written at test time by torch 1.13
+// (/usr/bin/python3, argparse.Namespace args, a tp2 pp2 GPT with SwiGLU, GQA-free fused QKV,
+// padded vocabulary, tied embeddings and an FP32Optimizer state dict): every global tensor is
+// gathered from its fragments and compared with the value the writer put at each global element;
+// then a catalogue of broken saves checks codes and messages (each names the file). The real
+// Megatron-Core producer is exercised by tests/e2e/megatron_legacy_test.py.
+#include "index/megatron_scan.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/io/file_source.h"
+#include "core/slice/slice.h"
+#include "index/scanner.h"
+
+namespace ucpfs::index {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kPython = "/usr/bin/python3";
+
+// Writes OUT (a save directory) for VARIANT. Global tensor G of a parameter holds
+// 1000 * (parameter number) + row-major index; each rank stores Megatron's slice of it.
+constexpr const char* kWriter = R"PY(
+import argparse, os, sys, torch
+out, variant = sys.argv[1], sys.argv[2]
+TP, PP, H, FFN, VOCAB, PADDED = 2, 2, 4, 4, 7, 8
+def args(**kw):
+    a = argparse.Namespace(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP, num_layers=2,
+        hidden_size=H, num_attention_heads=2, group_query_attention=False, num_query_groups=None,
+        kv_channels=2, ffn_hidden_size=FFN, padded_vocab_size=PADDED, make_vocab_size_divisible_by=2,
+        vocab_size=VOCAB, swiglu=True, untie_embeddings_and_output_weights=False,
+        use_distributed_optimizer=False, expert_model_parallel_size=1, num_experts=None)
+    a.__dict__.update(kw)
+    return a
+# (name on its stage, global shape, split): split 0 / 1 = column / row, 's' = SwiGLU, None = replicated
+LAYER = [("input_layernorm.weight", [H], None), ("self_attention.linear_qkv.weight", [3 * H, H], 0),
+         ("self_attention.linear_proj.weight", [H, H], 1), ("mlp.linear_fc1.weight", [2 * FFN, H], 's'),
+         ("mlp.linear_fc2.weight", [H, FFN], 1)]
+STAGES = [[("embedding.word_embeddings.weight", [PADDED, H], 0)] + [("decoder.layers.0." + n, s, k) for n, s, k in LAYER],
+          [("decoder.layers.0." + n, s, k) for n, s, k in LAYER] + [("decoder.final_layernorm.weight", [H], None),
+                                                                   ("output_layer.weight", [PADDED, H], 0)]]
+def glob(stage, name):
+    return name.replace("layers.0.", "layers.%d." % stage) if name.startswith("decoder.layers") else name
+NUMBER = {}
+for s, params in enumerate(STAGES):
+    for n, _, _ in params:
+        g = "embedding.word_embeddings.weight" if n == "output_layer.weight" else glob(s, n)
+        NUMBER.setdefault(g, len(NUMBER))
+def full(g, shape):
+    return (torch.arange(int(torch.tensor(shape).prod())) + 1000 * NUMBER[g]).float().view(shape)
+def local(t, split, r):
+    if split is None: return t.clone()
+    if split == 's':
+        a, b = t.chunk(2, 0)
+        return torch.cat([a.chunk(TP, 0)[r], b.chunk(TP, 0)[r]]).clone()
+    return t.chunk(TP, split)[r].clone()
+it = os.path.join(out, "iter_0000003")
+for s in range(PP):
+    for r in range(TP):
+        model, state, groups = {}, {}, [[], []]
+        for n, shape, split in STAGES[s]:
+            g = "embedding.word_embeddings.weight" if n == "output_layer.weight" else glob(s, n)
+            t = local(full(g, shape), split, r)
+            if variant == "shape" and r == 1 and n.endswith("linear_fc2.weight"):
+                t = torch.zeros(H, FFN // TP + 1)
+            model[n] = t
+            model[n.rsplit(".", 1)[0] + "._extra_state"] = None
+            i = len(state)
+            state[i] = {"exp_avg": t * 2, "exp_avg_sq": t * 3, "step": torch.tensor(3.0)}
+            groups[1 if t.dim() == 1 else 0].append(i)
+        a = args()
+        if variant == "tp0": a.tensor_model_parallel_size = 0
+        if variant == "tphuge": a.tensor_model_parallel_size = 1 << 40
+        if variant == "moe": a.num_experts = 8
+        if variant == "mismatch" and (s, r) == (1, 1): a.hidden_size = 8
+        if variant == "layers": a.num_layers = 4
+        opt = {"state": state, "param_groups": [
+            {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[0]},
+            {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[1]}]}
+        sd = {"args": a, "checkpoint_version": 2.0 if variant == "version2" else 3.0, "iteration": 3,
+              "model": model, "optimizer": opt, "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}
+        if variant == "noargs": del sd["args"]
+        d = os.path.join(it, "mp_rank_%02d_%03d" % (r, s))
+        os.makedirs(d, exist_ok=True)
+        torch.save(sd, os.path.join(d, "model_optim_rng.pt"))
+open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w").write("3\n")
+)PY";
+
+std::string Quote(const std::string& s) {
+  std::string out = "'";
+  for (char ch : s) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+class MegatronScanTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (std::system((std::string(kPython) + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) return;
+    std::string tmpl = (fs::temp_directory_path() / "ucpfs-megatron-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) return;
+    root_ = new fs::path(tmpl);
+    std::ofstream(*root_ / "writer.py") << kWriter;
+  }
+  static void TearDownTestSuite() {
+    if (root_ != nullptr && std::getenv("UCPFS_KEEP_FIXTURES") == nullptr) fs::remove_all(*root_);
+    delete root_;
+    root_ = nullptr;
+  }
+  void SetUp() override {
+    if (root_ == nullptr) GTEST_SKIP() << "torch 1.13 at /usr/bin/python3 is needed";
+  }
+  // A save directory written for `variant` (once per variant).
+  static fs::path Save(const std::string& variant) {
+    const fs::path dir = *root_ / variant;
+    if (!fs::exists(dir)) {
+      const std::string cmd = std::string(kPython) + " " + Quote((*root_ / "writer.py").string()) + " " +
+                              Quote(dir.string()) + " " + variant;
+      EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    }
+    return dir;
+  }
+  // A copy of the good save to break.
+  static fs::path Copy(const std::string& name) {
+    const fs::path dir = *root_ / ("copy-" + name);
+    fs::remove_all(dir);
+    fs::copy(Save("good"), dir, fs::copy_options::recursive);
+    return dir;
+  }
+  static inline fs::path* root_ = nullptr;
+};
+
+std::vector<float> Gather(const Checkpoint& c, const Item& item, const std::string& dir) {
+  std::vector<std::shared_ptr<const ByteSource>> files;
+  for (const SourceFile& f : c.files) {
+    auto src = FileSource::Open(dir + "/" + f.rel_path);
+    EXPECT_TRUE(src.ok()) << src.error().message();
+    files.push_back(std::move(*src));
+  }
+  std::vector<float> out(item.layout.NumElems());
+  Status s = slice::ReadTensorBytes(item.layout, DType::kFloat32, files, 0,
+                                    std::as_writable_bytes(std::span(out.data(), out.size())));
+  EXPECT_TRUE(s.ok()) << s.message();
+  return out;
+}
+
+TEST_F(MegatronScanTest, GlobalTensorsFromEveryRank) {
+  const fs::path dir = Save("good");
+  ASSERT_TRUE(IsMegatronLegacyDirectory(dir.string()));
+  auto scanner = ScannerFor(dir.string());
+  ASSERT_TRUE(scanner.ok());
+  EXPECT_EQ((*scanner)->Name(), "megatron");
+  auto c = ScanMegatronLegacy(dir.string());
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  EXPECT_EQ(c->format, "megatron");
+  EXPECT_EQ(c->flavor, "megatron-lm-legacy tp2 pp2 iter_0000003");
+  std::map<std::string, const Item*> items;
+  for (const Item& it : c->items) items[it.key] = &it;
+  // The parameters' numbers as the writer gives them: stage 0, then stage 1's new names.
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> params = {
+      {"embedding.word_embeddings.weight", {8, 4}},       {"decoder.layers.0.input_layernorm.weight", {4}},
+      {"decoder.layers.0.self_attention.linear_qkv.weight", {12, 4}},
+      {"decoder.layers.0.self_attention.linear_proj.weight", {4, 4}},
+      {"decoder.layers.0.mlp.linear_fc1.weight", {8, 4}}, {"decoder.layers.0.mlp.linear_fc2.weight", {4, 4}},
+      {"decoder.layers.1.input_layernorm.weight", {4}},
+      {"decoder.layers.1.self_attention.linear_qkv.weight", {12, 4}},
+      {"decoder.layers.1.self_attention.linear_proj.weight", {4, 4}},
+      {"decoder.layers.1.mlp.linear_fc1.weight", {8, 4}}, {"decoder.layers.1.mlp.linear_fc2.weight", {4, 4}},
+      {"decoder.final_layernorm.weight", {4}}};
+  EXPECT_EQ(items.count("output_layer.weight"), 0u) << "the tied copy of the last stage is not read";
+  for (size_t n = 0; n < params.size(); ++n) {
+    const auto& [name, shape] = params[n];
+    for (const auto& [key, factor] : std::vector<std::pair<std::string, float>>{
+             {name, 1.0f}, {"optimizer.state." + name + ".exp_avg", 2.0f}, {"optimizer.state." + name + ".exp_avg_sq", 3.0f}}) {
+      ASSERT_EQ(items.count(key), 1u) << key;
+      EXPECT_EQ(items[key]->layout.shape, shape) << key;
+      const std::vector<float> got = Gather(*c, *items[key], dir.string());
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i], factor * static_cast<float>(1000 * n + i)) << key << " element " << i;
+      }
+    }
+    EXPECT_EQ(items.count("optimizer.state." + name + ".step"), 1u) << name;
+    EXPECT_EQ(items.count("optimizer.state." + name + ".fp32_param"), 0u) << "fp32 parameters are their own master";
+  }
+  auto facts = MegatronModelFacts(*c);
+  ASSERT_TRUE(facts.ok());
+  EXPECT_EQ(facts->vocab_size, 7);
+  EXPECT_EQ(facts->vocab_pad_multiple, 2);
+  EXPECT_EQ(facts->num_query_groups, 2);
+  EXPECT_EQ(facts->gated_linear_unit, true);
+}
+
+// Expects `code` and every fragment of `needles` in the message.
+void ExpectError(const Result<Checkpoint>& r, StatusCode code, const std::vector<std::string>& needles) {
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code(), code) << r.error().message();
+  for (const std::string& n : needles) EXPECT_NE(r.error().message().find(n), std::string::npos) << r.error().message();
+}
+
+TEST_F(MegatronScanTest, BadArgs) {
+  ExpectError(ScanMegatronLegacy(Save("noargs").string()), StatusCode::kCorrupt,
+              {"mp_rank_00_000/model_optim_rng.pt", "no 'args'"});
+  ExpectError(ScanMegatronLegacy(Save("tp0").string()), StatusCode::kCorrupt, {"tensor_model_parallel_size = 0"});
+  ExpectError(ScanMegatronLegacy(Save("tphuge").string()), StatusCode::kCorrupt,
+              {"model_optim_rng.pt", "tensor_model_parallel_size = 1099511627776 is out of range"});
+  ExpectError(ScanMegatronLegacy(Save("moe").string()), StatusCode::kUnsupported, {"mixture-of-experts"});
+  ExpectError(ScanMegatronLegacy(Save("version2").string()), StatusCode::kUnsupported, {"checkpoint_version 2"});
+  ExpectError(ScanMegatronLegacy(Save("mismatch").string()), StatusCode::kCorrupt,
+              {"mp_rank_01_001/model_optim_rng.pt", "differ from rank 0's"});
+  ExpectError(ScanMegatronLegacy(Save("layers").string()), StatusCode::kCorrupt,
+              {"mp_rank_00_000/model_optim_rng.pt", "args give it 2"});
+}
+
+TEST_F(MegatronScanTest, ShapesThatDoNotMakeOneTensor) {
+  ExpectError(ScanMegatronLegacy(Save("shape").string()), StatusCode::kCorrupt,
+              {"mp_rank_01_000/model_optim_rng.pt", "linear_fc2.weight"});
+}
+
+TEST_F(MegatronScanTest, MissingRankAndTruncatedFile) {
+  fs::path d = Copy("missing");
+  fs::remove_all(d / "iter_0000003" / "mp_rank_01_001");
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_01_001", "is missing"});
+
+  d = Copy("nofile");
+  fs::remove(d / "iter_0000003" / "mp_rank_01_000" / "model_optim_rng.pt");
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_01_000/model_optim_rng.pt", "missing"});
+
+  d = Copy("truncated");
+  const fs::path f = d / "iter_0000003" / "mp_rank_01_000" / "model_optim_rng.pt";
+  fs::resize_file(f, fs::file_size(f) / 2);
+  auto r = ScanMegatronLegacy(d.string());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("mp_rank_01_000/model_optim_rng.pt"), std::string::npos) << r.error().message();
+
+  d = Copy("extra");
+  fs::create_directory(d / "iter_0000003" / "mp_rank_02_000");
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_02_000", "beyond args' tp 2"});
+}
+
+TEST_F(MegatronScanTest, TrackerFile) {
+  fs::path d = Copy("nowhere");
+  std::ofstream(d / "latest_checkpointed_iteration.txt") << "7";
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt,
+              {"latest_checkpointed_iteration.txt", "iteration 7", "iter_0000007"});
+
+  d = Copy("garbage");
+  std::ofstream(d / "latest_checkpointed_iteration.txt") << "../etc";
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt,
+              {"latest_checkpointed_iteration.txt", "neither an iteration number nor 'release'"});
+
+  d = Copy("symlink");
+  fs::rename(d / "iter_0000003", d / "elsewhere");
+  fs::create_directory_symlink("elsewhere", d / "iter_0000003");
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"iter_0000003", "symlink"});
+
+  d = Copy("huge");
+  std::ofstream(d / "latest_checkpointed_iteration.txt") << std::string(100, '1');
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"latest_checkpointed_iteration.txt", "100 bytes"});
+
+  // Without a tracker, the iteration directory itself is a checkpoint.
+  auto c = ScanMegatronLegacy((Save("good") / "iter_0000003").string());
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  EXPECT_FALSE(c->items.empty());
+}
+
+}  // namespace
+}  // namespace ucpfs::index
