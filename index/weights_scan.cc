@@ -21,6 +21,7 @@ namespace {
 
 constexpr std::string_view kSafetensorsIndex = "model.safetensors.index.json";
 constexpr std::string_view kTorchIndex = "pytorch_model.bin.index.json";
+constexpr std::string_view kPytorchModel = "pytorch_model.bin";
 constexpr uint64_t kMaxIndexBytes = 256ull << 20;
 constexpr size_t kMaxListedNames = 100000;
 
@@ -57,6 +58,7 @@ std::vector<std::string> RegularFiles(const std::string& dir) {
 struct Listing {
   bool safetensors_index = false;
   bool torch_index = false;
+  bool pytorch_model = false;  // pytorch_model.bin
   std::vector<std::string> safetensors;  // *.safetensors
   std::vector<std::string> torch;        // *.pt, *.pth, *.bin
 };
@@ -67,7 +69,10 @@ Listing List(const std::string& dir) {
     if (name == kSafetensorsIndex) l.safetensors_index = true;
     else if (name == kTorchIndex) l.torch_index = true;
     else if (EndsWith(name, ".safetensors")) l.safetensors.push_back(name);
-    else if (IsTorchName(name)) l.torch.push_back(name);
+    else if (IsTorchName(name)) {
+      l.torch.push_back(name);
+      l.pytorch_model = l.pytorch_model || name == kPytorchModel;
+    }
   }
   return l;
 }
@@ -90,10 +95,12 @@ class WeightsScan {
     } else if (l.torch_index) {
       container = "torch";
       UCPFS_RETURN_IF_ERROR(FromIndex(std::string(kTorchIndex), /*safetensors=*/false));
-    } else if (l.torch.size() == 1) {
+    } else if (l.torch.size() == 1 || l.pytorch_model) {
+      // Hugging Face's own name wins over the files a Trainer saves beside it (optimizer.pt,
+      // training_args.bin, rng_state.pth).
       container = "torch";
       total_ = 1;
-      UCPFS_RETURN_IF_ERROR(AddTorchFile(l.torch.front(), nullptr));
+      UCPFS_RETURN_IF_ERROR(AddTorchFile(l.pytorch_model ? std::string(kPytorchModel) : l.torch.front(), nullptr));
     } else if (l.torch.size() > 1) {
       return UnsupportedError(builder_.dir() + ": " + std::to_string(l.torch.size()) +
                               " torch.save files (" + l.torch[0] + ", " + l.torch[1] +

@@ -4,7 +4,8 @@
 //     (`model-0000K-of-0000N.safetensors`), else every `*.safetensors` file of the directory
 //     (a single `model.safetensors`, or several with distinct tensor names);
 //   - torch.save: `pytorch_model.bin.index.json` with `pytorch_model-0000K-of-0000N.bin` shards,
-//     else the directory's one torch.save file (`*.pt`, `*.pth`, `*.bin`: `pytorch_model.bin`,
+//     else `pytorch_model.bin` (beside what a Hugging Face Trainer saves: optimizer.pt,
+//     training_args.bin...), else the directory's one torch.save file (`*.pt`, `*.pth`, `*.bin`:
 //     `consolidated.00.pth`, a `.pt` state dict).
 // Every tensor becomes a weight item keyed by its state-dict name (a torch file's nested dicts
 // are joined with '.'); key mapping takes the names as they are (Checkpoint::format "weights",

@@ -137,6 +137,14 @@ TEST_F(WeightsScanTest, TorchStateDict) {
   auto m = MapKeys(*c, {});
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->params[0].name, "model.embed_tokens.weight");  // not stripped to embed_tokens.weight
+  // A Hugging Face Trainer's files beside pytorch_model.bin do not make it ambiguous.
+  WriteText(dir_ / "optimizer.pt", "not read");
+  WriteText(dir_ / "training_args.bin", "not read");
+  c = ScanWeights(dir_);
+  ASSERT_TRUE(c.ok()) << c.error().ToString();
+  EXPECT_EQ(c->items.size(), 2u);
+  ASSERT_EQ(c->files.size(), 1u);
+  EXPECT_EQ(c->files[0].rel_path, "pytorch_model.bin");
 }
 
 // Each case: what to break, and a text the error must contain.
