@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -237,7 +238,9 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
   fs::TargetOptions t;
   for (const auto& name : args.layouts) {
     UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
-    t.layouts.push_back(std::move(l));
+    const bool repeated = std::any_of(t.layouts.begin(), t.layouts.end(),
+                                      [&](const layout::Layout& seen) { return seen.name == l.name; });
+    if (!repeated) t.layouts.push_back(std::move(l));  // --layout given twice: one view
   }
   UCPFS_ASSIGN_OR_RETURN(t.preset, layout::ParsePreset(args.preset));
   if (!args.pattern_rules.empty()) {

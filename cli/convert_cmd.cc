@@ -116,7 +116,9 @@ int RunConvert(const ConvertArgs& args) {
   for (const auto& name : args.layouts) {
     auto l = layout::ParseLayout(name);
     if (!l.ok()) return Fail(l.error());
-    layouts.push_back(std::move(*l));
+    const bool repeated = std::any_of(layouts.begin(), layouts.end(),
+                                      [&](const layout::Layout& seen) { return seen.name == l->name; });
+    if (!repeated) layouts.push_back(std::move(*l));  // --layout given twice: one view
   }
   auto preset = layout::ParsePreset(args.preset);
   if (!preset.ok()) return Fail(preset.error());
