@@ -105,6 +105,13 @@ struct Args {
   int64_t first_stage_layers = 0, last_stage_layers = 0;  // decoder_first/last_pipeline_num_layers
   bool swiglu = false, tied = true, distributed_optimizer = false, wd_on_qk_layernorm = false;
   double version = 0;
+  // The grad-buffer settings of the distributed optimizer (Megatron-LM's get_model builds the
+  // DistributedDataParallelConfig from them); checked only when distributed_optimizer is set.
+  bool overlap_grad_reduce = false, overlap_param_gather_with_optimizer_step = false;
+  int64_t ddp_bucket_size = 0, ddp_num_buckets = 0;  // 0: not given
+  int64_t data_parallel_size = 1, context_parallel_size = 1, distopt_instances = 1, mtp_layers = 0;
+  std::optional<bool> grads_in_fp32;  // accumulate_allreduce_grads_in_fp32, when saved
+  std::string other_data_parallel;    // a non-DDP wrapper named in args (FSDP), or ""
 };
 
 Result<Args> ReadArgs(const format::TorchFile& tf, const std::string& where) {
@@ -155,6 +162,23 @@ Result<Args> ReadArgs(const format::TorchFile& tf, const std::string& where) {
   a.tied = !Truthy(g, Get(g, args, "untie_embeddings_and_output_weights"));
   a.distributed_optimizer = Truthy(g, Get(g, args, "use_distributed_optimizer"));
   a.wd_on_qk_layernorm = Truthy(g, Get(g, args, "apply_wd_to_qk_layernorm"));
+  a.overlap_grad_reduce = Truthy(g, Get(g, args, "overlap_grad_reduce"));
+  a.overlap_param_gather_with_optimizer_step = Truthy(g, Get(g, args, "overlap_param_gather_with_optimizer_step"));
+  UCPFS_ASSIGN_OR_RETURN(a.ddp_bucket_size, optional_int("ddp_bucket_size", 1, kMaxDim));
+  UCPFS_ASSIGN_OR_RETURN(a.ddp_num_buckets, optional_int("ddp_num_buckets", 1, kMaxDim));
+  UCPFS_ASSIGN_OR_RETURN(a.data_parallel_size, optional_int("data_parallel_size", 1, kMaxDegree));
+  UCPFS_ASSIGN_OR_RETURN(a.context_parallel_size, optional_int("context_parallel_size", 1, kMaxDegree));
+  UCPFS_ASSIGN_OR_RETURN(a.distopt_instances, optional_int("num_distributed_optimizer_instances", 1, kMaxDegree));
+  UCPFS_ASSIGN_OR_RETURN(a.mtp_layers, optional_int("mtp_num_layers", 0, kMaxLayers));
+  a.data_parallel_size = std::max<int64_t>(a.data_parallel_size, 1);
+  a.context_parallel_size = std::max<int64_t>(a.context_parallel_size, 1);
+  a.distopt_instances = std::max<int64_t>(a.distopt_instances, 1);
+  if (const pickle::NodeId n = Get(g, args, "accumulate_allreduce_grads_in_fp32"); g.kind(n) == pickle::Kind::kBool) {
+    a.grads_in_fp32 = g.bool_value(n);
+  }
+  for (const char* fsdp : {"use_megatron_fsdp", "use_custom_fsdp", "use_torch_fsdp2"}) {
+    if (Truthy(g, Get(g, args, fsdp))) a.other_data_parallel = fsdp;
+  }
 
   auto refuse = [&](const std::string& why) { return UnsupportedError(where + ": " + why + " is not supported"); };
   UCPFS_ASSIGN_OR_RETURN(const int64_t ep, optional_int("expert_model_parallel_size", 1, kMaxDegree));
@@ -379,7 +403,7 @@ class MegatronScanner {
       UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(name, *rec, id, t, name, where));
       if (item) UCPFS_RETURN_IF_ERROR(Merge(std::move(*item), t, where));
     }
-    if (args_.distributed_optimizer) return Status::Ok();  // distrib_optim.pt: not read yet
+    if (args_.distributed_optimizer) return DistributedOptimizerState(tf, t, s, params, skip, where);
     return OptimizerState(tf, id, t, params, skip, where);
   }
 
@@ -584,6 +608,219 @@ class MegatronScanner {
     return Status::Ok();
   }
 
+  // The distributed optimizer's state (megatron_scan.h): distrib_optim.pt beside the rank's
+  // model_optim_rng.pt holds, per grad buffer and dtype, the fp32 masters and Adam moments of
+  // every parameter of the buffer as flat "world" tensors: the concatenation of the buffer's
+  // buckets, each cut at its numel_unpadded (the padding at a bucket's end stripped, the padding
+  // before each parameter kept). The parameters' places in it are Megatron-Core's grad-buffer
+  // layout, rebuilt here from the model's tensors and the args; every size is checked.
+  Status DistributedOptimizerState(const format::TorchFile& tf, int t, int s,
+                                   const std::vector<std::pair<std::string, const format::TensorRecord*>>& params,
+                                   const std::set<std::string>& skip, const std::string& where) {
+    const pickle::PickleGraph& g = tf.graph();
+    const pickle::NodeId opt = Get(g, g.root(), "optimizer");
+    if (IsNone(g, opt)) return Status::Ok();  // saved with --no-save-optim: no distrib_optim.pt either
+    if (g.kind(opt) == pickle::Kind::kList) {
+      return UnsupportedError(where + ": the optimizer is a ChainedOptimizer of " +
+                              std::to_string(g.items(opt).size()) + " optimizers");
+    }
+    auto refuse = [](const std::string& file, const std::string& why) {
+      return UnsupportedError(file + ": " + why + " is not supported with the distributed optimizer");
+    };
+    if (args_.context_parallel_size > 1) return refuse(where, "context parallelism (args.context_parallel_size)");
+    if (args_.distopt_instances > 1) return refuse(where, "several optimizer instances (num_distributed_optimizer_instances)");
+    if (args_.mtp_layers > 0) return refuse(where, "multi-token prediction (args.mtp_num_layers)");
+    if (!args_.other_data_parallel.empty()) return refuse(where, "args." + args_.other_data_parallel);
+    if (args_.overlap_grad_reduce && args_.ddp_num_buckets > 0) return refuse(where, "args.ddp_num_buckets");
+
+    // DistributedOptimizer.state_dict(): {optimizer: {param_groups (no params), ...}, grad_scaler};
+    // each group's step (Megatron keeps one step for all).
+    const pickle::NodeId groups = Get(g, Get(g, opt, "optimizer"), "param_groups");
+    if (g.kind(groups) != pickle::Kind::kList) {
+      return CorruptError(where + ": optimizer.optimizer.param_groups (DistributedOptimizer.state_dict) is not a list");
+    }
+    std::optional<double> step;
+    for (const pickle::NodeId group : g.items(groups)) {
+      const std::optional<double> v = NumberOf(g, Get(g, group, "step"));
+      if (!v) continue;
+      if (step && *step != *v) return CorruptError(where + ": the optimizer's param groups record different steps");
+      step = v;
+    }
+    if (step && distopt_step_ && *step != *distopt_step_) {
+      return CorruptError(where + ": the optimizer's step differs from another rank's");
+    }
+    if (step) distopt_step_ = step;
+
+    // The buffer's dtypes: Megatron-Core keeps one grad buffer per (param dtype, grad dtype).
+    const DType param_dtype = params.empty() ? DType::kBFloat16 : params.front().second->dtype;
+    for (const auto& [name, rec] : params) {
+      if (rec->dtype != param_dtype) {
+        return refuse(where, "a model with parameters of several dtypes ('" + params.front().first + "' " +
+                                 std::string(TorchName(param_dtype)) + ", '" + name + "' " +
+                                 std::string(TorchName(rec->dtype)) + ": Megatron-Core's get_parameter_state_dp_zero "
+                                 "pairs such parameters with other parameters' states)");
+      }
+    }
+
+    const std::string rel = RankDir(t, s, args_.pp) + "/distrib_optim.pt";
+    if (!IsRegular(Abs(rel))) {
+      return CorruptError(Abs(rel) + ": missing (or not a regular file); args.use_distributed_optimizer is set and " +
+                          where + " holds an optimizer");
+    }
+    UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(Rel(rel)));
+    UCPFS_ASSIGN_OR_RETURN(format::TorchFile of, builder_.OpenTorchFile(id));
+    const std::string file = builder_.source(id)->Name();
+    const pickle::PickleGraph& og = of.graph();
+    const pickle::NodeId root = og.root();
+    if (og.kind(root) == pickle::Kind::kList) {
+      return refuse(file, "a list of parameter states (a ChainedOptimizer of several optimizers)");
+    }
+    if (og.kind(root) != pickle::Kind::kDict) return CorruptError(file + ": not a dict of grad buffers");
+    if (!Truthy(og, Get(og, root, "buckets_coalesced"))) {
+      return refuse(file, "per-bucket state lists without 'buckets_coalesced' (Megatron-Core < 0.7)");
+    }
+    pickle::NodeId buffer = pickle::kNoNode;
+    for (const auto& [k, v] : og.dict_items(root)) {
+      if (og.kind(k) == pickle::Kind::kString && og.text(k) == "buckets_coalesced") continue;
+      const std::optional<int64_t> index = IntOf(og, k);
+      if (!index) return CorruptError(file + ": a key that is neither a grad buffer index nor 'buckets_coalesced'");
+      if (*index != 0) {
+        return refuse(file, "grad buffer " + std::to_string(*index) +
+                                " (several buffers: parameters of several dtypes, expert or virtual-pipeline chunks)");
+      }
+      buffer = v;
+    }
+    if (og.kind(buffer) != pickle::Kind::kDict || og.dict_items(buffer).size() != 1) {
+      return CorruptError(file + ": grad buffer 0 is missing or does not hold exactly one dtype entry");
+    }
+    const auto& [dtype_key, state] = og.dict_items(buffer).front();
+    UCPFS_RETURN_IF_ERROR(CheckBufferDtypes(og, dtype_key, param_dtype, file));
+
+    std::optional<int64_t> numel_unpadded = IntOf(og, Get(og, state, "numel_unpadded"));
+    if (!numel_unpadded || *numel_unpadded < 0) {
+      return CorruptError(file + ": grad buffer 0 has no numel_unpadded (a non-negative int)");
+    }
+    struct World {
+      const char* name;
+      const char* suffix;
+      format::TensorRecord rec;
+    };
+    std::vector<World> worlds = {{"param", ".fp32_param", {}}, {"exp_avg", ".exp_avg", {}},
+                                 {"exp_avg_sq", ".exp_avg_sq", {}}};
+    for (World& w : worlds) {
+      const pickle::NodeId n = Get(og, state, w.name);
+      if (og.kind(n) != pickle::Kind::kTensor) return CorruptError(file + ": grad buffer 0 has no tensor '" + w.name + "'");
+      UCPFS_ASSIGN_OR_RETURN(w.rec, format::ResolveTensor(of.source(), of.archive(), og, n, std::string("0.") + w.name));
+      if (w.rec.dtype != DType::kFloat32 || w.rec.shape.size() != 1 || !w.rec.contiguous ||
+          w.rec.shape[0] != *numel_unpadded) {
+        return CorruptError(file + ": '" + w.name + "' of grad buffer 0 is " + std::string(TorchName(w.rec.dtype)) + " " +
+                            JoinInts(w.rec.shape) + (w.rec.contiguous ? "" : " (not contiguous)") +
+                            ", not a contiguous float32 vector of numel_unpadded " + std::to_string(*numel_unpadded));
+      }
+    }
+
+    UCPFS_ASSIGN_OR_RETURN(const std::vector<uint64_t> offsets, BufferOffsets(params, s, *numel_unpadded, file));
+    const bool half = param_dtype == DType::kBFloat16 || param_dtype == DType::kFloat16;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, rec] = params[i];
+      if (skip.count(name) != 0) continue;
+      UCPFS_ASSIGN_OR_RETURN(const Placement pl, Place(name, rec->shape, t, where));
+      if (pl.skip) continue;
+      for (const World& w : worlds) {
+        if (!half && std::string_view(w.name) == "param") continue;  // an fp32 parameter is its own master
+        Item item;
+        item.key = "optimizer.state." + name + w.suffix;
+        item.dtype = DType::kFloat32;
+        item.layout.shape = pl.global_shape;
+        PlaceRange(pl, 0, rec->n_elems, id, w.rec.data_offset + offsets[i] * sizeof(float), DType::kFloat32,
+                   &item.layout.fragments);
+        UCPFS_RETURN_IF_ERROR(Merge(std::move(item), t, file));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // The dtype key of grad buffer 0: (param dtype, grad dtype) as Megatron-Core >= 0.7 writes it,
+  // each a pickled torch.<dtype>; the param dtype must be the model's, the grad dtype fp32 or
+  // the param dtype as args.accumulate_allreduce_grads_in_fp32 says.
+  Status CheckBufferDtypes(const pickle::PickleGraph& og, pickle::NodeId key, DType param_dtype,
+                           const std::string& file) const {
+    auto dtype_of = [&](pickle::NodeId n) -> std::optional<DType> {
+      if (og.kind(n) != pickle::Kind::kGlobal || og.module(n) != "torch") return std::nullopt;
+      return DTypeFromTorchName(og.name(n));
+    };
+    if (og.kind(key) != pickle::Kind::kTuple || og.items(key).size() != 2) {
+      return UnsupportedError(file + ": grad buffer 0 is keyed by something other than (param dtype, grad dtype) "
+                                     "(Megatron-Core < 0.7 keyed it by one dtype)");
+    }
+    const std::optional<DType> p = dtype_of(og.items(key)[0]), gd = dtype_of(og.items(key)[1]);
+    if (!p || !gd) return CorruptError(file + ": grad buffer 0's key is not a pair of torch dtypes");
+    if (*p != param_dtype) {
+      return CorruptError(file + ": grad buffer 0 holds " + std::string(TorchName(*p)) + " parameters, the model's are " +
+                          std::string(TorchName(param_dtype)));
+    }
+    const bool fp32_grads = *gd == DType::kFloat32;
+    if ((!fp32_grads && *gd != param_dtype) || (args_.grads_in_fp32 && *args_.grads_in_fp32 != fp32_grads)) {
+      return CorruptError(file + ": grad buffer 0's grad dtype " + std::string(TorchName(*gd)) +
+                          " is not what args.accumulate_allreduce_grads_in_fp32 gives");
+    }
+    return Status::Ok();
+  }
+
+  // Where each of the stage's parameters (model order) starts in the world tensors, by
+  // Megatron-Core's _ParamAndGradBuffer layout (0.8 and later, unchanged through 0.19):
+  // parameters in reverse model order; each starts at a multiple of 64 elements; a bucket closes
+  // once it holds >= bucket_size elements, and a tied embedding's copy on the first or last
+  // pipeline stage (shared_embedding) gets a bucket of its own; a bucket's end is padded (to
+  // lcm(dp, 128) elements), and that padding is what the world tensors strip. Bucket starts are
+  // thus multiples of 128, so padding a start to 64 relative to its bucket or to the buffer is
+  // the same, and the layout of the world tensors does not depend on dp.
+  // bucket_size: Megatron-LM's get_model: none unless overlap_grad_reduce; else ddp_bucket_size,
+  // or max(40M, 1M * dp * cp); DistributedDataParallel: none past the first pipeline stage or
+  // with overlap_param_gather_with_optimizer_step (disable_bucketing).
+  Result<std::vector<uint64_t>> BufferOffsets(const std::vector<std::pair<std::string, const format::TensorRecord*>>& params,
+                                              int s, int64_t numel_unpadded, const std::string& file) const {
+    std::optional<uint64_t> bucket_size;
+    if (args_.overlap_grad_reduce && s == 0 && !args_.overlap_param_gather_with_optimizer_step) {
+      bucket_size = args_.ddp_bucket_size > 0
+                        ? static_cast<uint64_t>(args_.ddp_bucket_size)
+                        : std::max<uint64_t>(40000000, uint64_t{1000000} * static_cast<uint64_t>(args_.data_parallel_size *
+                                                                                               args_.context_parallel_size));
+    }
+    std::string shared;  // the shared_embedding parameter of this stage
+    if (args_.pp > 1 && args_.tied) shared = s == 0 ? "embedding.word_embeddings.weight" : s == args_.pp - 1 ? "output_layer.weight" : "";
+    auto pad = [](uint64_t v, uint64_t m) { return (v + m - 1) / m * m; };
+    std::vector<uint64_t> offsets(params.size(), 0);
+    uint64_t start = 0, bucket_start = 0, world_before = 0, end = 0;  // buffer indices; world_before: earlier buckets
+    size_t in_bucket = 0;
+    auto close = [&](uint64_t bucket_end) {
+      world_before += bucket_end - bucket_start;
+      bucket_start = pad(bucket_end, 128);  // lcm(dp, 128) in Megatron; only a multiple of 128 matters here
+      in_bucket = 0;
+      return bucket_start;
+    };
+    for (size_t k = params.size(); k-- > 0;) {
+      const auto& [name, rec] = params[k];
+      const bool own_bucket = !shared.empty() && name == shared;
+      start = pad(start, 64);
+      if (own_bucket && in_bucket > 0) start = close(start);
+      offsets[k] = world_before + (start - bucket_start);
+      end = start + rec->n_elems;
+      if (end > (uint64_t{1} << 50)) return CorruptError(file + ": the model's parameters overflow a grad buffer");
+      ++in_bucket;
+      start = (bucket_size && end - bucket_start >= *bucket_size) || own_bucket ? close(end) : end;
+    }
+    if (in_bucket > 0) close(end);
+    if (world_before != static_cast<uint64_t>(numel_unpadded)) {
+      return CorruptError(file + ": numel_unpadded is " + std::to_string(numel_unpadded) + ", but the stage's " +
+                          std::to_string(params.size()) + " parameters in Megatron-Core's grad-buffer layout take " +
+                          std::to_string(world_before) + " elements (bucket size " +
+                          (bucket_size ? std::to_string(*bucket_size) : std::string("none")) +
+                          "; a model, bucket setting or Megatron-Core version this layout does not describe)");
+    }
+    return offsets;
+  }
+
   layout::ModelInfo Facts() const {
     layout::ModelInfo info;
     info.n_layers = static_cast<int>(args_.num_layers);
@@ -616,6 +853,8 @@ class MegatronScanner {
     info["make_vocab_size_divisible_by"] = args_.divisible_by;
     info["distributed_optimizer"] = args_.distributed_optimizer;
     info["checkpoint_version"] = args_.version;
+    // The distributed optimizer's step (its param groups'), which distrib_optim.pt does not hold.
+    info["optimizer_step"] = distopt_step_ ? nlohmann::json(*distopt_step_) : nlohmann::json(nullptr);
     return info.dump();
   }
 
@@ -624,6 +863,7 @@ class MegatronScanner {
   std::string iter_dir_;   // relative to the directory ("" when the directory is it)
   Args args_;
   std::vector<int64_t> stage_layers_;
+  std::optional<double> distopt_step_;  // the distributed optimizer's param groups' step
   std::vector<Item> merged_;  // items in first-seen order
   std::map<std::string, size_t> merged_index_;
   std::set<std::pair<std::string, int>> contributed_;  // (item key, tp rank) added
@@ -665,6 +905,15 @@ Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& c) {
   facts.vocab_size = std::max<int64_t>(number("vocab_size"), 0);
   facts.vocab_pad_multiple = std::max<int64_t>(number("make_vocab_size_divisible_by"), 0);
   return facts;
+}
+
+std::optional<double> MegatronOptimizerStep(const Checkpoint& c) {
+  if (c.format != "megatron") return std::nullopt;
+  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, false);
+  if (!info.is_object()) return std::nullopt;
+  const auto it = info.find("optimizer_step");
+  if (it == info.end() || !it->is_number()) return std::nullopt;
+  return it->get<double>();
 }
 
 }  // namespace ucpfs::index

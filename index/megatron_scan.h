@@ -41,6 +41,7 @@
 // truncated file) is kCorrupt naming the file.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "core/layout/patterns.h"
@@ -61,5 +62,10 @@ Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress
 // dim, hidden size, SwiGLU, layers, unpadded vocabulary, vocabulary pad multiple); all zero for
 // other formats. Errors: kCorrupt when format_info is not what the scanner writes.
 Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
+
+// The step of a "megatron" checkpoint saved with the distributed optimizer (its param groups'
+// step, which model_optim_rng.pt holds as a number and distrib_optim.pt does not hold);
+// nullopt for other checkpoints or when the groups record none.
+std::optional<double> MegatronOptimizerStep(const Checkpoint& checkpoint);
 
 }  // namespace ucpfs::index

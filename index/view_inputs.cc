@@ -256,9 +256,15 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     }
   }
 
+  // Megatron's distributed optimizer keeps its step in the param groups only (megatron_scan.h).
+  const std::optional<double> group_step = MegatronOptimizerStep(c);
   for (const auto& p : mapping.params) {
     views::TargetParam tp;
     tp.name = p.name;
+    if (group_step && p.item[static_cast<int>(StateKind::kStep)] < 0 &&
+        p.item[static_cast<int>(StateKind::kExpAvg)] >= 0) {
+      tp.step_value = group_step;
+    }
     for (int k = 0; k < kNumStateKinds; ++k) {
       if (p.item[k] < 0) continue;
       const auto& it = c.items[static_cast<size_t>(p.item[k])];

@@ -14,6 +14,12 @@ model_optim_rng.pt. Saved at tp2 pp2 (4 processes) and mounted:
     the new tp), every tensor equal to the truth sliced for the rank; optim.pt's fp32 masters and
     moments likewise.
 
+Then a save with megatron-core's DistributedOptimizer (tp2 pp2 dp2, 8 processes, overlap_grad_reduce
+with DDP buckets of 1000 elements, so the first stage has several buckets and both stages a
+separate bucket for the tied embedding's copy): DistributedOptimizer.save_parameter_state writes
+distrib_optim.pt; the atomic files equal the live optimizer's shards gathered over dp, and
+target/tp1_pp1_dp1's optim.pt holds the same masters and moments and the param groups' step.
+
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/megatron_legacy_test.py
 """
 import json
@@ -68,7 +74,7 @@ def check_atomic(m, truth):
             assert line.split(" ", 1)[1] == f"{list(want.shape)} {float(want.double().sum())}", (line, name)
 
 
-def load_into_megatron(rank, tp, target_dir, truth_path, port, out_dir):
+def load_into_megatron(rank, tp, target_dir, truth_path, port, out_dir, step=None):
     """Builds a tp-way Megatron-Core GPTModel, loads rank's model.pt into it, compares."""
     gen.install_cpu_shims()
     torch.set_num_threads(1)
@@ -95,16 +101,19 @@ def load_into_megatron(rank, tp, target_dir, truth_path, port, out_dir):
             assert torch.equal(optim["state"][i][kind], want), (rank, name, kind)
     for name, master in optim.get("fp32", {}).items():
         assert torch.equal(master, gen.local_slice(name, truth[name]["fp32"], tp, rank)), (rank, name)
+    if step is not None:  # the distributed optimizer's step, from its param groups
+        for i in range(len(names)):
+            assert float(optim["state"][i]["step"]) == step, (rank, i, optim["state"][i].get("step"))
     with open(os.path.join(out_dir, f"ok_{rank}"), "w") as f:
         f.write(str(len(sd)))
     dist.destroy_process_group()
 
 
-def check_target(m, work, truth_path, tp):
+def check_target(m, work, truth_path, tp, step=None):
     target_dir = os.path.join(m, "target", f"tp{tp}_pp1_dp1")
     out = os.path.join(work, f"target-tp{tp}")
     os.makedirs(out, exist_ok=True)
-    mp.spawn(load_into_megatron, args=(tp, target_dir, truth_path, gen.free_port(), out), nprocs=tp, join=True)
+    mp.spawn(load_into_megatron, args=(tp, target_dir, truth_path, gen.free_port(), out, step), nprocs=tp, join=True)
     for r in range(tp):
         assert int(open(os.path.join(out, f"ok_{r}")).read()) > 0
 
@@ -126,10 +135,27 @@ def check_save(work, res):
                       lambda tp=tp: check_target(m, work, truth_path, tp))
 
 
+def check_distopt_save(work, res):
+    src = os.path.join(work, "distopt")
+    run([sys.executable, gen.__file__, "save", src, "--tp", "2", "--pp", "2", "--dp", "2", "--distopt",
+         "--bucket-size", "1000"], timeout=600)
+    truth_path = src + "_truth.pt"
+    truth = torch.load(truth_path)
+    r = run([ucpfs_bin(), "index", src], timeout=120)
+    assert "megatron-lm-legacy tp2 pp2 distributed-optimizer iter_0000002" in r.stdout + r.stderr, r.stdout + r.stderr
+    with mounted(src, os.path.join(work, "mnt-distopt"), "--layout", "tp1_pp1_dp1") as (m, _):
+        res.check("distributed optimizer: atomic fp32 / exp_avg / exp_avg_sq equal the live optimizer's",
+                  lambda: check_atomic(m, truth))
+        res.check("distributed optimizer: target tp1_pp1_dp1 weights, masters, moments and step",
+                  lambda: check_target(m, os.path.join(work, "distopt-target"), truth_path, 1, float(truth["step"])))
+
+
 def main():
     res = Results("megatron_legacy")
     with tmpdir("ucpfs-megatron-legacy-") as work:
         res.check("tp2 pp2 save mounted", lambda: check_save(work, res))
+        res.check("tp2 pp2 dp2 save with the distributed optimizer (buckets of 1000) mounted",
+                  lambda: check_distopt_save(work, res))
     res.finish()
 
 

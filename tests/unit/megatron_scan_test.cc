@@ -64,6 +64,29 @@ def local(t, split, r):
         a, b = t.chunk(2, 0)
         return torch.cat([a.chunk(TP, 0)[r], b.chunk(TP, 0)[r]]).clone()
     return t.chunk(TP, split)[r].clone()
+def buffer_layout(params, s, bucket_size):
+    # Megatron-Core's grad buffer (param_and_grad_buffer.py, read, not copied): reverse order,
+    # starts padded to 64, a bucket closed at >= bucket_size elements, the tied embedding's copy
+    # in a bucket of its own, bucket ends padded to 128 and stripped from the world tensors.
+    shared = "embedding.word_embeddings.weight" if s == 0 else "output_layer.weight"
+    st = {"start": 0, "bucket": 0, "before": 0, "n": 0}
+    def close(end):
+        st["before"] += end - st["bucket"]
+        st["bucket"] = (end + 127) // 128 * 128
+        st["n"] = 0
+        return st["bucket"]
+    offsets, end = {}, 0
+    for n, numel in reversed(params):
+        start = (st["start"] + 63) // 64 * 64
+        if n == shared and st["n"]:
+            start = close(start)
+        offsets[n] = st["before"] + start - st["bucket"]
+        end = start + numel
+        st["n"] += 1
+        st["start"] = close(end) if (bucket_size and end - st["bucket"] >= bucket_size) or n == shared else end
+    if st["n"]:
+        close(end)
+    return offsets, st["before"]
 it = os.path.join(out, "iter_0000003")
 for s in range(PP):
     for r in range(TP):
@@ -87,11 +110,31 @@ for s in range(PP):
         opt = {"state": state, "param_groups": [
             {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[0]},
             {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[1]}]}
+        d = os.path.join(it, "mp_rank_%02d_%03d" % (r, s))
+        os.makedirs(d, exist_ok=True)
+        if variant.startswith("do"):  # the distributed optimizer: distrib_optim.pt
+            a.use_distributed_optimizer = True
+            if variant == "do_buckets": a.overlap_grad_reduce, a.ddp_bucket_size = True, 40
+            for g in opt["param_groups"]:
+                del g["params"]
+                g["step"] = 3.0
+            opt = {"optimizer": {"param_groups": opt["param_groups"]}}
+            offsets, numel = buffer_layout([(n, model[n].numel()) for n, _, _ in STAGES[s]], s,
+                                           40 if variant == "do_buckets" and s == 0 else None)
+            if variant == "do_numel": numel += 64  # consistent sizes, but not Megatron's layout
+            world = torch.zeros(numel)
+            for n, _, _ in STAGES[s]:
+                world[offsets[n]:offsets[n] + model[n].numel()] = model[n].flatten()
+            key = (torch.bfloat16 if variant == "do_dtype" else torch.float32, torch.float32)
+            buf = {"param": world, "exp_avg": world * 2, "exp_avg_sq": world * 3, "numel_unpadded": numel}
+            if variant == "do_trunc": buf["exp_avg"] = buf["exp_avg"][:-1].clone()
+            do = {"buckets_coalesced": True, 0: {key: buf}}
+            if variant == "do_nogbuf": do = {"buckets_coalesced": True}
+            if variant == "do_lists": do = {0: {key: [buf]}}
+            torch.save(do, os.path.join(d, "distrib_optim.pt"))
         sd = {"args": a, "checkpoint_version": 2.0 if variant == "version2" else 3.0, "iteration": 3,
               "model": model, "optimizer": opt, "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}
         if variant == "noargs": del sd["args"]
-        d = os.path.join(it, "mp_rank_%02d_%03d" % (r, s))
-        os.makedirs(d, exist_ok=True)
         torch.save(sd, os.path.join(d, "model_optim_rng.pt"))
 open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w").write("3\n")
 )PY";
@@ -270,6 +313,75 @@ TEST_F(MegatronScanTest, TrackerFile) {
   auto c = ScanMegatronLegacy((Save("good") / "iter_0000003").string());
   ASSERT_TRUE(c.ok()) << c.error().message();
   EXPECT_FALSE(c->items.empty());
+}
+
+// The distributed optimizer's distrib_optim.pt: fp32 parameters (their own masters), Adam
+// moments at Megatron-Core's grad-buffer offsets, placed in the global tensors like the weights;
+// with one bucket per stage and with small buckets (overlap_grad_reduce, ddp_bucket_size).
+TEST_F(MegatronScanTest, DistributedOptimizer) {
+  for (const std::string variant : {"do", "do_buckets"}) {
+    const fs::path dir = Save(variant);
+    auto c = ScanMegatronLegacy(dir.string());
+    ASSERT_TRUE(c.ok()) << variant << ": " << c.error().message();
+    EXPECT_EQ(c->flavor, "megatron-lm-legacy tp2 pp2 distributed-optimizer iter_0000003");
+    EXPECT_EQ(MegatronOptimizerStep(*c), 3.0);
+    std::map<std::string, const Item*> items;
+    for (const Item& it : c->items) items[it.key] = &it;
+    const std::vector<std::string> names = {"embedding.word_embeddings.weight",
+                                            "decoder.layers.0.input_layernorm.weight",
+                                            "decoder.layers.0.self_attention.linear_qkv.weight",
+                                            "decoder.layers.0.self_attention.linear_proj.weight",
+                                            "decoder.layers.0.mlp.linear_fc1.weight",
+                                            "decoder.layers.0.mlp.linear_fc2.weight",
+                                            "decoder.layers.1.input_layernorm.weight",
+                                            "decoder.layers.1.self_attention.linear_qkv.weight",
+                                            "decoder.layers.1.self_attention.linear_proj.weight",
+                                            "decoder.layers.1.mlp.linear_fc1.weight",
+                                            "decoder.layers.1.mlp.linear_fc2.weight",
+                                            "decoder.final_layernorm.weight"};
+    EXPECT_EQ(items.count("optimizer.state.output_layer.weight.exp_avg"), 0u);
+    for (size_t n = 0; n < names.size(); ++n) {
+      for (const auto& [suffix, factor] : std::vector<std::pair<std::string, float>>{{".exp_avg", 2.0f}, {".exp_avg_sq", 3.0f}}) {
+        const std::string key = "optimizer.state." + names[n] + suffix;
+        ASSERT_EQ(items.count(key), 1u) << variant << " " << key;
+        EXPECT_EQ(items[key]->layout.shape, items[names[n]]->layout.shape) << key;
+        const std::vector<float> got = Gather(*c, *items[key], dir.string());
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_EQ(got[i], factor * static_cast<float>(1000 * n + i)) << variant << " " << key << " element " << i;
+        }
+      }
+      EXPECT_EQ(items.count("optimizer.state." + names[n] + ".fp32_param"), 0u) << "fp32 parameters are their own master";
+    }
+  }
+}
+
+TEST_F(MegatronScanTest, BrokenDistributedOptimizerFiles) {
+  ExpectError(ScanMegatronLegacy(Save("do_numel").string()), StatusCode::kCorrupt,
+              {"mp_rank_00_000/distrib_optim.pt", "numel_unpadded is 400", "take 336 elements"});
+  ExpectError(ScanMegatronLegacy(Save("do_trunc").string()), StatusCode::kCorrupt,
+              {"mp_rank_00_000/distrib_optim.pt", "'exp_avg' of grad buffer 0", "not a contiguous float32 vector"});
+  ExpectError(ScanMegatronLegacy(Save("do_nogbuf").string()), StatusCode::kCorrupt,
+              {"mp_rank_00_000/distrib_optim.pt", "grad buffer 0 is missing"});
+  ExpectError(ScanMegatronLegacy(Save("do_dtype").string()), StatusCode::kCorrupt,
+              {"mp_rank_00_000/distrib_optim.pt", "bfloat16 parameters, the model's are float32"});
+  ExpectError(ScanMegatronLegacy(Save("do_lists").string()), StatusCode::kUnsupported,
+              {"mp_rank_00_000/distrib_optim.pt", "buckets_coalesced"});
+
+  const fs::path d = *root_ / "do-missing";
+  fs::remove_all(d);
+  fs::copy(Save("do"), d, fs::copy_options::recursive);
+  fs::remove(d / "iter_0000003" / "mp_rank_01_001" / "distrib_optim.pt");
+  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_01_001/distrib_optim.pt", "missing"});
+
+  // A file cut short: the archive no longer holds what its directory says.
+  const fs::path t = *root_ / "do-short";
+  fs::remove_all(t);
+  fs::copy(Save("do"), t, fs::copy_options::recursive);
+  const fs::path f = t / "iter_0000003" / "mp_rank_01_000" / "distrib_optim.pt";
+  fs::resize_file(f, fs::file_size(f) - 100);
+  auto r = ScanMegatronLegacy(t.string());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("mp_rank_01_000/distrib_optim.pt"), std::string::npos) << r.error().message();
 }
 
 }  // namespace
