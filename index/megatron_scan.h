@@ -24,21 +24,38 @@
 // `.exp_avg`, `.exp_avg_sq`, `.step`. Megatron's param groups keep only positions: a position is
 // matched to its parameter as Megatron built the groups (model order, weight decay off for
 // biases and 1-D tensors: wd_mult 0), each shape checked.
+// The distributed optimizer's state (args.use_distributed_optimizer): `distrib_optim.pt` beside
+// each rank's model_optim_rng.pt (DistributedOptimizer.save_parameter_state, dp rank 0), whose
+// grad buffer 0 holds fp32 "world" vectors `param`, `exp_avg`, `exp_avg_sq` and `numel_unpadded`:
+// the same item keys, each parameter's range found by Megatron-Core's grad-buffer layout
+// (BufferOffsets in the .cc: reverse model order, 64-element starts, buckets from
+// overlap_grad_reduce / ddp_bucket_size / the 40M default, none past the first stage, a tied
+// embedding's copy in its own bucket; bucket-end padding stripped), the total checked against
+// numel_unpadded and every vector's length. The step is the param groups' (a number in
+// model_optim_rng.pt): format_info "optimizer_step", served by MegatronOptimizerStep.
 //
 // Checkpoint::format_info (JSON): {"iteration": the tracker's text or null, "dir": the iteration
 // directory, "tp", "pp", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
 // "kv_channels", "swiglu", "tied_embeddings", "padded_vocab_size", "vocab_size" (null when args
-// has none), "make_vocab_size_divisible_by", "distributed_optimizer", "checkpoint_version"}.
+// has none), "make_vocab_size_divisible_by", "distributed_optimizer", "checkpoint_version",
+// "optimizer_step" (the distributed optimizer's step, else null)}.
 //
 // Supported: Megatron-LM checkpoint_version 3.0 files as Megatron-LM with Megatron-Core
 // >= 0.5 writes them (param groups with wd_mult). Refused with kUnsupported naming the file:
 // virtual pipelines (`model0`, ...), expert parallelism and MoE (num_experts), pipeline splits
 // that account for embedding or loss, checkpoint versions < 3.0, a ChainedOptimizer of several
 // optimizers, param groups that differ by more than weight decay (lr_mult / decoupled_lr
-// overrides), and (for now) the distributed optimizer's distrib_optim.pt (its model weights are
-// served, its optimizer state is not). Every inconsistency (a missing rank directory or file, a
-// tracker naming no directory, args that disagree, shapes that do not make one tensor, a
-// truncated file) is kCorrupt naming the file.
+// overrides) for the non-distributed optimizer. distrib_optim.pt: the coalesced format
+// (`buckets_coalesced`, Megatron-Core >= 0.7) laid out as Megatron-Core 0.13 to 0.19 lay out their
+// grad buffers (read from their param_and_grad_buffer.py; tested with 0.16.1). Refused with
+// kUnsupported: per-bucket lists (no buckets_coalesced), a list of states (a ChainedOptimizer),
+// several grad buffers (parameters of several dtypes, whose states megatron-core 0.16.1 itself
+// saves mismatched), context parallelism, several optimizer instances, multi-token prediction,
+// FSDP, args.ddp_num_buckets. Every inconsistency (a missing rank directory or file, a tracker
+// naming no directory, args that disagree, shapes that do not make one tensor, a truncated file,
+// a distrib_optim.pt missing or whose sizes or dtypes are not the model's layout: Megatron-Core
+// 0.7-0.12 files differ around padding and the tied embedding's bucket, and the size check is
+// what refuses them) is kCorrupt naming the file.
 #pragma once
 
 #include <optional>
