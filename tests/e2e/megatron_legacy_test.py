@@ -29,7 +29,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from e2e_common import Results, run, served_loads, tmpdir, ucpfs_bin
 from mount_common import mounted
@@ -74,12 +73,11 @@ def check_atomic(m, truth):
             assert line.split(" ", 1)[1] == f"{list(want.shape)} {float(want.double().sum())}", (line, name)
 
 
-def load_into_megatron(rank, tp, target_dir, truth_path, port, out_dir, step=None):
+def load_into_megatron(rank, tp, target_dir, truth_path, out_dir, step, init):
     """Builds a tp-way Megatron-Core GPTModel, loads rank's model.pt into it, compares."""
     gen.install_cpu_shims()
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model, _ = gen.build_model(tp, 1)
@@ -113,7 +111,7 @@ def check_target(m, work, truth_path, tp, step=None):
     target_dir = os.path.join(m, "target", f"tp{tp}_pp1_dp1")
     out = os.path.join(work, f"target-tp{tp}")
     os.makedirs(out, exist_ok=True)
-    mp.spawn(load_into_megatron, args=(tp, target_dir, truth_path, gen.free_port(), out, step), nprocs=tp, join=True)
+    gen.spawn(load_into_megatron, (tp, target_dir, truth_path, out, step), tp)
     for r in range(tp):
         assert int(open(os.path.join(out, f"ok_{r}")).read()) > 0
 
