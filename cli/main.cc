@@ -26,8 +26,8 @@ int main(int argc, char** argv) {
   // A checkpoint may have more files than the default soft limit; source files are reached
   // through a bounded descriptor cache sized from the limit in force (FdCache).
   ucpfs::RaiseOpenFileLimit();
-  CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP, DeepSpeed, safetensors or torch.save\n"
-               "weights) as resharded views:\n"
+  CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP, Megatron-Core torch_dist, DeepSpeed,\n"
+               "Megatron-LM, Hugging Face safetensors or a torch.save state dict) as resharded views:\n"
                "  MNT/atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt   consolidated per-parameter state\n"
                "  MNT/target/<layout>/rank_N/{model,optim}.pt       each rank's shard for a new layout\n"
                "  MNT/target/<layout>/rank_N/model.safetensors      the same weights as safetensors\n"
