@@ -2,7 +2,8 @@
 // rank-local `__<r>.metadata`), then for every tensor chunk opens its storage slice as a
 // torch.save zip, checks the stored shape against the chunk and records where its first element
 // lies. Megatron flattened-range chunks (mcore_data nd_reformulated_orig_global_shape) become
-// flat-range fragments of the original shape. Coverage is checked per tensor; replicas (the
+// flat-range fragments of the original shape; Megatron's layer-stacked tensors become one item
+// per layer (mcore_unstack.h), so item keys are then `decoder.layers.<i>.…`, not the DCP fqn. Coverage is checked per tensor; replicas (the
 // same box stored twice, e.g. by every rank of a rank-local save) must hold equal bytes, and
 // only the first is kept.
 //
@@ -30,6 +31,7 @@
 #include "core/io/lazy_file_source.h"
 #include "index/checkpoint_builder.h"
 #include "index/dcp_metadata.h"
+#include "index/mcore_unstack.h"
 
 namespace ucpfs::index {
 bool SafeRelativePath(const std::string& p) {
@@ -130,9 +132,15 @@ class DcpScan {
       item.byte_offset = 0;
       item.n_bytes = builder_.checkpoint().files[id].n_bytes;
       builder_.AddItem(std::move(item));
+      ReadMegatronArgs(id);
       if (progress) progress(++done, total);
     }
-    return builder_.Take();
+    Checkpoint out = builder_.Take();
+    if (megatron_) {
+      // Megatron-Core stacks a block's layers (and experts) under one key: one item per layer.
+      UCPFS_ASSIGN_OR_RETURN(out.items, UnstackMegatronItems(std::move(out.items)));
+    }
+    return out;
   }
 
  private:
@@ -143,6 +151,30 @@ class DcpScan {
     std::vector<size_t> chunk_meta;
     size_t meta = 0;  // the file that listed the entry first
   };
+
+  // Megatron-LM records its arguments in the common state (`args`, an argparse.Namespace). The
+  // vocabulary padding of another tensor-parallel size needs the real vocabulary (vocab_size,
+  // None when a tokenizer gave it) and make_vocab_size_divisible_by; splitting the fused QKV
+  // needs the query groups (or heads and kv_channels). Kept in format_info; a common.pt that does not parse, or has no args, leaves it empty (the preset's
+  // defaults apply).
+  void ReadMegatronArgs(uint32_t common_id) {
+    auto tf = builder_.OpenTorchFile(common_id);
+    if (!tf.ok()) return;
+    const pickle::PickleGraph& g = tf->graph();
+    const pickle::NodeId args = g.DictGet(g.root(), "args");
+    const pickle::NodeId fields = g.kind(args) == pickle::Kind::kObject ? g.state(args) : pickle::kNoNode;
+    if (g.kind(fields) != pickle::Kind::kDict) return;
+    nlohmann::json known = nlohmann::json::object();
+    for (const char* name : {"vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size",
+                             "num_attention_heads", "num_query_groups", "kv_channels"}) {
+      const pickle::NodeId v = g.DictGet(fields, name);
+      if (g.kind(v) == pickle::Kind::kInt && g.int_value(v) > 0) known[name] = g.int_value(v);
+    }
+    // Megatron-LM keeps num_query_groups from the command line even without GQA.
+    const pickle::NodeId gqa = g.DictGet(fields, "group_query_attention");
+    if (g.kind(gqa) != pickle::Kind::kBool || !g.bool_value(gqa)) known.erase("num_query_groups");
+    if (!known.empty()) builder_.checkpoint().format_info = nlohmann::json{{"megatron_args", known}}.dump();
+  }
 
   // ---- directory and metadata ------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 // `_shard.checkpoint`, torch 2.x `distributed.checkpoint` incl. rank-local `__<r>.metadata`,
 // Megatron-Core `torch_dist` with metadata.json/common.pt and flattened-range optimizer chunks)
 // into an index::Checkpoint, locating every chunk's raw tensor bytes inside its torch.save
-// blob. Metadata classes are matched by class name, never by module path.
+// blob. Megatron-Core's layer-stacked tensors are split into one item per layer (and expert),
+// named as Megatron's state_dict names them (mcore_unstack.h). Metadata classes are matched by class name, never by module path.
 //
 // Untrusted input: metadata and blobs go through the safe pickle/zip readers; compressed or
 // transformed items (transform_descriptors, safetensors-format DCP) are refused with

@@ -346,17 +346,20 @@ std::vector<KeyRule> BuiltinRules(std::string_view format) {
       Rule(R"(^state\.(.+)\.(exp_avg|exp_avg_sq|step)$)", "$1", StateKind::kWeight, "$2"),
       // fp32 masters kept beside the moments (mixed-precision trainers on top of torchtitan).
       Rule(R"(^(?:optimizer\.)?state\.(.+)\.(?:fp32_param|master_param)$)", "$1", StateKind::kFp32),
-      // Megatron distributed optimizer: optimizer.state.{param,fp32_param}.<key> (fp32 master)
-      Rule(R"(^optimizer\.state\.(param|fp32_param)\.(.+)$)", "$2", StateKind::kFp32),
+      // Megatron distributed optimizer: optimizer.state.{param,fp32_param}.<key> (fp32 master);
+      // the key of a model wrapped in Megatron's DDP starts with `module.` (dropped, as below);
+      // a ChainedOptimizer (MoE: dense and expert parameters) prefixes `chained_<i>.`.
+      Rule(R"(^(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param)\.(?:module\.)?(.+)$)", "$2", StateKind::kFp32),
       // Megatron: optimizer.state.{exp_avg,exp_avg_sq}.<key>
-      Rule(R"(^optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$)", "$2", StateKind::kWeight, "$1"),
+      Rule(R"(^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq)\.(?:module\.)?(.+)$)", "$2",
+           StateKind::kWeight, "$1"),
       // Known non-parameter state (served in extra_state.pt, or as optim.pt's param_groups).
       IgnoreRule(R"(^optim(?:izer)?\.param_groups(\..*)?$)"),
       IgnoreRule(R"(^param_groups(\..*)?$)"),
       IgnoreRule(R"(^lr_scheduler(\..*)?$)"),
       IgnoreRule(R"(^dataloader(\..*)?$)"),
       IgnoreRule(R"(^train_state(\..*)?$)"),
-      IgnoreRule(R"(^optimizer\.distributed\..*$)"),
+      IgnoreRule(R"(^(?:chained_\d+\.)?optimizer\.distributed\..*$)"),
       IgnoreRule(R"(^common_state.*$)"),
       IgnoreRule(R"(^rng_state.*$)"),
       IgnoreRule(R"(^(.*\.)?_extra_state.*$)"),  // Transformer Engine's FP8 metadata
@@ -364,8 +367,9 @@ std::vector<KeyRule> BuiltinRules(std::string_view format) {
       Rule(R"(^model\.(.+)$)", "$1", StateKind::kWeight),
       // Any other weight/bias: torchtitan fqns, Megatron keys (incl. Transformer Engine's fused
       // linear_qkv.layer_norm_weight / layer_norm_bias).
-      Rule(R"(^(.+\.(weight|bias|layer_norm_weight|layer_norm_bias))$)", "$1", StateKind::kWeight),
-      Rule(R"(^(.+embeddings)$)", "$1", StateKind::kWeight),
+      // A leading `module.` is what a DDP wrapper (Megatron's) adds to the model's own names.
+      Rule(R"(^(?:module\.)?(.+\.(weight|bias|layer_norm_weight|layer_norm_bias))$)", "$1", StateKind::kWeight),
+      Rule(R"(^(?:module\.)?(.+embeddings)$)", "$1", StateKind::kWeight),
   };
   for (KeyRule& r : rules) {
     Status s = CompileRule(&r);

@@ -2,7 +2,8 @@
 // which parameter. Built-in rules cover torchtitan (`<fqn>`, `model.<fqn>`,
 // `optimizer.state.<fqn>.exp_avg|exp_avg_sq|step`), torch.distributed.checkpoint.state_dict
 // helpers (`state.<fqn>.<k>`, `param_groups.<fqn>.<field>`) and Megatron (`<key>`,
-// `optimizer.state.{param,fp32_param,exp_avg,exp_avg_sq}.<key>`). A rules file (--rules, JSON
+// `optimizer.state.{param,fp32_param,exp_avg,exp_avg_sq}.<key>`; a leading `module.` of <key>,
+// from Megatron's DDP wrapper, is dropped so that names are the model's state_dict names). A rules file (--rules, JSON
 // or TOML) adds rules that are tried before the built-ins. Keys that match nothing are
 // reported, never silently dropped; non-parameter items (optimizer param_groups, LR scheduler,
 // dataloader, RNG, train state, user extras) are kept as other_items for the views to serve.

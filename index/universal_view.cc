@@ -222,10 +222,41 @@ Result<nlohmann::json> DeepSpeedInfo(const Checkpoint& c) {
   return info;
 }
 
+// Megatron-Core torch_dist: the vocabulary facts the scanner read from common.pt's args
+// (dcp_scan.cc: format_info {"megatron_args": {"vocab_size", "make_vocab_size_divisible_by",
+// "num_attention_heads", "num_query_groups", "kv_channels"}}).
+Result<SourcePatterns> MegatronSourcePatterns(const Checkpoint& c) {
+  SourcePatterns out;
+  if (c.format_info.empty()) return out;
+  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, false);
+  if (!info.is_object() || !info.contains("megatron_args") || !info["megatron_args"].is_object()) {
+    return CorruptError("index: the Megatron format_info is not an object with megatron_args");
+  }
+  const nlohmann::json& args = info["megatron_args"];
+  auto positive = [&](const char* name, int64_t* into) -> Status {
+    if (!args.contains(name)) return Status::Ok();
+    if (!args[name].is_number_integer() || args[name].get<int64_t>() <= 0 ||
+        args[name].get<int64_t>() > (int64_t{1} << 40)) {
+      return CorruptError(std::string("index: megatron_args.") + name + " is not a positive integer");
+    }
+    *into = args[name].get<int64_t>();
+    return Status::Ok();
+  };
+  int64_t vocab = 0;
+  UCPFS_RETURN_IF_ERROR(positive("vocab_size", &vocab));
+  if (vocab > 0) out.vocab_size = vocab;
+  UCPFS_RETURN_IF_ERROR(positive("make_vocab_size_divisible_by", &out.model_facts.vocab_pad_multiple));
+  UCPFS_RETURN_IF_ERROR(positive("num_attention_heads", &out.model_facts.num_attention_heads));
+  UCPFS_RETURN_IF_ERROR(positive("num_query_groups", &out.model_facts.num_query_groups));
+  UCPFS_RETURN_IF_ERROR(positive("kv_channels", &out.model_facts.head_dim));
+  return out;
+}
+
 }  // namespace
 
 Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
   SourcePatterns out;
+  if (c.flavor == "megatron-torch_dist") return MegatronSourcePatterns(c);
   if (c.format != "deepspeed") return out;
   UCPFS_ASSIGN_OR_RETURN(nlohmann::json info, DeepSpeedInfo(c));
   UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc,

@@ -310,6 +310,7 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
   UCPFS_ASSIGN_OR_RETURN(SourcePatterns own, SourcePatternsOf(checkpoint));
   for (auto& r : own.rules) o.rules.push_back(std::move(r));
   o.vocab_size = own.vocab_size;
+  o.model_facts = own.model_facts;
   if (checkpoint.format == "megatron") {
     UCPFS_ASSIGN_OR_RETURN(o.model_facts, MegatronModelFacts(checkpoint));
     if (o.model_facts.vocab_size > 0) o.vocab_size = o.model_facts.vocab_size;

@@ -676,6 +676,14 @@ Result<LocalView> TargetSlice(Preset preset, const std::string& name, const Para
                           Suffix(name, m[0]);
       }
     }
+    // Tied embeddings: a last stage that is not the first holds the word embeddings as its
+    // output layer (GPTModel's output_layer.weight, loaded from the embedding's key).
+    constexpr std::string_view kWordEmbeddings = "embedding.word_embeddings.weight";
+    if (pattern.pp == PpPlacement::kTiedFirstLast && coords.pp == last_stage && coords.pp != 0 &&
+        name.ends_with(kWordEmbeddings) &&
+        (name.size() == kWordEmbeddings.size() || name[name.size() - kWordEmbeddings.size() - 1] == '.')) {
+      view.local_name = name.substr(0, name.size() - kWordEmbeddings.size()) + "output_layer.weight";
+    }
     if (pattern.expert >= 0) {
       re2::StringPiece m[3];
       const std::string current = view.local_name;

@@ -23,7 +23,8 @@
 //
 // Not for: I/O, optimizer-state key naming (callers strip `optimizer.state.` etc. and pass the
 // model fqn), layer-stacked names without a layer index (Megatron torch_dist
-// `decoder.layers.self_attention...` with a prepended layer axis): not handled here.
+// `decoder.layers.self_attention...` with a prepended layer axis: index/mcore_unstack.h splits
+// them per layer before they get here).
 // Invariants: pure and deterministic; for every T and every non-replicated pattern, the pieces
 // of the T tensor-parallel ranks cover every global element exactly once.
 #pragma once
@@ -220,7 +221,8 @@ struct LocalView {
 // The local view of parameter `name` on the rank at `coords` of `layout`, with pipeline stage
 // boundaries `stage_bounds` (PipelineSplit). Local names: Megatron renumbers
 // `decoder.layers.<global>` to the stage-local index and `local_experts.<j>` to the EP-local
-// index; torchtitan and Hugging Face keep global names.
+// index, and names tied word embeddings `output_layer.weight` on a last stage that is not the
+// first; torchtitan and Hugging Face keep global names.
 // Errors: kInvalidArgument naming the parameter: a split that does not divide under
 // kRequireDivisible (e.g. "rows 1000 not divisible by tp 3"), qkv groups not divisible by T,
 // experts not divisible by EP, a layer outside the split, a pattern that does not fit the shape.

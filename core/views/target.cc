@@ -291,6 +291,12 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
     h.view = std::move(view);
     held.push_back(std::move(h));
   }
+  // Megatron's last stage holds tied word embeddings as its output layer, the last parameter of
+  // its model (layout::TargetSlice names it output_layer.weight): list it last, as parameters()
+  // does, so optim.pt's positions match an optimizer built from that model.
+  std::stable_partition(held.begin(), held.end(), [&](const Held& h) {
+    return !(patterns_[h.param].pp == layout::PpPlacement::kTiedFirstLast && h.view.local_name != in.params[h.param].name);
+  });
 
   nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
   auto add_info = [&](const Held& h, TargetState s, const std::string& file, const std::string& key,

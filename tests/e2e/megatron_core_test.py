@@ -1,0 +1,160 @@
+"""End-to-end: Megatron-Core `torch_dist` checkpoints from the real producer (issue 11, item 2).
+
+fixtures/gen_megatron_core.py trains a small GPT (GQA, SwiGLU, padded vocabulary) with the
+installed megatron-core 0.16.1 on CPU over gloo and saves it with dist_checkpointing.save, as
+Megatron-LM does: tp2 pp2 (non-distributed Adam), tp2 dp2 with the DistributedOptimizer saved
+'fully_reshardable' and 'dp_reshardable', tp1 pp2 dp2 with tied embeddings, and an MoE model with
+expert parallelism 2 (SequentialMLP experts). The oracle is megatron-core's own reader, run by the
+generator: dist_checkpointing.load_plain_tensors (consolidated tensors) and
+dist_checkpointing.load into GPTModels of other layouts (each rank's model.state_dict()).
+For each checkpoint, mounted (real FUSE):
+ 1. the parameters are Megatron's state_dict names: one per layer (`decoder.layers.<i>.…`) and
+    expert (`…local_experts.<j>.…`), without DDP's `module.` prefix;
+ 2. every atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt equals the consolidated tensor of that
+    layer (and expert) bit for bit; dp_reshardable's opaque optimizer buckets are not mapped to
+    parameters (no exp_avg.pt) and are listed in status.json, not served as moments;
+ 3. target/tp<T>_pp<P>_dp1/rank_<r>/model.pt, for every (T, P) in {1,2}x{1,2} other than the
+    saved one, holds exactly the tensors Megatron's loader gives rank (tp, pp) = (r % T, r // T)
+    of a GPTModel of that layout: the same names (the local spec's input_layernorm /
+    pre_mlp_layernorm written as the checkpoint names them, `linear_qkv.layer_norm_*` and
+    `linear_fc1.layer_norm_*`, through the spec's own sharded_state_dict_keys_map), shapes and
+    bytes; vocabulary tensors: the real 37 rows equal, the rows past them (padding) zeros in the
+    view (Megatron's loader copies the source's padding rows instead).
+
+Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/megatron_core_test.py [DIR]
+(DIR: reuse what `gen_megatron_core.py DIR` wrote instead of generating).
+"""
+import json
+import os
+import re
+import sys
+
+import torch
+
+from e2e_common import Results, bits_equal, run, tmpdir
+from mount_common import mounted, status
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GEN = os.path.join(HERE, "fixtures", "gen_megatron_core.py")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def unstack(key, t):
+    """Megatron's stacked key + tensor -> {per-layer (and per-expert) state_dict name: tensor}."""
+    parts = key.split(".")
+    marks = [i for i, p in enumerate(parts) if i + 1 < len(parts) and not parts[i + 1].isdigit() and
+             (p in ("layers", "local_experts") or (p == "experts" and i > 0 and parts[i - 1] == "experts"))]
+    if not marks:
+        return {key: t}
+    out = {}
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in t.shape[:len(marks)]]).reshape(-1, len(marks)).tolist():
+        named = list(parts)
+        for m, i in zip(reversed(marks), reversed(idx)):
+            if named[m] == "experts":
+                named[m] = "local_experts"
+            named.insert(m + 1, str(i))
+        out[".".join(named)] = t[tuple(idx)]
+    return out
+
+
+def expected_atomic(plain):
+    """param -> {file: tensor} from load_plain_tensors' output (optimizer keys by Megatron's naming)."""
+    out = {}
+    for key, t in plain.items():
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or ".distributed." in key:
+            continue  # dp_reshardable's per-bucket buffers belong to no one parameter
+        m = re.fullmatch(r"(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.module\.(.+)", key)
+        if m:
+            state, name = ("fp32" if m[1] in ("param", "fp32_param") else m[1]), m[2]
+        elif key.startswith("module."):
+            state, name = "weight", key[len("module."):]
+        else:
+            raise AssertionError(f"unexpected key {key}")
+        for param, v in unstack(name, t).items():
+            out.setdefault(param, {})[state] = v
+    files = {}
+    for param, states in out.items():
+        f = {"fp32.pt": states.get("fp32", states.get("weight"))}
+        f.update({s + ".pt": states[s] for s in ("exp_avg", "exp_avg_sq") if s in states})
+        files[param] = f
+    return files
+
+
+def check_atomic(mnt, plain, sharding):
+    want = expected_atomic(plain)
+    got = sorted(os.listdir(os.path.join(mnt, "atomic")))
+    assert got == sorted(want), f"atomic params {got} != {sorted(want)}"
+    moments = 0
+    for param, files in want.items():
+        d = os.path.join(mnt, "atomic", param)
+        names = sorted(n for n in os.listdir(d) if n != "step.pt")
+        assert names == sorted(files), (param, names, sorted(files))
+        for name, t in files.items():
+            obj = torch.load(os.path.join(d, name))
+            p = obj["param"]
+            assert bits_equal(p, t.float()), f"{param}/{name}: values differ"
+            moments += name == "exp_avg.pt" and bool(t.abs().sum() > 0)
+    if sharding == "dp_reshardable":
+        assert moments == 0
+        unmapped = json.dumps(status(mnt))
+        assert "optimizer.distributed" in unmapped, "dp_reshardable buckets not reported in status.json"
+    else:
+        assert moments > 0, "no non-zero Adam moment: the optimizer did not step"
+
+
+def megatron_name(key, keys_map):
+    """A local-spec state_dict name as the checkpoint (and so the view) names it."""
+    for local, ckpt in keys_map.items():
+        key = re.sub(r"(\.layers\.\d+\.)" + re.escape(local), lambda m: m[1] + ckpt, key)
+    return key
+
+
+def check_target(mnt, truth, layout, ranks):
+    t, p = (int(x) for x in re.fullmatch(r"tp(\d+)_pp(\d+)", layout).groups())
+    vocab = truth["case"]["vocab"]
+    for r, sd in sorted(ranks.items()):
+        path = os.path.join(mnt, "target", f"{layout}_dp1", f"rank_{r}", "model.pt")
+        got = torch.load(path)
+        want = {megatron_name(k, truth["keys_map"]): v for k, v in sd.items()}
+        assert list(got) == list(want), f"{layout} rank {r}: names\n view {list(got)}\n megatron {list(want)}"
+        for name, w in want.items():
+            g = got[name]
+            what = f"{layout} rank {r} {name}"
+            assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape, g.dtype, w.dtype)
+            if name in VOCAB_PARAMS:
+                rows = max(0, min(w.shape[0], vocab - (r % t) * w.shape[0]))
+                assert bits_equal(g[:rows], w[:rows]), f"{what}: vocabulary rows differ"
+                assert not g[rows:].any(), f"{what}: padding rows are not zero"
+            else:
+                assert bits_equal(g, w), f"{what}: values differ"
+
+
+def check_checkpoint(work, name):
+    src = os.path.join(work, name)
+    truth = torch.load(src + "_truth.pt", weights_only=False)
+    saved = f"tp{truth['case']['tp']}_pp{truth['case']['pp']}"
+    with mounted(src, os.path.join(work, "mnt-" + name)) as (mnt, _):
+        check_atomic(mnt, truth["plain"], truth["case"]["sharding"])
+        for layout, ranks in truth["targets"].items():
+            if layout != saved:
+                check_target(mnt, truth, layout, ranks)
+
+
+def main():
+    res = Results("megatron_core")
+    with tmpdir("ucpfs-megatron-core-") as work:
+        if len(sys.argv) > 1:  # a directory the generator filled before (debugging)
+            work = sys.argv[1]
+        else:
+            run([sys.executable, GEN, work], timeout=900)
+        names = sorted(n[:-len("_truth.pt")] for n in os.listdir(work) if n.endswith("_truth.pt"))
+        assert names, "the generator wrote no checkpoint"
+        for name in names:
+            res.check(f"{name}: atomic views equal megatron's consolidated tensors; target views equal "
+                      "what dist_checkpointing.load gives each rank of the other layouts",
+                      lambda name=name: check_checkpoint(work, name))
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()
