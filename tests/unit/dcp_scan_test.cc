@@ -420,28 +420,41 @@ TEST(DcpScan, MegatronTorchDistFlattenedRange) {
   ASSERT_TRUE(r.ok()) << r.error().ToString();
   const Checkpoint& c = *r;
   EXPECT_EQ(c.flavor, "megatron-torch_dist");
-  const Item* qkv = FindItem(c, "decoder.layers.self_attention.linear_qkv.weight");
+  // The layer-stacked [2, 24, 16] is indexed as one [24, 16] tensor per layer.
+  EXPECT_EQ(FindItem(c, "decoder.layers.self_attention.linear_qkv.weight"), nullptr);
+  const Item* qkv = FindItem(c, "decoder.layers.1.self_attention.linear_qkv.weight");
   ASSERT_NE(qkv, nullptr);
-  EXPECT_EQ(qkv->layout.shape, (std::vector<int64_t>{2, 24, 16}));
-  ASSERT_EQ(qkv->layout.fragments.size(), 4u);
-  EXPECT_EQ(qkv->layout.fragments[1].box, (slice::Box{{0, 12, 0}, {1, 12, 16}}));
+  EXPECT_EQ(qkv->layout.shape, (std::vector<int64_t>{24, 16}));
+  ASSERT_EQ(qkv->layout.fragments.size(), 2u);
+  EXPECT_EQ(qkv->layout.fragments[1].box, (slice::Box{{12, 0}, {12, 16}}));
 
   // exp_avg of linear_proj [2,16,16], TP column split [1,16,8]: saved as [2,1,2,128] with flat
-  // ranges [0,77) and [77,128) per local chunk.
+  // ranges [0,77) and [77,128) per local chunk; layer 1's part of it.
   const Item* ea =
-      FindItem(c, "optimizer.state.exp_avg.decoder.layers.self_attention.linear_proj.weight");
+      FindItem(c, "optimizer.state.exp_avg.decoder.layers.1.self_attention.linear_proj.weight");
   ASSERT_NE(ea, nullptr);
   EXPECT_EQ(ea->dtype, DType::kFloat32);
-  EXPECT_EQ(ea->layout.shape, (std::vector<int64_t>{2, 16, 16}));
-  ASSERT_EQ(ea->layout.fragments.size(), 8u);
+  EXPECT_EQ(ea->layout.shape, (std::vector<int64_t>{16, 16}));
+  ASSERT_EQ(ea->layout.fragments.size(), 4u);
   std::set<std::tuple<std::vector<int64_t>, uint64_t, uint64_t>> frags;
   for (const auto& f : ea->layout.fragments) {
-    EXPECT_EQ(f.box.sizes, (std::vector<int64_t>{1, 16, 8}));
+    EXPECT_EQ(f.box.sizes, (std::vector<int64_t>{16, 8}));
     EXPECT_TRUE(f.strides.empty());
     frags.emplace(f.box.offsets, f.flat_lo, f.flat_hi);
   }
-  EXPECT_TRUE(frags.contains({{1, 0, 8}, 0, 77}));
-  EXPECT_TRUE(frags.contains({{1, 0, 8}, 77, 128}));
+  EXPECT_TRUE(frags.contains({{0, 8}, 0, 77}));
+  EXPECT_TRUE(frags.contains({{0, 8}, 77, 128}));
+  // Items come layer by layer, as Megatron's state_dict lists them.
+  std::vector<std::string> order;
+  for (const Item& i : c.items) {
+    if (i.key.starts_with("decoder.layers.")) order.push_back(i.key);
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"decoder.layers.0.self_attention.linear_qkv.weight",
+                                             "decoder.layers.0.self_attention.linear_proj.weight",
+                                             "decoder.layers.0.input_layernorm.weight",
+                                             "decoder.layers.1.self_attention.linear_qkv.weight",
+                                             "decoder.layers.1.self_attention.linear_proj.weight",
+                                             "decoder.layers.1.input_layernorm.weight"}));
   const Item* fl = FindItem(c, "optimizer.state.fp32_param.decoder.final_layernorm.weight");
   ASSERT_NE(fl, nullptr);
   ASSERT_EQ(fl->layout.fragments.size(), 1u);

@@ -204,6 +204,35 @@ TEST(KeyMap, Megatron) {
                      "rng_state/shard_0.0_1.8"}));
 }
 
+// What megatron-core 0.16 writes for a model wrapped in its DDP (keys `module.<name>`) and, with
+// MoE, a ChainedOptimizer (`chained_<i>.optimizer...`): the names are the model's own.
+TEST(KeyMap, MegatronDdpAndChainedOptimizerPrefixes) {
+  const std::string dist = "chained_1.optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.param";
+  Checkpoint cp = Keys({
+      "module.embedding.word_embeddings.weight",
+      "module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
+      "chained_0.optimizer.state.param.module.embedding.word_embeddings.weight",
+      "chained_0.optimizer.state.exp_avg.module.embedding.word_embeddings.weight",
+      "chained_1.optimizer.state.exp_avg_sq.module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
+      "optimizer.state.exp_avg.module.decoder.final_layernorm.weight",
+      dist,
+  });
+  Result<KeyMapping> m = MapKeys(cp, {});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(Describe(cp, *m),
+            (Strings{"embedding.word_embeddings.weight: weight=module.embedding.word_embeddings.weight "
+                     "fp32=chained_0.optimizer.state.param.module.embedding.word_embeddings.weight "
+                     "exp_avg=chained_0.optimizer.state.exp_avg.module.embedding.word_embeddings.weight",
+                     "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight: "
+                     "weight=module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight "
+                     "exp_avg_sq=chained_1.optimizer.state.exp_avg_sq.module.decoder.layers.0.mlp.experts."
+                     "local_experts.1.linear_fc1.weight",
+                     "decoder.final_layernorm.weight: "
+                     "exp_avg=optimizer.state.exp_avg.module.decoder.final_layernorm.weight"}));
+  EXPECT_TRUE(m->unmapped_keys.empty()) << m->unmapped_keys.front();
+  EXPECT_EQ(Others(cp, *m), (Strings{dist}));
+}
+
 TEST(KeyMap, StateDictHelpers) {
   // get_state_dict + flatten_optimizer_state_dict, saved as {"model": ..., **optim}.
   Checkpoint cp = Keys({

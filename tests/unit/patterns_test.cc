@@ -565,9 +565,18 @@ TEST(TargetSlice, MegatronSwigluAndLocalNames) {
                     "tp2_pp2_dp2_ep2", 7)
                   .held);
   info.tied_embeddings = true;
-  EXPECT_TRUE(Slice(Preset::kMegatron, "embedding.word_embeddings.weight", {1000, 64}, info,
-                    "tp2_pp2_dp2_ep2", 7)
-                  .held);
+  // Tied: the last stage holds the word embeddings as its output layer (GPTModel's name there);
+  // the first stage, and a single stage, keep the embedding's name.
+  LocalView tied_last = Slice(Preset::kMegatron, "embedding.word_embeddings.weight", {1000, 64}, info,
+                              "tp2_pp2_dp2_ep2", 7);
+  EXPECT_TRUE(tied_last.held);
+  EXPECT_EQ(tied_last.local_name, "output_layer.weight");
+  EXPECT_EQ(Slice(Preset::kMegatron, "embedding.word_embeddings.weight", {1000, 64}, info, "tp2_pp2_dp2_ep2", 1)
+                .local_name,
+            "embedding.word_embeddings.weight");
+  EXPECT_EQ(Slice(Preset::kMegatron, "embedding.word_embeddings.weight", {1000, 64}, info, "tp2_pp1_dp1", 1)
+                .local_name,
+            "embedding.word_embeddings.weight");
   // Vocab padding applies at tp1 too (multiple of 128), and a source padded beyond the real
   // vocabulary reads only the real rows.
   info.vocab_size = 1000;
@@ -575,6 +584,27 @@ TEST(TargetSlice, MegatronSwigluAndLocalNames) {
                         "tp1_pp1_dp1", 0);
   EXPECT_EQ(tp1.local_shape, (Shape{1024, 64}));
   EXPECT_EQ(tp1.pieces, (std::vector<slice::Box>{B({0, 0}, {1000, 64})}));
+  // The checkpoint's make_vocab_size_divisible_by (Megatron's args) replaces the default 128:
+  // 37 real rows of a tp2 source padded to 256 give 40 rows at tp1 with a multiple of 8.
+  info.vocab_size = 37;
+  ApplyModelConfig(ModelConfig{.vocab_pad_multiple = 8}, &info);
+  LocalView small = Slice(Preset::kMegatron, "output_layer.weight", {256, 16}, info, "tp1_pp1_dp1", 0);
+  EXPECT_EQ(small.local_shape, (Shape{40, 16}));
+  EXPECT_EQ(small.pieces, (std::vector<slice::Box>{B({0, 0}, {37, 16})}));
+}
+
+TEST(ApplyModelConfig, RecordedValuesOverrideDetectedOnes) {
+  ModelInfo info;
+  info.num_attention_heads = 2;
+  ApplyModelConfig(ModelConfig{.num_attention_heads = 4, .num_query_groups = 2, .head_dim = 4}, &info);
+  EXPECT_EQ(info.num_attention_heads, 4);
+  EXPECT_EQ(info.num_query_groups, 2);
+  EXPECT_EQ(info.head_dim, 4);
+  EXPECT_EQ(info.vocab_pad_multiple, 0);  // not recorded: the preset's default stays
+  // With the query groups known, a GQA linear_qkv [q q k v per group] splits by group.
+  ParamPattern qkv =
+      PatternFor(Preset::kMegatron, "decoder.layers.0.self_attention.linear_qkv.weight", {32, 16}, info).value();
+  EXPECT_EQ(qkv.qkv_groups, 2);
 }
 
 TEST(TargetSlice, TorchtitanUnevenAndExperts) {
