@@ -168,6 +168,15 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
 
   for (int32_t idx : mapping.other_items) {
     const Item& it = c.items[static_cast<size_t>(idx)];
+    if (c.flavor == "megatron-torch_dist" && it.kind == ItemKind::kTensor &&
+        it.key.find("optimizer.distributed.") != std::string::npos && it.key.find(".gbuf_idx_") != std::string::npos) {
+      // Copied whole into every rank's extra_state.pt it would be the whole optimizer state, of
+      // the source's layout, on each rank.
+      report(it.key, "Megatron DistributedOptimizer 'dp_reshardable' bucket: a flat buffer of many parameters "
+                     "whose parameter ranges the checkpoint does not store; not split into parameters "
+                     "(save with 'fully_reshardable' for atomic and target optimizer state)");
+      continue;
+    }
     auto value = ItemValue(it, files);
     if (!value.ok()) {
       report(it.key, value.error().message());

@@ -12,7 +12,7 @@ For each checkpoint, mounted (real FUSE):
     expert (`…local_experts.<j>.…`), without DDP's `module.` prefix;
  2. every atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt equals the consolidated tensor of that
     layer (and expert) bit for bit; dp_reshardable's opaque optimizer buckets are not mapped to
-    parameters (no exp_avg.pt) and are listed in status.json, not served as moments;
+    parameters (no exp_avg.pt) and are listed as not served in status.json and ucp_info.json;
  3. target/tp<T>_pp<P>_dp1/rank_<r>/model.pt, for every (T, P) in {1,2}x{1,2} other than the
     saved one, holds exactly the tensors Megatron's loader gives rank (tp, pp) = (r % T, r // T)
     of a GPTModel of that layout: the same names (the local spec's input_layernorm /
@@ -96,8 +96,12 @@ def check_atomic(mnt, plain, sharding):
             moments += name == "exp_avg.pt" and bool(t.abs().sum() > 0)
     if sharding == "dp_reshardable":
         assert moments == 0
-        unmapped = json.dumps(status(mnt))
-        assert "optimizer.distributed" in unmapped, "dp_reshardable buckets not reported in status.json"
+        buckets = [k for k in plain if ".gbuf_idx_" in k]
+        assert buckets, "no dp_reshardable bucket in the checkpoint"
+        reported = json.dumps(status(mnt))
+        info = open(os.path.join(mnt, "target", "tp1_pp1_dp1", "rank_0", "ucp_info.json")).read()
+        for k in buckets:
+            assert json.dumps(k)[1:-1] in reported and json.dumps(k)[1:-1] in info, f"{k} is not reported as not served"
     else:
         assert moments > 0, "no non-zero Adam moment: the optimizer did not step"
 
