@@ -587,16 +587,22 @@ TEST(TargetSlice, MegatronSwigluAndLocalNames) {
   // The checkpoint's make_vocab_size_divisible_by (Megatron's args) replaces the default 128:
   // 37 real rows of a tp2 source padded to 256 give 40 rows at tp1 with a multiple of 8.
   info.vocab_size = 37;
-  ApplyModelConfig(ModelConfig{.vocab_pad_multiple = 8}, &info);
+  ModelInfo facts;
+  facts.vocab_pad_multiple = 8;
+  ApplyModelFacts(facts, &info);
   LocalView small = Slice(Preset::kMegatron, "output_layer.weight", {256, 16}, info, "tp1_pp1_dp1", 0);
   EXPECT_EQ(small.local_shape, (Shape{40, 16}));
   EXPECT_EQ(small.pieces, (std::vector<slice::Box>{B({0, 0}, {37, 16})}));
 }
 
-TEST(ApplyModelConfig, RecordedValuesOverrideDetectedOnes) {
+TEST(ApplyModelFacts, RecordedValuesOverrideDetectedOnes) {
   ModelInfo info;
   info.num_attention_heads = 2;
-  ApplyModelConfig(ModelConfig{.num_attention_heads = 4, .num_query_groups = 2, .head_dim = 4}, &info);
+  ModelInfo facts;
+  facts.num_attention_heads = 4;
+  facts.num_query_groups = 2;
+  facts.head_dim = 4;
+  ApplyModelFacts(facts, &info);
   EXPECT_EQ(info.num_attention_heads, 4);
   EXPECT_EQ(info.num_query_groups, 2);
   EXPECT_EQ(info.head_dim, 4);
