@@ -63,7 +63,7 @@ SPECS = [("fsdp2_tensor", "fsdp2", 2, "tensor"), ("fsdp2_int", "fsdp2", 2, "int"
          ("async_int", "async", 2, "int"), ("ranklocal_tensor", "ranklocal", 2, "tensor"),
          ("ranklocal_int", "ranklocal", 2, "int")]
 CANDIDATE_LAYOUTS = ["tp1_pp1_dp1", "tp2_pp1_dp2", "tp2_pp2_dp1", "tp1_pp2_dp2"]
-RANK_FILES = ["extra_state.pt", "model.pt", "optim.pt", "ucp_info.json"]
+RANK_FILES = ["extra_state.pt", "model.pt", "model.safetensors", "optim.pt", "ucp_info.json"]
 STEP_RE = re.compile(r"optimizer\.state\..+\.step")
 GROUP_RE = re.compile(r"optim(izer)?\.param_groups\..+")
 DP_RANK_RE = re.compile(r"dp_rank_(\d+)")
