@@ -25,6 +25,7 @@
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "index/checkpoint_builder.h"
+#include "index/pickle_walk.h"
 #include "index/deepspeed_patterns.h"
 
 namespace ucpfs::index {
@@ -89,28 +90,6 @@ Result<TagFiles> ListTag(const std::string& dir) {
 }
 
 // ---- pickle helpers ----
-
-// The key/value pairs of a dict or an OrderedDict built by REDUCE + SETITEMS.
-std::span<const std::pair<pickle::NodeId, pickle::NodeId>> Pairs(const pickle::PickleGraph& g, pickle::NodeId n) {
-  if (g.kind(n) == pickle::Kind::kDict) return g.dict_items(n);
-  if (g.kind(n) == pickle::Kind::kObject) return g.object(n).dict_items;
-  return {};
-}
-
-pickle::NodeId Get(const pickle::PickleGraph& g, pickle::NodeId dict, std::string_view key) {
-  pickle::NodeId found = pickle::kNoNode;
-  for (const auto& [k, v] : Pairs(g, dict)) {
-    if (g.kind(k) == pickle::Kind::kString && g.text(k) == key) found = v;
-  }
-  return found;
-}
-
-std::span<const pickle::NodeId> Items(const pickle::PickleGraph& g, pickle::NodeId n) {
-  const pickle::Kind k = g.kind(n);
-  if (k == pickle::Kind::kList || k == pickle::Kind::kTuple) return g.items(n);
-  if (k == pickle::Kind::kObject) return g.object(n).list_items;
-  return {};
-}
 
 std::optional<int64_t> IntOf(const pickle::PickleGraph& g, pickle::NodeId n) {
   if (g.kind(n) == pickle::Kind::kInt) return g.int_value(n);

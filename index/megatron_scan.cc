@@ -21,6 +21,7 @@
 #include "core/format/torch_file.h"
 #include "core/layout/layout.h"
 #include "index/checkpoint_builder.h"
+#include "index/pickle_walk.h"
 
 namespace ucpfs::index {
 namespace {
@@ -53,26 +54,6 @@ std::string RankDir(int tp_rank, int pp_rank, int pp) {
 }
 
 // ---- reading the pickled structure as data ----
-
-// The key/value pairs of a dict, an OrderedDict, or an object's BUILD state dict
-// (argparse.Namespace pickles as NEWOBJ + BUILD of its __dict__).
-std::span<const std::pair<pickle::NodeId, pickle::NodeId>> Pairs(const pickle::PickleGraph& g, pickle::NodeId n) {
-  if (g.kind(n) == pickle::Kind::kDict) return g.dict_items(n);
-  if (g.kind(n) == pickle::Kind::kObject) {
-    const pickle::ObjectInfo o = g.object(n);
-    if (g.kind(o.state) == pickle::Kind::kDict) return g.dict_items(o.state);
-    return o.dict_items;
-  }
-  return {};
-}
-
-pickle::NodeId Get(const pickle::PickleGraph& g, pickle::NodeId dict, std::string_view key) {
-  pickle::NodeId found = pickle::kNoNode;
-  for (const auto& [k, v] : Pairs(g, dict)) {
-    if (g.kind(k) == pickle::Kind::kString && g.text(k) == key) found = v;
-  }
-  return found;
-}
 
 std::optional<int64_t> IntOf(const pickle::PickleGraph& g, pickle::NodeId n) {
   if (g.kind(n) == pickle::Kind::kInt) return g.int_value(n);
