@@ -224,6 +224,24 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   return 0;
 }
 
+Result<ReadAheadSizes> ParseReadAhead(const std::string& readahead, const std::string& prefetch) {
+  ReadAheadSizes out;
+  if (!readahead.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(uint64_t n, io::ParseByteSize(readahead));
+    if (n < 4096 || n > (uint64_t{1} << 30)) {
+      return InvalidArgumentError("--readahead " + readahead + ": between 4K and 1G");
+    }
+    out.kernel_n_bytes = static_cast<uint32_t>(n);
+  }
+  if (!prefetch.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(out.prefetch_n_bytes, io::ParseByteSize(prefetch));
+    if (out.prefetch_n_bytes > (uint64_t{1} << 34)) {
+      return InvalidArgumentError("--prefetch " + prefetch + ": at most 16G");
+    }
+  }
+  return out;
+}
+
 Result<uint64_t> ParseShardSize(const std::string& text) {
   if (text.empty()) return index::kDefaultSafetensorsShardBytes;
   UCPFS_ASSIGN_OR_RETURN(uint64_t n, io::ParseByteSize(text));
@@ -418,6 +436,8 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   if (!snapshot_options.ok()) return report("source", snapshot_options.error());
   auto targets = ParseTargetOptions(args);
   if (!targets.ok()) return report("options", targets.error());
+  auto read_ahead = ParseReadAhead(args.readahead, args.prefetch);
+  if (!read_ahead.ok()) return report("options", read_ahead.error());
   const std::string source_dir = snapshot_options->source_dir;
 
   // The write capture first: its recovery finishes what a killed daemon left before indexing.
@@ -564,6 +584,8 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   mo.mountpoint = args.mountpoint;
   mo.fuse_options = args.fuse_options;
   mo.ready_fd = ready_fd;
+  mo.readahead_bytes = read_ahead->kernel_n_bytes;
+  mo.source_read_ahead_bytes = read_ahead->prefetch_n_bytes;
   // target/<layout>/ for layouts not given with --layout: built on first lookup.
   mo.dynamic_dir = info.target_dir;
   mo.resolve = info.resolve_target;
@@ -604,6 +626,7 @@ int RunMount(const MountArgs& mount_args) {
   if (!args.source.rules.empty()) args.source.rules = AbsPath(args.source.rules);
   if (!args.pattern_rules.empty()) args.pattern_rules = AbsPath(args.pattern_rules);
   if (auto t = ParseTargetOptions(args); !t.ok()) return Fail("mount", t.error());
+  if (auto r = ParseReadAhead(args.readahead, args.prefetch); !r.ok()) return Fail("mount", r.error());
   if (!args.log_file.empty() && args.log_file[0] != '/') {
     char cwd[PATH_MAX];
     if (::getcwd(cwd, sizeof(cwd)) != nullptr) args.log_file = std::string(cwd) + "/" + args.log_file;

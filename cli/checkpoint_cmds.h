@@ -1,6 +1,7 @@
 // `ucpfs index`, `ucpfs inspect DIR`, `ucpfs mount`, `ucpfs umount`: the checkpoint commands.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -34,8 +35,20 @@ struct MountArgs {
   uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib
   std::string cache_size = "2G";          // --cache-size: the pinned write-capture cache
   std::string safetensors_shard_size;     // --safetensors-shard-size (empty: Hugging Face's 5GB)
+  std::string readahead;                  // --readahead (ParseReadAhead)
+  std::string prefetch;                   // --prefetch (ParseReadAhead)
   bool read_only = false;                 // --read-only: no writes, no capture
 };
+
+// --readahead (the mount's kernel readahead window; empty: the request size, 1 MiB) and
+// --prefetch (how far ahead of a view's sequential reads its source files are read into the
+// page cache; empty: 32 MiB; 0: off). Errors: kInvalidArgument for a bad text or a size out of
+// range.
+struct ReadAheadSizes {
+  uint32_t kernel_n_bytes = 0;             // 0: the request size
+  uint64_t prefetch_n_bytes = 32ull << 20;
+};
+Result<ReadAheadSizes> ParseReadAhead(const std::string& readahead, const std::string& prefetch);
 
 // The --safetensors-shard-size value (io::ParseByteSize forms; empty: Hugging Face's default,
 // 5 GB decimal). Errors: kInvalidArgument for a bad text or zero.

@@ -61,6 +61,11 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--cache-size", mount.cache_size,
                         "pinned host cache that captures saves into the mount (default 2G; e.g. 512M, 8G)");
   mount_cmd->add_flag("--read-only", mount.read_only, "serve read-only: no writes, no write capture");
+  mount_cmd->add_option("--readahead", mount.readahead,
+                        "the mount's kernel readahead window (default 1M, the request size; e.g. 16M)");
+  mount_cmd->add_option("--prefetch", mount.prefetch,
+                        "read source files this far ahead of a view's sequential reads into the page cache "
+                        "(default 32M; 0: off)");
   mount_cmd->add_option("--safetensors-shard-size", mount.safetensors_shard_size,
                         "largest file of safetensors/ (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
   AddSourceOptions(mount_cmd, mount.source);

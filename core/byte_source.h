@@ -27,6 +27,15 @@ class ByteSource {
   // Reads exactly out.size() bytes at byte_offset. Errors: kOutOfRange when the range is not
   // inside [0, Size()), kIo when the underlying read fails (sys_errno set).
   virtual Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const = 0;
+
+  // A hint: [byte_offset, byte_offset + n_bytes) will be read soon. Sources backed by files
+  // start reading the bytes they will need into the page cache, without waiting and without
+  // holding them in this process; others ignore it (the default). Never fails; a range past the
+  // end is clipped.
+  virtual void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
+    (void)byte_offset;
+    (void)n_bytes;
+  }
 };
 
 // A ByteSource over bytes held in memory.

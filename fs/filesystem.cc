@@ -428,7 +428,31 @@ Result<OpenFile> Filesystem::Open(Ino ino, int flags) const {
                  static_cast<unsigned long long>(node->size));
     return PosixError(EIO, path + ": source size differs");
   }
-  return OpenFile{std::move(*source), ino, node->size, node->volatile_content, nullptr};
+  OpenFile file{std::move(*source), ino, node->size, node->volatile_content, nullptr, nullptr};
+  if (options_.read_ahead_bytes > 0 && !node->volatile_content) {
+    file.prefetched_until = std::make_shared<std::atomic<uint64_t>>(0);
+  }
+  return file;
+}
+
+void Filesystem::ReadAhead(const OpenFile& file, uint64_t byte_offset, uint64_t n_bytes) const {
+  if (!file.prefetched_until || n_bytes == 0) return;
+  const uint64_t window = options_.read_ahead_bytes;
+  const uint64_t end = byte_offset + n_bytes;
+  if (end >= file.n_bytes) return;
+  // Announce up to end + window once the announced part just ahead of this read has shrunk to
+  // half a window, so the source gets a few large hints rather than one per request. A read
+  // elsewhere (torch.load reads the zip's directory at the end first; a seek) starts over from
+  // where it is.
+  uint64_t until = file.prefetched_until->load(std::memory_order_relaxed);
+  uint64_t from;
+  do {
+    const bool ahead = until > end && until <= end + window;
+    if (ahead && until - end > window / 2) return;
+    from = ahead ? until : end;
+  } while (!file.prefetched_until->compare_exchange_weak(until, end + window, std::memory_order_relaxed));
+  const uint64_t to = std::min(end + window, file.n_bytes);
+  if (to > from) file.source->Prefetch(from, to - from);
 }
 
 Result<size_t> Filesystem::Read(const OpenFile& file, uint64_t byte_offset, std::span<std::byte> buffer) {

@@ -62,6 +62,11 @@ struct FilesystemOptions {
   // the tree's root shadow the source's; every other name at the root and below is the
   // source's (inodes with kPassthroughBit).
   std::shared_ptr<Passthrough> passthrough;
+  // Read-ahead of views: after a read of a view file that continues the reads before it, the
+  // next `read_ahead_bytes` of the file are announced to its source (ByteSource::Prefetch: the
+  // source files' pages are read into the page cache in the background, so the next requests
+  // find them there). 0: off.
+  uint64_t read_ahead_bytes = 0;
 };
 
 // A looked-up node: its inode number and attributes. ino 0 is a negative entry (no such name).
@@ -79,6 +84,9 @@ struct OpenFile {
   // A source file (read and written through the passthrough; n_bytes unused): its content may
   // change, and write opens bypass the page cache (the capture holds the bytes).
   std::shared_ptr<PassthroughHandle> passthrough;
+  // Read-ahead state of a view file (FilesystemOptions::read_ahead_bytes): how far the source
+  // was told to prefetch; null when read-ahead is off.
+  std::shared_ptr<std::atomic<uint64_t>> prefetched_until;
 };
 
 // One opendir(2): the listing as it was then. ".", "..", then the children in name order.
@@ -120,6 +128,9 @@ class Filesystem {
   // A failing source read is logged with the path and offset (a data-loss message once per
   // distinct message, so a changed source file does not flood the log) and returned.
   Result<size_t> Read(const OpenFile& file, uint64_t byte_offset, std::span<std::byte> buffer);
+  // After a read of [byte_offset, +n_bytes) was answered: the read-ahead of view files
+  // (FilesystemOptions::read_ahead_bytes). Returns at once; never fails.
+  void ReadAhead(const OpenFile& file, uint64_t byte_offset, uint64_t n_bytes) const;
   // Errors: kNotFound, ENOTDIR.
   Result<DirListing> OpenDir(Ino ino) const;
   // The attributes of a listed inode for readdir (no reference taken); nullopt when gone.

@@ -117,6 +117,7 @@ class HandleRegistry {
 struct Server {
   std::unique_ptr<Filesystem> fs;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;
+  uint16_t max_background = 0;
   HandleRegistry handles;
 };
 
@@ -188,6 +189,10 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   // The kernel clamps this to its per-mount default (128 KiB); ServeTree's readiness thread
   // raises the mount's bdi read_ahead_kb afterwards.
   conn->max_readahead = server.max_read_bytes;
+  if (server.max_background > 0) {
+    conn->max_background = server.max_background;
+    conn->congestion_threshold = static_cast<uint16_t>(server.max_background * 3 / 4);
+  }
   // ATOMIC_O_TRUNC: open(O_TRUNC) arrives as such (not as a truncate, then an open), so a file
   // rewritten through the mount is captured and replaces the old one atomically.
   const unsigned wanted = FUSE_CAP_ASYNC_READ | FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO |
@@ -393,9 +398,11 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
                               ? 0
                               : static_cast<size_t>(std::min<uint64_t>(size, file.n_bytes - byte_offset));
     if (buffer.size() < wanted) buffer.resize(wanted);
-    Result<size_t> n_bytes = FsOf(req).Read(file, byte_offset, std::span(buffer.data(), wanted));
+    Filesystem& fs = FsOf(req);
+    Result<size_t> n_bytes = fs.Read(file, byte_offset, std::span(buffer.data(), wanted));
     if (!n_bytes.ok()) return ErrnoFromStatus(n_bytes.error());
     fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), *n_bytes);
+    fs.ReadAhead(file, byte_offset, *n_bytes);  // after the reply: the reader is not kept waiting
     return 0;
   });
 }
@@ -671,9 +678,11 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   fs_options.dynamic_dir = options.dynamic_dir;
   fs_options.resolve = options.resolve;
   fs_options.passthrough = options.passthrough;
+  fs_options.read_ahead_bytes = options.source_read_ahead_bytes;
   Server server;
   UCPFS_ASSIGN_OR_RETURN(server.fs, Filesystem::Make(std::move(tree), std::move(fs_options)));
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;
+  server.max_background = options.max_background;
   if (options.started) options.started(server.fs.get());
 
   std::vector<std::string> arg_strings = {
@@ -716,7 +725,8 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
 
   int announce_errno = EIO;
   std::thread announcer([&] {
-    announce_errno = AnnounceWhenLive(mountpoint, options.ready_fd, server.max_read_bytes);
+    announce_errno = AnnounceWhenLive(mountpoint, options.ready_fd,
+                                      options.readahead_bytes != 0 ? options.readahead_bytes : server.max_read_bytes);
   });
 
   fuse_loop_config* config = fuse_loop_cfg_create();

@@ -32,6 +32,16 @@ struct MountOptions {
   // caller can report the error through it; later writes go harmlessly to /dev/null.
   int ready_fd = -1;
   int max_threads = 16;     // FUSE worker threads
+  // The mount's kernel readahead window (the bdi's read_ahead_kb, set once the mount is live;
+  // 0: the request size, max_read). The kernel cuts it into max_read requests that are in
+  // flight at once (up to max_background), so a window of several requests keeps the daemon's
+  // source reads overlapping the transfers.
+  uint32_t readahead_bytes = 0;
+  // Background (readahead) requests the kernel keeps in flight at once (0: its default, 12).
+  uint16_t max_background = 0;
+  // How far ahead of a view's sequential reads its source files are told to prefetch
+  // (FilesystemOptions::read_ahead_bytes; 0: off).
+  uint64_t source_read_ahead_bytes = 0;
   std::string fsname = "ucpfs";
   // Optional dynamic directory (both set, or dynamic_dir 0 for none): children built on first
   // lookup and evicted when the kernel forgets them. See FilesystemOptions (filesystem.h).

@@ -907,6 +907,20 @@ Result<std::shared_ptr<LazyTorchFile>> LazyTorchFile::Build(const SaveValue& roo
   return file;
 }
 
+void LazyTorchFile::Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
+  if (byte_offset >= size_ || n_bytes == 0) return;
+  const uint64_t end = byte_offset + std::min(n_bytes, size_ - byte_offset);
+  auto it = std::upper_bound(segments_.begin(), segments_.end(), byte_offset,
+                             [](uint64_t off, const Segment& s) { return off < s.file_offset; });
+  --it;
+  for (; it != segments_.end() && it->file_offset < end; ++it) {
+    if (it->tensor_index < 0) continue;
+    const uint64_t lo = std::max(byte_offset, it->file_offset);
+    const uint64_t hi = std::min(end, it->file_offset + it->n_bytes);
+    if (lo < hi) tensors_[static_cast<size_t>(it->tensor_index)].provider->Prefetch(lo - it->file_offset, hi - lo);
+  }
+}
+
 Status LazyTorchFile::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const {
   if (!RangeInside(byte_offset, out.size(), size_)) {
     return OutOfRangeError(name_ + ": read of " + std::to_string(out.size()) + " bytes at offset " +

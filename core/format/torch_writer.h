@@ -77,6 +77,11 @@ class TensorBytesProvider {
   // LazyTorchFile only asks for ranges inside [0, numel * ItemSize(dtype)). Any non-ok Status
   // fails the whole ReadAt that needed it (no partial success).
   virtual Status Read(uint64_t byte_offset, std::span<std::byte> out) const = 0;
+  // A hint that [byte_offset, byte_offset + n_bytes) will be read soon (ByteSource::Prefetch).
+  virtual void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
+    (void)byte_offset;
+    (void)n_bytes;
+  }
 };
 
 // A tensor placeholder. `provider` may be null only when the tensor has no bytes.
@@ -210,6 +215,8 @@ class LazyTorchFile final : public ByteSource {
   // provider error (in byte order) with context. O(log n + bytes); never calls a provider
   // for a range that holds no tensor bytes.
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  // Passes the hint on to the providers of the tensors in the range.
+  void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
 
   // Read-only layout, for tests and inspection.
   const std::vector<RecordLayout>& records() const { return records_; }

@@ -89,6 +89,12 @@ Status FileSource::CheckUnchanged() const {
 
 FileSource::~FileSource() { ::close(fd_); }
 
+void FileSource::Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
+  if (byte_offset >= n_bytes_ || n_bytes == 0) return;
+  const uint64_t n = std::min(n_bytes, n_bytes_ - byte_offset);
+  (void)::posix_fadvise(fd_, static_cast<off_t>(byte_offset), static_cast<off_t>(n), POSIX_FADV_WILLNEED);
+}
+
 Status FileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const {
   if (!RangeInside(byte_offset, out.size(), n_bytes_)) {
     return OutOfRangeError(path_ + ": read of " + std::to_string(out.size()) + " bytes at offset " +

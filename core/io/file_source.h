@@ -46,6 +46,8 @@ class FileSource final : public ByteSource {
   // Errors: kOutOfRange past Size(); io::ReadExact's (kIo "<path>: pread at offset N: <strerror>"
   // with sys_errno, kDataLoss "<path>: file shrank: short read at offset N").
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  // posix_fadvise(POSIX_FADV_WILLNEED): the kernel starts reading the range into the page cache.
+  void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
 
   // The file's identity when it was opened.
   const FileIdentity& identity() const { return identity_; }

@@ -81,6 +81,11 @@ Result<std::shared_ptr<FileSource>> LazyFileSource::Get() const {
   return file_;
 }
 
+void LazyFileSource::Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
+  auto file = Get();
+  if (file.ok()) (*file)->Prefetch(byte_offset, n_bytes);
+}
+
 Status LazyFileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const {
   auto file = Get();
   Status s = file.ok() ? (*file)->ReadAt(byte_offset, out) : file.status();

@@ -74,6 +74,8 @@ class LazyFileSource final : public ByteSource {
   uint64_t Size() const override { return expected_.n_bytes; }
   const std::string& Name() const override { return path_; }
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  // FileSource::Prefetch on the file (opened first if need be; an open that fails is ignored).
+  void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
   // Opens the file now, as a first read would (checked against the indexed identity), so that
   // reads keep reaching it once another file is renamed over its name. Errors: as ReadAt's open.
   Status Open() const { return Get().status(); }

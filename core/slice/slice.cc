@@ -981,6 +981,43 @@ Status ExecutePlan(std::span<const CopyOp> ops,
   return Status::Ok();
 }
 
+void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
+                         std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                         uint64_t n_bytes) {
+  if (!ValidDType(dst_dtype) || n_bytes == 0) return;
+  const uint64_t isz = ItemSize(dst_dtype);
+  auto numel = CheckedVolume(layout.shape);
+  if (!numel || *numel == 0) return;
+  const uint64_t elem_lo = std::min(byte_offset / isz, *numel);
+  const uint64_t elem_hi = std::min(*numel, elem_lo + (n_bytes + isz - 1) / isz);
+  if (elem_lo >= elem_hi) return;
+  auto ops = PlanRead(layout, dst_dtype, elem_lo, elem_hi);
+  if (!ops.ok()) return;
+  // Coalesce runs of one file that lie close together (strided or gathered rows) into one hint.
+  constexpr uint64_t kGapBytes = 1u << 20;
+  uint32_t file = kZeroFileId;
+  uint64_t lo = 0, hi = 0;
+  auto flush = [&] {
+    if (file != kZeroFileId && file < files.size() && hi > lo) files[file]->Prefetch(lo, hi - lo);
+  };
+  for (const CopyOp& op : *ops) {
+    if (op.file_id == kZeroFileId || op.n_elems == 0) continue;
+    const uint64_t src_isz = ItemSize(op.src_dtype);
+    const uint64_t stride = static_cast<uint64_t>(std::max<int64_t>(1, op.src_elem_stride));
+    const uint64_t extent = ((op.n_elems - 1) * stride + 1) * src_isz;
+    const uint64_t a = op.src_byte_offset, b = op.src_byte_offset + extent;
+    if (op.file_id == file && a <= hi + kGapBytes && a >= lo) {
+      hi = std::max(hi, b);
+      continue;
+    }
+    flush();
+    file = op.file_id;
+    lo = a;
+    hi = b;
+  }
+  flush();
+}
+
 Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
                        std::span<const std::shared_ptr<const ByteSource>> files,
                        uint64_t byte_offset, std::span<std::byte> out) {

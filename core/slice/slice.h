@@ -113,6 +113,13 @@ Status ExecutePlan(std::span<const CopyOp> ops,
 // Reads bytes [byte_offset, byte_offset + out.size()) of the tensor's row-major data in
 // dst_dtype: plans the enclosing elements and executes the plan (through a small bounce buffer
 // for a partial first or last element). This is what a TensorBytesProvider calls.
+// A hint for ReadTensorBytes of the same range (ByteSource::Prefetch): tells each source file
+// which byte ranges that read will touch, one hint per run of nearby bytes (strided runs: their
+// whole extent). Errors are ignored: the read reports them.
+void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
+                         std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                         uint64_t n_bytes);
+
 Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
                        std::span<const std::shared_ptr<const ByteSource>> files,
                        uint64_t byte_offset, std::span<std::byte> out);

@@ -52,6 +52,9 @@ class LayoutProvider final : public format::TensorBytesProvider {
                  std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files)
       : layout_(std::move(layout)), dst_dtype_(dst_dtype), files_(std::move(files)) {}
   Status Read(uint64_t byte_offset, std::span<std::byte> out) const override;
+  void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override {
+    slice::PrefetchTensorBytes(*layout_, dst_dtype_, *files_, byte_offset, n_bytes);
+  }
 
  private:
   std::shared_ptr<const slice::TensorLayout> layout_;

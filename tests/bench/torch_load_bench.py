@@ -109,6 +109,9 @@ def main():
     ap.add_argument("--tensors", type=int, default=28)
     ap.add_argument("--python", action="append")
     ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--only", action="append", choices=["target", "mmap", "atomic", "cat", "concurrent", "first"],
+                    help="measure only these figures (repeatable; default: all)")
+    ap.add_argument("--mount-arg", action="append", default=[], help="extra `ucpfs mount` argument (repeatable)")
     a = ap.parse_args()
     pythons = a.python or [p for p in ("/usr/bin/python3", os.path.join(ROOT, ".venv", "bin", "python"))
                            if os.path.exists(p)]
@@ -138,7 +141,8 @@ def main():
         return [os.path.join(root, os.path.relpath(f, disk)) for f in files]
 
     argv = [ucpfs, "mount", src, mnt, "--read-only", f"--layout={a.layout}"] + \
-        ([f"--layout={wide}"] if wide != a.layout else [])
+        ([f"--layout={wide}"] if wide != a.layout else []) + a.mount_arg
+    only = set(a.only or ["target", "mmap", "atomic", "cat", "concurrent", "first"])
     rows = []  # (figure, disk seconds, mount seconds)
     peak_rss = 0.0
 
@@ -166,11 +170,13 @@ def main():
 
     for py in pythons:
         ver, vt = torch_version(py)
-        modes = ["plain"] + (["mmap"] if vt >= (2, 1) else [])
+        modes = (["plain"] if "target" in only else []) + (["mmap"] if vt >= (2, 1) and "mmap" in only else [])
         for mode in modes:
             figure(f"torch {ver} load {a.layout}" + (" mmap" if mode == "mmap" else ""),
                    lambda root, mode=mode, py=py: load_seconds(py, mode, on(root, disk_target)),
                    lambda root, mode=mode, py=py: load_seconds(py, mode, on(root, disk_target)), warm_fn=True)
+        if "atomic" not in only:
+            continue
         figure(f"torch {ver} load atomic",
                lambda root, py=py: load_seconds(py, "plain", on(root, disk_atomic)),
                lambda root, py=py: load_seconds(py, "plain", on(root, disk_atomic)), warm_fn=True)
@@ -180,24 +186,28 @@ def main():
         t0 = time.perf_counter()
         read_files(paths)
         return time.perf_counter() - t0
-    figure("cat views (mount) vs cat source (disk)", lambda root: cat_seconds(sources),
-           lambda root: cat_seconds(on(root, view_files)))
-    figure("cat views (mount) vs cat the same views (disk)", lambda root: cat_seconds(on(root, view_files)),
-           lambda root: cat_seconds(on(root, view_files)))
+    if "cat" in only:
+        figure("cat views (mount) vs cat source (disk)", lambda root: cat_seconds(sources),
+               lambda root: cat_seconds(on(root, view_files)))
+        figure("cat views (mount) vs cat the same views (disk)", lambda root: cat_seconds(on(root, view_files)),
+               lambda root: cat_seconds(on(root, view_files)))
     groups = rank_files(disk, wide)
-    figure(f"{len(groups)} concurrent loaders, {wide} (torch {torch_version(pythons[-1])[0]})",
-           lambda root: concurrent_seconds(pythons[-1], [on(root, g) for g in groups]),
-           lambda root: concurrent_seconds(pythons[-1], [on(root, g) for g in groups]))
+    if "concurrent" in only:
+        figure(f"{len(groups)} concurrent loaders, {wide} (torch {torch_version(pythons[-1])[0]})",
+               lambda root: concurrent_seconds(pythons[-1], [on(root, g) for g in groups]),
+               lambda root: concurrent_seconds(pythons[-1], [on(root, g) for g in groups]))
 
     # Mount + first atomic tensor, cold.
     first = []
     one = on(mnt, disk_atomic[:1])
-    for _ in range(a.repeat):
+    for _ in range(a.repeat if "first" in only else 0):
         evict(sources)
         with Mount(argv, mnt) as mo:
             first.append(mo.seconds + load_seconds(pythons[-1], "plain", one))
             peak_rss = max(peak_rss, mo.figures()[0])
-    print(f"  mount + first atomic torch.load (the load in a running python): {statistics.median(first):.3f} s")
+    if first:
+        print(f"  mount + first atomic torch.load (the load in a running python): {statistics.median(first):.3f} s")
+    first = first or [0.0]
     print(f"  daemon peak RSS: {peak_rss:.0f} MiB")
     print(json.dumps({"rows": rows, "first_tensor_s": statistics.median(first), "peak_rss_mib": peak_rss}))
     if not a.workdir:

@@ -117,6 +117,64 @@ TEST(FilesystemTest, OpensReadOnlyAndReadsClipped) {
   EXPECT_TRUE(f.fs->Access(f.file, R_OK).ok());
 }
 
+// A source that records the prefetch hints it gets.
+class HintedSource final : public ByteSource {
+ public:
+  explicit HintedSource(uint64_t n_bytes) : n_bytes_(n_bytes) {}
+  uint64_t Size() const override { return n_bytes_; }
+  const std::string& Name() const override { return name_; }
+  Status ReadAt(uint64_t, std::span<std::byte> out) const override {
+    std::fill(out.begin(), out.end(), std::byte{7});
+    return Status::Ok();
+  }
+  void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override {
+    std::lock_guard lock(mu_);
+    hints_.emplace_back(byte_offset, byte_offset + n_bytes);
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> Hints() const {
+    std::lock_guard lock(mu_);
+    return hints_;
+  }
+
+ private:
+  uint64_t n_bytes_;
+  std::string name_ = "hinted";
+  mutable std::mutex mu_;
+  mutable std::vector<std::pair<uint64_t, uint64_t>> hints_;
+};
+
+TEST(FilesystemTest, SequentialViewReadsPrefetchTheirSourceAhead) {
+  constexpr uint64_t kMiB = 1 << 20;
+  auto source = std::make_shared<HintedSource>(100 * kMiB);
+  auto tree = std::make_shared<Tree>(kMtime);
+  const Ino file = *tree->AddFile(kRootIno, "model.pt", 100 * kMiB, kMtime,
+                                  [source]() -> Result<std::shared_ptr<const ByteSource>> {
+                                    return std::shared_ptr<const ByteSource>(source);
+                                  });
+  FilesystemOptions options;
+  options.read_ahead_bytes = 8 * kMiB;
+  auto fs = std::move(Filesystem::Make(tree, std::move(options))).value();
+  OpenFile open = *fs->Open(file, O_RDONLY);
+  // torch.load's order: the zip directory at the end first, then front to back.
+  fs->ReadAhead(open, 100 * kMiB - 4096, 4096);  // the last bytes: nothing lies ahead
+  fs->ReadAhead(open, 99 * kMiB, kMiB);          // idem
+  EXPECT_TRUE(source->Hints().empty());
+  fs->ReadAhead(open, 90 * kMiB, kMiB);  // near the end: clipped to the file
+  for (uint64_t off = 0; off < 12 * kMiB; off += kMiB) fs->ReadAhead(open, off, kMiB);
+  const auto hints = source->Hints();
+  ASSERT_EQ(hints.size(), 4u);
+  EXPECT_EQ(hints[0], std::make_pair(91 * kMiB, 99 * kMiB));
+  EXPECT_EQ(hints[1], std::make_pair(1 * kMiB, 9 * kMiB));    // a new stream from the front
+  EXPECT_EQ(hints[2], std::make_pair(9 * kMiB, 13 * kMiB));   // topped up at half a window
+  EXPECT_EQ(hints[3], std::make_pair(13 * kMiB, 17 * kMiB));
+  // Off: no hints at all.
+  auto quiet = std::move(Filesystem::Make(tree, {})).value();
+  OpenFile q = *quiet->Open(file, O_RDONLY);
+  EXPECT_EQ(q.prefetched_until, nullptr);
+  quiet->ReadAhead(q, 0, kMiB);
+  EXPECT_EQ(source->Hints().size(), 4u);
+}
+
 TEST(FilesystemTest, ASubtreeIsBuiltOnceAndEvictedWhenEveryReferenceIsForgotten) {
   Fixture f;
   Result<Entry> first = f.fs->Lookup(f.dynamic, "ok_a");
