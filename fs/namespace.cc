@@ -2,10 +2,10 @@
 #include "core/json_text.h"
 
 #include <dirent.h>
-#include <malloc.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -97,39 +97,110 @@ ViewAccess AccessOfSources(const std::string& source_dir, const std::vector<inde
   return a;
 }
 
-// Adds `rank_<N>/{model.pt,model.safetensors,optim.pt,extra_state.pt,ucp_info.json}` for every rank of `plan` under `ldir`.
+// The files of one rank of a layout, built again (TargetPlan::Build) when one of them is opened,
+// so a layout keeps only its tree (names and sizes), not its ranks' pickles, zip headers, copy
+// plans and ucp_info.json: what a layout holds no longer grows with the model, and 64 layouts of
+// 512 ranks fit in the daemon's memory bound (issue 12). Rebuilding is deterministic (target.h),
+// so the bytes are those whose size the tree advertises; a mismatch is an internal error. Opens
+// of one file while an earlier open still holds it share that build.
+enum class RankFile : uint8_t { kModel = 0, kSafetensors = 1, kOptim = 2, kExtra = 3, kInfo = 4 };
+
+std::shared_ptr<const ByteSource> FileOf(const views::RankFiles& f, RankFile which) {
+  switch (which) {
+    case RankFile::kModel: return f.model;
+    case RankFile::kSafetensors: return f.model_safetensors;
+    case RankFile::kOptim: return f.optim;
+    case RankFile::kExtra: return f.extra;
+    case RankFile::kInfo: return f.info;
+  }
+  return nullptr;
+}
+
+class LazyRankFiles {
+ public:
+  LazyRankFiles(std::shared_ptr<const views::TargetPlan> plan, int rank) : plan_(std::move(plan)), rank_(rank) {}
+
+  // Errors: TargetPlan::Build's; kInternal when the file is gone or its size changed.
+  Result<std::shared_ptr<const ByteSource>> Open(RankFile which, uint64_t n_bytes) const {
+    std::lock_guard lock(mu_);
+    auto& held = open_[static_cast<size_t>(which)];
+    if (auto src = held.lock()) return src;
+    views::RankFileSet want{.model = which == RankFile::kModel,
+                            .model_safetensors = which == RankFile::kSafetensors,
+                            .optim = which == RankFile::kOptim,
+                            .extra = which == RankFile::kExtra,
+                            .info = which == RankFile::kInfo};
+    UCPFS_ASSIGN_OR_RETURN(auto files, plan_->Build(rank_, want));
+    std::shared_ptr<const ByteSource> src = FileOf(files, which);
+    const std::string what = "target/" + plan_->layout().name + "/rank_" + std::to_string(rank_);
+    if (src == nullptr) return InternalError(what + ": a file listed in the tree is not built again");
+    if (src->Size() != n_bytes) {
+      return InternalError(what + ": " + src->Name() + " built again has " + std::to_string(src->Size()) +
+                           " bytes, not the " + std::to_string(n_bytes) + " listed");
+    }
+    held = src;
+    return src;
+  }
+
+ private:
+  std::shared_ptr<const views::TargetPlan> plan_;
+  int rank_;
+  mutable std::mutex mu_;
+  mutable std::array<std::weak_ptr<const ByteSource>, 5> open_;  // guarded by mu_
+};
+
+// Tree bytes per rank of a layout: its directory, each file's node, and its LazyRankFiles (for
+// the budget of layouts built on lookup; calibrated with tests/bench/scale_bench.py).
+constexpr uint64_t kNodeBytes = 512;
+uint64_t RankTreeBytes(const views::RankFiles& f) {
+  uint64_t n_files = 0;
+  for (RankFile w : {RankFile::kModel, RankFile::kSafetensors, RankFile::kOptim, RankFile::kExtra, RankFile::kInfo}) {
+    n_files += FileOf(f, w) != nullptr ? 1 : 0;
+  }
+  return (1 + n_files) * kNodeBytes + sizeof(LazyRankFiles) + 64;
+}
+
+// Adds `rank_<N>/{model.pt,model.safetensors,optim.pt,extra_state.pt,ucp_info.json}` for every
+// rank of `plan` under `ldir`, each file sized now and built again on open (LazyRankFiles).
 // Rank files depend on (tp, pp, ep) for model.pt and, without ZeRO partitioning, optim.pt; DP
 // replicas link to the first such file. Counts the distinct files added in *n_files.
-Status AddLayoutRanks(Tree& tree, Ino ldir, const views::TargetPlan& plan, struct timespec mtime,
+Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetPlan> plan, struct timespec mtime,
                       const ViewAccess& access, size_t* n_files) {
-  const layout::Layout& l = plan.layout();
+  const layout::Layout& l = plan->layout();
   struct Shared {
     Ino first = 0, second = 0, third = 0;  // model.pt, optim.pt, model.safetensors
   };
   std::map<std::tuple<int, int, int>, Shared> shared_files;  // (tp,pp,ep) -> the rank files DP replicas share
   for (int rank = 0; rank < l.World(); ++rank) {
-    UCPFS_ASSIGN_OR_RETURN(auto files_of_rank, plan.Build(rank));
-    UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree.AddDir(ldir, "rank_" + std::to_string(rank), mtime));
     const auto c = layout::CoordsOf(l, rank);
     auto it = shared_files.try_emplace({c.tp, c.pp, c.ep}).first;
-    auto add = [&](const char* name, std::shared_ptr<const ByteSource> src, Ino* share) -> Status {
+    Shared& shared = it->second;
+    // A DP replica links to the files it shares: only its own are built to be sized.
+    views::RankFileSet want;
+    want.model = want.model_safetensors = shared.first == 0;
+    want.optim = l.zero != 0 || shared.first == 0;
+    UCPFS_ASSIGN_OR_RETURN(auto files_of_rank, plan->Build(rank, want));
+    UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree.AddDir(ldir, "rank_" + std::to_string(rank), mtime));
+    auto lazy = std::make_shared<const LazyRankFiles>(plan, rank);
+    auto add = [&](const char* name, RankFile which, Ino* share) -> Status {
       if (share != nullptr && *share != 0) return tree.AddLink(rdir, name, *share);
-      const uint64_t n_bytes = src->Size();
-      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(rdir, name, n_bytes, mtime, FixedSource(std::move(src))));
+      const uint64_t n_bytes = FileOf(files_of_rank, which)->Size();
+      Opener open = [lazy, which, n_bytes]() { return lazy->Open(which, n_bytes); };
+      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(rdir, name, n_bytes, mtime, std::move(open)));
       UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
       if (share != nullptr) *share = ino;
       ++*n_files;
       return Status::Ok();
     };
-    UCPFS_RETURN_IF_ERROR(add("model.pt", files_of_rank.model, &it->second.first));
-    if (files_of_rank.model_safetensors) {
-      UCPFS_RETURN_IF_ERROR(add("model.safetensors", files_of_rank.model_safetensors, &it->second.third));
+    UCPFS_RETURN_IF_ERROR(add("model.pt", RankFile::kModel, &shared.first));
+    if (files_of_rank.model_safetensors || shared.third != 0) {
+      UCPFS_RETURN_IF_ERROR(add("model.safetensors", RankFile::kSafetensors, &shared.third));
     }
-    if (files_of_rank.optim) {
-      UCPFS_RETURN_IF_ERROR(add("optim.pt", files_of_rank.optim, l.zero == 0 ? &it->second.second : nullptr));
+    if (files_of_rank.optim || (l.zero == 0 && shared.second != 0)) {
+      UCPFS_RETURN_IF_ERROR(add("optim.pt", RankFile::kOptim, l.zero == 0 ? &shared.second : nullptr));
     }
-    if (files_of_rank.extra) UCPFS_RETURN_IF_ERROR(add("extra_state.pt", files_of_rank.extra, nullptr));
-    UCPFS_RETURN_IF_ERROR(add("ucp_info.json", files_of_rank.info, nullptr));
+    if (files_of_rank.extra) UCPFS_RETURN_IF_ERROR(add("extra_state.pt", RankFile::kExtra, nullptr));
+    UCPFS_RETURN_IF_ERROR(add("ucp_info.json", RankFile::kInfo, nullptr));
   }
   return Status::Ok();
 }
@@ -390,14 +461,14 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     for (const auto& l : targets.layouts) {
       UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(target_input, l));
       UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
-      UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
+      UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, std::make_shared<const views::TargetPlan>(std::move(plan)),
+                                           mtime, access, &n_target));
     }
   }
   // Memory of the layouts built on lookup. A layout's estimate is reserved before it is built
   // and given back when its Tree is destroyed (the Filesystem evicts it once the kernel has
   // forgotten its inodes), so the budget bounds what they hold at once, not in a lifetime.
   struct LookupBudget {
-    std::mutex probe_mu;  // held while rank 0 of a layout is built to measure it
     std::mutex mu;
     uint64_t limit = 0;
     uint64_t used = 0;   // guarded by mu
@@ -436,26 +507,14 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
                                   " ranks; layouts built on lookup are limited to " +
                                   std::to_string(kMaxLookupWorld) + " (use --layout)");
     }
-    UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(target_input, l));
-    // Bounded memory: estimate the layout from what rank 0's files take on the heap (pickles,
-    // zip headers, local layouts) before building any more, and refuse a layout that would
-    // pass the budget shared by all layouts built on lookup.
-    // One probe at a time, and the smaller of two: the heap is the whole process's, so another
-    // thread allocating meanwhile (a FUSE worker's first read buffer) or a one-time cache filled
-    // by the first build would otherwise count as if every rank took it.
-    uint64_t rank_heap_bytes = UINT64_MAX;
-    {
-      std::lock_guard probing(budget->probe_mu);
-      for (int attempt = 0; attempt < 2; ++attempt) {
-        const size_t heap_before = ::mallinfo2().uordblks;
-        UCPFS_ASSIGN_OR_RETURN(auto probe, plan.Build(0));
-        const size_t heap_after = ::mallinfo2().uordblks;
-        rank_heap_bytes = std::min<uint64_t>(rank_heap_bytes, heap_after > heap_before ? heap_after - heap_before : 0);
-      }
-    }
-    constexpr uint64_t kNodeBytes = 512;  // a rank directory and its files in the tree
-    const uint64_t per_rank = std::max<uint64_t>(rank_heap_bytes, 4096) + 5 * kNodeBytes;
-    const uint64_t estimate = per_rank * static_cast<uint64_t>(l.World());
+    UCPFS_ASSIGN_OR_RETURN(auto made, views::TargetPlan::Make(target_input, l));
+    auto plan = std::make_shared<const views::TargetPlan>(std::move(made));
+    // Bounded memory: a layout keeps only its tree (rank files are built again on open:
+    // LazyRankFiles), so its estimate is rank 0's tree bytes × ranks, reserved before any rank
+    // is added; a layout that would pass the budget shared by all layouts built on lookup is
+    // refused.
+    UCPFS_ASSIGN_OR_RETURN(auto probe, plan->Build(0));
+    const uint64_t estimate = RankTreeBytes(probe) * static_cast<uint64_t>(l.World());
     {
       std::lock_guard lock(budget->mu);
       if (budget->used + estimate > budget->limit) {
@@ -471,7 +530,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     }
     auto sub = std::make_shared<BudgetedTree>(mtime, budget, estimate);  // releases on failure too
     size_t n_files = 0;
-    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(sub->tree, kRootIno, plan, mtime, access, &n_files));
+    UCPFS_RETURN_IF_ERROR(AddLayoutRanks(sub->tree, kRootIno, std::move(plan), mtime, access, &n_files));
     return std::shared_ptr<const Tree>(sub, &sub->tree);
   };
 
@@ -592,7 +651,8 @@ Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>
       for (const auto& l : targets.layouts) {
         UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(input, l));
         UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
-        UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, plan, mtime, access, &n_target));
+        UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, std::make_shared<const views::TargetPlan>(std::move(plan)),
+                                             mtime, access, &n_target));
       }
     }
   }

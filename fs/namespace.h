@@ -47,8 +47,9 @@ struct TargetOptions {
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;       // --pattern-rules
   std::optional<std::vector<int>> pp_split;
-  // Memory that layouts built on lookup may take together (--lookup-memory-mib). A layout
-  // whose estimate (rank 0's heap bytes × ranks) would pass it is refused, not built.
+  // Memory that layouts built on lookup may take together (--lookup-memory-mib). A layout keeps
+  // only its tree (rank files are sized when it is built and built again when opened); one
+  // whose estimate (rank 0's tree bytes × ranks) would pass the budget is refused, not built.
   uint64_t lookup_budget_bytes = uint64_t{256} << 20;
   // safetensors/: the largest shard (--safetensors-shard-size; index/safetensors_view.h).
   uint64_t safetensors_shard_n_bytes = 5'000'000'000;

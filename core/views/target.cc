@@ -165,11 +165,26 @@ SaveValue ParamGroups(const TargetInput& in, const std::vector<Held>& held) {
   return groups;
 }
 
+// An empty ordered_json object with room for n_fields. nlohmann's ordered_map is a vector of
+// pair<const string, json>, whose move may throw (the const key is copied), so the vector grows
+// by copying every value, nested ones included; ucp_info.json is made for every rank of every
+// layout (its size is needed to list the file), so its objects are filled in place instead.
+nlohmann::ordered_json ObjectWithRoom(size_t n_fields) {
+  auto out = nlohmann::ordered_json::object();
+  out.get_ref<nlohmann::ordered_json::object_t&>().reserve(n_fields);
+  return out;
+}
+
 nlohmann::ordered_json PiecesJson(const std::vector<int64_t>& global_shape,
                                   const std::vector<slice::Box>& pieces) {
   auto out = nlohmann::ordered_json::array();
+  out.get_ref<nlohmann::ordered_json::array_t&>().reserve(pieces.size());
   for (const auto& b : pieces) {
-    out.push_back({{"view_shape", global_shape}, {"offsets", b.offsets}, {"sizes", b.sizes}});
+    auto piece = ObjectWithRoom(3);
+    piece["view_shape"] = global_shape;
+    piece["offsets"] = b.offsets;
+    piece["sizes"] = b.sizes;
+    out.push_back(std::move(piece));
   }
   return out;
 }
@@ -249,7 +264,7 @@ Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout
   return out;
 }
 
-Result<RankFiles> TargetPlan::Build(int rank) const {
+Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   if (rank < 0 || rank >= layout_.World()) {
     return InvalidArgumentError("layout " + layout_.name + ": rank " + std::to_string(rank) +
                                 " out of range [0, " + std::to_string(layout_.World()) + ")");
@@ -301,21 +316,23 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
   nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
   auto add_info = [&](const Held& h, TargetState s, const std::string& file, const std::string& key,
                       DType dtype, const nlohmann::ordered_json& flat_range) {
+    if (!want.info) return;
     const auto& p = in.params[h.param];
     const bool step = s == TargetState::kStep;
     const std::vector<int64_t> global_shape =
         p.states[S(s)] ? p.states[S(s)]->shape : std::vector<int64_t>{};  // a stored number: 0-d
-    tensors.push_back({{"param", p.name},
-                       {"state", TargetStateName(s)},
-                       {"file", file},
-                       {"key", key},
-                       {"source_key", p.keys[S(s)]},
-                       {"dtype", std::string(TorchName(dtype))},
-                       {"global_shape", global_shape},
-                       {"pattern", step ? std::string("replicate") : DescribeTargetPattern(patterns_[h.param])},
-                       {"pieces", step ? nlohmann::ordered_json::array()
-                                       : PiecesJson(p.states[S(s)]->shape, h.view.pieces)},
-                       {"flat_range", flat_range}});
+    auto t = ObjectWithRoom(10);
+    t["param"] = p.name;
+    t["state"] = TargetStateName(s);
+    t["file"] = file;
+    t["key"] = key;
+    t["source_key"] = p.keys[S(s)];
+    t["dtype"] = std::string(TorchName(dtype));
+    t["global_shape"] = global_shape;
+    t["pattern"] = step ? std::string("replicate") : DescribeTargetPattern(patterns_[h.param]);
+    t["pieces"] = step ? nlohmann::ordered_json::array() : PiecesJson(p.states[S(s)]->shape, h.view.pieces);
+    t["flat_range"] = flat_range;
+    tensors.push_back(std::move(t));
   };
 
   // model.pt
@@ -334,9 +351,11 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
     add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
   }
   RankFiles out;
-  UCPFS_ASSIGN_OR_RETURN(auto model_file, format::LazyTorchFile::Build(model, dir + "model.pt"));
-  out.model = std::move(model_file);
-  if (safetensors_dtypes) {
+  if (want.model) {
+    UCPFS_ASSIGN_OR_RETURN(auto model_file, format::LazyTorchFile::Build(model, dir + "model.pt"));
+    out.model = std::move(model_file);
+  }
+  if (want.model_safetensors && safetensors_dtypes) {
     // Names safetensors cannot hold (not UTF-8, "__metadata__") leave the rank without it.
     auto st = format::LazySafetensorsFile::Build(std::move(model_tensors), {{"format", "pt"}}, dir + "model.safetensors");
     if (st.ok()) out.model_safetensors = std::move(*st);
@@ -438,8 +457,10 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
       }
       optim.Set("param_groups", ParamGroups(in, held));
     }
-    UCPFS_ASSIGN_OR_RETURN(auto optim_file, format::LazyTorchFile::Build(optim, dir + "optim.pt"));
-    out.optim = std::move(optim_file);
+    if (want.optim) {
+      UCPFS_ASSIGN_OR_RETURN(auto optim_file, format::LazyTorchFile::Build(optim, dir + "optim.pt"));
+      out.optim = std::move(optim_file);
+    }
   }
 
   // extra_state.pt: replicated items everywhere; a rank-local group only when it has exactly one
@@ -491,12 +512,13 @@ Result<RankFiles> TargetPlan::Build(int rank) const {
     extra.Set(e.key, e.value);
     extra_keys.push_back(e.key);
   }
-  if (!extra_keys.empty()) {
+  if (want.extra && !extra_keys.empty()) {
     UCPFS_ASSIGN_OR_RETURN(auto extra_file, format::LazyTorchFile::Build(extra, dir + "extra_state.pt"));
     out.extra = std::move(extra_file);
   }
 
-  nlohmann::ordered_json info;
+  if (!want.info) return out;
+  auto info = ObjectWithRoom(7);
   info["layout"] = layout_.name;
   info["rank"] = rank;
   info["coords"] = {{"tp", coords.tp}, {"pp", coords.pp}, {"dp", coords.dp}, {"ep", coords.ep}};

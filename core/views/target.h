@@ -138,6 +138,17 @@ struct RankFiles {
   std::shared_ptr<const ByteSource> extra;  // extra_state.pt; null when the rank gets no extra item
 };
 
+// Which of a rank's files TargetPlan::Build makes; the others are left null. A file's bytes do
+// not depend on which others are made with it. Errors of the input (slices, dtypes) are
+// returned whatever is chosen; a file's own (LazyTorchFile::Build's) only when it is made.
+struct RankFileSet {
+  bool model = true;
+  bool model_safetensors = true;
+  bool optim = true;
+  bool extra = true;
+  bool info = true;
+};
+
 // The per-layout work done once (preset, model info, patterns, stage bounds), so that the
 // files of many ranks are built without repeating it. Keeps `input` alive.
 class TargetPlan {
@@ -148,10 +159,11 @@ class TargetPlan {
   // parameter with different shapes.
   static Result<TargetPlan> Make(std::shared_ptr<const TargetInput> input, layout::Layout layout);
 
-  // The three files of `rank` (0 <= rank < World(), else kInvalidArgument). Errors: those of
-  // TargetSlice and LocalLayout naming the parameter; kUnsupported when a stored dtype cannot be
-  // converted to the file's dtype; LazyTorchFile::Build's.
-  Result<RankFiles> Build(int rank) const;
+  // The files of `rank` (0 <= rank < World(), else kInvalidArgument), those in `want` (a file
+  // the rank does not have stays null either way). Errors: those of TargetSlice and LocalLayout
+  // naming the parameter; kUnsupported when a stored dtype cannot be converted to the file's
+  // dtype; LazyTorchFile::Build's.
+  Result<RankFiles> Build(int rank, const RankFileSet& want = {}) const;
 
   const layout::Layout& layout() const { return layout_; }
   layout::Preset preset() const { return preset_; }

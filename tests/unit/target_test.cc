@@ -390,5 +390,50 @@ TEST(TargetTest, RefusesBadLayoutAndRank) {
   EXPECT_FALSE(plan->Build(1).ok());
 }
 
+std::vector<std::byte> AllBytes(const ByteSource& src) {
+  std::vector<std::byte> out(src.Size());
+  EXPECT_TRUE(src.ReadAt(0, out).ok()) << src.Name();
+  return out;
+}
+
+// A mount sizes every rank file when a layout is listed and builds it again, alone, when it is
+// opened (fs/namespace.cc): a file built with any subset must equal the one built with all.
+TEST(TargetTest, BuildsOnlyTheChosenFilesWithTheSameBytes) {
+  auto fx = MakeModel();
+  for (const char* name : {"tp2_pp1_dp2", "tp1_pp2_dp2_zero1"}) {
+    auto l = layout::ParseLayout(name);
+    ASSERT_TRUE(l.ok());
+    auto plan = TargetPlan::Make(fx->input, *l);
+    ASSERT_TRUE(plan.ok()) << plan.error().ToString();
+    for (int r = 0; r < l->World(); ++r) {
+      auto all = plan->Build(r);
+      ASSERT_TRUE(all.ok()) << all.error().ToString();
+      ASSERT_TRUE(all->model && all->model_safetensors && all->optim && all->info) << name << " rank " << r;
+      auto only = [&](int which) {
+        RankFileSet want{.model = which == 0, .model_safetensors = which == 1, .optim = which == 2,
+                         .extra = which == 3, .info = which == 4};
+        auto got = plan->Build(r, want);
+        EXPECT_TRUE(got.ok()) << got.error().ToString();
+        return *got;
+      };
+      const std::shared_ptr<const ByteSource> RankFiles::*members[] = {
+          &RankFiles::model, &RankFiles::model_safetensors, &RankFiles::optim, &RankFiles::extra, &RankFiles::info};
+      for (int which = 0; which < 5; ++which) {
+        const RankFiles got = only(which);
+        for (int other = 0; other < 5; ++other) {
+          const auto& want_src = (*all).*members[other];
+          const auto& got_src = got.*members[other];
+          if (other != which || want_src == nullptr) {
+            EXPECT_EQ(got_src, nullptr) << name << " rank " << r << " file " << other;
+            continue;
+          }
+          ASSERT_NE(got_src, nullptr) << name << " rank " << r << " file " << other;
+          EXPECT_EQ(AllBytes(*got_src), AllBytes(*want_src)) << name << " rank " << r << " " << want_src->Name();
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ucpfs::views
