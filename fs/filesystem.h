@@ -129,7 +129,8 @@ class Filesystem {
   // distinct message, so a changed source file does not flood the log) and returned.
   Result<size_t> Read(const OpenFile& file, uint64_t byte_offset, std::span<std::byte> buffer);
   // After a read of [byte_offset, +n_bytes) was answered: the read-ahead of view files
-  // (FilesystemOptions::read_ahead_bytes). Returns at once; never fails.
+  // (FilesystemOptions::read_ahead_bytes). Returns at once; never fails. `file` must stay alive
+  // meanwhile: once a read is answered its handle may be released, so pass a copy.
   void ReadAhead(const OpenFile& file, uint64_t byte_offset, uint64_t n_bytes) const;
   // Errors: kNotFound, ENOTDIR.
   Result<DirListing> OpenDir(Ino ino) const;

@@ -401,8 +401,12 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
     Filesystem& fs = FsOf(req);
     Result<size_t> n_bytes = fs.Read(file, byte_offset, std::span(buffer.data(), wanted));
     if (!n_bytes.ok()) return ErrnoFromStatus(n_bytes.error());
+    // Read-ahead runs after the reply, so the reader is not kept waiting. Once the reply is out
+    // the kernel may release the handle on another thread: keep what read-ahead uses.
+    std::optional<OpenFile> ahead;
+    if (file.prefetched_until) ahead = file;
     fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), *n_bytes);
-    fs.ReadAhead(file, byte_offset, *n_bytes);  // after the reply: the reader is not kept waiting
+    if (ahead) fs.ReadAhead(*ahead, byte_offset, *n_bytes);
     return 0;
   });
 }
