@@ -56,6 +56,28 @@ Result<uint32_t> CheckpointBuilder::AddFile(const std::string& rel_path) {
   return id;
 }
 
+Status TpSliceMerger::Add(Item item, int tp_rank, const std::string& where) {
+  auto [it, fresh] = index_.try_emplace(item.key, merged_.size());
+  if (fresh) {
+    contributed_.insert({item.key, tp_rank});
+    merged_.push_back(std::move(item));
+    return Status::Ok();
+  }
+  Item& into = merged_[it->second];
+  if (into.layout.shape.empty()) return Status::Ok();  // a step: every tp rank's is the same
+  if (!contributed_.insert({item.key, tp_rank}).second) {
+    if (!repeat_is_error_) return Status::Ok();
+    return CorruptError(where + ": '" + item.key + "' is stored by another pipeline stage too");
+  }
+  if (into.layout.shape != item.layout.shape) {
+    return CorruptError(where + ": '" + item.key + "': the slice of tp rank " + std::to_string(tp_rank) +
+                        " makes a tensor of shape " + JoinInts(item.layout.shape) + ", another rank's " +
+                        JoinInts(into.layout.shape));
+  }
+  for (slice::Fragment& f : item.layout.fragments) into.layout.fragments.push_back(std::move(f));
+  return Status::Ok();
+}
+
 Item CheckpointBuilder::WholeTensor(std::string key, DType dtype, std::vector<int64_t> shape, uint32_t file_id,
                                    uint64_t byte_offset, std::vector<int64_t> strides) {
   Item item;

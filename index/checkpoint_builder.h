@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -84,6 +85,24 @@ void PlaceRange(const Placement& pl, uint64_t lo, uint64_t hi, uint32_t file_id,
 // Errors: kUnsupported, naming `where` and the record, for a non-contiguous slice.
 Result<Item> PlacedItem(const Placement& pl, const std::string& key, const format::TensorRecord& rec,
                         uint32_t file_id, const std::string& where);
+
+// Merges the tensor-parallel slices of each item, as the scanners of per-rank files read them:
+// an item's first slice starts it, a later tp rank's slice adds its fragments (the shapes must
+// agree), a 0-d item (a step) is kept once. A slice from a tp rank that already gave one (a
+// later pipeline stage's copy of tied weights) is skipped, or, with `repeat_is_error`, kCorrupt.
+class TpSliceMerger {
+ public:
+  explicit TpSliceMerger(bool repeat_is_error) : repeat_is_error_(repeat_is_error) {}
+  // Errors: kCorrupt naming `where` and the item.
+  Status Add(Item item, int tp_rank, const std::string& where);
+  std::vector<Item>& items() { return merged_; }  // in first-seen order
+
+ private:
+  bool repeat_is_error_;
+  std::vector<Item> merged_;
+  std::map<std::string, size_t> index_;
+  std::set<std::pair<std::string, int>> contributed_;  // (item key, tp rank) added
+};
 
 // "[1, 2, 3]" for messages.
 std::string JoinInts(const std::vector<int64_t>& v);

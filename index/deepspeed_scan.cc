@@ -313,7 +313,7 @@ class DeepSpeedScanner {
       }
     }
     const std::string where = builder_.dir() + (tag_dir_.empty() ? "" : "/" + tag_dir_);
-    for (Item& item : merged_) {
+    for (Item& item : merged_.items()) {
       if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
       builder_.AddItem(std::move(item));
     }
@@ -325,23 +325,7 @@ class DeepSpeedScanner {
   // Adds tp rank t's part of an item: a new key, or more fragments of one seen before (another
   // tp rank's pieces). A key another rank already gave fully (tied weights on a later pipeline
   // stage, a step) is skipped, as ds_to_universal skips pipeline-replicated parameters there.
-  Status Merge(Item item, int t) {
-    auto [it, fresh] = merged_index_.try_emplace(item.key, merged_.size());
-    if (fresh) {
-      contributed_.insert({item.key, t});
-      merged_.push_back(std::move(item));
-      return Status::Ok();
-    }
-    Item& into = merged_[it->second];
-    if (into.layout.shape.empty() || !contributed_.insert({item.key, t}).second) return Status::Ok();
-    if (into.layout.shape != item.layout.shape) {
-      return CorruptError(builder_.dir() + ": '" + item.key + "': the slice of tp rank " + std::to_string(t) +
-                          " makes a tensor of shape " + JoinInts(item.layout.shape) + ", another rank's " +
-                          JoinInts(into.layout.shape));
-    }
-    for (slice::Fragment& f : item.layout.fragments) into.layout.fragments.push_back(std::move(f));
-    return Status::Ok();
-  }
+  Status Merge(Item item, int t) { return merged_.Add(std::move(item), t, builder_.dir()); }
 
   // Tensor- and pipeline-parallel degrees: checkpoint_parallel_dimensions when the engine wrote
   // it, else (as ds_to_universal) the tp ranks of the layer files, else one stage.
@@ -879,9 +863,7 @@ class DeepSpeedScanner {
   std::vector<std::vector<uint32_t>> optim_ids_;
   std::vector<std::map<std::string, Item>> layer_weights_;  // by tp rank: layer-file tensors not yet added
   std::vector<std::string> layer_order_;
-  std::vector<Item> merged_;                              // items in first-seen order
-  std::map<std::string, size_t> merged_index_;
-  std::set<std::pair<std::string, int>> contributed_;     // (item key, tp rank) added
+  TpSliceMerger merged_{/*repeat_is_error=*/false};
 };
 
 }  // namespace

@@ -287,7 +287,7 @@ class MegatronScanner {
         if (progress) progress(++done, static_cast<uint64_t>(n_files));
       }
     }
-    for (Item& item : merged_) {
+    for (Item& item : merged_.items()) {
       if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, Abs(iter_dir_)));
       builder_.AddItem(std::move(item));
     }
@@ -454,27 +454,7 @@ class MegatronScanner {
     return std::optional<Item>(std::move(item));
   }
 
-  // Adds tp rank t's part of an item (as the DeepSpeed scanner merges its ranks).
-  Status Merge(Item item, int t, const std::string& where) {
-    auto [it, fresh] = merged_index_.try_emplace(item.key, merged_.size());
-    if (fresh) {
-      contributed_.insert({item.key, t});
-      merged_.push_back(std::move(item));
-      return Status::Ok();
-    }
-    Item& into = merged_[it->second];
-    if (into.layout.shape.empty()) return Status::Ok();  // a step: every tp rank's is the same
-    if (!contributed_.insert({item.key, t}).second) {
-      return CorruptError(where + ": '" + item.key + "' is stored by another pipeline stage too");
-    }
-    if (into.layout.shape != item.layout.shape) {
-      return CorruptError(where + ": '" + item.key + "': the slice of tp rank " + std::to_string(t) +
-                          " makes a tensor of shape " + JoinInts(item.layout.shape) + ", another rank's " +
-                          JoinInts(into.layout.shape));
-    }
-    for (slice::Fragment& f : item.layout.fragments) into.layout.fragments.push_back(std::move(f));
-    return Status::Ok();
-  }
+  Status Merge(Item item, int t, const std::string& where) { return merged_.Add(std::move(item), t, where); }
 
   // The non-distributed optimizer's state: positions matched to parameters (megatron_scan.h).
   Status OptimizerState(const format::TorchFile& tf, uint32_t file_id, int t,
@@ -845,9 +825,7 @@ class MegatronScanner {
   Args args_;
   std::vector<int64_t> stage_layers_;
   std::optional<double> distopt_step_;  // the distributed optimizer's param groups' step
-  std::vector<Item> merged_;  // items in first-seen order
-  std::map<std::string, size_t> merged_index_;
-  std::set<std::pair<std::string, int>> contributed_;  // (item key, tp rank) added
+  TpSliceMerger merged_{/*repeat_is_error=*/true};  // tied copies of later stages are skipped before Merge
 };
 
 }  // namespace
