@@ -583,6 +583,9 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   fs::MountOptions mo;
   mo.mountpoint = args.mountpoint;
   mo.fuse_options = args.fuse_options;
+  // The source as the mount's "device" (findmnt, df), as sshfs and squashfuse show theirs, so
+  // `mount -a` finds an fstab line already mounted; an fsname= option overrides it.
+  mo.fsname = source_dir;
   mo.ready_fd = ready_fd;
   mo.readahead_bytes = read_ahead->kernel_n_bytes;
   mo.source_read_ahead_bytes = read_ahead->prefetch_n_bytes;

@@ -4,11 +4,14 @@
 
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "core/io/lazy_file_source.h"
 #include "cli/checkpoint_cmds.h"
 #include "cli/convert_cmd.h"
 #include "cli/inspect.h"
+#include "cli/mount_helper.h"
+#include "cli/mount_options.h"
 
 namespace {
 
@@ -26,6 +29,7 @@ int main(int argc, char** argv) {
   // A checkpoint may have more files than the default soft limit; source files are reached
   // through a bounded descriptor cache sized from the limit in force (FdCache).
   ucpfs::RaiseOpenFileLimit();
+  if (ucpfs::cli::IsMountHelperName(argv[0])) return ucpfs::cli::RunMountHelper(argc, argv);
   CLI::App app{"ucpfs: mount a distributed training checkpoint (PyTorch DCP, Megatron-Core torch_dist, DeepSpeed,\n"
                "Megatron-LM, Hugging Face safetensors or a torch.save state dict) as resharded views:\n"
                "  MNT/atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt   consolidated per-parameter state\n"
@@ -43,12 +47,15 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
 
   ucpfs::cli::MountArgs mount;
-  std::string fuse_opts;
+  std::vector<std::string> mount_opts;  // -o lists (repeatable)
   CLI::App* mount_cmd = app.add_subcommand("mount", "Mount checkpoint SRC at MNT (returns once the mount is ready)");
   mount_cmd->add_option("SRC", mount.source.src, "checkpoint directory")->required();
   mount_cmd->add_option("MNT", mount.mountpoint, "mount point (an existing directory)")->required();
   mount_cmd->add_flag("-f,--foreground", mount.foreground, "stay in the foreground");
-  mount_cmd->add_option("-o", fuse_opts, "FUSE mount options, comma-separated (e.g. allow_other)");
+  mount_cmd->add_option("-o", mount_opts,
+                        "options, comma-separated, as mount(8) takes them: every long option as name[=value] "
+                        "with underscores (layout=tp2_pp1_dp1,cache_size=8G,ro,pp_split=5:6:6:5), FUSE options "
+                        "(allow_other, ...) and mount's generic ones (cli/mount_options.h); repeatable");
   mount_cmd->add_option("--log", mount.log_file, "daemon log file (default: discarded)");
   mount_cmd->add_option("--layout", mount.layouts,
                         "serve target/<LAYOUT>/rank_N/ for this layout, e.g. tp2_pp2_dp4 (repeatable)");
@@ -122,13 +129,10 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   if (mount_cmd->parsed()) {
-    std::string opt;
-    for (char c : fuse_opts + ",") {
-      if (c == ',') {
-        if (!opt.empty()) mount.fuse_options.push_back(opt);
-        opt.clear();
-      } else {
-        opt += c;
+    for (const std::string& list : mount_opts) {
+      if (ucpfs::Status o = ucpfs::cli::ApplyMountOptions(list, &mount); !o.ok()) {
+        std::cerr << "ucpfs mount: " << o.message() << '\n';
+        return 2;
       }
     }
     return ucpfs::cli::RunMount(mount);
