@@ -460,6 +460,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   };
   auto changed = std::make_shared<ChangeSink>();
   auto served = std::make_shared<ServedSnapshot>();
+  auto mount_report = std::make_shared<fs::MountReport>();
   bool read_only = args.read_only;
   if (!read_only) {
     io::PinnedCacheOptions co;
@@ -478,7 +479,14 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     io::WriteCaptureOptions wo;
     wo.source_dir = source_dir;
     wo.cache_options = co;  // made when the first file is saved: a mount only read pins no memory
-    wo.log = [](const std::string& line) { std::cerr << line << std::endl; };
+    wo.log = [mount_report](const std::string& line) {
+      std::cerr << line << std::endl;
+      // Everything the capture logs is a failure (flush, journal) or a file recovery discarded,
+      // but for the note that a recovery finished a file.
+      if (line.find("capture recovery: finished") == std::string::npos) {
+        mount_report->RecordError(line.starts_with("ucpfs: ") ? line.substr(7) : line);
+      }
+    };
     wo.on_durable = [changed](const std::string& rel) { (*changed)(rel); };
     wo.before_replace = [served](const std::string& rel) { served->BeforeReplace(rel); };
     const int src_fd = ::open(source_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -499,6 +507,9 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     }
   }
   fs::MountHooks hooks;
+  hooks.report = mount_report;
+  // Who serves the mount: after a plain umount(8) it drains the write cache, then exits.
+  hooks.status_extra["daemon_pid"] = static_cast<int64_t>(::getpid());
   if (capture) {
     hooks.sync = [capture] { return capture->Sync(); };
     hooks.capture_stats = [capture] {
@@ -506,6 +517,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
       nlohmann::ordered_json j;
       j["cache_bytes"] = s.cache_capacity_bytes;
       j["cache_used_bytes"] = s.cache_used_bytes;
+      j["cache_free_bytes"] = s.cache_capacity_bytes - std::min(s.cache_used_bytes, s.cache_capacity_bytes);
       j["dirty_bytes"] = s.dirty_bytes;
       j["bytes_captured"] = s.bytes_captured;
       j["bytes_flushed"] = s.bytes_flushed;
@@ -587,6 +599,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   // `mount -a` finds an fstab line already mounted; an fsname= option overrides it.
   mo.fsname = source_dir;
   mo.ready_fd = ready_fd;
+  mo.report = mount_report;
   mo.readahead_bytes = read_ahead->kernel_n_bytes;
   mo.source_read_ahead_bytes = read_ahead->prefetch_n_bytes;
   // target/<layout>/ for layouts not given with --layout: built on first lookup.
@@ -744,28 +757,66 @@ int RunStatus(const std::string& mountpoint, bool json) {
     std::snprintf(buf, sizeof(buf), "%.1f MiB", v.is_number() ? v.get<double>() / (1 << 20) : 0.0);
     return std::string(buf);
   };
-  std::cout << "mount:      " << mnt << '\n' << "source:     " << status.value("source", "?") << '\n';
+  auto num = [](const nlohmann::json& j, const char* key) {
+    return j.is_object() && j.contains(key) && j[key].is_number() ? j[key].get<uint64_t>() : uint64_t{0};
+  };
+  std::cout << "mount:       " << mnt << '\n' << "source:      " << status.value("source", "?") << '\n';
   if (status.contains("no_checkpoint")) {
-    std::cout << "checkpoint: none yet (" << status["no_checkpoint"].get<std::string>() << ")\n";
+    std::cout << "checkpoint:  none yet (" << status["no_checkpoint"].get<std::string>() << ")\n";
   } else {
-    std::cout << "checkpoint: " << status.value("format", "?") << " (" << status.value("flavor", "") << "), "
-              << status["counts"].value("params", 0) << " parameters\n";
+    std::cout << "checkpoint:  " << status.value("format", "?") << " (" << status.value("flavor", "") << "), "
+              << num(status["counts"], "params") << " parameters\n";
   }
-  std::cout << "generation: " << status.value("generation", 1) << '\n';
+  if (status.contains("run") && status["run"].is_object()) {
+    const auto& run = status["run"];
+    std::cout << "checkpoints: newest " << run.value("newest", "?") << " (served at the root)\n";
+    for (const auto& c : run.value("checkpoints", nlohmann::json::array())) {
+      std::cout << "  " << c.value("name", "?") << ": "
+                << (c.contains("error") ? "not served: " + c["error"].get<std::string>() : std::string("served"))
+                << '\n';
+    }
+    if (num(run, "left_out") > 0) std::cout << "  (" << num(run, "left_out") << " more left out)\n";
+  }
+  std::string layouts;
+  for (const auto& l : status.value("target_layouts", nlohmann::json::array())) {
+    layouts += (layouts.empty() ? "" : ", ") + l.get<std::string>() + " (given)";
+  }
+  const auto lookup = stats.value("lookup_layouts", nlohmann::json::object());
+  for (const auto& l : lookup.value("names", nlohmann::json::array())) {
+    layouts += (layouts.empty() ? "" : ", ") + l.get<std::string>() + " (built on lookup)";
+  }
+  if (!status.contains("no_checkpoint")) {
+    std::cout << "layouts:     " << (layouts.empty() ? "none yet (any appears when target/<layout> is looked up)" : layouts)
+              << "; on lookup: " << mib(lookup.value("memory_bytes", 0)) << " of " << mib(lookup.value("memory_limit_bytes", 0))
+              << '\n';
+  }
+  if (status.contains("index")) {
+    const auto& ix = status["index"];
+    std::cout << "index:       " << ix.value("state", "?") << " (current for generation " << status.value("generation", 1)
+              << ") at " << ix.value("dir", "?") << ", schema " << num(ix, "schema") << ", fingerprint "
+              << num(ix, "fingerprint") << ", opened in " << ix.value("open_seconds", 0.0) << " s\n";
+  }
+  std::cout << "generation:  " << status.value("generation", 1) << '\n';
+  const auto views = stats.value("views", nlohmann::json::object());
+  std::cout << "view reads:  " << mib(views.value("bytes_read", 0)) << " in " << num(views, "reads") << " reads\n";
   std::cout << "source reads: " << mib(stats.value("source_bytes_read", 0)) << " in " << stats.value("source_reads", 0)
             << " reads, " << stats.value("source_read_errors", 0) << " errors\n";
   if (stats.contains("capture")) {
     const auto& c = stats["capture"];
-    std::cout << "write cache: " << mib(c["cache_used_bytes"]) << " used of " << mib(c["cache_bytes"]) << " ("
-              << c.value("memory", "?") << "), " << mib(c["dirty_bytes"]) << " dirty\n"
-              << "captured:   " << mib(c["bytes_captured"]) << ", flushed " << mib(c["bytes_flushed"]) << " at "
+    std::cout << "write cache: " << mib(c["cache_used_bytes"]) << " used, " << mib(c.value("cache_free_bytes", 0))
+              << " free of " << mib(c["cache_bytes"]) << " (" << c.value("memory", "?") << "), "
+              << mib(c["dirty_bytes"]) << " dirty\n"
+              << "captured:    " << mib(c["bytes_captured"]) << ", flushed " << mib(c["bytes_flushed"]) << " at "
               << mib(c["flush_bytes_per_second"]) << "/s (" << c.value("engine", "?") << ")\n"
-              << "files:      " << c.value("files_pending", 0) << " pending, " << c.value("files_committed", 0)
+              << "files:       " << c.value("files_pending", 0) << " pending, " << c.value("files_committed", 0)
               << " made durable, " << c.value("flush_errors", 0) << " flush errors\n"
               << "writers blocked: " << c.value("writers_blocked_seconds", 0.0) << " s\n";
   } else {
     std::cout << "write cache: none (read-only mount)\n";
   }
+  const auto errors = stats.value("errors", nlohmann::json::object());
+  std::cout << "errors:      " << num(errors, "count") << '\n';
+  for (const auto& m : errors.value("last", nlohmann::json::array())) std::cout << "  " << m.get<std::string>() << '\n';
   return 0;
 }
 

@@ -280,21 +280,19 @@ Result<Filesystem::Found> Filesystem::ResolveChild(uint64_t generation_slot, con
   if (!resolve) return NotFoundError(label + ": its generation was released");
   Result<std::shared_ptr<const Tree>> made = resolve(name);  // outside the lock
   if (!made.ok()) {
-    std::fprintf(stderr, "ucpfs: %s: %s\n", label.c_str(), made.error().ToString().c_str());
+    LogError(label + ": " + made.error().ToString());
     return NotFoundError(label + ": " + made.error().message());
   }
   std::shared_ptr<const Tree> tree = std::move(*made);
   if (tree == nullptr || tree->size() > kLocalInoMask) {
-    std::fprintf(stderr, "ucpfs: %s: resolver returned %s\n", label.c_str(),
-                 tree == nullptr ? "no tree" : "too many nodes");
+    LogError(label + ": resolver returned " + (tree == nullptr ? "no tree" : "too many nodes"));
     return NotFoundError(label + ": no tree");
   }
   std::unique_lock lock(mu_);
   auto it = slot_of_.find(key);
   if (it == slot_of_.end()) {  // else another thread won the race: use theirs, drop ours
     if (subtrees_.size() >= kMaxLiveSubtrees || next_slot_ > kMaxSlot) {
-      std::fprintf(stderr, "ucpfs: %s: too many directories resolved (%zu)\n", label.c_str(),
-                   subtrees_.size());
+      LogError(label + ": too many directories resolved (" + std::to_string(subtrees_.size()) + ")");
       return PosixError(ENOSPC, label + ": too many directories resolved");
     }
     auto sub = std::make_unique<Subtree>();
@@ -414,18 +412,17 @@ Result<OpenFile> Filesystem::Open(Ino ino, int flags) const {
   }
   const std::string path = PathOf(ino);
   if (!node->open) {
-    std::fprintf(stderr, "ucpfs: open %s: file has no opener\n", path.c_str());
+    LogError("open " + path + ": file has no opener");
     return PosixError(EIO, path + ": no opener");
   }
   Result<std::shared_ptr<const ByteSource>> source = node->open();
   if (!source.ok()) {
-    std::fprintf(stderr, "ucpfs: open %s: %s\n", path.c_str(), source.error().ToString().c_str());
+    LogError("open " + path + ": " + source.error().ToString());
     return source.error();
   }
   if (*source == nullptr || (*source)->Size() != node->size) {
-    std::fprintf(stderr, "ucpfs: open %s: source has %llu bytes but the file has %llu\n",
-                 path.c_str(), static_cast<unsigned long long>(*source ? (*source)->Size() : 0),
-                 static_cast<unsigned long long>(node->size));
+    LogError("open " + path + ": source has " + std::to_string(*source ? (*source)->Size() : 0) +
+             " bytes but the file has " + std::to_string(node->size));
     return PosixError(EIO, path + ": source size differs");
   }
   OpenFile file{std::move(*source), ino, node->size, node->volatile_content, nullptr, nullptr};
@@ -433,6 +430,11 @@ Result<OpenFile> Filesystem::Open(Ino ino, int flags) const {
     file.prefetched_until = std::make_shared<std::atomic<uint64_t>>(0);
   }
   return file;
+}
+
+void Filesystem::LogError(const std::string& message) const {
+  std::fprintf(stderr, "ucpfs: %s\n", message.c_str());
+  if (options_.report) options_.report->RecordError(message);
 }
 
 void Filesystem::ReadAhead(const OpenFile& file, uint64_t byte_offset, uint64_t n_bytes) const {
@@ -459,23 +461,28 @@ Result<size_t> Filesystem::Read(const OpenFile& file, uint64_t byte_offset, std:
   if (file.passthrough) {
     Result<size_t> n = options_.passthrough->Read(*file.passthrough, byte_offset, buffer);
     if (!n.ok()) {
-      std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n", PathOf(file.ino).c_str(),
-                   static_cast<unsigned long long>(byte_offset), n.error().ToString().c_str());
+      LogError("read " + PathOf(file.ino) + " offset " + std::to_string(byte_offset) + ": " + n.error().ToString());
     }
     return n;
   }
   if (byte_offset >= file.n_bytes || buffer.empty()) return size_t{0};
   const auto n_bytes = static_cast<size_t>(std::min<uint64_t>(buffer.size(), file.n_bytes - byte_offset));
   const Status status = file.source->ReadAt(byte_offset, buffer.first(n_bytes));
-  if (status.ok()) return n_bytes;
+  if (status.ok()) {
+    if (options_.report) options_.report->CountViewRead(n_bytes);
+    return n_bytes;
+  }
   bool log = true;
   if (status.code() == StatusCode::kDataLoss) {
     std::lock_guard lock(logged_mu_);
     log = logged_data_loss_.size() < kMaxLoggedDataLoss && logged_data_loss_.insert(status.message()).second;
   }
+  const std::string message = "read " + PathOf(file.ino) + " offset " + std::to_string(byte_offset) + ": " +
+                              status.ToString();
   if (log) {
-    std::fprintf(stderr, "ucpfs: read %s offset %llu: %s\n", PathOf(file.ino).c_str(),
-                 static_cast<unsigned long long>(byte_offset), status.ToString().c_str());
+    LogError(message);
+  } else if (options_.report) {
+    options_.report->RecordError(message, /*keep_message=*/false);
   }
   return status;
 }
@@ -574,8 +581,7 @@ Result<size_t> Filesystem::Write(OpenFile& file, uint64_t byte_offset, std::span
   if (!file.passthrough) return PosixError(EROFS, PathOf(file.ino) + " is read-only");
   Result<size_t> n = options_.passthrough->Write(*file.passthrough, byte_offset, data);
   if (!n.ok()) {
-    std::fprintf(stderr, "ucpfs: write %s offset %llu: %s\n", PathOf(file.ino).c_str(),
-                 static_cast<unsigned long long>(byte_offset), n.error().ToString().c_str());
+    LogError("write " + PathOf(file.ino) + " offset " + std::to_string(byte_offset) + ": " + n.error().ToString());
   }
   return n;
 }
@@ -583,7 +589,7 @@ Result<size_t> Filesystem::Write(OpenFile& file, uint64_t byte_offset, std::span
 Status Filesystem::Fsync(OpenFile& file, bool datasync) {
   if (!file.passthrough) return Status::Ok();  // views are immutable
   Status s = options_.passthrough->Fsync(*file.passthrough, datasync);
-  if (!s.ok()) std::fprintf(stderr, "ucpfs: fsync %s: %s\n", PathOf(file.ino).c_str(), s.ToString().c_str());
+  if (!s.ok()) LogError("fsync " + PathOf(file.ino) + ": " + s.ToString());
   return s;
 }
 
@@ -595,7 +601,7 @@ Status Filesystem::Flush(OpenFile& file) {
 Status Filesystem::Release(OpenFile& file) {
   if (!file.passthrough) return Status::Ok();
   Status s = options_.passthrough->Release(*file.passthrough);
-  if (!s.ok()) std::fprintf(stderr, "ucpfs: close %s: %s\n", PathOf(file.ino).c_str(), s.ToString().c_str());
+  if (!s.ok()) LogError("close " + PathOf(file.ino) + ": " + s.ToString());
   return s;
 }
 

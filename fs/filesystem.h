@@ -42,6 +42,7 @@
 
 #include "core/byte_source.h"
 #include "core/status.h"
+#include "fs/mount_report.h"
 #include "fs/passthrough.h"
 #include "fs/tree.h"
 
@@ -67,6 +68,8 @@ struct FilesystemOptions {
   // source files' pages are read into the page cache in the background, so the next requests
   // find them there). 0: off.
   uint64_t read_ahead_bytes = 0;
+  // Where view reads are counted and errors recorded besides the log (null: the log only).
+  std::shared_ptr<MountReport> report;
 };
 
 // A looked-up node: its inode number and attributes. ino 0 is a negative entry (no such name).
@@ -173,6 +176,9 @@ class Filesystem {
   size_t NumSubtrees() const;
 
  private:
+  // Logs "ucpfs: <message>" and records it in options_.report.
+  void LogError(const std::string& message) const;
+
   // A tree served in a slot: a generation of the views (after a Swap) or a child of a dynamic
   // directory (built on lookup).
   struct Subtree {

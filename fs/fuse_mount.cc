@@ -683,6 +683,7 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   fs_options.resolve = options.resolve;
   fs_options.passthrough = options.passthrough;
   fs_options.read_ahead_bytes = options.source_read_ahead_bytes;
+  fs_options.report = options.report;
   Server server;
   UCPFS_ASSIGN_OR_RETURN(server.fs, Filesystem::Make(std::move(tree), std::move(fs_options)));
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;

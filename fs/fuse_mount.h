@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "fs/mount_report.h"
 #include "fs/passthrough.h"
 #include "fs/tree.h"
 
@@ -50,6 +51,8 @@ struct MountOptions {
   // The source served read-write beside the tree (FilesystemOptions::passthrough); null: the
   // mount is read-only ("ro").
   std::shared_ptr<Passthrough> passthrough;
+  // View reads counted and errors recorded here besides the log (FilesystemOptions::report).
+  std::shared_ptr<MountReport> report;
   // Called once the Filesystem exists, before the mount serves; the pointer is valid until
   // ServeTree returns (e.g. to Swap a new generation of views in).
   std::function<void(Filesystem*)> started;

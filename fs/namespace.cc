@@ -28,7 +28,8 @@
 namespace ucpfs::fs {
 namespace {
 
-constexpr uint64_t kStatsJsonBytes = 4096;
+constexpr uint64_t kStatsJsonBytes = 16384;  // MountReport's messages fit
+constexpr size_t kMaxListedLookupLayouts = 32;
 
 struct timespec Now() {
   struct timespec ts;
@@ -319,9 +320,11 @@ Status AddMeta(Tree& tree, struct timespec mtime, const std::string& status_text
   const uint64_t status_n_bytes = status_src->Size();
   UCPFS_RETURN_IF_ERROR(
       tree.AddFile(meta, "status.json", status_n_bytes, Now(), FixedSource(std::move(status_src))).status());
-  Opener stats_open = [counters, capture = hooks.capture_stats]() -> Result<std::shared_ptr<const ByteSource>> {
+  Opener stats_open = [counters, capture = hooks.capture_stats,
+                       report = hooks.report]() -> Result<std::shared_ptr<const ByteSource>> {
     nlohmann::ordered_json j;
     if (counters) counters(j);
+    if (report) report->AddTo(j);
     if (capture) j["capture"] = capture();
     std::string text = JsonText(j) + "\n";
     if (text.size() > kStatsJsonBytes) return InternalError("stats.json outgrew its " + std::to_string(kStatsJsonBytes) + " bytes");
@@ -473,21 +476,26 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     uint64_t limit = 0;
     uint64_t used = 0;   // guarded by mu
     uint64_t n_live = 0;  // layouts holding a reservation; guarded by mu
-    void Release(uint64_t n_bytes) {
+    // Their names (a name twice while a rebuilt layout races its evicted one); guarded by mu.
+    std::multiset<std::string> names;
+    void Release(const std::string& name, uint64_t n_bytes) {
       std::lock_guard lock(mu);
       used -= std::min(used, n_bytes);
       n_live -= std::min<uint64_t>(n_live, 1);
+      if (auto it = names.find(name); it != names.end()) names.erase(it);
     }
   };
   // A subtree and its reservation: handed out through an aliasing shared_ptr to `tree`.
   struct BudgetedTree {
-    BudgetedTree(struct timespec mtime, std::shared_ptr<LookupBudget> budget_in, uint64_t n_bytes_in)
-        : tree(mtime), budget(std::move(budget_in)), n_bytes(n_bytes_in) {}
+    BudgetedTree(struct timespec mtime, std::shared_ptr<LookupBudget> budget_in, std::string name_in,
+                 uint64_t n_bytes_in)
+        : tree(mtime), budget(std::move(budget_in)), name(std::move(name_in)), n_bytes(n_bytes_in) {}
     BudgetedTree(const BudgetedTree&) = delete;
     BudgetedTree& operator=(const BudgetedTree&) = delete;
-    ~BudgetedTree() { budget->Release(n_bytes); }
+    ~BudgetedTree() { budget->Release(name, n_bytes); }
     Tree tree;
     std::shared_ptr<LookupBudget> budget;
+    std::string name;
     uint64_t n_bytes;
   };
   auto budget = std::make_shared<LookupBudget>();
@@ -527,8 +535,9 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
       }
       budget->used += estimate;  // reserved now, so racing lookups cannot both pass
       ++budget->n_live;
+      budget->names.insert(l.name);
     }
-    auto sub = std::make_shared<BudgetedTree>(mtime, budget, estimate);  // releases on failure too
+    auto sub = std::make_shared<BudgetedTree>(mtime, budget, l.name, estimate);  // releases on failure too
     size_t n_files = 0;
     UCPFS_RETURN_IF_ERROR(AddLayoutRanks(sub->tree, kRootIno, std::move(plan), mtime, access, &n_files));
     return std::shared_ptr<const Tree>(sub, &sub->tree);
@@ -540,6 +549,8 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   status["flavor"] = ckpt.flavor;
   status["index"] = {{"dir", opened.index_dir},
                      {"state", index::IndexStateName(opened.state)},
+                     {"reused", opened.state == index::IndexState::kReused},
+                     {"schema", index::kCatalogSchemaVersion},
                      {"fingerprint", opened.fingerprint},
                      {"open_seconds", opened.elapsed_s}};
   status["counts"] = {{"params", mapping.params.size()},
@@ -602,7 +613,15 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     j["source_read_errors"] = counters->source_read_errors.load();
     j["source_files_opened"] = counters->files_opened.load();
     std::lock_guard lock(budget->mu);
+    // Layouts built on lookup and not yet released, by name (at most kMaxListedLookupLayouts:
+    // stats.json has a fixed size).
+    nlohmann::ordered_json names = nlohmann::ordered_json::array();
+    for (const std::string& name : std::set<std::string>(budget->names.begin(), budget->names.end())) {
+      if (names.size() == kMaxListedLookupLayouts) break;
+      names.push_back(name);
+    }
     j["lookup_layouts"] = {{"live", budget->n_live},
+                           {"names", std::move(names)},
                            {"memory_bytes", budget->used},
                            {"memory_limit_bytes", budget->limit}};
   };

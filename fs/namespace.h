@@ -13,6 +13,7 @@
 #include "core/status.h"
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
+#include "fs/mount_report.h"
 #include "fs/tree.h"
 #include <functional>
 
@@ -72,6 +73,8 @@ struct MountHooks {
   std::function<Status()> sync;
   // The write capture's counters, as stats.json's "capture".
   std::function<nlohmann::ordered_json()> capture_stats;
+  // View reads and errors so far, as stats.json's "views" and "errors" (MountReport::AddTo).
+  std::shared_ptr<MountReport> report;
   // More top-level keys of status.json (e.g. "run": the checkpoints of a run directory).
   nlohmann::ordered_json status_extra = nlohmann::ordered_json::object();
 };

@@ -50,6 +50,7 @@ struct CountedTree {
 struct Fixture {
   std::shared_ptr<std::atomic<int>> alive = std::make_shared<std::atomic<int>>(0);
   std::shared_ptr<std::atomic<int>> n_resolved = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<MountReport> report = std::make_shared<MountReport>();
   std::unique_ptr<Filesystem> fs;
   Ino dynamic = 0;
   Ino file = 0;
@@ -63,6 +64,7 @@ struct Fixture {
     options.uid = 1234;
     options.gid = 5678;
     options.dynamic_dir = dynamic;
+    options.report = report;
     options.resolve = [alive = alive, n_resolved = n_resolved](const std::string& name)
         -> Result<std::shared_ptr<const Tree>> {
       if (name.rfind("ok", 0) != 0) return InvalidArgumentError("not a layout: " + name);
@@ -251,6 +253,41 @@ TEST(FilesystemTest, AResolveErrorIsEnoentAndNotRemembered) {
   EXPECT_EQ(ErrnoFromStatus(bad.error()), ENOENT);
   EXPECT_NE(bad.error().message().find("not a layout: bad"), std::string::npos);
   EXPECT_EQ(f.fs->NumSubtrees(), 0u);
+}
+
+// The mount's report (stats.json "views" and "errors"): view reads counted with their bytes,
+// every error recorded with the file it concerns.
+TEST(FilesystemTest, ViewReadsAndErrorsGoToTheReport) {
+  Fixture f;
+  Result<OpenFile> open = f.fs->Open(f.file, O_RDONLY);
+  ASSERT_TRUE(open.ok());
+  std::vector<std::byte> buf(4);
+  ASSERT_EQ(*f.fs->Read(*open, 0, buf), 4u);
+  ASSERT_EQ(*f.fs->Read(*open, 8, buf), 3u);
+  ASSERT_FALSE(f.fs->Lookup(f.dynamic, "bad").ok());
+  nlohmann::ordered_json j;
+  f.report->AddTo(j);
+  EXPECT_EQ(j["views"]["reads"], 2u);
+  EXPECT_EQ(j["views"]["bytes_read"], 7u);
+  EXPECT_EQ(j["errors"]["count"], 1u);
+  ASSERT_EQ(j["errors"]["last"].size(), 1u);
+  EXPECT_EQ(j["errors"]["last"][0].get<std::string>(), "target/bad: invalid argument: not a layout: bad");
+
+  // A source that fails: the open error names the file.
+  auto tree = std::make_shared<Tree>(kMtime);
+  const Ino broken = *tree->AddFile(kRootIno, "broken.pt", 3, kMtime, []() -> Result<std::shared_ptr<const ByteSource>> {
+    return IoError("shard_0.distcp: pread", EIO);
+  });
+  FilesystemOptions options;
+  options.report = f.report;
+  auto fs = std::move(Filesystem::Make(tree, std::move(options))).value();
+  ASSERT_FALSE(fs->Open(broken, O_RDONLY).ok());
+  nlohmann::ordered_json k;
+  f.report->AddTo(k);
+  EXPECT_EQ(k["errors"]["count"], 2u);
+  const std::string last = k["errors"]["last"][1].get<std::string>();
+  EXPECT_NE(last.find("open /broken.pt: "), std::string::npos) << last;
+  EXPECT_NE(last.find("shard_0.distcp"), std::string::npos) << last;
 }
 
 TEST(FilesystemTest, ConcurrentLookupsAndForgetsLeaveNothingBehind) {
