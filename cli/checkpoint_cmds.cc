@@ -2,6 +2,7 @@
 #include "core/json_text.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -622,6 +623,10 @@ int ServeMount(const MountArgs& args, int ready_fd) {
               << info.index_state << " in " << info.index_seconds << " s)" << std::endl;
   }
   Status s = fs::ServeTree(std::move(tree), mo);
+  // Unmounted (umount(8), `ucpfs umount`, or SIGTERM/SIGINT/SIGHUP). What is still in the write
+  // cache is made durable below; a stop signal now (systemd sends SIGTERM to a mount unit's
+  // processes right after its umount) must not cut that short: only SIGKILL does.
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::signal(sig, SIG_IGN);
   if (reindexer) reindexer->Detach();
   changed->Set(nullptr);
   reindexer.reset();
