@@ -23,7 +23,9 @@
 #include <set>
 #include <sstream>
 
+#include "cli/progress.h"
 #include "cli/text.h"
+#include "cli/view_files.h"
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "core/views/atomic.h"
@@ -62,23 +64,6 @@ std::string AbsPathOrJoined(const std::string& p) {
   return out;
 }
 
-// Progress on stderr for long scans: at most ~10 updates a second, only on a terminal or when
-// the scan is long enough to matter.
-index::ScanProgress StderrProgress() {
-  auto last = std::make_shared<std::chrono::steady_clock::time_point>();
-  auto start = std::chrono::steady_clock::now();
-  return [last, start](uint64_t done, uint64_t total) {
-    auto now = std::chrono::steady_clock::now();
-    if (done != total && now - *last < std::chrono::milliseconds(100)) return;
-    if (now - start < std::chrono::milliseconds(500) && done != total) return;
-    *last = now;
-    std::fprintf(stderr, "\rucpfs: indexing: %llu/%llu items", static_cast<unsigned long long>(done),
-                 static_cast<unsigned long long>(total));
-    if (done == total) std::fprintf(stderr, "\n");
-    std::fflush(stderr);
-  };
-}
-
 // The snapshot options of SRC (rules loaded).
 Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress) {
   struct stat st;
@@ -92,7 +77,7 @@ Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool pr
   o.source_dir = AbsPath(args.src);
   o.index_dir = args.index_dir;
   o.read_only_index = args.read_only_index;
-  if (progress) o.progress = StderrProgress();
+  if (progress) o.progress = IndexingProgress(args.quiet);
   if (!args.rules.empty()) {
     UCPFS_ASSIGN_OR_RETURN(o.key_rules, index::LoadRules(args.rules));
   }
@@ -113,7 +98,7 @@ uint64_t TensorBytes(const index::Item& it) { return it.layout.NumElems() * Item
 
 }  // namespace
 
-int RunIndex(const SourceArgs& args) {
+int RunIndex(const SourceArgs& args, bool json) {
   auto l = Load(args, /*progress=*/true);
   if (!l.ok()) return Fail("index", l.error());
   const auto& c = (*l)->opened.checkpoint;
@@ -123,6 +108,23 @@ int RunIndex(const SourceArgs& args) {
       tensor_bytes += TensorBytes(it);
       fragments += it.layout.fragments.size();
     }
+  }
+  if (json) {
+    nlohmann::ordered_json out;
+    out["path"] = AbsPath(args.src);
+    out["format"] = c.format;
+    out["flavor"] = c.flavor;
+    out["files"] = c.files.size();
+    out["items"] = c.items.size();
+    out["fragments"] = fragments;
+    out["tensor_bytes"] = tensor_bytes;
+    out["params"] = (*l)->mapping.params.size();
+    out["unmapped_keys"] = (*l)->mapping.unmapped_keys.size();
+    out["index_state"] = index::IndexStateName((*l)->opened.state);
+    out["index_dir"] = (*l)->opened.index_dir;
+    out["seconds"] = (*l)->opened.elapsed_s;
+    std::cout << JsonText(out) << '\n';
+    return 0;
   }
   std::cout << "ucpfs index: " << AbsPath(args.src) << ": " << c.format << " (" << c.flavor << "), "
             << c.files.size() << " files, " << c.items.size() << " items, " << fragments
@@ -254,27 +256,15 @@ namespace {
 
 // Parses the target-view options (before the daemon forks, so typos fail at once).
 Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
+  UCPFS_ASSIGN_OR_RETURN(ViewSelection v, ParseViewArgs({args.layouts, false, false, args.safetensors_shard_size,
+                                                         args.preset, args.pattern_rules, args.pp_split}));
   fs::TargetOptions t;
-  for (const auto& name : args.layouts) {
-    UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
-    const bool repeated = std::any_of(t.layouts.begin(), t.layouts.end(),
-                                      [&](const layout::Layout& seen) { return seen.name == l.name; });
-    if (!repeated) t.layouts.push_back(std::move(l));  // --layout given twice: one view
-  }
-  UCPFS_ASSIGN_OR_RETURN(t.preset, layout::ParsePreset(args.preset));
-  if (!args.pattern_rules.empty()) {
-    std::ifstream f(args.pattern_rules);
-    if (!f) return NotFoundError(args.pattern_rules + ": cannot open pattern rules file");
-    std::stringstream text;
-    text << f.rdbuf();
-    UCPFS_ASSIGN_OR_RETURN(t.rules, layout::ParseRules(text.str(), args.pattern_rules));
-  }
-  if (!args.pp_split.empty()) {
-    UCPFS_ASSIGN_OR_RETURN(auto split, layout::ParsePpSplit(args.pp_split));
-    t.pp_split = std::move(split);
-  }
+  t.layouts = std::move(v.layouts);
+  t.preset = v.preset;
+  t.rules = std::move(v.rules);
+  t.pp_split = std::move(v.pp_split);
   t.lookup_budget_bytes = args.lookup_memory_mib << 20;
-  UCPFS_ASSIGN_OR_RETURN(t.safetensors_shard_n_bytes, ParseShardSize(args.safetensors_shard_size));
+  t.safetensors_shard_n_bytes = v.safetensors_shard_n_bytes;
   return t;
 }
 
@@ -738,9 +728,65 @@ std::string ReadText(const std::string& path) {
 
 }  // namespace
 
-int RunSync(const std::string& mountpoint) {
-  const Status s = SyncMount(AbsPathOrJoined(mountpoint));
+int RunSync(const SyncArgs& args) {
+  const std::string mnt = AbsPathOrJoined(args.mountpoint);
+  // The capture counters of MNT/.ucpfs/stats.json: {bytes_flushed, dirty_bytes}; zeros when the
+  // mount has no write capture (read-only) or the file cannot be read.
+  auto counters = [&mnt]() -> std::pair<uint64_t, uint64_t> {
+    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
+    if (stats.is_discarded() || !stats.contains("capture")) return {0, 0};
+    const auto& c = stats["capture"];
+    return {c.value("bytes_flushed", uint64_t{0}), c.value("dirty_bytes", uint64_t{0})};
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto [flushed0, dirty0] = counters();
+  // The open of MNT/.ucpfs/sync blocks until everything is durable; meanwhile the counters are
+  // shown: bytes flushed since the call, of those plus the bytes still dirty.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status s;
+  std::thread syncer([&] {
+    Status r = SyncMount(mnt);
+    std::lock_guard lock(mu);
+    s = std::move(r);
+    done = true;
+    cv.notify_all();
+  });
+  Progress progress(StderrProgressOptions("ucpfs sync:", ProgressUnit::kBytes, args.quiet));
+  uint64_t flushed = 0, dirty = dirty0;
+  auto draw = [&](bool final) {
+    const auto [f, d] = counters();
+    flushed = f >= flushed0 ? f - flushed0 : 0;
+    dirty = d;
+    const std::string note = "flushed, " + HumanBytes(static_cast<double>(d)) + " still dirty";
+    if (final) {
+      progress.Finish(flushed, flushed + dirty, note);
+    } else {
+      progress.Update(flushed, flushed + dirty, note);
+    }
+  };
+  {
+    std::unique_lock lock(mu);
+    while (!cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return done; })) {
+      lock.unlock();
+      draw(false);
+      lock.lock();
+    }
+  }
+  syncer.join();
   if (!s.ok()) return Fail("sync", s);
+  // Only a sync that had to wait draws its final line; the counters are read once more for it
+  // and for --json.
+  draw(/*final=*/std::chrono::steady_clock::now() - t0 >= Progress::kTtyDelay);
+  if (args.json) {
+    nlohmann::ordered_json out;
+    out["mount"] = mnt;
+    out["bytes_flushed"] = flushed;
+    out["dirty_bytes"] = dirty;
+    out["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::cout << JsonText(out) << '\n';
+  }
   return 0;
 }
 

@@ -14,10 +14,12 @@ struct SourceArgs {
   std::string index_dir;
   std::string rules;
   bool read_only_index = false;
+  bool quiet = false;  // -q, --quiet: no progress on stderr
 };
 
-// Builds (or reuses) the index of SRC; progress on stderr, summary on stdout.
-int RunIndex(const SourceArgs& args);
+// Builds (or reuses) the index of SRC; progress on stderr, summary on stdout (text, or one JSON
+// object with `json`).
+int RunIndex(const SourceArgs& args, bool json);
 
 // Per parameter: states, dtype, global shape, pattern, fragments, bytes, source files.
 int RunInspectCheckpoint(const SourceArgs& args, bool json);
@@ -60,7 +62,13 @@ int RunMount(const MountArgs& args);
 int RunUmount(const std::string& mountpoint);
 // Returns once everything saved into the mount before the call is durable; non-zero with the
 // reason when a flush failed (the data stays in the daemon's cache).
-int RunSync(const std::string& mountpoint);
+// Progress (bytes flushed, still dirty, from MNT/.ucpfs/stats.json) on stderr while it waits.
+struct SyncArgs {
+  std::string mountpoint;
+  bool json = false;   // --json: {"mount", "bytes_flushed", "dirty_bytes", "seconds"} on stdout
+  bool quiet = false;  // -q, --quiet: no progress
+};
+int RunSync(const SyncArgs& args);
 // Prints what the mount serves (status.json) and its counters (stats.json).
 int RunStatus(const std::string& mountpoint, bool json);
 

@@ -24,6 +24,7 @@ struct ConvertArgs {
   std::string pattern_rules;         // --pattern-rules FILE (layout/patterns.h ParseRules format)
   std::string pp_split;              // --pp-split a,b,...
   int threads = 0;                   // 0: hardware_concurrency
+  bool json = false;                 // --json: the summary as one JSON object
 };
 
 // Returns the process exit status (0 ok, 1 error); progress and errors on stderr, a summary on

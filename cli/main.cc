@@ -21,6 +21,7 @@ void AddSourceOptions(CLI::App* cmd, ucpfs::cli::SourceArgs& a) {
   cmd->add_option("--rules", a.rules, "key-mapping rules file (.json or .toml), tried before the built-ins");
   cmd->add_flag("--read-only-index", a.read_only_index,
                 "never write the index; fail if it is missing or stale (shared, prebuilt indexes)");
+  cmd->add_flag("-q,--quiet", a.quiet, "no progress on stderr");
 }
 
 }  // namespace
@@ -81,10 +82,12 @@ int main(int argc, char** argv) {
   CLI::App* umount_cmd = app.add_subcommand("umount", "Unmount a ucpfs mount");
   umount_cmd->add_option("MNT", umount_path, "mount point")->required();
 
-  std::string sync_path;
+  ucpfs::cli::SyncArgs sync_args;
   CLI::App* sync_cmd = app.add_subcommand(
       "sync", "Return once everything saved into mount MNT before now is durable in its source");
-  sync_cmd->add_option("MNT", sync_path, "mount point")->required();
+  sync_cmd->add_option("MNT", sync_args.mountpoint, "mount point")->required();
+  sync_cmd->add_flag("--json", sync_args.json, "print {\"mount\", \"bytes_flushed\", \"dirty_bytes\", \"seconds\"} as JSON");
+  sync_cmd->add_flag("-q,--quiet", sync_args.quiet, "no progress on stderr");
 
   std::string status_path;
   bool status_json = false;
@@ -94,8 +97,10 @@ int main(int argc, char** argv) {
   status_cmd->add_flag("--json", status_json, "print {\"status\": ..., \"stats\": ...} as JSON");
 
   ucpfs::cli::SourceArgs index_args;
+  bool index_json = false;
   CLI::App* index_cmd = app.add_subcommand("index", "Build (or verify and reuse) the index of checkpoint SRC");
   index_cmd->add_option("SRC", index_args.src, "checkpoint directory")->required();
+  index_cmd->add_flag("--json", index_json, "print the summary as one JSON object");
   AddSourceOptions(index_cmd, index_args);
 
   ucpfs::cli::SourceArgs inspect_args;
@@ -121,6 +126,7 @@ int main(int argc, char** argv) {
   convert->add_option("--pattern-rules", convert_args.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
   convert->add_option("--pp-split", convert_args.pp_split, "layers per pipeline stage a,b,...");
   convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)");
+  convert->add_flag("--json", convert_args.json, "print the summary as one JSON object");
   AddSourceOptions(convert, convert_args.source);
 
   try {
@@ -138,10 +144,10 @@ int main(int argc, char** argv) {
     return ucpfs::cli::RunMount(mount);
   }
   if (umount_cmd->parsed()) return ucpfs::cli::RunUmount(umount_path);
-  if (sync_cmd->parsed()) return ucpfs::cli::RunSync(sync_path);
+  if (sync_cmd->parsed()) return ucpfs::cli::RunSync(sync_args);
   if (status_cmd->parsed()) return ucpfs::cli::RunStatus(status_path, status_json);
   if (convert->parsed()) return ucpfs::cli::RunConvert(convert_args);
-  if (index_cmd->parsed()) return ucpfs::cli::RunIndex(index_args);
+  if (index_cmd->parsed()) return ucpfs::cli::RunIndex(index_args, index_json);
   if (inspect->parsed()) {
     struct stat st;
     if (::stat(inspect_args.src.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {

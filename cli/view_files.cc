@@ -1,0 +1,82 @@
+// See view_files.h.
+#include "cli/view_files.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "cli/checkpoint_cmds.h"
+#include "core/views/target.h"
+#include "index/safetensors_view.h"
+#include "index/view_inputs.h"
+
+namespace ucpfs::cli {
+
+Result<ViewSelection> ParseViewArgs(const ViewArgs& args) {
+  ViewSelection out;
+  out.atomic = args.atomic;
+  out.safetensors = args.safetensors;
+  UCPFS_ASSIGN_OR_RETURN(out.safetensors_shard_n_bytes, ParseShardSize(args.safetensors_shard_size));
+  for (const auto& name : args.layouts) {
+    UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
+    const bool repeated = std::any_of(out.layouts.begin(), out.layouts.end(),
+                                      [&](const layout::Layout& seen) { return seen.name == l.name; });
+    if (!repeated) out.layouts.push_back(std::move(l));  // --layout given twice: one view
+  }
+  UCPFS_ASSIGN_OR_RETURN(out.preset, layout::ParsePreset(args.preset));
+  if (!args.pattern_rules.empty()) {
+    std::ifstream f(args.pattern_rules, std::ios::binary);
+    if (!f) return NotFoundError(args.pattern_rules + ": cannot open");
+    std::stringstream text;
+    text << f.rdbuf();
+    UCPFS_ASSIGN_OR_RETURN(out.rules, layout::ParseRules(text.str(), args.pattern_rules));
+  }
+  if (!args.pp_split.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(auto split, layout::ParsePpSplit(args.pp_split));
+    out.pp_split = std::move(split);
+  }
+  return out;
+}
+
+Result<std::vector<ViewFile>> ListViewFiles(const index::Snapshot& snapshot, const ViewSelection& selection,
+                                            const std::function<void(const std::string&)>& warn) {
+  const auto& ckpt = snapshot.checkpoint();
+  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules));
+  std::vector<ViewFile> out;
+  if (!selection.layouts.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(auto input, index::MakeTargetInput(ckpt, snapshot.mapping, snapshot.files, warn));
+    input->preset = patterns.preset;
+    input->rules = patterns.rules;
+    input->vocab_size = patterns.vocab_size;
+    input->model_facts = patterns.model_facts;
+    input->pp_split = selection.pp_split;
+    std::shared_ptr<const views::TargetInput> shared = input;
+    for (const auto& l : selection.layouts) {
+      auto plan = views::TargetPlan::Make(shared, l);
+      if (!plan.ok()) return plan.error().WithContext("layout " + l.name);
+      for (int r = 0; r < l.World(); ++r) {
+        auto rf = plan->Build(r);
+        if (!rf.ok()) return rf.error().WithContext("layout " + l.name + " rank " + std::to_string(r));
+        const std::string dir = "target/" + l.name + "/rank_" + std::to_string(r) + "/";
+        out.push_back({dir + "model.pt", rf->model});
+        if (rf->model_safetensors) out.push_back({dir + "model.safetensors", rf->model_safetensors});
+        if (rf->optim) out.push_back({dir + "optim.pt", rf->optim});
+        if (rf->extra) out.push_back({dir + "extra_state.pt", rf->extra});
+        out.push_back({dir + "ucp_info.json", rf->info});
+      }
+    }
+  }
+  if (selection.safetensors) {
+    UCPFS_ASSIGN_OR_RETURN(auto views, index::BuildSafetensorsView(ckpt, snapshot.mapping, snapshot.files, patterns,
+                                                                   selection.safetensors_shard_n_bytes));
+    if (views.empty()) return NotFoundError(snapshot.source_dir() + ": no model weights to write as safetensors");
+    for (auto& v : views) out.push_back({"safetensors/" + v.name, std::move(v.source)});
+  }
+  if (selection.atomic) {
+    UCPFS_ASSIGN_OR_RETURN(auto views, index::BuildAtomicViews(ckpt, snapshot.mapping, snapshot.files, patterns));
+    for (auto& v : views) out.push_back({"atomic/" + v.dir + "/" + v.file, std::move(v.source)});
+  }
+  return out;
+}
+
+}  // namespace ucpfs::cli
