@@ -12,6 +12,7 @@
 #include "cli/inspect.h"
 #include "cli/mount_helper.h"
 #include "cli/mount_options.h"
+#include "cli/verify_cmd.h"
 
 namespace {
 
@@ -129,6 +130,10 @@ int main(int argc, char** argv) {
   convert->add_flag("--json", convert_args.json, "print the summary as one JSON object");
   AddSourceOptions(convert, convert_args.source);
 
+  ucpfs::cli::VerifyArgs verify_args;
+  CLI::App* verify_cmd = ucpfs::cli::AddVerifyCommand(app, verify_args);
+  AddSourceOptions(verify_cmd, verify_args.source);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -147,6 +152,7 @@ int main(int argc, char** argv) {
   if (sync_cmd->parsed()) return ucpfs::cli::RunSync(sync_args);
   if (status_cmd->parsed()) return ucpfs::cli::RunStatus(status_path, status_json);
   if (convert->parsed()) return ucpfs::cli::RunConvert(convert_args);
+  if (verify_cmd->parsed()) return ucpfs::cli::RunVerify(verify_args);
   if (index_cmd->parsed()) return ucpfs::cli::RunIndex(index_args, index_json);
   if (inspect->parsed()) {
     struct stat st;

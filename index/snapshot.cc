@@ -4,14 +4,20 @@
 namespace ucpfs::index {
 
 Result<std::shared_ptr<const Snapshot>> OpenSnapshot(const SnapshotOptions& options, uint64_t generation) {
-  auto s = std::make_shared<Snapshot>();
-  s->generation = generation;
-  s->options = options;
   IndexOptions io;
   io.index_dir = options.index_dir;
   io.read_only = options.read_only_index;
   io.progress = options.progress;
-  UCPFS_ASSIGN_OR_RETURN(s->opened, OpenOrBuildIndex(options.source_dir, io));
+  UCPFS_ASSIGN_OR_RETURN(OpenedIndex opened, OpenOrBuildIndex(options.source_dir, io));
+  return SnapshotOf(std::move(opened), options, generation);
+}
+
+Result<std::shared_ptr<const Snapshot>> SnapshotOf(OpenedIndex opened, const SnapshotOptions& options,
+                                                   uint64_t generation) {
+  auto s = std::make_shared<Snapshot>();
+  s->generation = generation;
+  s->options = options;
+  s->opened = std::move(opened);
   UCPFS_ASSIGN_OR_RETURN(s->mapping, MapKeys(s->opened.checkpoint, options.key_rules));
   s->counters = std::make_shared<IoCounters>();
   s->files = OpenFileTable(options.source_dir, s->opened.checkpoint, s->counters);

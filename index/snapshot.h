@@ -46,6 +46,11 @@ struct Snapshot {
 // kIo...) and of MapKeys.
 Result<std::shared_ptr<const Snapshot>> OpenSnapshot(const SnapshotOptions& options, uint64_t generation);
 
+// The Snapshot of an index opened (or a checkpoint scanned) by the caller: keys mapped, file
+// table opened. OpenSnapshot is OpenOrBuildIndex then this. Errors: those of MapKeys.
+Result<std::shared_ptr<const Snapshot>> SnapshotOf(OpenedIndex opened, const SnapshotOptions& options,
+                                                   uint64_t generation);
+
 // Opens the source file `rel_path` of the snapshot now (LazyFileSource::Open), if it has one:
 // called before a save replaces it, so the snapshot's views keep reading the bytes indexed.
 void OpenSourceFile(const Snapshot& snapshot, const std::string& rel_path);

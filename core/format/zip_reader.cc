@@ -14,6 +14,8 @@
 #include <optional>
 #include <span>
 
+#include <zlib.h>
+
 #include "core/checked.h"
 
 namespace ucpfs::format {
@@ -401,6 +403,32 @@ const ZipEntry* ZipArchive::FindRecord(std::string_view record) const {
   full_name.reserve(prefix_.size() + 1 + record.size());
   full_name.append(prefix_).append(1, '/').append(record);
   return Find(full_name);
+}
+
+Result<bool> CheckEntryCrc32(const ByteSource& src, const ZipEntry& entry,
+                             const std::function<void(uint64_t)>& on_bytes) {
+  if (entry.method != 0) {
+    return UnsupportedError(src.Name() + ": zip entry '" + entry.name + "' is compressed (method " +
+                            std::to_string(entry.method) + ")");
+  }
+  if (entry.crc32 == 0 && entry.n_bytes != 0) return false;
+  std::vector<std::byte> buf(static_cast<size_t>(std::min<uint64_t>(entry.n_bytes, 1u << 20)));
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  for (uint64_t done = 0; done < entry.n_bytes;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), entry.n_bytes - done));
+    UCPFS_RETURN_IF_ERROR(src.ReadAt(entry.data_offset + done, std::span(buf.data(), n)));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(n));
+    done += n;
+    if (on_bytes) on_bytes(n);
+  }
+  if (static_cast<uint32_t>(crc) != entry.crc32) {
+    char text[96];
+    std::snprintf(text, sizeof(text), "CRC-32 %08x of its %llu bytes, the zip header says %08x",
+                  static_cast<unsigned>(crc), static_cast<unsigned long long>(entry.n_bytes), entry.crc32);
+    return Status(StatusCode::kDataLoss, src.Name() + ": zip entry '" + entry.name + "' (at byte " +
+                                             std::to_string(entry.data_offset) + "): " + text);
+  }
+  return true;
 }
 
 }  // namespace ucpfs::format

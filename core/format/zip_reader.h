@@ -77,4 +77,12 @@ class ZipArchive {
   uint64_t cd_offset_ = 0;
 };
 
+// Checks the CRC-32 stored for `entry` (method 0) against its bytes in `src`, read in 1 MiB
+// blocks; `on_bytes` (may be empty) is told each block's length. Returns false, reading nothing,
+// when the entry stores CRC 0 for data (no checksum: torch_writer's tensor records), true when
+// checked. Errors: kDataLoss naming the source, the entry and both CRCs on a mismatch;
+// kUnsupported for a compressed entry; kIo from the source.
+Result<bool> CheckEntryCrc32(const ByteSource& src, const ZipEntry& entry,
+                             const std::function<void(uint64_t)>& on_bytes = nullptr);
+
 }  // namespace ucpfs::format

@@ -1,0 +1,363 @@
+// See verify_cmd.h. Order: the stored index against the files on disk, a fresh scan (coverage,
+// replicas), the coverage of the checkpoint the views are built from, the CRC-32 of the torch.save
+// source records the views read, then every view file read whole and parsed.
+#include "cli/verify_cmd.h"
+
+#include <CLI/CLI.hpp>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <climits>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cli/progress.h"
+#include "core/format/safetensors.h"
+#include "core/format/torch_file.h"
+#include "core/format/zip_reader.h"
+#include "core/json_text.h"
+#include "core/slice/slice.h"
+#include "index/catalog.h"
+#include "index/key_map.h"
+#include "index/scanner.h"
+#include "index/snapshot.h"
+
+namespace ucpfs::cli {
+namespace {
+
+constexpr size_t kReadChunkBytes = 8u << 20;
+
+struct Report {
+  std::string src;  // absolute, no trailing '/'
+  nlohmann::ordered_json problems = nlohmann::ordered_json::array();
+  nlohmann::ordered_json unchecked = nlohmann::ordered_json::array();  // source files without checksums
+  uint64_t source_files = 0, source_tensors = 0, fragments = 0, crc_records = 0, crc_bytes = 0;
+  uint64_t views = 0, view_bytes = 0, view_tensors = 0;
+  std::string index = "current";
+
+  // `file` relative to SRC where it lies inside it.
+  void Add(std::string file, const std::string& what) {
+    if (file.size() > src.size() && file.compare(0, src.size() + 1, src + "/") == 0) file.erase(0, src.size() + 1);
+    problems.push_back({{"file", file}, {"what", what}});
+  }
+  // A Status whose message starts with a path (the builders' and readers' errors do).
+  void Add(const Status& s, const std::string& fallback_file) {
+    const std::string& m = s.message();
+    const size_t colon = m.find(": ");
+    if (!m.empty() && m[0] == '/' && colon != std::string::npos) {
+      Add(m.substr(0, colon), m.substr(colon + 2));
+    } else {
+      Add(fallback_file, m);
+    }
+  }
+};
+
+std::string AbsPath(const std::string& p) {
+  char buf[PATH_MAX];
+  if (::realpath(p.c_str(), buf) != nullptr) return buf;
+  return p;
+}
+
+// The stored index, if any, against the files on disk. Returns the stored checkpoint.
+std::optional<index::Checkpoint> CheckIndex(const std::string& index_dir, Report& r) {
+  uint64_t stored_fp = 0;
+  auto loaded = index::LoadCheckpoint(index_dir, /*read_only=*/true, &stored_fp);
+  if (!loaded.ok()) {
+    if (loaded.error().code() == StatusCode::kNotFound) {
+      r.index = "none (built on the first mount or `ucpfs index`)";
+    } else {
+      r.index = "unreadable";
+      r.Add(index_dir, "the index cannot be read: " + loaded.error().message());
+    }
+    return std::nullopt;
+  }
+  const size_t before = r.problems.size();
+  for (const auto& f : loaded->files) {
+    const std::string path = r.src + "/" + f.rel_path;
+    struct stat st;
+    if (!index::SafeRelativePath(f.rel_path) || ::lstat(path.c_str(), &st) != 0) {
+      r.Add(f.rel_path, "named by the index but missing");
+      continue;
+    }
+    if (!S_ISREG(st.st_mode)) {
+      r.Add(f.rel_path, "named by the index but not a regular file");
+      continue;
+    }
+    std::string changed;
+    const auto ns = [](const struct timespec& t) { return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec; };
+    if (static_cast<uint64_t>(st.st_size) != f.n_bytes) {
+      changed = "size " + std::to_string(st.st_size) + " bytes, the index says " + std::to_string(f.n_bytes);
+    } else if (ns(st.st_mtim) != f.mtime_ns) {
+      changed = "modified (mtime) after it was indexed";
+    } else if (static_cast<uint64_t>(st.st_ino) != f.ino || static_cast<uint64_t>(st.st_dev) != f.dev) {
+      changed = "replaced (another inode) after it was indexed";
+    } else if (ns(st.st_ctim) != f.ctime_ns) {
+      changed = "changed (ctime) after it was indexed";
+    }
+    if (!changed.empty()) r.Add(f.rel_path, "changed since it was indexed: " + changed + " (the index is stale)");
+  }
+  if (r.problems.size() == before) {
+    auto fp = index::FingerprintSource(r.src);
+    if (fp.ok() && *fp != stored_fp) {
+      r.Add(r.src, "changed since it was indexed (a file added or removed, or a metadata file rewritten): "
+                   "the index is stale");
+    }
+  }
+  if (r.problems.size() != before) r.index = "stale";
+  return std::move(loaded).value();
+}
+
+// Every tensor's fragments cover its shape exactly once.
+void CheckCoverage(const index::Checkpoint& c, Report& r) {
+  for (const auto& it : c.items) {
+    if (it.kind != index::ItemKind::kTensor) continue;
+    ++r.source_tensors;
+    r.fragments += it.layout.fragments.size();
+    Status s = slice::ValidateCoverage(it.layout, it.key);
+    if (!s.ok()) {
+      const auto& frags = it.layout.fragments;
+      const bool in_file = !frags.empty() && frags[0].file_id < c.files.size();
+      r.Add(in_file ? c.files[frags[0].file_id].rel_path : r.src, "tensor '" + it.key + "': " + s.message());
+    }
+  }
+}
+
+// The zip records of torch.save source files that hold bytes the checkpoint's items point at.
+struct CrcWork {
+  std::shared_ptr<const ByteSource> source;
+  std::vector<format::ZipEntry> entries;
+};
+
+std::vector<CrcWork> PlanCrcs(const index::Checkpoint& c, const index::FileTable& files, Report& r,
+                              uint64_t* n_bytes) {
+  std::vector<std::vector<uint64_t>> offsets(c.files.size());
+  for (const auto& it : c.items) {
+    if (it.kind == index::ItemKind::kBytes) {
+      if (it.file_id < offsets.size()) offsets[it.file_id].push_back(it.byte_offset);
+      continue;
+    }
+    for (const auto& f : it.layout.fragments) {
+      if (f.file_id < offsets.size()) offsets[f.file_id].push_back(f.byte_offset);
+    }
+  }
+  std::vector<CrcWork> out;
+  for (size_t id = 0; id < c.files.size(); ++id) {
+    if (offsets[id].empty()) continue;
+    ++r.source_files;
+    const std::string& rel = c.files[id].rel_path;
+    auto ends_with = [&](std::string_view tail) {
+      return rel.size() >= tail.size() && rel.compare(rel.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    if (ends_with(".distcp")) {
+      r.unchecked.push_back({{"file", rel}, {"why", "a DCP data file carries no checksums"}});
+      continue;
+    }
+    if (ends_with(".safetensors")) {
+      r.unchecked.push_back({{"file", rel}, {"why", "safetensors carries no checksums"}});
+      continue;
+    }
+    const auto& source = (*files)[id];
+    auto zip = format::ZipArchive::Open(*source);
+    if (!zip.ok()) {
+      r.Add(zip.error(), rel);
+      continue;
+    }
+    auto& used = offsets[id];
+    std::sort(used.begin(), used.end());
+    CrcWork w{source, {}};
+    for (const auto& e : zip->entries()) {
+      auto at = std::lower_bound(used.begin(), used.end(), e.data_offset);
+      if (at == used.end() || *at >= e.data_offset + std::max<uint64_t>(e.n_bytes, 1)) continue;
+      w.entries.push_back(e);
+      *n_bytes += e.n_bytes;
+    }
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
+void CheckCrcs(const std::vector<CrcWork>& work, Report& r, const std::function<void(uint64_t)>& on_bytes) {
+  for (const auto& w : work) {
+    for (const auto& e : w.entries) {
+      auto checked = format::CheckEntryCrc32(*w.source, e, on_bytes);
+      if (!checked.ok()) {
+        r.Add(checked.error(), w.source->Name());
+      } else if (*checked) {
+        ++r.crc_records;
+        r.crc_bytes += e.n_bytes;
+      }
+    }
+  }
+}
+
+// Reads the view whole (exactly its declared size), then parses it by its kind.
+void CheckView(const ViewFile& v, std::vector<std::byte>& buf, Report& r, const std::function<void(uint64_t)>& on_bytes) {
+  const uint64_t size = v.source->Size();
+  for (uint64_t off = 0; off < size;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - off));
+    Status s = v.source->ReadAt(off, std::span(buf.data(), n));
+    if (!s.ok()) {
+      r.Add(v.path, "read of " + std::to_string(n) + " bytes at byte " + std::to_string(off) + " of its " +
+                        std::to_string(size) + " failed: " + s.ToString());
+      return;
+    }
+    off += n;
+    r.view_bytes += n;
+    on_bytes(n);
+  }
+  ++r.views;
+  auto ends_with = [&](std::string_view tail) {
+    return v.path.size() >= tail.size() && v.path.compare(v.path.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (ends_with(".pt")) {
+    // TorchFile::Open checks every tensor's storage record against its numel and dtype.
+    auto tf = format::TorchFile::Open(v.source);
+    if (!tf.ok()) {
+      r.Add(v.path, "does not parse as a torch.save file: " + tf.error().message());
+      return;
+    }
+    r.view_tensors += tf->tensors().size();
+    for (const auto& e : tf->archive().entries()) {
+      auto checked = format::CheckEntryCrc32(*v.source, e);
+      if (!checked.ok()) r.Add(v.path, checked.error().message());
+    }
+  } else if (ends_with(".safetensors")) {
+    auto h = format::ReadSafetensors(*v.source);
+    if (!h.ok()) r.Add(v.path, "does not parse as safetensors: " + h.error().message());
+  } else if (ends_with(".json")) {
+    std::string text(size, '\0');
+    Status s = v.source->ReadAt(0, std::as_writable_bytes(std::span(text.data(), text.size())));
+    if (!s.ok() || nlohmann::json::parse(text, nullptr, false).is_discarded()) r.Add(v.path, "is not valid JSON");
+  }
+}
+
+void Print(const Report& r, bool json) {
+  const bool ok = r.problems.empty();
+  if (json) {
+    nlohmann::ordered_json out;
+    out["ok"] = ok;
+    out["source"] = r.src;
+    out["index"] = r.index;
+    out["checked"] = {{"views", r.views},
+                      {"view_bytes", r.view_bytes},
+                      {"view_tensors", r.view_tensors},
+                      {"source_files", r.source_files},
+                      {"source_tensors", r.source_tensors},
+                      {"fragments", r.fragments},
+                      {"crc_records", r.crc_records},
+                      {"crc_bytes", r.crc_bytes},
+                      {"bytes", r.view_bytes + r.crc_bytes}};
+    out["unchecked"] = r.unchecked;
+    out["problems"] = r.problems;
+    std::cout << JsonText(out) << '\n';
+    return;
+  }
+  for (const auto& p : r.problems) {
+    std::cout << "ucpfs verify: " << p["file"].get<std::string>() << ": " << p["what"].get<std::string>() << '\n';
+  }
+  std::cout << "ucpfs verify: " << r.src << ": " << (ok ? "ok" : std::to_string(r.problems.size()) + " problems")
+            << ": " << r.views << " views (" << r.view_bytes << " bytes, " << r.view_tensors << " tensor records), "
+            << r.source_tensors << " source tensors in " << r.fragments << " fragments, " << r.crc_records
+            << " source records CRC-checked (" << r.crc_bytes << " bytes); index " << r.index << '\n';
+  if (!r.unchecked.empty()) {
+    std::cout << "ucpfs verify: no checksums to check in " << r.unchecked.size() << " source files ("
+              << r.unchecked[0]["why"].get<std::string>() << ")\n";
+  }
+}
+
+}  // namespace
+
+CLI::App* AddVerifyCommand(CLI::App& app, VerifyArgs& args) {
+  CLI::App* cmd = app.add_subcommand(
+      "verify", "Read every view of checkpoint SRC once and check it against the index and the source "
+                "(exit 1 naming each problem)");
+  cmd->add_option("SRC", args.source.src, "checkpoint directory")->required();
+  cmd->add_option("--layout", args.views.layouts,
+                  "also read target/<LAYOUT>/rank_N/ for this layout, e.g. tp2_pp1_dp1 (repeatable)");
+  cmd->add_flag("--atomic,!--no-atomic", args.views.atomic, "read atomic/<param>/<state>.pt (default: yes)")
+      ->default_val(true);
+  cmd->add_flag("--safetensors", args.views.safetensors, "also read safetensors/ (the weights as safetensors)");
+  cmd->add_option("--preset", args.views.preset, "pattern preset: auto, torchtitan, megatron, hf");
+  cmd->add_option("--pattern-rules", args.views.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
+  cmd->add_option("--pp-split", args.views.pp_split, "layers per pipeline stage a,b,...");
+  cmd->add_flag("--json", args.json,
+                "print {\"ok\", \"checked\": {counts, bytes}, \"unchecked\", \"problems\": [{\"file\", \"what\"}]}");
+  return cmd;
+}
+
+int RunVerify(const VerifyArgs& args) {
+  auto selection = ParseViewArgs(args.views);
+  if (!selection.ok()) {
+    std::cerr << "ucpfs verify: " << selection.error().ToString() << '\n';
+    return 2;
+  }
+  struct stat st;
+  if (::stat(args.source.src.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    std::cerr << "ucpfs verify: " << args.source.src << ": not a checkpoint directory\n";
+    return 1;
+  }
+  Report r;
+  r.src = AbsPath(args.source.src);
+  index::SnapshotOptions so;
+  so.source_dir = r.src;
+  if (!args.source.rules.empty()) {
+    auto rules = index::LoadRules(args.source.rules);
+    if (!rules.ok()) {
+      std::cerr << "ucpfs verify: " << rules.error().ToString() << '\n';
+      return 2;
+    }
+    so.key_rules = std::move(*rules);
+  }
+  // The stored index, where it is: never created, built or rebuilt here.
+  std::string index_dir = args.source.index_dir;
+  if (index_dir.empty()) {
+    struct stat ist;
+    index_dir = ::stat((r.src + "/.ucpfs").c_str(), &ist) == 0 ? r.src + "/.ucpfs" : index::CacheIndexDir(r.src);
+  }
+  std::optional<index::Checkpoint> stored = CheckIndex(index_dir, r);
+
+  // A fresh scan: the builders validate coverage and compare replicas as they go.
+  index::OpenedIndex opened;
+  opened.index_dir = index_dir;
+  auto scanned = index::ScanCheckpoint(
+      r.src, ScanProgressOf(std::make_shared<Progress>(
+                 StderrProgressOptions("ucpfs verify: scanning", ProgressUnit::kItems, args.source.quiet))));
+  if (scanned.ok()) {
+    opened.checkpoint = std::move(scanned).value();
+  } else {
+    r.Add(scanned.error(), r.src);
+    if (!stored) {
+      Print(r, args.json);
+      return 1;
+    }
+    opened.checkpoint = std::move(*stored);  // the views as the stored index would serve them
+  }
+  CheckCoverage(opened.checkpoint, r);
+  auto snapshot = index::SnapshotOf(std::move(opened), so, 1);
+  if (!snapshot.ok()) {
+    r.Add(snapshot.error(), r.src);
+    Print(r, args.json);
+    return 1;
+  }
+  auto views = ListViewFiles(**snapshot, *selection, [](const std::string&) {});
+  if (!views.ok()) r.Add(views.error(), r.src);
+  uint64_t total = 0, done = 0;
+  std::vector<CrcWork> crcs = PlanCrcs((*snapshot)->checkpoint(), (*snapshot)->files, r, &total);
+  if (views.ok()) {
+    for (const auto& v : *views) total += v.source->Size();
+  }
+  Progress progress(StderrProgressOptions("ucpfs verify:", ProgressUnit::kBytes, args.source.quiet));
+  auto on_bytes = [&](uint64_t n) { progress.Update(done += n, total); };
+  CheckCrcs(crcs, r, on_bytes);
+  if (views.ok()) {
+    std::vector<std::byte> buf(kReadChunkBytes);
+    for (const auto& v : *views) CheckView(v, buf, r, on_bytes);
+  }
+  progress.Finish(done, total);
+  Print(r, args.json);
+  return r.problems.empty() ? 0 : 1;
+}
+
+}  // namespace ucpfs::cli
