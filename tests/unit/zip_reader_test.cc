@@ -824,5 +824,34 @@ TEST(ZipReader, ErrorMessagesNameSourceAndOffset) {
                 ": entry 'archive/data/1': bad local header signature 0x04034b58");
 }
 
+// CheckEntryCrc32: a real CRC-32 passes, a wrong one is kDataLoss naming the entry, CRC 0 on
+// data is "no checksum" (false), and every byte read is reported.
+TEST(ZipReader, CheckEntryCrc32) {
+  const std::vector<BuildEntry> entries = {
+      {.name = "archive/data/0", .data = "hello", .crc = 0x3610a686},  // zlib.crc32(b"hello")
+      {.name = "archive/data/1", .data = "hellp", .crc = 0x3610a686},  // one bit flipped
+      {.name = "archive/data/2", .data = "abc", .crc = 0},             // no checksum stored
+  };
+  const BuiltZip z = BuildZip(entries, TorchLikeOptions());
+  MemorySource src = Source(z.bytes, "w.pt");
+  auto r = ZipArchive::Open(src);
+  ASSERT_TRUE(r.ok()) << r.error().ToString();
+  uint64_t n_read = 0;
+  auto count = [&](uint64_t n) { n_read += n; };
+  auto good = CheckEntryCrc32(src, *r->FindRecord("data/0"), count);
+  ASSERT_TRUE(good.ok()) << good.error().ToString();
+  EXPECT_TRUE(*good);
+  EXPECT_EQ(n_read, 5u);
+  auto bad = CheckEntryCrc32(src, *r->FindRecord("data/1"), count);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code(), StatusCode::kDataLoss);
+  EXPECT_NE(bad.error().message().find("w.pt: zip entry 'archive/data/1'"), std::string::npos) << bad.error().message();
+  EXPECT_NE(bad.error().message().find("the zip header says 3610a686"), std::string::npos) << bad.error().message();
+  auto none = CheckEntryCrc32(src, *r->FindRecord("data/2"), count);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(*none);
+  EXPECT_EQ(n_read, 10u);  // nothing read for the entry without a checksum
+}
+
 }  // namespace
 }  // namespace ucpfs::format
