@@ -21,6 +21,15 @@ Status MemorySource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) cons
   return Status::Ok();
 }
 
+Status ByteSource::DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const {
+  if (!RangeInside(byte_offset, n_bytes, Size())) {
+    return OutOfRangeError(Name() + ": range of " + std::to_string(n_bytes) + " bytes at offset " +
+                           std::to_string(byte_offset) + " past end (" + std::to_string(Size()) + " bytes)");
+  }
+  if (n_bytes > 0) sink(SourceRun{this, byte_offset, n_bytes, 1, 1, 1});
+  return Status::Ok();
+}
+
 SliceSource::SliceSource(std::shared_ptr<const ByteSource> base, uint64_t byte_offset,
                          uint64_t n_bytes)
     : base_(std::move(base)), byte_offset_(byte_offset), n_bytes_(n_bytes) {
@@ -43,6 +52,14 @@ Status SliceSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const
                            " bytes at offset " + std::to_string(byte_offset) + " past end");
   }
   return base_->ReadAt(byte_offset_ + byte_offset, out);
+}
+
+Status SliceSource::DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const {
+  if (!RangeInside(byte_offset, n_bytes, n_bytes_)) {
+    return OutOfRangeError(name_ + ": range of " + std::to_string(n_bytes) + " bytes at offset " +
+                           std::to_string(byte_offset) + " past end");
+  }
+  return base_->DescribeReads(byte_offset_ + byte_offset, n_bytes, sink);
 }
 
 Result<std::vector<std::byte>> ReadRange(const ByteSource& src, uint64_t byte_offset,

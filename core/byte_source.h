@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/source_run.h"
 #include "core/status.h"
 
 namespace ucpfs {
@@ -36,6 +37,13 @@ class ByteSource {
     (void)byte_offset;
     (void)n_bytes;
   }
+
+  // What ReadAt of [byte_offset, byte_offset + n_bytes) would read, without reading: the runs
+  // of the sources at the bottom (core/source_run.h), in the order the read would fill them.
+  // A source that is not built over others (a file, a buffer) reports itself: the default.
+  // Sources built over others (slices, lazy views) report the runs of theirs. Errors:
+  // kOutOfRange when the range is not inside [0, Size()); kUnsupported when a part cannot tell.
+  virtual Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const;
 };
 
 // A ByteSource over bytes held in memory.
@@ -64,6 +72,8 @@ class SliceSource final : public ByteSource {
   uint64_t Size() const override { return n_bytes_; }
   const std::string& Name() const override { return name_; }
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  // The runs of `base` under the window.
+  Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override;
   uint64_t base_offset() const { return byte_offset_; }
 
  private:

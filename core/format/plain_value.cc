@@ -20,6 +20,9 @@ class BlobTensorProvider final : public TensorBytesProvider {
   Status Read(uint64_t byte_offset, std::span<std::byte> out) const override {
     return blob_->ReadAt(data_offset_ + byte_offset, out);
   }
+  Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override {
+    return blob_->DescribeReads(data_offset_ + byte_offset, n_bytes, sink);
+  }
 
  private:
   std::shared_ptr<const ByteSource> blob_;

@@ -832,6 +832,21 @@ Status LazySafetensorsFile::ReadAt(uint64_t byte_offset, std::span<std::byte> ou
   return Status::Ok();
 }
 
+Status LazySafetensorsFile::DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const {
+  if (!RangeInside(byte_offset, n_bytes, size_)) {
+    return OutOfRangeError(name_ + ": range of " + std::to_string(n_bytes) + " bytes at offset " +
+                           std::to_string(byte_offset) + " past end (" + std::to_string(size_) + " bytes)");
+  }
+  const uint64_t end = byte_offset + n_bytes;
+  for (const Entry& e : entries_) {
+    const uint64_t lo = std::max(byte_offset, e.byte_offset), hi = std::min(end, e.byte_offset + e.n_bytes);
+    if (lo >= hi) continue;
+    const Status st = e.provider->DescribeReads(lo - e.byte_offset, hi - lo, sink);
+    if (!st.ok()) return st.WithContext(name_ + ": tensor " + Quoted(e.name));
+  }
+  return Status::Ok();
+}
+
 std::string SafetensorsIndexJson(uint64_t total_n_bytes,
                                  const std::vector<std::pair<std::string, std::string>>& weight_map) {
   // sort_keys: Python orders str by code point, which is UTF-8's byte order; bytes that are not

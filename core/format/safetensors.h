@@ -104,6 +104,9 @@ class LazySafetensorsFile final : public ByteSource {
   // Errors: kOutOfRange when the range is not inside [0, Size()); otherwise the first provider
   // error (in byte order), with the tensor's name. Never calls a provider outside its tensor.
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  // The runs of the tensors' providers in the range (the header reads nothing). Errors as
+  // ReadAt's, from the providers' DescribeReads.
+  Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override;
 
   // The header bytes (8-byte length + JSON + padding); the data starts right after.
   const std::string& header() const { return header_; }

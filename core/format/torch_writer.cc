@@ -921,6 +921,35 @@ void LazyTorchFile::Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
   }
 }
 
+Status TensorBytesProvider::DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const {
+  (void)byte_offset;
+  (void)n_bytes;
+  (void)sink;
+  return UnsupportedError("this tensor's bytes provider cannot describe what it reads");
+}
+
+Status LazyTorchFile::DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const {
+  if (!RangeInside(byte_offset, n_bytes, size_)) {
+    return OutOfRangeError(name_ + ": range of " + std::to_string(n_bytes) + " bytes at offset " +
+                           std::to_string(byte_offset) + " past end (" + std::to_string(size_) + " bytes)");
+  }
+  if (n_bytes == 0) return Status::Ok();
+  const uint64_t end = byte_offset + n_bytes;
+  auto it = std::upper_bound(segments_.begin(), segments_.end(), byte_offset,
+                             [](uint64_t off, const Segment& s) { return off < s.file_offset; });
+  --it;  // segments_ starts at offset 0
+  for (; it != segments_.end() && it->file_offset < end; ++it) {
+    if (it->tensor_index < 0) continue;
+    const uint64_t lo = std::max(byte_offset, it->file_offset);
+    const uint64_t hi = std::min(end, it->file_offset + it->n_bytes);
+    if (lo >= hi) continue;
+    const Status st =
+        tensors_[static_cast<size_t>(it->tensor_index)].provider->DescribeReads(lo - it->file_offset, hi - lo, sink);
+    if (!st.ok()) return st.WithContext(name_ + ": data/" + std::to_string(it->tensor_index));
+  }
+  return Status::Ok();
+}
+
 Status LazyTorchFile::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const {
   if (!RangeInside(byte_offset, out.size(), size_)) {
     return OutOfRangeError(name_ + ": read of " + std::to_string(out.size()) + " bytes at offset " +

@@ -82,6 +82,10 @@ class TensorBytesProvider {
     (void)byte_offset;
     (void)n_bytes;
   }
+  // What Read of [byte_offset, byte_offset + n_bytes) would read, without reading
+  // (ByteSource::DescribeReads). Errors: kUnsupported by default (a provider that does not
+  // know, so a tally is never silently short); the provider's own range errors.
+  virtual Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const;
 };
 
 // A tensor placeholder. `provider` may be null only when the tensor has no bytes.
@@ -217,6 +221,9 @@ class LazyTorchFile final : public ByteSource {
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
   // Passes the hint on to the providers of the tensors in the range.
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
+  // The runs of the providers of the tensors in the range; header bytes (held in memory) read
+  // nothing. Errors: kOutOfRange; a provider's (with the record's name).
+  Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override;
 
   // Read-only layout, for tests and inspection.
   const std::vector<RecordLayout>& records() const { return records_; }

@@ -294,10 +294,15 @@ Result<TensorLayout> LocalLayout(const TensorLayout& global, const std::vector<i
   return res;
 }
 
-Status ReadConcatBytes(const std::vector<const TensorLayout*>& parts, DType dst,
-                       uint64_t padded_n_elems,
-                       std::span<const std::shared_ptr<const ByteSource>> files,
-                       uint64_t byte_offset, std::span<std::byte> out) {
+namespace {
+
+// The walk ReadConcatBytes and DescribeConcatBytes share: checks the arguments, then calls
+// part(k, byte offset in part k, n_bytes, byte offset in the window) for each part the window
+// [byte_offset, byte_offset + n_bytes) overlaps, in order, and pad(byte offset in the window,
+// n_bytes) for the trailing zeros it overlaps. Stops at the first error of `part`.
+template <typename PartFn, typename PadFn>
+Status WalkConcat(const std::vector<const TensorLayout*>& parts, DType dst, uint64_t padded_n_elems,
+                  uint64_t byte_offset, uint64_t n_bytes, PartFn part, PadFn pad) {
   if (static_cast<int>(dst) >= kNumDTypes) return InvalidArgumentError("invalid destination dtype");
   const uint64_t isz = ItemSize(dst);
   uint64_t n_elems = 0;
@@ -315,27 +320,51 @@ Status ReadConcatBytes(const std::vector<const TensorLayout*>& parts, DType dst,
                                 " elements is smaller than the parts' " + std::to_string(n_elems));
   }
   auto total = CheckedMul(padded_n_elems, isz);
-  if (!total || !RangeInside(byte_offset, out.size(), *total)) {
-    return OutOfRangeError("read of " + std::to_string(out.size()) + " bytes at offset " +
+  if (!total || !RangeInside(byte_offset, n_bytes, *total)) {
+    return OutOfRangeError("read of " + std::to_string(n_bytes) + " bytes at offset " +
                            std::to_string(byte_offset) + " past the concatenation's " +
                            (total ? std::to_string(*total) : std::string("too many")) + " bytes");
   }
-  const uint64_t end = byte_offset + out.size();
+  const uint64_t end = byte_offset + n_bytes;
   uint64_t part_lo = 0;  // byte offset of part k in the concatenation
   for (size_t k = 0; k < parts.size() && part_lo < end; ++k) {
     const uint64_t part_hi = part_lo + part_n[k] * isz;  // <= total: no overflow
     const uint64_t lo = std::max(part_lo, byte_offset), hi = std::min(part_hi, end);
     if (lo < hi) {
-      Status s = ReadTensorBytes(*parts[k], dst, files, lo - part_lo,
-                                 out.subspan(lo - byte_offset, hi - lo));
+      Status s = part(k, lo - part_lo, hi - lo, lo - byte_offset);
       if (!s.ok()) return s.WithContext("part " + std::to_string(k));
     }
     part_lo = part_hi;
   }
   // Trailing padding.
   const uint64_t pad_lo = std::max(n_elems * isz, byte_offset);
-  if (pad_lo < end) std::memset(out.data() + (pad_lo - byte_offset), 0, end - pad_lo);
+  if (pad_lo < end) pad(pad_lo - byte_offset, end - pad_lo);
   return Status::Ok();
+}
+
+}  // namespace
+
+Status ReadConcatBytes(const std::vector<const TensorLayout*>& parts, DType dst,
+                       uint64_t padded_n_elems,
+                       std::span<const std::shared_ptr<const ByteSource>> files,
+                       uint64_t byte_offset, std::span<std::byte> out) {
+  return WalkConcat(
+      parts, dst, padded_n_elems, byte_offset, out.size(),
+      [&](size_t k, uint64_t part_offset, uint64_t n, uint64_t out_offset) {
+        return ReadTensorBytes(*parts[k], dst, files, part_offset, out.subspan(out_offset, n));
+      },
+      [&](uint64_t out_offset, uint64_t n) { std::memset(out.data() + out_offset, 0, n); });
+}
+
+Status DescribeConcatReads(const std::vector<const TensorLayout*>& parts, DType dst, uint64_t padded_n_elems,
+                           std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                           uint64_t n_bytes, const SourceRunSink& sink) {
+  return WalkConcat(
+      parts, dst, padded_n_elems, byte_offset, n_bytes,
+      [&](size_t k, uint64_t part_offset, uint64_t n, uint64_t) {
+        return DescribeTensorReads(*parts[k], dst, files, part_offset, n, sink);
+      },
+      [&](uint64_t, uint64_t n) { sink(SourceRun{nullptr, 0, n, 1, 1, 1}); });  // in bytes: exact
 }
 
 }  // namespace ucpfs::slice

@@ -75,4 +75,10 @@ Status ReadConcatBytes(const std::vector<const TensorLayout*>& parts, DType dst,
                        std::span<const std::shared_ptr<const ByteSource>> files,
                        uint64_t byte_offset, std::span<std::byte> out);
 
+// What ReadConcatBytes of the same window reads, without reading (DescribeTensorReads per part;
+// the trailing padding as zero fill). Errors as ReadConcatBytes's.
+Status DescribeConcatReads(const std::vector<const TensorLayout*>& parts, DType dst, uint64_t padded_n_elems,
+                           std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                           uint64_t n_bytes, const SourceRunSink& sink);
+
 }  // namespace ucpfs::slice

@@ -1018,6 +1018,47 @@ void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
   flush();
 }
 
+Status DescribeTensorReads(const TensorLayout& layout, DType dst_dtype,
+                           std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                           uint64_t n_bytes, const SourceRunSink& sink) {
+  if (!ValidDType(dst_dtype)) return InvalidArgumentError("invalid destination dtype");
+  auto numel = CheckedVolume(layout.shape);
+  if (!numel) return CorruptError("bad shape " + DimsString(layout.shape));
+  const uint64_t isz = ItemSize(dst_dtype);
+  auto total = CheckedMul(*numel, isz);
+  if (!total || !RangeInside(byte_offset, n_bytes, *total)) {
+    return OutOfRangeError("range of " + std::to_string(n_bytes) + " bytes at offset " +
+                           std::to_string(byte_offset) + " past the tensor's " +
+                           (total ? std::to_string(*total) : std::string("too many")) + " bytes");
+  }
+  if (n_bytes == 0) return Status::Ok();
+  const uint64_t elem_lo = byte_offset / isz;
+  const uint64_t elem_hi = (byte_offset + n_bytes + isz - 1) / isz;
+  constexpr uint64_t kPieceElems = uint64_t{1} << 24;  // bounds the plan held at once
+  for (uint64_t lo = elem_lo; lo < elem_hi;) {
+    const uint64_t hi = std::min(elem_hi, lo + kPieceElems);
+    UCPFS_ASSIGN_OR_RETURN(auto ops, PlanRead(layout, dst_dtype, lo, hi));
+    for (const CopyOp& op : ops) {
+      SourceRun run;
+      if (op.file_id != kZeroFileId) {
+        if (op.file_id >= files.size()) {
+          return InvalidArgumentError("file id " + std::to_string(op.file_id) + " outside the file table of " +
+                                      std::to_string(files.size()));
+        }
+        run.file = files[op.file_id].get();
+      }
+      run.byte_offset = op.src_byte_offset;
+      run.n_elems = op.n_elems;
+      run.elem_stride = op.src_elem_stride;
+      run.src_item_n_bytes = static_cast<uint32_t>(op.file_id == kZeroFileId ? isz : ItemSize(op.src_dtype));
+      run.dst_item_n_bytes = static_cast<uint32_t>(isz);
+      sink(run);
+    }
+    lo = hi;
+  }
+  return Status::Ok();
+}
+
 Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
                        std::span<const std::shared_ptr<const ByteSource>> files,
                        uint64_t byte_offset, std::span<std::byte> out) {

@@ -120,6 +120,16 @@ void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
                          std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
                          uint64_t n_bytes);
 
+// What ReadTensorBytes of the same range reads, without reading (ByteSource::DescribeReads):
+// one SourceRun per planned copy, in destination order, naming the file table's entry
+// (files[file_id], not what it is built over) or no file for zero fill. A partial first or last
+// element counts whole, as the read plans it. Planned in bounded pieces, so memory stays small
+// for any tensor. Errors: kInvalidArgument (invalid dst dtype, a file id outside `files`),
+// kOutOfRange (range past the tensor), PlanRead's.
+Status DescribeTensorReads(const TensorLayout& layout, DType dst_dtype,
+                           std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                           uint64_t n_bytes, const SourceRunSink& sink);
+
 Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
                        std::span<const std::shared_ptr<const ByteSource>> files,
                        uint64_t byte_offset, std::span<std::byte> out);

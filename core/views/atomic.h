@@ -55,6 +55,9 @@ class LayoutProvider final : public format::TensorBytesProvider {
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override {
     slice::PrefetchTensorBytes(*layout_, dst_dtype_, *files_, byte_offset, n_bytes);
   }
+  Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override {
+    return slice::DescribeTensorReads(*layout_, dst_dtype_, *files_, byte_offset, n_bytes, sink);
+  }
 
  private:
   std::shared_ptr<const slice::TensorLayout> layout_;

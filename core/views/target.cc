@@ -48,6 +48,10 @@ class ConcatProvider final : public format::TensorBytesProvider {
     return slice::ReadConcatBytes(raw_, DType::kFloat32, padded_n_elems_, *files_,
                                   window_byte_offset_ + byte_offset, out);
   }
+  Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override {
+    return slice::DescribeConcatReads(raw_, DType::kFloat32, padded_n_elems_, *files_,
+                                      window_byte_offset_ + byte_offset, n_bytes, sink);
+  }
 
  private:
   std::vector<std::shared_ptr<const slice::TensorLayout>> parts_;
@@ -104,6 +108,9 @@ class ScalarF32Provider final : public format::TensorBytesProvider {
     }
     std::memcpy(out.data(), bytes + byte_offset, out.size());
     return Status::Ok();
+  }
+  Status DescribeReads(uint64_t, uint64_t, const SourceRunSink&) const override {
+    return Status::Ok();  // known when planned: reads nothing
   }
 
  private:
