@@ -84,11 +84,6 @@ Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool pr
   return o;
 }
 
-Result<std::shared_ptr<const index::Snapshot>> Load(const SourceArgs& args, bool progress) {
-  UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress));
-  return index::OpenSnapshot(o, 1);
-}
-
 int Fail(const char* cmd, const Status& s) {
   std::cerr << "ucpfs " << cmd << ": " << s.ToString() << '\n';
   return 1;
@@ -98,8 +93,13 @@ uint64_t TensorBytes(const index::Item& it) { return it.layout.NumElems() * Item
 
 }  // namespace
 
+Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress) {
+  UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress));
+  return index::OpenSnapshot(o, 1);
+}
+
 int RunIndex(const SourceArgs& args, bool json) {
-  auto l = Load(args, /*progress=*/true);
+  auto l = OpenSourceSnapshot(args, /*progress=*/true);
   if (!l.ok()) return Fail("index", l.error());
   const auto& c = (*l)->opened.checkpoint;
   uint64_t tensor_bytes = 0, fragments = 0;
@@ -136,7 +136,7 @@ int RunIndex(const SourceArgs& args, bool json) {
 }
 
 int RunInspectCheckpoint(const SourceArgs& args, bool json) {
-  auto l = Load(args, /*progress=*/true);
+  auto l = OpenSourceSnapshot(args, /*progress=*/true);
   if (!l.ok()) return Fail("inspect", l.error());
   const auto& c = (*l)->opened.checkpoint;
   nlohmann::ordered_json out;

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/status.h"
+#include "index/snapshot.h"
 
 namespace ucpfs::cli {
 
@@ -16,6 +18,11 @@ struct SourceArgs {
   bool read_only_index = false;
   bool quiet = false;  // -q, --quiet: no progress on stderr
 };
+
+// The Snapshot of SRC as the mount opens it: its index built or reused (progress on stderr
+// unless `progress` is false or SRC.quiet), --rules applied. Errors: kNotFound (no SRC),
+// kInvalidArgument (SRC is not a directory), LoadRules's, OpenSnapshot's.
+Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress = true);
 
 // Builds (or reuses) the index of SRC; progress on stderr, summary on stdout (text, or one JSON
 // object with `json`).

@@ -96,24 +96,10 @@ int RunConvert(const ConvertArgs& args) {
                                   args.preset, args.pattern_rules, args.pp_split});
   if (!selection.ok()) return Fail(selection.error());
 
-  struct stat st;
-  if (::stat(args.source.src.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return Fail(NotFoundError(args.source.src + ": not a checkpoint directory"));
-  }
-  const std::string src = AbsPath(args.source.src);
-  index::SnapshotOptions so;
-  so.source_dir = src;
-  so.index_dir = args.source.index_dir;
-  so.read_only_index = args.source.read_only_index;
-  so.progress = IndexingProgress(args.source.quiet);
-  if (!args.source.rules.empty()) {
-    auto r = index::LoadRules(args.source.rules);
-    if (!r.ok()) return Fail(r.error());
-    so.key_rules = std::move(*r);
-  }
   // The same Snapshot the mount serves (index, key mapping, file table).
-  auto snapshot = index::OpenSnapshot(so, 1);
+  auto snapshot = OpenSourceSnapshot(args.source);
   if (!snapshot.ok()) return Fail(snapshot.error());
+  const std::string& src = (*snapshot)->source_dir();
   const std::shared_ptr<IoCounters>& counters = (*snapshot)->counters;
   auto jobs = ListViewFiles(**snapshot, *selection, [](const std::string& w) {
     std::cerr << "ucpfs convert: warning: " << w << '\n';

@@ -13,20 +13,6 @@
 namespace ucpfs::cli {
 namespace {
 
-std::string HumanBytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  std::ostringstream s;
-  if (u == 0) s << n << " B";
-  else s << std::fixed << std::setprecision(1) << v << ' ' << units[u];
-  return s.str();
-}
-
 void PrintJson(const std::string& path, const format::TorchFile& f, std::ostream& out) {
   nlohmann::ordered_json j;
   j["format"] = "torch.save";

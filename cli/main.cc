@@ -13,6 +13,7 @@
 #include "cli/mount_helper.h"
 #include "cli/mount_options.h"
 #include "cli/verify_cmd.h"
+#include "cli/plan_cmd.h"
 
 namespace {
 
@@ -129,6 +130,9 @@ int main(int argc, char** argv) {
   convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)");
   convert->add_flag("--json", convert_args.json, "print the summary as one JSON object");
   AddSourceOptions(convert, convert_args.source);
+  ucpfs::cli::PlanArgs plan_args;
+  CLI::App* plan = ucpfs::cli::AddPlanCommand(app, plan_args);
+  AddSourceOptions(plan, plan_args.source);
 
   ucpfs::cli::VerifyArgs verify_args;
   CLI::App* verify_cmd = ucpfs::cli::AddVerifyCommand(app, verify_args);
@@ -154,6 +158,7 @@ int main(int argc, char** argv) {
   if (convert->parsed()) return ucpfs::cli::RunConvert(convert_args);
   if (verify_cmd->parsed()) return ucpfs::cli::RunVerify(verify_args);
   if (index_cmd->parsed()) return ucpfs::cli::RunIndex(index_args, index_json);
+  if (plan->parsed()) return ucpfs::cli::RunPlan(plan_args);
   if (inspect->parsed()) {
     struct stat st;
     if (::stat(inspect_args.src.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {

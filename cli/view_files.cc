@@ -38,19 +38,27 @@ Result<ViewSelection> ParseViewArgs(const ViewArgs& args) {
   return out;
 }
 
+Result<std::shared_ptr<const views::TargetInput>> MakeViewInput(const index::Snapshot& snapshot,
+                                                                 const ViewSelection& selection,
+                                                                 const std::function<void(const std::string&)>& warn) {
+  const auto& ckpt = snapshot.checkpoint();
+  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules));
+  UCPFS_ASSIGN_OR_RETURN(auto input, index::MakeTargetInput(ckpt, snapshot.mapping, snapshot.files, warn));
+  input->preset = patterns.preset;
+  input->rules = patterns.rules;
+  input->vocab_size = patterns.vocab_size;
+  input->model_facts = patterns.model_facts;
+  input->pp_split = selection.pp_split;
+  return std::shared_ptr<const views::TargetInput>(std::move(input));
+}
+
 Result<std::vector<ViewFile>> ListViewFiles(const index::Snapshot& snapshot, const ViewSelection& selection,
                                             const std::function<void(const std::string&)>& warn) {
   const auto& ckpt = snapshot.checkpoint();
   UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules));
   std::vector<ViewFile> out;
   if (!selection.layouts.empty()) {
-    UCPFS_ASSIGN_OR_RETURN(auto input, index::MakeTargetInput(ckpt, snapshot.mapping, snapshot.files, warn));
-    input->preset = patterns.preset;
-    input->rules = patterns.rules;
-    input->vocab_size = patterns.vocab_size;
-    input->model_facts = patterns.model_facts;
-    input->pp_split = selection.pp_split;
-    std::shared_ptr<const views::TargetInput> shared = input;
+    UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const views::TargetInput> shared, MakeViewInput(snapshot, selection, warn));
     for (const auto& l : selection.layouts) {
       auto plan = views::TargetPlan::Make(shared, l);
       if (!plan.ok()) return plan.error().WithContext("layout " + l.name);

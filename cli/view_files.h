@@ -17,6 +17,7 @@
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
+#include "core/views/target.h"
 #include "index/snapshot.h"
 
 namespace ucpfs::cli {
@@ -46,6 +47,13 @@ struct ViewSelection {
 // Errors: kInvalidArgument for a bad layout, preset, split or shard size; kNotFound when the
 // pattern rules file cannot be read; ParseRules' errors.
 Result<ViewSelection> ParseViewArgs(const ViewArgs& args);
+
+// The target-view input of the snapshot with the selection's patterns (preset, rules, pp split)
+// applied; `warn` gets one line per source item no view serves. Errors: PatternOptionsFor's,
+// MakeTargetInput's.
+Result<std::shared_ptr<const views::TargetInput>> MakeViewInput(const index::Snapshot& snapshot,
+                                                                 const ViewSelection& selection,
+                                                                 const std::function<void(const std::string&)>& warn);
 
 struct ViewFile {
   std::string path;  // relative to the views' root, e.g. "target/tp2_pp1_dp1/rank_0/model.pt"
