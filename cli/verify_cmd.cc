@@ -276,8 +276,9 @@ CLI::App* AddVerifyCommand(CLI::App& app, VerifyArgs& args) {
   cmd->add_option("SRC", args.source.src, "checkpoint directory")->required();
   cmd->add_option("--layout", args.views.layouts,
                   "also read target/<LAYOUT>/rank_N/ for this layout, e.g. tp2_pp1_dp1 (repeatable)");
-  cmd->add_flag("--atomic,!--no-atomic", args.views.atomic, "read atomic/<param>/<state>.pt (default: yes)")
-      ->default_val(true);
+  args.views.atomic = true;  // atomic/ is read unless --no-atomic
+  cmd->add_flag_callback("--no-atomic", [&args] { args.views.atomic = false; },
+                         "do not read atomic/<param>/<state>.pt (read by default)");
   cmd->add_flag("--safetensors", args.views.safetensors, "also read safetensors/ (the weights as safetensors)");
   cmd->add_option("--preset", args.views.preset, "pattern preset: auto, torchtitan, megatron, hf");
   cmd->add_option("--pattern-rules", args.views.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");

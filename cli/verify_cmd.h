@@ -26,7 +26,7 @@ namespace ucpfs::cli {
 
 struct VerifyArgs {
   SourceArgs source;  // SRC, --index-dir, --rules, --read-only-index, --quiet
-  ViewArgs views;     // --layout..., --atomic (default on), --safetensors
+  ViewArgs views;     // --layout..., atomic (on unless --no-atomic), --safetensors
   bool json = false;
 };
 

@@ -13,7 +13,7 @@ _ucpfs_subcommands() {
 
 # Prints the options of `ucpfs SUB --help`, each once: "-f", "--foreground", ...
 _ucpfs_options() {
-  "$1" "$2" --help 2>/dev/null | sed -n 's/^  \(-[^ ]*\).*/\1/p' | tr ',' '\n' | grep -E '^--?[A-Za-z]' | sort -u
+  "$1" "$2" --help 2>/dev/null | sed -n 's/^  \(-[^ ]*\).*/\1/p' | tr ',' '\n' | sed 's/{.*//' | grep -E '^--?[A-Za-z]' | sort -u
 }
 
 # True when option $3 of subcommand $2 takes a value (its help line names a type: TEXT, UINT, ...).

@@ -38,6 +38,7 @@ def options(exe, sub):
         rest = re.sub(r"^(TEXT|UINT|INT|FLOAT|\.\.\.| )+", "", rest).strip()
         if not rest and i + 1 < len(lines) and lines[i + 1].startswith("      "):
             rest = lines[i + 1].strip()
+        names = [re.sub(r"\{.*$", "", n) for n in names]  # CLI11's "--flag{default}=1" spelling
         long_names = [n for n in names if n.startswith("--")]
         for n in long_names or names:
             found[n] = rest
