@@ -13,7 +13,7 @@ constexpr double kWidth = 1100;
 constexpr double kLeftX = 330;   // source boxes
 constexpr double kRightX = 754;  // rank boxes
 constexpr double kBoxW = 16;
-constexpr double kTop = 76;
+constexpr double kTop = 92;  // under the title and two subtitle lines
 constexpr double kGap = 5;
 constexpr double kMinSlot = 15;  // room for one label line
 
@@ -28,6 +28,19 @@ std::string Color(size_t i, bool muted) {
   // Golden-angle hues: neighbours differ.
   const int hue = static_cast<int>((static_cast<double>(i) * 137.508)) % 360;
   return "hsl(" + std::to_string(hue) + ",62%,48%)";
+}
+
+// The subtitle as <text> lines at y = 50 and 65: split after its first "; " (the summary's
+// second half) so it fits the width.
+std::string SubtitleLines(const std::string& subtitle) {
+  const size_t cut = subtitle.find("; ");
+  const std::string first = cut == std::string::npos ? subtitle : subtitle.substr(0, cut + 1);
+  const std::string second = cut == std::string::npos ? "" : subtitle.substr(cut + 2);
+  std::string out = "<text x=\"20\" y=\"50\" font-size=\"12\" fill=\"#444\">" + XmlEscape(first) + "</text>\n";
+  if (!second.empty()) {
+    out += "<text x=\"20\" y=\"65\" font-size=\"12\" fill=\"#444\">" + XmlEscape(second) + "</text>\n";
+  }
+  return out;
 }
 
 struct Placed {
@@ -90,7 +103,7 @@ std::string RenderFlowSvg(const FlowPicture& pic) {
     << "<title>" << XmlEscape(pic.title) << "</title>\n"
     << "<rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n"
     << "<text x=\"20\" y=\"28\" font-size=\"17\" font-weight=\"bold\">" << XmlEscape(pic.title) << "</text>\n"
-    << "<text x=\"20\" y=\"50\" font-size=\"12\" fill=\"#444\">" << XmlEscape(pic.subtitle) << "</text>\n"
+    << SubtitleLines(pic.subtitle)
     << "<text x=\"" << Num(kLeftX + kBoxW) << "\" y=\"" << Num(kTop - 8)
     << "\" font-size=\"11\" text-anchor=\"end\" fill=\"#666\">source files</text>\n"
     << "<text x=\"" << Num(kRightX) << "\" y=\"" << Num(kTop - 8)
