@@ -44,11 +44,7 @@ Result<std::shared_ptr<const views::TargetInput>> MakeViewInput(const index::Sna
   const auto& ckpt = snapshot.checkpoint();
   UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules));
   UCPFS_ASSIGN_OR_RETURN(auto input, index::MakeTargetInput(ckpt, snapshot.mapping, snapshot.files, warn));
-  input->preset = patterns.preset;
-  input->rules = patterns.rules;
-  input->vocab_size = patterns.vocab_size;
-  input->model_facts = patterns.model_facts;
-  input->pp_split = selection.pp_split;
+  index::ApplyPatterns(*input, patterns, selection.pp_split);
   return std::shared_ptr<const views::TargetInput>(std::move(input));
 }
 

@@ -53,11 +53,7 @@ Result<std::shared_ptr<const views::TargetInput>> MakeSharedTargetInput(const in
   });
   UCPFS_RETURN_IF_ERROR(made.status());
   std::shared_ptr<views::TargetInput> in = *made;
-  in->preset = patterns.preset;
-  in->rules = patterns.rules;
-  in->vocab_size = patterns.vocab_size;
-  in->model_facts = patterns.model_facts;
-  in->pp_split = targets.pp_split;
+  index::ApplyPatterns(*in, patterns, targets.pp_split);
   return std::shared_ptr<const views::TargetInput>(std::move(in));
 }
 

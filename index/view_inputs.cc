@@ -119,6 +119,14 @@ FileTable OpenFileTable(const std::string& source_dir, const Checkpoint& checkpo
 
 // Builds the target input from the index: every mapped parameter's tensor states and step, the
 // optimizer hyper-parameters, and every other item as extra state or as a reported item.
+void ApplyPatterns(views::TargetInput& input, const PatternOptions& patterns, std::optional<std::vector<int>> pp_split) {
+  input.preset = patterns.preset;
+  input.rules = patterns.rules;
+  input.vocab_size = patterns.vocab_size;
+  input.model_facts = patterns.model_facts;
+  input.pp_split = std::move(pp_split);
+}
+
 Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     const Checkpoint& c, const KeyMapping& mapping, const FileTable& files,
     const std::function<void(const std::string&)>& warn) {

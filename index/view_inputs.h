@@ -63,6 +63,10 @@ struct PatternOptions {
 Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
                                          std::vector<layout::Rule> user_rules);
 
+// Sets what decides the target views' splits on `input`: the preset, rules, unpadded vocabulary
+// and model facts of `patterns`, and the pipeline split (--pp-split; none: even).
+void ApplyPatterns(views::TargetInput& input, const PatternOptions& patterns, std::optional<std::vector<int>> pp_split);
+
 // The atomic files of every mapped parameter, in parameter order; cat_dim and vocab_tensor from
 // the parameter's pattern. Errors: kUnsupported when a stored dtype cannot be converted to fp32
 // (names the file); a rule that does not fit a parameter (views::PatternsOf).
