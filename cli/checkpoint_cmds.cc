@@ -838,7 +838,8 @@ int RunStatus(const std::string& mountpoint, bool json) {
   }
   if (!status.contains("no_checkpoint")) {
     std::cout << "layouts:     " << (layouts.empty() ? "none yet (any appears when target/<layout> is looked up)" : layouts)
-              << "; on lookup: " << mib(lookup.value("memory_bytes", 0)) << " of " << mib(lookup.value("memory_limit_bytes", 0))
+              << "; on lookup: " << mib(lookup.value("memory_bytes", uint64_t{0})) << " of "
+              << mib(lookup.value("memory_limit_bytes", uint64_t{0}))
               << '\n';
   }
   if (status.contains("index")) {
@@ -849,18 +850,18 @@ int RunStatus(const std::string& mountpoint, bool json) {
   }
   std::cout << "generation:  " << status.value("generation", 1) << '\n';
   const auto views = stats.value("views", nlohmann::json::object());
-  std::cout << "view reads:  " << mib(views.value("bytes_read", 0)) << " in " << num(views, "reads") << " reads\n";
-  std::cout << "source reads: " << mib(stats.value("source_bytes_read", 0)) << " in " << stats.value("source_reads", 0)
-            << " reads, " << stats.value("source_read_errors", 0) << " errors\n";
+  std::cout << "view reads:  " << mib(views.value("bytes_read", uint64_t{0})) << " in " << num(views, "reads") << " reads\n";
+  std::cout << "source reads: " << mib(stats.value("source_bytes_read", uint64_t{0})) << " in " << stats.value("source_reads", uint64_t{0})
+            << " reads, " << stats.value("source_read_errors", uint64_t{0}) << " errors\n";
   if (stats.contains("capture")) {
     const auto& c = stats["capture"];
-    std::cout << "write cache: " << mib(c["cache_used_bytes"]) << " used, " << mib(c.value("cache_free_bytes", 0))
+    std::cout << "write cache: " << mib(c["cache_used_bytes"]) << " used, " << mib(c.value("cache_free_bytes", uint64_t{0}))
               << " free of " << mib(c["cache_bytes"]) << " (" << c.value("memory", "?") << "), "
               << mib(c["dirty_bytes"]) << " dirty\n"
               << "captured:    " << mib(c["bytes_captured"]) << ", flushed " << mib(c["bytes_flushed"]) << " at "
               << mib(c["flush_bytes_per_second"]) << "/s (" << c.value("engine", "?") << ")\n"
-              << "files:       " << c.value("files_pending", 0) << " pending, " << c.value("files_committed", 0)
-              << " made durable, " << c.value("flush_errors", 0) << " flush errors\n"
+              << "files:       " << c.value("files_pending", uint64_t{0}) << " pending, " << c.value("files_committed", uint64_t{0})
+              << " made durable, " << c.value("flush_errors", uint64_t{0}) << " flush errors\n"
               << "writers blocked: " << c.value("writers_blocked_seconds", 0.0) << " s\n";
   } else {
     std::cout << "write cache: none (read-only mount)\n";

@@ -144,7 +144,7 @@ def main():
         # An fstab line, mounted with mount -T FILE MNT; read-write.
         fstab = os.path.join(d, "fstab")
         with open(fstab, "w") as f:
-            f.write(f"{src} {mnt} fuse.ucpfs layout=tp2_pp1_dp1,cache_size=64M,nofail,x-systemd.automount 0 0\n")
+            f.write(f"{src} {mnt} fuse.ucpfs layout=tp2_pp1_dp1,cache_size=3G,nofail,x-systemd.automount 0 0\n")
         r = run(["mount", "-T", fstab, mnt], check=False)
         payload = os.urandom(3 << 20)
         try:
@@ -153,10 +153,10 @@ def main():
                 info = mountinfo(mnt)
                 assert info is not None and info["type"] == "fuse.ucpfs" and "rw" in info["options"], info
                 st = status_json(mnt)
-                assert st["stats"]["capture"]["cache_bytes"] == 64 << 20, st["stats"]["capture"]
+                assert st["stats"]["capture"]["cache_bytes"] == 3 << 30, st["stats"]["capture"]
                 assert st["status"]["index"]["state"] == "reused", st["status"]["index"]
                 text = run([exe, "status", mnt]).stdout
-                assert "free of 64.0 MiB" in text, text
+                assert "3072.0 MiB free of 3072.0 MiB" in text, text  # more than 2^31 bytes
             res.check("fstab line with mount -T: cache size, index reused", fstab_mounted)
 
             def durable_after_plain_umount():
