@@ -9,7 +9,7 @@ duration (needs root) and puts back what was there (nothing, or an installed lin
   view's tensor equals what torch saved; creating a file is EROFS; status: no write cache, the
   given layout, index built (schema), a layout built on lookup (`ls target/tp4_pp1_dp1`) listed by
   name, view reads and bytes counted, a bad layout looked up counted as an error naming it.
-- fstab line (rw, cache_size=64M, nofail) with `mount -T`: status shows the 64 MiB cache and the
+- fstab line (rw, cache_size=3G, nofail) with `mount -T`: status shows the 3 GiB cache and the
   index reused; a file written through the mount is, after a plain `umount` and the daemon's exit
   (it drains its cache, then exits), byte for byte in SRC.
 - a misspelt option is refused by the helper with a message naming it; nothing is mounted.
