@@ -1,52 +1,29 @@
 #!/usr/bin/env bash
-# Resume on a different parallelism without converting anything:
-#   1. train a small Llama-style model with Adam and save it sharded over 2 ranks (real torch DCP);
-#   2. mount it with --layout=tp1_pp1_dp1 (one rank) and --layout=tp2_pp2_dp2 (eight ranks);
-#   3. load target/tp1_pp1_dp1/rank_0/{model,optim}.pt into a fresh model and Adam, train 3 more
-#      steps, and check the losses equal those of the uninterrupted run, bit for bit.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-tests/install-deps.sh
-tests/build.sh build
-UCPFS=$PWD/build/cli/ucpfs
-work=$(mktemp -d /tmp/ucpfs-resume.XXXXXX)
-mnt=$work/mnt
-cleanup() {
-  if mountpoint -q "$mnt" 2>/dev/null; then "$UCPFS" umount "$mnt" || umount -l "$mnt"; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
+# Resume a torch 2.x FSDP2 job on another world size, with no conversion step:
+#   1. a job of 2 processes trains a tiny Llama with Adam, sharded with FSDP2 (fully_shard), and
+#      saves it with torch.distributed.checkpoint (DCP), each rank its own shards;
+#   2. ucpfs mounts the checkpoint with --layout=tp1_pp1_dp1: target/tp1_pp1_dp1/rank_0/ holds the
+#      whole model (model.pt) and optimizer (optim.pt) as ordinary torch.save files;
+#   3. a new job of 4 processes loads them with torch's set_state_dict(full_state_dict=True),
+#      each rank keeping its own FSDP2 shard, checks its state equals what was saved bit for bit,
+#      trains 3 more steps, and checks the losses equal those of the job that never stopped.
+# The Python of both jobs is mount-examples/fsdp2_job.py. Exits non-zero if a check fails.
+. "$(dirname "$0")/common.sh" resume
+need_torch2
 
-echo "== train 3 Adam steps and save the model sharded by columns over 2 ranks"
-/usr/bin/python3 tests/e2e/fixtures/gen_llama_train.py "$work/ckpt" --ranks 2 --sharding cols \
-  --steps 3 --seed 7 --expected "$work/expected.pt" >/dev/null
-
-mkdir -p "$mnt"
-"$UCPFS" mount "$work/ckpt" "$mnt" --layout=tp1_pp1_dp1 --layout=tp2_pp2_dp2
-echo "== ls $mnt/target/tp2_pp2_dp2/rank_5"
-ls -l "$mnt/target/tp2_pp2_dp2/rank_5"
+echo "== 1. train 3 steps on 2 ranks with FSDP2 and save with DCP (torch $("$PY2" -c 'import torch; print(torch.__version__)'))"
+"$PY2" mount-examples/fsdp2_job.py save "$work/ckpt" "$work" --ranks 2
+ls "$work/ckpt"
 
 echo
-echo "== resume from $mnt/target/tp1_pp1_dp1/rank_0"
-/usr/bin/python3 - "$mnt" "$work/expected_resume.json" <<'PY'
-import json, sys
-import torch
-sys.path.insert(0, "tests/e2e/fixtures")
-import gen_llama_train as gen
+echo "== 2. ucpfs mount $work/ckpt $work/mnt --layout=tp1_pp1_dp1"
+mkdir "$work/mnt"
+"$UCPFS" mount "$work/ckpt" "$work/mnt" --layout=tp1_pp1_dp1
+ls -l "$work/mnt/target/tp1_pp1_dp1/rank_0"
 
-mnt, info = sys.argv[1], json.load(open(sys.argv[2]))
-torch.set_num_threads(1)
-rank0 = f"{mnt}/target/tp1_pp1_dp1/rank_0"
-model = gen.Llama()
-model.load_state_dict(torch.load(f"{rank0}/model.pt"))
-opt = gen.make_optimizer(model)
-opt.load_state_dict(torch.load(f"{rank0}/optim.pt"))
-k = info["steps"]
-losses = [float(gen.train_step(model, opt, gen.batch(info["seed"], k + j))) for j in range(3)]
-want = [float.fromhex(h) for h in info["continue_losses"]]
-for got, ref in zip(losses, want):
-    print(f"  loss {got:.10f}   uninterrupted {ref:.10f}")
-assert [x.hex() for x in losses] == info["continue_losses"], "resumed losses differ"
-print("resumed bit for bit")
-PY
-"$UCPFS" umount "$mnt"
+echo
+echo "== 3. resume on 4 ranks from $work/mnt/target/tp1_pp1_dp1/rank_0"
+"$PY2" mount-examples/fsdp2_job.py resume "$work/mnt/target/tp1_pp1_dp1/rank_0" "$work" --ranks 4
+
+"$UCPFS" umount "$work/mnt"
+echo "resume-new-layout: done in ${SECONDS} s"

@@ -1,0 +1,38 @@
+# Sourced by every example (`. "$(dirname "$0")/common.sh" NAME`): the set-up they all share.
+#   - stops at the first failing command (set -euo pipefail), so a failed check fails the example;
+#   - goes to the repository root, installs the missing Debian packages and builds ucpfs
+#     (tests/build.sh: nothing is rebuilt when the build is current);
+#   - UCPFS: the ucpfs binary; need_torch2 sets PY2, the python of .venv/ (torch 2.13,
+#     DeepSpeed, megatron-core, safetensors; tests/install-python.sh creates it once, then only
+#     checks it);
+#   - work: a fresh directory /tmp/ucpfs-NAME.XXXXXX for checkpoints, mounts and logs; TMPDIR
+#     points inside it, so what the producers put in temporary files goes with it;
+#   - on every exit (success, a failed check, Ctrl-C, kill): unmounts every mount under $work,
+#     then removes $work. Nothing stays mounted and nothing stays in /tmp.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+tests/install-deps.sh
+tests/build.sh build >/dev/null
+UCPFS=$PWD/build/cli/ucpfs
+work=$(mktemp -d "/tmp/ucpfs-${1:-example}.XXXXXX")
+mkdir -p "$work/tmp"
+export TMPDIR=$work/tmp
+
+mounts_under_work() {
+  # Innermost first, so nested mounts come off before the ones that hold them.
+  awk -v w="$work/" 'index($2, w) == 1 { print $2 }' /proc/self/mounts | sort -r
+}
+cleanup() {
+  local m
+  for m in $(mounts_under_work); do
+    "$UCPFS" umount "$m" 2>/dev/null || umount -l "$m" || true
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM HUP   # a signal exits through the EXIT trap too
+
+# Examples that run torch 2.13 producers call this first; it sets PY2 to .venv's python.
+need_torch2() { PY2=$(tests/install-python.sh | tail -n 1); }
+
+SECONDS=0   # the examples end with "done in ${SECONDS} s"
