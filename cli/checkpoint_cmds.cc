@@ -573,7 +573,10 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     info.index_seconds = (*snapshot)->opened.elapsed_s;
     return Generation{std::move(tree), std::move(info), *snapshot};
   };
-  auto first = build(1, /*allow_empty=*/true);
+  // A source with no checkpoint yet mounts empty (its views appear when one is saved), but not
+  // with --read-only-index: there "no index" means the shared index is missing, which must fail
+  // the mount as a stale one does (nothing could ever index a later save either).
+  auto first = build(1, /*allow_empty=*/!so.read_only_index);
   if (!first.ok()) return report("index", first.error());
   auto& [tree, info, first_snapshot] = *first;
   if (capture) {

@@ -202,6 +202,43 @@ def check_checkpoint(res, label, src, expected_path, workdir):
         print(f"FAIL {label}: {type(e).__name__}: {e}", flush=True)
 
 
+def read_only_index(d, src):
+    """--read-only-index (the shared, prebuilt index of many mounts): a current index is served;
+    a missing or stale one fails the mount with the reason and is never built or written."""
+    shared, empty = os.path.join(d, "ro-index"), os.path.join(d, "ro-index-empty")
+    os.makedirs(empty)
+    run([ucpfs_bin(), "index", src, "--index-dir", shared])
+    digest = lambda: hashlib.sha256(open(os.path.join(shared, "data.mdb"), "rb").read()).hexdigest()  # noqa: E731
+    built = digest()
+    with mounted(src, os.path.join(d, "mnt-ro-index"), "--index-dir", shared, "--read-only-index") as (m, _):
+        assert status(m)["index"]["state"] == "reused", status(m)["index"]
+        assert os.listdir(os.path.join(m, "atomic")), "no atomic views"
+    mnt = os.path.join(d, "mnt-ro-refused")
+    os.makedirs(mnt)
+
+    def refused(*args):
+        r = run([ucpfs_bin(), "mount", *args, mnt, "--read-only-index"], check=False, timeout=120)
+        if is_mounted(mnt):
+            run([ucpfs_bin(), "umount", mnt])
+            raise AssertionError(f"mounted with --read-only-index {args}: {r.stderr}")
+        assert r.returncode == 1, (r.returncode, r.stderr)
+        return r.stderr
+
+    err = refused(src, "--index-dir", empty)
+    assert "no index for " + src in err, err
+    assert os.listdir(empty) == [], f"an index was written in {empty}: {os.listdir(empty)}"
+    stale = os.path.join(d, "ro-index-stale-src")
+    shutil.copytree(src, stale, ignore=shutil.ignore_patterns(".ucpfs"))
+    run([ucpfs_bin(), "index", stale, "--index-dir", shared])
+    built = digest()
+    shard = os.path.join(stale, sorted(f for f in os.listdir(stale) if f.endswith(".distcp"))[0])
+    with open(shard, "r+b") as f:  # the same bytes written again: a new mtime
+        f.write(f.read(1))
+    err = refused(stale, "--index-dir", shared)
+    assert "is stale" in err, err
+    assert digest() == built, "a stale read-only index was written"
+
+
 def main():
     res = Results("e2e_mount_dcp")
     with tmpdir("ucpfs-mount-") as d:
@@ -215,6 +252,8 @@ def main():
             cases.append((f"synthetic-{variant}", src, gen_fixture("gen_dcp2x.py", src, "--variant", variant)))
         for label, src, expected in cases:
             check_checkpoint(res, label, src, expected, d)
+        res.check("--read-only-index: a current index is served, a missing or stale one refused, never written",
+                  lambda: read_only_index(d, cases[0][1]))
         res.check("a truncated source shard gives EIO, the daemon keeps serving",
                   lambda: failing_source_gives_eio(d, cases[0][1]))
 
