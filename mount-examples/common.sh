@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 tests/install-deps.sh
-tests/build.sh build >/dev/null
+tests/build.sh build
 UCPFS=$PWD/build/cli/ucpfs
 work=$(mktemp -d "/tmp/ucpfs-${1:-example}.XXXXXX")
 mkdir -p "$work/tmp"
@@ -27,6 +27,10 @@ cleanup() {
   for m in $(mounts_under_work); do
     "$UCPFS" umount "$m" 2>/dev/null || umount -l "$m" || true
   done
+  if [ -n "$(mounts_under_work)" ]; then   # never rm -rf through a mount
+    echo "left mounted under $work: $(mounts_under_work)" >&2
+    return
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT

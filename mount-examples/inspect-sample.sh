@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Main job (for now): build ucpfs, write a sample checkpoint file with real torch
 # (Debian's python3-torch at /usr/bin/python3), and inspect it without loading tensor data.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-tests/install-deps.sh
-tests/build.sh build
-work=$(mktemp -d /tmp/ucpfs-sample.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+. "$(dirname "$0")/common.sh" inspect
 /usr/bin/python3 - "$work/sample.pt" <<'PY'
 import collections, sys, torch
 torch.manual_seed(0)

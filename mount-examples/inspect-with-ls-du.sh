@@ -1,18 +1,8 @@
 #!/usr/bin/env bash
 # Inspect a checkpoint through the mount with ls, du and stat: every size is exact before any
 # tensor byte is read (.ucpfs/stats.json shows the source bytes read: none).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-tests/install-deps.sh
-tests/build.sh build
-UCPFS=$PWD/build/cli/ucpfs
-work=$(mktemp -d /tmp/ucpfs-lsdu.XXXXXX)
+. "$(dirname "$0")/common.sh" lsdu
 mnt=$work/mnt
-cleanup() {
-  if mountpoint -q "$mnt" 2>/dev/null; then "$UCPFS" umount "$mnt" || umount -l "$mnt"; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
 
 /usr/bin/python3 tests/e2e/fixtures/gen_dcp113_llama.py "$work/ckpt" --ranks 4 --seed 1 \
   --expected "$work/expected.pt" >/dev/null

@@ -2,18 +2,8 @@
 # Main job: build ucpfs, save a sample sharded checkpoint with real torch (2 processes, gloo,
 # PyTorch DCP), mount it, look at atomic/ with ls and du (no tensor data is read), torch.load
 # one consolidated atomic file, and unmount.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-tests/install-deps.sh
-tests/build.sh build
-UCPFS=$PWD/build/cli/ucpfs
-work=$(mktemp -d /tmp/ucpfs-sample.XXXXXX)
+. "$(dirname "$0")/common.sh" sample
 mnt=$work/mnt
-cleanup() {
-  if mountpoint -q "$mnt" 2>/dev/null; then "$UCPFS" umount "$mnt" || umount -l "$mnt"; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
 
 echo "== saving a sharded DCP checkpoint with torch $(/usr/bin/python3 -c 'import torch; print(torch.__version__)') (2 ranks)"
 /usr/bin/python3 tests/e2e/fixtures/gen_dcp113_llama.py "$work/ckpt" --ranks 2 --seed 0 \
