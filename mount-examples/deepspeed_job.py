@@ -15,16 +15,15 @@ The model is the tiny GPT with Megatron-DeepSpeed parameter names of
 tests/e2e/fixtures/gen_deepspeed.py (make_engine, train_step; its client state carries the
 `universal_checkpoint_info` Megatron-DeepSpeed saves). gloo over a file:// rendezvous.
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "e2e", "fixtures"))
 import gen_deepspeed as gen  # noqa: E402  (sets DS_ACCELERATOR=cpu before DeepSpeed is imported)
 import deepspeed  # noqa: E402,F401  (imported once here; the forked ranks inherit it)
+import ranks  # noqa: E402  (launch: the job's forked processes)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 CASE, SEED, STEPS = "zero2_bf16", 0, 3
@@ -91,20 +90,8 @@ def resume(rank, a, rendezvous):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cmd", choices=["save", "resume"])
-    ap.add_argument("path", help="the checkpoint directory (resume: the mount)")
-    ap.add_argument("out", help="where save writes saved.pt")
-    ap.add_argument("--ranks", type=int, required=True)
-    a = ap.parse_args()
-    rendezvous = os.path.join(a.out, f"rendezvous-{a.cmd}")
-    if os.path.exists(rendezvous):  # left by a job that failed: a stale file would hang this one
-        os.remove(rendezvous)
-    # fork, not spawn: the ranks start with torch and DeepSpeed already imported.
-    mp.start_processes(save if a.cmd == "save" else resume, args=(a, rendezvous), nprocs=a.ranks,
-                       join=True, start_method="fork")
-    if os.path.exists(rendezvous):
-        os.remove(rendezvous)
+    ranks.save_or_resume(__doc__, save, resume, path_help="the checkpoint directory (resume: the mount)",
+                         out_help="where save writes saved.pt")
 
 
 if __name__ == "__main__":

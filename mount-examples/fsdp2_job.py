@@ -19,16 +19,15 @@ gradients is the gradient itself, exactly, on 1, 2 or 4 ranks (a sum of 2 or 4 e
 divided by 2 or 4 is exact; with 3 it is not), and a job resumed on another of these world sizes
 must reproduce the uninterrupted job bit for bit. CPU only, gloo over a file:// rendezvous.
 """
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "e2e", "fixtures"))
 import gen_llama_train as gen  # noqa: E402  (Llama, batch, train_step)
+import ranks  # noqa: E402  (launch: the job's forked processes)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
 SEED, STEPS, MORE_STEPS = 7, 3, 3
@@ -84,23 +83,6 @@ def as_fqn_keyed(optim):
     return {"state": {fqn[i]: s for i, s in optim["state"].items()}, "param_groups": groups}
 
 
-def same(got, want, what):
-    """Equal bit for bit: the same keys, tensors of the same dtype, shape and bytes."""
-    if isinstance(want, dict):
-        assert sorted(got, key=str) == sorted(want, key=str), f"{what}: keys {sorted(got)} != {sorted(want)}"
-        for k in want:
-            same(got[k], want[k], f"{what}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{what}: {len(got)} items, saved {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            same(g, w, f"{what}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, what
-        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), f"{what} differs"
-    else:
-        assert got == want, f"{what}: {got!r} != saved {want!r}"
-
-
 def resume(rank, a, rendezvous):
     model, opt = start(rank, a.ranks, rendezvous)   # a fresh job on the new world size
     # Every rank reads the whole state from the mount (model.pt, optim.pt: one rank of layout
@@ -113,8 +95,13 @@ def resume(rank, a, rendezvous):
     got_model, got_optim = get_state_dict(model, opt, options=FULL)
     if rank == 0:
         saved = torch.load(os.path.join(a.out, "saved.pt"))
-        same(got_model, saved["model"], "model")
-        same(got_optim, saved["optim"], "optim")
+        exact = dict(rtol=0, atol=0)   # every tensor: same dtype, shape and values
+        torch.testing.assert_close(got_model, saved["model"], **exact)
+        torch.testing.assert_close(got_optim["state"], saved["optim"]["state"], **exact)
+        # (torch's set_state_dict gives the tuple `betas` back as a list: compared as lists)
+        groups = [[{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in o["param_groups"]]
+                  for o in (got_optim, saved["optim"])]
+        assert groups[0] == groups[1], f"param groups differ: {groups[0]} != {groups[1]}"
     # Check 2: training on gives the uninterrupted job's losses, bit for bit.
     losses = [gen.train_step(model, opt, gen.batch(SEED, STEPS + j)) for j in range(MORE_STEPS)]
     want = [float.fromhex(h) for h in json.load(open(os.path.join(a.out, "uninterrupted.json")))]
@@ -128,20 +115,9 @@ def resume(rank, a, rendezvous):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cmd", choices=["save", "resume"])
-    ap.add_argument("path", help="save: the checkpoint directory; resume: the rank directory to load")
-    ap.add_argument("out", help="where save writes saved.pt and uninterrupted.json")
-    ap.add_argument("--ranks", type=int, required=True)
-    a = ap.parse_args()
-    rendezvous = os.path.join(a.out, f"rendezvous-{a.cmd}")
-    if os.path.exists(rendezvous):  # left by a job that failed: a stale file would hang this one
-        os.remove(rendezvous)
-    # fork, not spawn: the ranks start with torch already imported (seconds saved per rank).
-    mp.start_processes(save if a.cmd == "save" else resume, args=(a, rendezvous), nprocs=a.ranks,
-                       join=True, start_method="fork")
-    if os.path.exists(rendezvous):  # (torch removes it once every rank has left)
-        os.remove(rendezvous)
+    ranks.save_or_resume(__doc__, save, resume,
+                         path_help="save: the checkpoint directory; resume: the rank directory to load",
+                         out_help="where save writes saved.pt and uninterrupted.json")
 
 
 if __name__ == "__main__":

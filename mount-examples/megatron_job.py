@@ -17,9 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "e2e", "fixtures"))
 import gen_megatron_legacy as gen  # noqa: E402  (build_model, local_slice, global_name, CPU shims)
+import ranks  # noqa: E402  (launch: the job's forked processes)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
 
@@ -67,12 +67,7 @@ def main():
     ap.add_argument("--pp", type=int, required=True)
     a = ap.parse_args()
     rendezvous = os.path.join(os.path.dirname(os.path.abspath(a.truth)), "rendezvous-megatron")
-    if os.path.exists(rendezvous):  # left by a job that failed: a stale file would hang this one
-        os.remove(rendezvous)
-    # fork, not spawn: the ranks start with torch and megatron-core already imported.
-    mp.start_processes(resume, args=(a, rendezvous), nprocs=a.tp * a.pp, join=True, start_method="fork")
-    if os.path.exists(rendezvous):
-        os.remove(rendezvous)
+    ranks.launch(resume, a.tp * a.pp, rendezvous, a)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 . "$(dirname "$0")/common.sh" resume
 need_torch2
 
-echo "== 1. train 3 steps on 2 ranks with FSDP2 and save with DCP (torch $("$PY2" -c 'import torch; print(torch.__version__)'))"
+echo "== 1. train 3 steps on 2 ranks with FSDP2 and save with DCP (torch 2.13)"
 "$PY2" mount-examples/fsdp2_job.py save "$work/ckpt" "$work" --ranks 2
 ls "$work/ckpt"
 

@@ -32,7 +32,8 @@ for node in a b; do
 done
 diff -r "$work/node-a/atomic" "$work/node-b/atomic"
 diff -r "$work/node-a/target" "$work/node-b/target"
-echo "node A and node B serve identical bytes: $(find "$work/node-a/atomic" "$work/node-a/target" -type f | wc -l) files compared"
+n_files=$(find "$work/node-a/atomic" "$work/node-a/target" -type f | wc -l)
+echo "node A and node B serve identical bytes: $n_files files compared"
 /usr/bin/python3 - "$work/node-b" "$work/expected.pt" <<'PY'
 import sys, torch
 mnt, expected = sys.argv[1], torch.load(sys.argv[2])
