@@ -46,12 +46,6 @@
 namespace ucpfs::cli {
 namespace {
 
-std::string AbsPath(const std::string& p) {
-  char buf[PATH_MAX];
-  if (::realpath(p.c_str(), buf) != nullptr) return buf;
-  return p;
-}
-
 // AbsPath, or, where realpath fails (a dead FUSE mount point answers ENOTCONN), the path made
 // absolute against the working directory, without trailing slashes.
 std::string AbsPathOrJoined(const std::string& p) {
@@ -92,6 +86,12 @@ int Fail(const char* cmd, const Status& s) {
 uint64_t TensorBytes(const index::Item& it) { return it.layout.NumElems() * ItemSize(it.dtype); }
 
 }  // namespace
+
+std::string AbsPath(const std::string& p) {
+  char buf[PATH_MAX];
+  if (::realpath(p.c_str(), buf) != nullptr) return buf;
+  return p;
+}
 
 Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress) {
   UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress));

@@ -19,6 +19,9 @@ struct SourceArgs {
   bool quiet = false;  // -q, --quiet: no progress on stderr
 };
 
+// `p` with symlinks resolved and made absolute (realpath); `p` itself when that fails.
+std::string AbsPath(const std::string& p);
+
 // The Snapshot of SRC as the mount opens it: its index built or reused (progress on stderr
 // unless `progress` is false or SRC.quiet), --rules applied. Errors: kNotFound (no SRC),
 // kInvalidArgument (SRC is not a directory), LoadRules's, OpenSnapshot's.

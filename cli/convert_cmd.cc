@@ -32,12 +32,6 @@ namespace {
 
 constexpr size_t kChunkBytes = 8u << 20;
 
-std::string AbsPath(const std::string& p) {
-  char buf[PATH_MAX];
-  if (::realpath(p.c_str(), buf) != nullptr) return buf;
-  return p;
-}
-
 // Streams `src` to DST/<path>.tmp in kChunkBytes reads, then renames it into place.
 Status WriteFile(const std::string& dst, const ViewFile& job, std::vector<std::byte>& buf,
                  std::atomic<uint64_t>& bytes_done) {

@@ -54,12 +54,6 @@ struct Report {
   }
 };
 
-std::string AbsPath(const std::string& p) {
-  char buf[PATH_MAX];
-  if (::realpath(p.c_str(), buf) != nullptr) return buf;
-  return p;
-}
-
 // The stored index, if any, against the files on disk. Returns the stored checkpoint.
 std::optional<index::Checkpoint> CheckIndex(const std::string& index_dir, Report& r) {
   uint64_t stored_fp = 0;
