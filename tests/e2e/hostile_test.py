@@ -85,7 +85,7 @@ def special_files_refused(work, src):
             mnt = os.path.join(work, f"mnt-special-{kind}")
             os.makedirs(mnt, exist_ok=True)
             clean_error([ucpfs_bin(), "mount", d, mnt], [shard])
-            with open("/proc/self/mounts") as f:
+            with open("/proc/self/mounts", errors="surrogateescape") as f:
                 assert not any(line.split()[1] == mnt for line in f), "a refused mount is mounted"
         finally:
             if keep:
@@ -287,7 +287,7 @@ def mount_safety(work, src):
         assert "atomic" in os.listdir(m)
         # A second mount over a live one is refused, saying how to clear it.
         clean_error([ucpfs_bin(), "mount", d, m], ["already mounted", "ucpfs umount"])
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         assert sum(line.split()[4] == mnt for line in f) == 0, "mounts stacked at the mount point"
 
     # `ucpfs umount` of something that is not ucpfs is refused, and it stays mounted.
@@ -465,10 +465,10 @@ def layouts_evicted_when_forgotten(work, src):
         deadline = time.monotonic() + 10
         while lookup_layouts(m)["live"] != 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert lookup_layouts(m) == {"live": 0, "memory_bytes": 0, "memory_limit_bytes": 1 << 20}
+        assert lookup_layouts(m) == {"live": 0, "memory_bytes": 0, "memory_limit_bytes": 1 << 20, "names": []}
         assert first not in os.listdir(os.path.join(m, "target"))
         assert len(os.listdir(os.path.join(m, "target", second))) == 255
-        assert lookup_layouts(m)["live"] == 1
+        assert lookup_layouts(m)["live"] == 1 and lookup_layouts(m)["names"] == [second]
         # The first one comes back on demand, built afresh (and now it is the one refused).
         p = subprocess.run(["ls", os.path.join(m, "target", first)], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0

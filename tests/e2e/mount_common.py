@@ -23,7 +23,7 @@ def gen_fixture(script, outdir, *args):
 
 
 def is_mounted(mnt):
-    with open("/proc/self/mounts") as f:
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
         return any(line.split()[1] == mnt for line in f)
 
 

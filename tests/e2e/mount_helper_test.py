@@ -47,7 +47,7 @@ def helper_installed(exe):
 
 
 def mountinfo(mnt):
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         for line in f:
             fields = line.split()
             if fields[4] == mnt:

@@ -118,7 +118,7 @@ def kill_during_saves(work, src):
     wants = {f"k/shard_{i}.pt": saved_bytes(state(10 + i, 3), f"shard_{i}.pt") for i in range(8)}
     run([ucpfs_bin(), "mount", src, mnt, "--log", mnt + ".log"], timeout=120)
     pid = None
-    with open("/proc/self/mounts") as f:
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
         assert any(line.split()[1] == mnt for line in f)
     out = subprocess.run(["pgrep", "-f", f"ucpfs mount {src} {mnt}"], capture_output=True, text=True)
     pids = [int(p) for p in out.stdout.split()]
