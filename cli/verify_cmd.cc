@@ -20,6 +20,7 @@
 #include "core/json_text.h"
 #include "core/slice/slice.h"
 #include "index/catalog.h"
+#include "index/checkpoint_builder.h"
 #include "index/key_map.h"
 #include "index/scanner.h"
 #include "index/snapshot.h"
@@ -34,6 +35,7 @@ struct Report {
   nlohmann::ordered_json problems = nlohmann::ordered_json::array();
   nlohmann::ordered_json unchecked = nlohmann::ordered_json::array();  // source files without checksums
   uint64_t source_files = 0, source_tensors = 0, fragments = 0, crc_records = 0, crc_bytes = 0;
+  uint64_t tp_replicas = 0;  // tp-replicated copies compared with the copy that is read
   uint64_t views = 0, view_bytes = 0, view_tensors = 0;
   std::string index = "current";
 
@@ -240,6 +242,7 @@ void Print(const Report& r, bool json) {
                       {"source_files", r.source_files},
                       {"source_tensors", r.source_tensors},
                       {"fragments", r.fragments},
+                      {"tp_replicas", r.tp_replicas},
                       {"crc_records", r.crc_records},
                       {"crc_bytes", r.crc_bytes},
                       {"bytes", r.view_bytes + r.crc_bytes}};
@@ -253,7 +256,8 @@ void Print(const Report& r, bool json) {
   }
   std::cout << "ucpfs verify: " << r.src << ": " << (ok ? "ok" : std::to_string(r.problems.size()) + " problems")
             << ": " << r.views << " views (" << r.view_bytes << " bytes, " << r.view_tensors << " tensor records), "
-            << r.source_tensors << " source tensors in " << r.fragments << " fragments, " << r.crc_records
+            << r.source_tensors << " source tensors in " << r.fragments << " fragments, " << r.tp_replicas
+            << " tp-replicated copies compared, " << r.crc_records
             << " source records CRC-checked (" << r.crc_bytes << " bytes); index " << r.index << '\n';
   if (!r.unchecked.empty()) {
     std::cout << "ucpfs verify: no checksums to check in " << r.unchecked.size() << " source files ("
@@ -346,6 +350,11 @@ int RunVerify(const VerifyArgs& args) {
   Progress progress(StderrProgressOptions("ucpfs verify:", ProgressUnit::kBytes, args.source.quiet));
   auto on_bytes = [&](uint64_t n) { progress.Update(done += n, total); };
   CheckCrcs(crcs, r, on_bytes);
+  // DeepSpeed and Megatron-LM: every tp rank's copy of a replicated tensor against the one read
+  // (the fresh scan lists them; a checkpoint from the stored index has none).
+  for (const Status& s : index::CheckTpReplicas((*snapshot)->checkpoint(), *(*snapshot)->files, &r.tp_replicas)) {
+    r.Add(s, r.src);
+  }
   if (views.ok()) {
     std::vector<std::byte> buf(kReadChunkBytes);
     for (const auto& v : *views) CheckView(v, buf, r, on_bytes);

@@ -57,6 +57,11 @@ struct Checkpoint {
   std::string format_info;
   std::vector<SourceFile> files;
   std::vector<Item> items;
+  // Copies the scanner did not read because another tp rank's copy of the same tensor is used
+  // (DeepSpeed and Megatron-LM tp-replicated module tensors, e.g. layer norms of tp ranks > 0):
+  // each an item with the key of the item it repeats, as stored. `ucpfs verify` compares them
+  // (CheckTpReplicas); not stored in the index (empty in a checkpoint loaded from one).
+  std::vector<Item> replicas;
 };
 
 }  // namespace ucpfs::index

@@ -116,7 +116,7 @@ Status CheckpointBuilder::DropReplicas(Item& item, const std::vector<std::pair<s
   std::set<size_t> drop;
   for (const auto& [a, b] : replicas) {
     UCPFS_RETURN_IF_ERROR(
-        CompareReplicas(item, item.layout.fragments[a], item.layout.fragments[b]));
+        CompareReplicaFragments(item, item.layout.fragments[a], item.layout.fragments[b], sources_));
     drop.insert(b);
   }
   auto& frags = item.layout.fragments;
@@ -126,13 +126,14 @@ Status CheckpointBuilder::DropReplicas(Item& item, const std::vector<std::pair<s
   return Status::Ok();
 }
 
-Status CheckpointBuilder::CompareReplicas(const Item& item, const slice::Fragment& a, const slice::Fragment& b) {
+Status CompareReplicaFragments(const Item& item, const slice::Fragment& a, const slice::Fragment& b,
+                               const std::vector<std::shared_ptr<const ByteSource>>& sources) {
   auto differ = [&]() {
-    return CorruptError(sources_[b.file_id]->Name() + ": tensor '" + item.key +
+    return CorruptError(sources[b.file_id]->Name() + ": tensor '" + item.key +
                         "': box at offsets " + JoinInts(a.box.offsets) + " sizes " +
                         JoinInts(a.box.sizes) +
                         " is covered twice by replicas with different data (here at byte " +
-                        std::to_string(b.byte_offset) + ", in " + sources_[a.file_id]->Name() +
+                        std::to_string(b.byte_offset) + ", in " + sources[a.file_id]->Name() +
                         " at byte " + std::to_string(a.byte_offset) + ")");
   };
   if (a.strides.empty() && b.strides.empty() && a.dtype == b.dtype) {
@@ -143,9 +144,9 @@ Status CheckpointBuilder::CompareReplicas(const Item& item, const slice::Fragmen
     for (uint64_t done = 0; done < *n;) {
       const uint64_t len = std::min<uint64_t>(x.size(), *n - done);
       UCPFS_RETURN_IF_ERROR(
-          sources_[a.file_id]->ReadAt(a.byte_offset + done, std::span(x.data(), len)));
+          sources[a.file_id]->ReadAt(a.byte_offset + done, std::span(x.data(), len)));
       UCPFS_RETURN_IF_ERROR(
-          sources_[b.file_id]->ReadAt(b.byte_offset + done, std::span(y.data(), len)));
+          sources[b.file_id]->ReadAt(b.byte_offset + done, std::span(y.data(), len)));
       if (std::memcmp(x.data(), y.data(), len) != 0) return differ();
       done += len;
     }
@@ -170,12 +171,52 @@ Status CheckpointBuilder::CompareReplicas(const Item& item, const slice::Fragmen
     const uint64_t n = std::min(per_block, a.flat_hi - e);
     x.resize(n * item_size);
     y.resize(n * item_size);
-    UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(la, dst, sources_, e * item_size, x));
-    UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(lb, dst, sources_, e * item_size, y));
+    UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(la, dst, sources, e * item_size, x));
+    UCPFS_RETURN_IF_ERROR(slice::ReadTensorBytes(lb, dst, sources, e * item_size, y));
     if (std::memcmp(x.data(), y.data(), x.size()) != 0) return differ();
     e += n;
   }
   return Status::Ok();
+}
+
+std::vector<Status> CheckTpReplicas(const Checkpoint& checkpoint,
+                                    const std::vector<std::shared_ptr<const ByteSource>>& sources,
+                                    uint64_t* compared) {
+  std::map<std::string, const Item*> by_key;
+  for (const Item& it : checkpoint.items) by_key.emplace(it.key, &it);
+  std::vector<Status> problems;
+  for (const Item& copy : checkpoint.replicas) {
+    const auto found = by_key.find(copy.key);
+    for (const slice::Fragment& c : copy.layout.fragments) {
+      const std::string where = c.file_id < sources.size() ? sources[c.file_id]->Name() : copy.key;
+      const slice::Fragment* same = nullptr;
+      if (found != by_key.end()) {
+        for (const slice::Fragment& f : found->second->layout.fragments) {
+          if (f.box.offsets == c.box.offsets && f.box.sizes == c.box.sizes && f.flat_lo == c.flat_lo &&
+              f.flat_hi == c.flat_hi) {
+            same = &f;
+            break;
+          }
+        }
+      }
+      if (same == nullptr) {
+        problems.push_back(CorruptError(where + ": tensor '" + copy.key +
+                                        "': a tp-replicated copy with no matching piece in the tensor that is read"));
+        continue;
+      }
+      if (c.file_id >= sources.size() || same->file_id >= sources.size()) {
+        problems.push_back(CorruptError(where + ": tensor '" + copy.key + "': file id out of range"));
+        continue;
+      }
+      Status s = CompareReplicaFragments(*found->second, *same, c, sources);
+      if (compared != nullptr) ++*compared;
+      if (!s.ok()) {
+        problems.push_back(std::move(s));
+        break;  // one problem per copy
+      }
+    }
+  }
+  return problems;
 }
 
 void PlaceRange(const Placement& pl, uint64_t lo, uint64_t hi, uint32_t file_id, uint64_t byte_offset, DType dtype,

@@ -52,11 +52,12 @@ class CheckpointBuilder {
 
   // Appends an item (in source order) and returns the checkpoint when done.
   void AddItem(Item item) { ckpt_.items.push_back(std::move(item)); }
+  // Records a tp-replicated copy that is not read (Checkpoint::replicas).
+  void AddReplica(Item item) { ckpt_.replicas.push_back(std::move(item)); }
   Checkpoint Take() { return std::move(ckpt_); }
 
  private:
   Status DropReplicas(Item& item, const std::vector<std::pair<size_t, size_t>>& replicas);
-  Status CompareReplicas(const Item& item, const slice::Fragment& a, const slice::Fragment& b);
 
   std::string dir_;
   Checkpoint ckpt_;
@@ -64,6 +65,20 @@ class CheckpointBuilder {
   std::shared_ptr<FdCache> fd_cache_ = std::make_shared<FdCache>(FdCache::DefaultCapacity());
   std::map<std::string, uint32_t> file_ids_;  // rel_path -> file id
 };
+
+// Checks that fragments `a` and `b` of `item`, which cover the same box, hold equal data (read
+// through `sources`, by file id). Errors: kCorrupt naming both files, the item and the box;
+// the sources' read errors.
+Status CompareReplicaFragments(const Item& item, const slice::Fragment& a, const slice::Fragment& b,
+                               const std::vector<std::shared_ptr<const ByteSource>>& sources);
+
+// Compares every copy in `checkpoint.replicas` with the item of the same key: each fragment of
+// the copy with the item's fragment of the same box. Returns one kCorrupt per copy that
+// differs (naming its file), or the read error; `compared` (when given) counts the fragments
+// compared. A copy whose item is missing or split otherwise is reported as kCorrupt too.
+std::vector<Status> CheckTpReplicas(const Checkpoint& checkpoint,
+                                    const std::vector<std::shared_ptr<const ByteSource>>& sources,
+                                    uint64_t* compared = nullptr);
 
 // Where one tensor-parallel rank's slice of a parameter lies in the global tensor (the DeepSpeed
 // and Megatron-LM scanners place each rank's stored tensor with it).
@@ -73,6 +88,7 @@ struct Placement {
   // box itself) is the local tensor. Empty: the local tensor is the whole global tensor.
   std::vector<slice::Box> pieces;
   bool skip = false;  // a replica of tp rank 0's (tp-replicated): not read
+  bool skip_holds_copy = true;  // with skip: the same values as tp rank 0's (false: partial values)
 };
 
 // Appends the global fragments of local elements [lo, hi), stored contiguously at byte_offset

@@ -478,12 +478,18 @@ class DeepSpeedScanner {
   }
 
   // A stored module tensor of tp rank t as (part of) the global tensor `name`; nullopt when it
-  // is a replica the merge does not read.
+  // is a replica the merge does not read (kept in Checkpoint::replicas for `ucpfs verify`).
   Result<std::optional<Item>> PlacedTensor(const std::string& name, const format::TensorRecord& t, uint32_t file_id,
-                                           int tp_rank) const {
-    UCPFS_ASSIGN_OR_RETURN(const Placement pl, Place(name, t.shape, tp_rank));
-    if (pl.skip) return std::optional<Item>();
+                                           int tp_rank) {
+    UCPFS_ASSIGN_OR_RETURN(Placement pl, Place(name, t.shape, tp_rank));
+    const bool replica = pl.skip;
+    if (replica && !pl.skip_holds_copy) return std::optional<Item>();  // partial values: nothing to compare
+    pl.skip = false;
     UCPFS_ASSIGN_OR_RETURN(Item item, PlacedItem(pl, name, t, file_id, builder_.source(file_id)->Name()));
+    if (replica) {
+      builder_.AddReplica(std::move(item));
+      return std::optional<Item>();
+    }
     return std::optional<Item>(std::move(item));
   }
 
@@ -649,7 +655,7 @@ class DeepSpeedScanner {
     return builder_.source(optim_ids_[mp_rank][dp_rank])->Name();
   }
 
-  Result<std::vector<Item>> ModuleItems(const format::TorchFile& model, uint32_t model_id, int tp_rank) const {
+  Result<std::vector<Item>> ModuleItems(const format::TorchFile& model, uint32_t model_id, int tp_rank) {
     std::vector<Item> out;
     constexpr std::string_view kPrefix = "module.";
     for (const format::TensorRecord& t : model.tensors()) {

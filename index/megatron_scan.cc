@@ -413,6 +413,7 @@ class MegatronScanner {
     }
     if (pattern->tp == layout::TpKind::kReplicate || pattern->tp == layout::TpKind::kPartial || args_.tp == 1) {
       pl.skip = t != 0;
+      pl.skip_holds_copy = pattern->tp != layout::TpKind::kPartial;
       return pl;
     }
     const auto d = static_cast<size_t>(pattern->tp_dim);
@@ -445,12 +446,18 @@ class MegatronScanner {
   }
 
   // A stored tensor of tp rank t as (part of) the global item `key` of parameter `name`;
-  // nullopt for a replica that is not read.
+  // nullopt for a replica that is not read (kept in Checkpoint::replicas for `ucpfs verify`).
   Result<std::optional<Item>> PlacedTensor(const std::string& name, const format::TensorRecord& rec, uint32_t file_id,
-                                           int t, const std::string& key, const std::string& where) const {
-    UCPFS_ASSIGN_OR_RETURN(const Placement pl, Place(name, rec.shape, t, where));
-    if (pl.skip) return std::optional<Item>();
+                                           int t, const std::string& key, const std::string& where) {
+    UCPFS_ASSIGN_OR_RETURN(Placement pl, Place(name, rec.shape, t, where));
+    const bool replica = pl.skip;
+    if (replica && !pl.skip_holds_copy) return std::optional<Item>();  // partial values: nothing to compare
+    pl.skip = false;
     UCPFS_ASSIGN_OR_RETURN(Item item, PlacedItem(pl, key, rec, file_id, where));
+    if (replica) {
+      builder_.AddReplica(std::move(item));
+      return std::optional<Item>();
+    }
     return std::optional<Item>(std::move(item));
   }
 

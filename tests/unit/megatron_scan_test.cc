@@ -14,11 +14,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "core/io/file_source.h"
 #include "core/slice/slice.h"
+#include "index/checkpoint_builder.h"
 #include "index/scanner.h"
 
 namespace ucpfs::index {
@@ -252,6 +254,57 @@ TEST_F(MegatronScanTest, GlobalTensorsFromEveryRank) {
   EXPECT_EQ(facts->vocab_pad_multiple, 2);
   EXPECT_EQ(facts->num_query_groups, 2);
   EXPECT_EQ(facts->gated_linear_unit, true);
+}
+
+// Tp rank 1's copies of the replicated layer norms (and their moments) are not read but kept
+// for `ucpfs verify`:
+// equal to rank 0's in the writer's save; one changed float is reported, naming its file.
+TEST_F(MegatronScanTest, TpReplicatedCopiesAreCompared) {
+  auto open_all = [](const Checkpoint& c, const fs::path& dir) {
+    std::vector<std::shared_ptr<const ByteSource>> files;
+    for (const SourceFile& f : c.files) {
+      auto src = FileSource::Open((dir / f.rel_path).string());
+      EXPECT_TRUE(src.ok()) << src.error().message();
+      files.push_back(std::move(*src));
+    }
+    return files;
+  };
+  const fs::path good = Save("good");
+  auto c = ScanMegatronLegacy(good.string());
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  std::set<std::string> keys;
+  for (const Item& r : c->replicas) keys.insert(r.key);
+  std::set<std::string> want;
+  for (const char* name : {"decoder.layers.0.input_layernorm.weight", "decoder.layers.1.input_layernorm.weight",
+                           "decoder.final_layernorm.weight"}) {
+    for (const std::string suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
+      want.insert(suffix.empty() ? std::string(name) : "optimizer.state." + std::string(name) + suffix);
+    }
+  }
+  EXPECT_EQ(keys, want) << "the norms and their Adam moments, as tp rank 1 stores them";
+  uint64_t compared = 0;
+  EXPECT_TRUE(CheckTpReplicas(*c, open_all(*c, good), &compared).empty());
+  EXPECT_EQ(compared, c->replicas.size());
+
+  // Change the first float of one copy in a copy of the save.
+  const Item& victim = c->replicas.front();
+  ASSERT_EQ(victim.layout.fragments.size(), 1u);
+  const slice::Fragment& f = victim.layout.fragments.front();
+  const std::string rel = c->files.at(f.file_id).rel_path;
+  const fs::path broken = Copy("replica");
+  {
+    std::fstream file(broken / rel, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(static_cast<std::streamoff>(f.byte_offset));
+    const float other = 12345.0f;
+    file.write(reinterpret_cast<const char*>(&other), sizeof(other));
+  }
+  auto b = ScanMegatronLegacy(broken.string());
+  ASSERT_TRUE(b.ok()) << "the scan itself does not read the copies: " << b.error().message();
+  const std::vector<Status> problems = CheckTpReplicas(*b, open_all(*b, broken));
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].code(), StatusCode::kCorrupt);
+  EXPECT_NE(problems[0].message().find(rel), std::string::npos) << problems[0].message();
+  EXPECT_NE(problems[0].message().find(victim.key), std::string::npos) << problems[0].message();
 }
 
 // Expects `code` and every fragment of `needles` in the message.
