@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <iostream>
 #include <numeric>
 #include <sstream>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -46,8 +48,35 @@ std::string Shorten(const std::string& s, size_t n = kMaxLabelChars) {
 
 struct Names {
   std::vector<std::string> path;  // per source file id
-  std::vector<size_t> read;       // ids of the files the layout reads, in id order
+  std::vector<size_t> read;       // ids of the files the layout reads, in NaturalLess order of path
 };
+
+// "__2_0.distcp" before "__10_0.distcp": runs of digits compare as numbers, the rest as text, so
+// the table's columns (and their groups) follow the ranks' and files' numbers.
+bool NaturalLess(const std::string& a, const std::string& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const bool da = std::isdigit(static_cast<unsigned char>(a[i])) != 0;
+    const bool db = std::isdigit(static_cast<unsigned char>(b[j])) != 0;
+    if (da && db) {
+      size_t ie = i, je = j;
+      while (ie < a.size() && std::isdigit(static_cast<unsigned char>(a[ie])) != 0) ++ie;
+      while (je < b.size() && std::isdigit(static_cast<unsigned char>(b[je])) != 0) ++je;
+      std::string_view x(a.data() + i, ie - i), y(b.data() + j, je - j);
+      while (x.size() > 1 && x.front() == '0') x.remove_prefix(1);
+      while (y.size() > 1 && y.front() == '0') y.remove_prefix(1);
+      if (x.size() != y.size()) return x.size() < y.size();
+      if (x != y) return x < y;
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j;
+}
 
 std::string Summary(const views::ReshardReads& r, const Names& names) {
   uint64_t distinct = 0;
@@ -180,7 +209,7 @@ FlowPicture Picture(const views::ReshardReads& r, const Names& names, const std:
                    [&](size_t a, size_t b) { return r.sources[a].read_n_bytes > r.sources[b].read_n_bytes; });
   const size_t keep = by_size.size() <= kMaxSvgSources ? by_size.size() : kMaxSvgSources - 1;
   std::vector<size_t> kept(by_size.begin(), by_size.begin() + static_cast<std::ptrdiff_t>(keep));
-  std::sort(kept.begin(), kept.end());
+  std::sort(kept.begin(), kept.end(), [&](size_t a, size_t b) { return NaturalLess(names.path[a], names.path[b]); });
   std::vector<size_t> node_of(names.path.size(), SIZE_MAX);
   for (size_t k = 0; k < kept.size(); ++k) {
     node_of[kept[k]] = k;
@@ -268,6 +297,8 @@ int RunPlan(const PlanArgs& args) {
     sizes.push_back(snap.checkpoint().files[i].n_bytes);
     if (reads->sources[i].read_n_bytes) names.read.push_back(i);
   }
+  std::stable_sort(names.read.begin(), names.read.end(),
+                   [&](size_t x, size_t y) { return NaturalLess(names.path[x], names.path[y]); });
   const std::string& src = snap.source_dir();
   if (!args.svg.empty()) {
     const std::string svg = RenderFlowSvg(Picture(*reads, names, src));

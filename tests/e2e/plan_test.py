@@ -2,7 +2,8 @@
 tensor split by rows) for tp2: the JSON matrix (bytes each target rank reads from each .distcp
 file) equals what this test computes itself from torch's own DCP metadata (each chunk's box and
 file) and the pieces each rank holds (ucp_info.json of `ucpfs convert`); the text table has the
-same totals; the SVG parses as XML and names every rank and source file read."""
+same totals; the SVG parses as XML and names every rank and source file read. With 40 source
+files (a synthetic save), the table groups them into 8 columns and the picture keeps 29 + "other"."""
 import json
 import os
 import re
@@ -156,6 +157,35 @@ def main():
             bands = [e for e in root.iter() if e.tag.endswith("path")]
             assert len(bands) == 4, len(bands)  # 2 files x 2 ranks
         res.check("SVG parses and names every rank and source file", picture)
+
+        # Many source files: 8 ranks x 5 files of a synthetic torchtitan DCP save (torch-free
+        # writer of the scale benchmark). The table groups them into 8 columns in the ranks'
+        # order, the picture keeps the 29 most read and puts the rest in "other".
+        many = os.path.join(d, "many")
+        subprocess.run([sys.executable, os.path.join(HERE, "..", "bench", "gen_scale_dcp.py"), many, "--ranks", "8",
+                        "--files-per-rank", "5", "--layers", "2"], check=True, capture_output=True)
+        many_svg = os.path.join(d, "many.svg")
+        mj = json.loads(run([exe, "plan", many, "--layout", "tp2_pp1_dp2", "--json", "--quiet"]).stdout)
+        mtext = run([exe, "plan", many, "--layout", "tp2_pp1_dp2", "--svg", many_svg, "--quiet"]).stdout
+
+        def many_files():
+            distcp = sorted(f for f in os.listdir(many) if f.endswith(".distcp"))
+            assert len(distcp) == 40, distcp
+            assert mj["totals"]["source_files_read"] == 40, mj["totals"]
+            for r in mj["ranks"]:
+                assert r["read_bytes"] == sum(sum(f["reads"].values()) for f in r["files"]), r["rank"]
+            by_path = {s["path"]: s for s in mj["source_files"]}
+            assert sum(by_path[p]["read_bytes"] for p in distcp) == mj["totals"]["read_bytes"]
+            assert "40 source files grouped into 8 columns of up to 5:" in mtext, mtext
+            for g in range(8):
+                assert f"  g{g + 1}: __{g}_0.distcp .. __{g}_4.distcp (5 files)" in mtext, mtext
+            root = ET.parse(many_svg).getroot()
+            # A source's label: its name, then its size in a <tspan>.
+            words = [(e.text or "").strip() for e in root.iter() if e.tag.endswith("}text")]
+            sources = [w for w in words if w.startswith("__") and w.endswith(".distcp")]
+            assert len(sources) == 29 and sources == sorted(sources, key=lambda n: [int(x) for x in re.findall(r"\d+", n)]), sources
+            assert "other (11 files)" in words, words
+        res.check("40 source files: grouped table columns, the picture's 29 + other", many_files)
     res.finish()
 
 
