@@ -67,6 +67,11 @@ def save_and_read_back(work, src):
         got = torch.load(os.path.join(m, "step2", "model.pt"))
         assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
         assert os.path.getsize(os.path.join(m, "step2", "model.pt")) == len(want)
+        # `ucpfs sync --json` returns once the save is durable: SRC holds it before the unmount.
+        synced = json.loads(run([ucpfs_bin(), "sync", m, "--json", "--quiet"]).stdout)
+        assert synced["mount"] == os.path.realpath(m) and synced["dirty_bytes"] == 0, synced
+        assert synced["bytes_flushed"] <= len(want) and synced["seconds"] >= 0, synced
+        assert open(os.path.join(src, "step2", "model.pt"), "rb").read() == want
         with open(os.path.join(m, "latest"), "w") as f:
             f.write("step1")
         with open(os.path.join(m, "latest"), "w") as f:  # rewritten: O_TRUNC
