@@ -81,17 +81,8 @@ std::optional<index::Checkpoint> CheckIndex(const std::string& index_dir, Report
       r.Add(f.rel_path, "named by the index but not a regular file");
       continue;
     }
-    std::string changed;
-    const auto ns = [](const struct timespec& t) { return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec; };
-    if (static_cast<uint64_t>(st.st_size) != f.n_bytes) {
-      changed = "size " + std::to_string(st.st_size) + " bytes, the index says " + std::to_string(f.n_bytes);
-    } else if (ns(st.st_mtim) != f.mtime_ns) {
-      changed = "modified (mtime) after it was indexed";
-    } else if (static_cast<uint64_t>(st.st_ino) != f.ino || static_cast<uint64_t>(st.st_dev) != f.dev) {
-      changed = "replaced (another inode) after it was indexed";
-    } else if (ns(st.st_ctim) != f.ctime_ns) {
-      changed = "changed (ctime) after it was indexed";
-    }
+    // The comparison the mount makes before serving a byte (dev not compared: a shared index).
+    const std::string changed = f.Identity().Differences(FileIdentity::Of(st));
     if (!changed.empty()) r.Add(f.rel_path, "changed since it was indexed: " + changed + " (the index is stale)");
   }
   if (r.problems.size() == before) {

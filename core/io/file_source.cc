@@ -10,9 +10,8 @@
 #include "core/checked.h"
 
 namespace ucpfs {
-namespace {
 
-FileIdentity IdentityOf(const struct stat& st) {
+FileIdentity FileIdentity::Of(const struct stat& st) {
   FileIdentity id;
   id.dev = static_cast<uint64_t>(st.st_dev);
   id.ino = static_cast<uint64_t>(st.st_ino);
@@ -21,8 +20,6 @@ FileIdentity IdentityOf(const struct stat& st) {
   id.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
   return id;
 }
-
-}  // namespace
 
 std::string FileIdentity::Differences(const FileIdentity& now) const {
   std::string out;
@@ -66,7 +63,7 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, io
                                               : "not a regular file";
     return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
-  return std::shared_ptr<FileSource>(new FileSource(path, fd, IdentityOf(st), std::move(make_engine)));
+  return std::shared_ptr<FileSource>(new FileSource(path, fd, FileIdentity::Of(st), std::move(make_engine)));
 }
 
 Status FileSource::CheckUnchanged() const {
@@ -75,7 +72,7 @@ Status FileSource::CheckUnchanged() const {
     int e = errno;
     return IoError(path_ + ": fstat: " + std::strerror(e), e);
   }
-  FileIdentity now = IdentityOf(st);
+  FileIdentity now = FileIdentity::Of(st);
   // Unlinking an inode (a save renaming a new file over its name) changes its ctime and nothing
   // else: the bytes this descriptor reads are still the ones opened. Size and mtime still tell
   // an edit made before or after the unlink.

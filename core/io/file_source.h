@@ -3,6 +3,8 @@
 // engine's in tests). Thread-safe: FUSE threads share one FileSource.
 #pragma once
 
+#include <sys/stat.h>
+
 #include <memory>
 #include <string>
 
@@ -22,6 +24,9 @@ struct FileIdentity {
   uint64_t n_bytes = 0;
   int64_t mtime_ns = 0;
   int64_t ctime_ns = 0;
+
+  // The identity fstat/lstat reports.
+  static FileIdentity Of(const struct stat& st);
 
   // "" when `now` is the same version as *this, else what differs, e.g. "size 10 -> 12".
   std::string Differences(const FileIdentity& now) const;
