@@ -13,6 +13,7 @@
 #include "cli/mount_helper.h"
 #include "cli/mount_options.h"
 #include "cli/verify_cmd.h"
+#include "cli/view_files.h"
 #include "cli/plan_cmd.h"
 
 namespace {
@@ -62,9 +63,7 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--log", mount.log_file, "daemon log file (default: discarded)");
   mount_cmd->add_option("--layout", mount.layouts,
                         "serve target/<LAYOUT>/rank_N/ for this layout, e.g. tp2_pp2_dp4 (repeatable)");
-  mount_cmd->add_option("--preset", mount.preset, "naming preset: auto, torchtitan, megatron, hf");
-  mount_cmd->add_option("--pattern-rules", mount.pattern_rules, "pattern rules file (JSON) for target views");
-  mount_cmd->add_option("--pp-split", mount.pp_split, "layers per pipeline stage, e.g. 5,6,6,5");
+  ucpfs::cli::AddPatternOptions(mount_cmd, mount.preset, mount.pattern_rules, mount.pp_split);
   mount_cmd->add_option("--lookup-memory-mib", mount.lookup_memory_mib,
                         "memory for layouts built on lookup under target/, together (default 256); "
                         "a layout that would pass it is refused");
@@ -124,9 +123,7 @@ int main(int argc, char** argv) {
                     "also write safetensors/: the weights as sharded safetensors + model.safetensors.index.json");
   convert->add_option("--safetensors-shard-size", convert_args.safetensors_shard_size,
                       "largest safetensors shard (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
-  convert->add_option("--preset", convert_args.preset, "pattern preset: auto, torchtitan, megatron, hf");
-  convert->add_option("--pattern-rules", convert_args.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
-  convert->add_option("--pp-split", convert_args.pp_split, "layers per pipeline stage a,b,...");
+  ucpfs::cli::AddPatternOptions(convert, convert_args.preset, convert_args.pattern_rules, convert_args.pp_split);
   convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)");
   convert->add_flag("--json", convert_args.json, "print the summary as one JSON object");
   AddSourceOptions(convert, convert_args.source);

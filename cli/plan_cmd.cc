@@ -265,9 +265,7 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanArgs& args) {
   cmd->add_option("--layout", args.layout, "target layout tp<T>_pp<P>_dp<D>[_ep<E>][_zero1]")->required();
   cmd->add_flag("--json", args.json, "print the exact byte matrix as JSON instead of the table");
   cmd->add_option("--svg", args.svg, "also write a diagram (SVG 1.1) of the flows to FILE");
-  cmd->add_option("--preset", args.preset, "pattern preset: auto, torchtitan, megatron, hf");
-  cmd->add_option("--pattern-rules", args.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
-  cmd->add_option("--pp-split", args.pp_split, "layers per pipeline stage a,b,...");
+  AddPatternOptions(cmd, args.preset, args.pattern_rules, args.pp_split);
   return cmd;
 }
 

@@ -269,9 +269,7 @@ CLI::App* AddVerifyCommand(CLI::App& app, VerifyArgs& args) {
   cmd->add_flag_callback("--no-atomic", [&args] { args.views.atomic = false; },
                          "do not read atomic/<param>/<state>.pt (read by default)");
   cmd->add_flag("--safetensors", args.views.safetensors, "also read safetensors/ (the weights as safetensors)");
-  cmd->add_option("--preset", args.views.preset, "pattern preset: auto, torchtitan, megatron, hf");
-  cmd->add_option("--pattern-rules", args.views.pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
-  cmd->add_option("--pp-split", args.views.pp_split, "layers per pipeline stage a,b,...");
+  AddPatternOptions(cmd, args.views.preset, args.views.pattern_rules, args.views.pp_split);
   cmd->add_flag("--json", args.json,
                 "print {\"ok\", \"checked\": {counts, bytes}, \"unchecked\", \"problems\": [{\"file\", \"what\"}]}");
   return cmd;

@@ -12,6 +12,12 @@
 
 namespace ucpfs::cli {
 
+void AddPatternOptions(CLI::App* cmd, std::string& preset, std::string& pattern_rules, std::string& pp_split) {
+  cmd->add_option("--preset", preset, "pattern preset: auto, torchtitan, megatron, hf");
+  cmd->add_option("--pattern-rules", pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
+  cmd->add_option("--pp-split", pp_split, "layers per pipeline stage, e.g. 5,6,6,5");
+}
+
 Result<ViewSelection> ParseViewArgs(const ViewArgs& args) {
   ViewSelection out;
   out.atomic = args.atomic;

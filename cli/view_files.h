@@ -6,6 +6,8 @@
 // Not for: writing or reading them (the commands do), or the mount's tree (fs/namespace).
 #pragma once
 
+#include <CLI/CLI.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -32,6 +34,10 @@ struct ViewArgs {
   std::string pattern_rules;             // --pattern-rules FILE
   std::string pp_split;                  // --pp-split a,b,...
 };
+
+// Registers --preset, --pattern-rules and --pp-split (what decides how target views split
+// parameters) on `cmd`: mount, convert, verify and plan take them alike.
+void AddPatternOptions(CLI::App* cmd, std::string& preset, std::string& pattern_rules, std::string& pp_split);
 
 // ViewArgs parsed (before the index is opened, so a typo fails at once).
 struct ViewSelection {
