@@ -117,7 +117,6 @@ class HandleRegistry {
 struct Server {
   std::unique_ptr<Filesystem> fs;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;
-  uint16_t max_background = 0;
   HandleRegistry handles;
 };
 
@@ -189,10 +188,6 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   // The kernel clamps this to its per-mount default (128 KiB); ServeTree's readiness thread
   // raises the mount's bdi read_ahead_kb afterwards.
   conn->max_readahead = server.max_read_bytes;
-  if (server.max_background > 0) {
-    conn->max_background = server.max_background;
-    conn->congestion_threshold = static_cast<uint16_t>(server.max_background * 3 / 4);
-  }
   // ATOMIC_O_TRUNC: open(O_TRUNC) arrives as such (not as a truncate, then an open), so a file
   // rewritten through the mount is captured and replaces the old one atomically.
   const unsigned wanted = FUSE_CAP_ASYNC_READ | FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO |
@@ -687,7 +682,6 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   Server server;
   UCPFS_ASSIGN_OR_RETURN(server.fs, Filesystem::Make(std::move(tree), std::move(fs_options)));
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;
-  server.max_background = options.max_background;
   if (options.started) options.started(server.fs.get());
 
   std::vector<std::string> arg_strings = {

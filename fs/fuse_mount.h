@@ -35,11 +35,9 @@ struct MountOptions {
   int max_threads = 16;     // FUSE worker threads
   // The mount's kernel readahead window (the bdi's read_ahead_kb, set once the mount is live;
   // 0: the request size, max_read). The kernel cuts it into max_read requests that are in
-  // flight at once (up to max_background), so a window of several requests keeps the daemon's
+  // flight at once (up to the kernel's max_background, 12), so a window of several requests keeps the daemon's
   // source reads overlapping the transfers.
   uint32_t readahead_bytes = 0;
-  // Background (readahead) requests the kernel keeps in flight at once (0: its default, 12).
-  uint16_t max_background = 0;
   // How far ahead of a view's sequential reads its source files are told to prefetch
   // (FilesystemOptions::read_ahead_bytes; 0: off).
   uint64_t source_read_ahead_bytes = 0;
