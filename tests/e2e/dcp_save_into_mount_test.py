@@ -43,7 +43,6 @@ import pickle
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -54,7 +53,10 @@ import warnings
 import torch
 
 from e2e_common import Results, TORCH_VERSION, seeded_rng, tmpdir
-from mount_common import expected_atomic, is_mounted, mounted, status, step_equal
+from mount_common import FIXTURES, expected_atomic, is_mounted, mounted, status, step_equal
+
+sys.path.insert(0, FIXTURES)
+from rendezvous import TcpRendezvous, rank_env  # noqa: E402
 
 NAME = "dcp_save_into_mount"
 VOCAB, DIM, HIDDEN = 509, 512, 2048  # 509 rows: uneven FSDP2 shards at 4 ranks
@@ -98,7 +100,7 @@ def rank_main(rank, world, port, cmds, replies):
     """One gloo rank: builds and trains the FSDP2 model, then runs commands until "quit"."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # DCP warns when it overwrites a checkpoint (part 2 does)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    rank_env(rank, world, port)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -188,12 +190,6 @@ def rank_main(rank, world, port, cmds, replies):
     os._exit(0)  # gloo's threads may abort the interpreter's teardown (gen_llama_train.leave_rank)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Ranks:
     """`world` spawned gloo ranks; do(cmd) runs a command on all of them and waits (bounded)."""
 
@@ -204,8 +200,9 @@ class Ranks:
         self.broken = False
         self.cmds = [ctx.Queue() for _ in range(world)]
         self.replies = ctx.Queue()
-        port = free_port()
-        self.procs = [ctx.Process(target=rank_main, args=(r, world, port, self.cmds[r], self.replies), daemon=True)
+        self.rdzv = TcpRendezvous()  # listening while the ranks live (DCP's collectives use its store)
+        self.procs = [ctx.Process(target=rank_main, args=(r, world, self.rdzv.port, self.cmds[r], self.replies),
+                                  daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -249,6 +246,7 @@ class Ranks:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        self.rdzv.close()
 
 
 # ---------------------------------------------------------------------------------------------

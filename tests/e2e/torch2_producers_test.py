@@ -53,6 +53,7 @@ from mount_common import FIXTURES, PY, expected_atomic, gen_fixture, mounted, st
 sys.path.insert(0, FIXTURES)
 import gen_llama_train as gen  # noqa: E402  (Llama, batch, train_step)
 import gen_torch2 as g2  # noqa: E402  (tp_plan, make_optimizer)
+from rendezvous import TcpRendezvous, rank_env  # noqa: E402
 from target_views_test import coords, expect_failure, n_ranks, parse_layout, stage_of, tp_slice  # noqa: E402
 
 NAME = "e2e_torch2_producers"
@@ -422,7 +423,7 @@ def oracle_tp2_worker(rank, port, jobs, out):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    rank_env(rank, 2, port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     got = {}
@@ -438,7 +439,8 @@ def oracle_tp2_worker(rank, port, jobs, out):
 
 def oracle_tp2_main(jobs_json, out):
     import torch.multiprocessing as mp
-    mp.spawn(oracle_tp2_worker, args=(g2.free_port(), json.load(open(jobs_json)), out), nprocs=2, join=True)
+    with TcpRendezvous() as rdzv:
+        mp.spawn(oracle_tp2_worker, args=(rdzv.port, json.load(open(jobs_json)), out), nprocs=2, join=True)
 
 
 def oracle_rank(oracles, lay, r):
