@@ -200,7 +200,7 @@ class Ranks:
         self.broken = False
         self.cmds = [ctx.Queue() for _ in range(world)]
         self.replies = ctx.Queue()
-        self.rdzv = TcpRendezvous()  # listening while the ranks live (DCP's collectives use its store)
+        self.rdzv = TcpRendezvous()  # kept until the ranks exit: new process groups meet at its store
         self.procs = [ctx.Process(target=rank_main, args=(r, world, self.rdzv.port, self.cmds[r], self.replies),
                                   daemon=True)
                       for r in range(world)]
