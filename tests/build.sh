@@ -5,5 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-build}
 shift || true
-cmake -S . -B "$dir" -G Ninja -DUCPFS_WERROR=ON "$@" >/dev/null
+# ccache, when installed (tests/install-deps.sh installs it), keeps compiled objects across
+# clones: CI's fresh clone and the sanitizer builds recompile only what changed. Paths are
+# hashed relative to the clone, so clones at different places share the cache.
+launcher=()
+if command -v ccache >/dev/null 2>&1; then
+  export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
+  launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
+cmake -S . -B "$dir" -G Ninja -DUCPFS_WERROR=ON "${launcher[@]}" "$@" >/dev/null
 cmake --build "$dir" -j"$(nproc)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages ucpfs needs to build and test (as root), only those missing.
 set -euo pipefail
-pkgs=(build-essential cmake ninja-build pkg-config git
+pkgs=(build-essential cmake ninja-build pkg-config git ccache
       libfuse3-dev fuse3 liburing-dev liblmdb-dev libxxhash-dev zlib1g-dev
       nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libre2-dev libgtest-dev googletest
       python3-torch python3-numpy clang libclang-rt-14-dev)

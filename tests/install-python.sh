@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Creates the git-ignored virtual environment .venv/ (or UCPFS_VENV) with the pinned packages of
-# tests/requirements.txt: torch 2.13 (CPU), numpy, safetensors, deepspeed (no ops built) and
-# megatron-core. Idempotent: a stamp with the requirements' hash skips a venv already current.
-# Prints the venv's python path on its last line.
+# Creates the virtual environment with the pinned packages of tests/requirements.txt: torch 2.13
+# (CPU), numpy, safetensors, deepspeed (no ops built), megatron-core and the other producers.
+# The environment lives outside the clone, keyed by the requirements' hash
+# (${UCPFS_VENV_ROOT:-/var/cache/ucpfs}/venv-<hash>), so every clone on a machine (CI's fresh
+# ones included) reuses it; the clone's git-ignored .venv is a symlink to it. UCPFS_VENV names
+# another place instead (no symlink is made). Idempotent: a stamp with the requirements' hash
+# skips a venv already current. Prints the venv's python path on its last line.
 #
 # torch comes first, from the CPU wheel on the machine (find-links /opt/wheels), then everything
 # else with that torch as a hard constraint, so no package can pull another torch; deepspeed is
@@ -10,10 +13,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 req=tests/requirements.txt
-venv=${UCPFS_VENV:-$PWD/.venv}
-stamp="$venv/.ucpfs-requirements"
 want=$(sha256sum "$req" | cut -d' ' -f1)
+venv=${UCPFS_VENV:-${UCPFS_VENV_ROOT:-/var/cache/ucpfs}/venv-${want:0:16}}
+stamp="$venv/.ucpfs-requirements"
+link_clone_venv() {
+  # The clone's .venv names the shared environment (tests and examples use .venv/bin/python).
+  [ -n "${UCPFS_VENV:-}" ] && return 0
+  if [ -L .venv ] || [ ! -e .venv ]; then
+    ln -sfn "$venv" .venv
+  else
+    echo "install-python: .venv is a directory of its own; leaving it (remove it to use $venv)" >&2
+  fi
+}
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  link_clone_venv
   echo "$venv/bin/python"
   exit 0
 fi
@@ -40,6 +53,7 @@ fi
 
 echo "install-python: creating $venv from $base (torch 2.13 and the pinned producers)" >&2
 rm -rf "$venv"
+mkdir -p "$(dirname "$venv")"
 "$base" -m venv "$venv"
 py="$venv/bin/python"
 pip_args=(-q --disable-pip-version-check --no-input)
@@ -58,4 +72,5 @@ case "$got" in
 esac
 "$py" -c 'import deepspeed, megatron.core, safetensors, numpy' >&2
 echo "$want" >"$stamp"
+link_clone_venv
 echo "$py"
