@@ -25,6 +25,10 @@ link_clone_venv() {
     echo "install-python: .venv is a directory of its own; leaving it (remove it to use $venv)" >&2
   fi
 }
+# One creator at a time: clones of one machine share the environment.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   link_clone_venv
   echo "$venv/bin/python"
@@ -70,7 +74,7 @@ case "$got" in
   2.13.0*) ;;
   *) echo "install-python: expected torch 2.13.0 in $venv, found $got" >&2; exit 1 ;;
 esac
-"$py" -c 'import deepspeed, megatron.core, safetensors, numpy' >&2
+"$py" -c 'import deepspeed, megatron.core, safetensors, numpy, transformers, accelerate, lightning, torchtune, torchtitan' >&2
 echo "$want" >"$stamp"
 link_clone_venv
 echo "$py"
