@@ -45,19 +45,51 @@ void WriteCapture::Impl::Stop() {
     stopping = true;
   }
   work_cv.notify_all();
+  lease_cv.notify_all();
   for (auto& t : threads) t.join();
   threads.clear();
+  if (lease_thread.joinable()) lease_thread.join();
+}
+
+void WriteCapture::Impl::LeaseLoop() {
+  std::unique_lock lock(mu);
+  while (!lease_cv.wait_for(lock, std::chrono::seconds(kLeaseRenewSeconds), [&] { return stopping; })) {
+    lock.unlock();
+    if (Status s = mount->RenewLease(); !s.ok()) Log("ucpfs: capture: " + s.ToString());
+    lock.lock();
+  }
+}
+
+void WriteCapture::Impl::NoteKept(const std::vector<RecoveryStep>& kept, const std::string& where) {
+  std::lock_guard lock(mu);
+  for (const RecoveryStep& step : kept) {
+    kept_unplaced.push_back({step.path, "could not be placed by the recovery at this mount's start", where});
+  }
 }
 
 WriteCapture::WriteCapture(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 WriteCapture::~WriteCapture() {
   if (!impl_) return;
+  Impl& m = *impl_;
   const Status s = Sync();
-  if (!s.ok()) impl_->Log("ucpfs: unmount: not everything captured is durable: " + s.ToString());
-  impl_->Stop();
-  if (impl_->journal_fd >= 0) close(impl_->journal_fd);
-  if (impl_->capture_fd >= 0) close(impl_->capture_fd);
+  if (!s.ok()) m.Log("ucpfs: unmount: not everything captured is durable: " + s.ToString());
+  m.Stop();
+  if (m.journal_fd >= 0) close(m.journal_fd);
+  if (m.mount.has_value()) {
+    bool left = false;
+    {
+      std::lock_guard lock(m.mu);
+      left = !m.commit_queue.empty() || !m.pending.empty();
+    }
+    if (left) {
+      m.Log("ucpfs: unmount: what could not be placed stays in " + m.capture_dir + " for the next mount");
+    } else {
+      m.mount->Remove();  // nothing left: the state goes, and with it the lock
+    }
+    m.mount.reset();
+  }
+  if (m.capture_root_fd >= 0) close(m.capture_root_fd);
 }
 
 Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions options) {
@@ -73,14 +105,29 @@ Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions op
   const ssize_t n = readlink(link, real, sizeof(real) - 1);
   if (n <= 0) return IoError("resolve " + src, errno);
   impl->source_real.assign(real, static_cast<size_t>(n));
-  UCPFS_ASSIGN_OR_RETURN(const int ucpfs_fd, OpenOrMakeDir(impl->options.source_dirfd, ".ucpfs", src + "/.ucpfs"));
-  Result<int> capture = OpenOrMakeDir(ucpfs_fd, "capture", src + "/.ucpfs/capture");
+  UCPFS_ASSIGN_OR_RETURN(const int ucpfs_fd,
+                         OpenOrMakeDir(impl->options.source_dirfd, ".ucpfs", src + "/.ucpfs", /*owned=*/false));
+  Result<int> capture = OpenOrMakeDir(ucpfs_fd, "capture", src + "/.ucpfs/capture", /*owned=*/true);
   close(ucpfs_fd);
   if (!capture.ok()) return capture.error();
-  impl->capture_fd = *capture;
-  impl->capture_dir = src + "/.ucpfs/capture";
+  impl->capture_root_fd = *capture;
+  impl->capture_root_dir = src + "/.ucpfs/capture";
   std::unique_ptr<WriteCapture> wc(new WriteCapture(std::move(impl)));
   Impl& m = *wc->impl_;
+  // This mount's own state first (its lock held from now on), so a mount starting meanwhile
+  // sees it alive; then what dead mounts left.
+  UCPFS_ASSIGN_OR_RETURN(MountState state, MountState::Create(m.capture_root_fd, m.capture_root_dir));
+  m.mount.emplace(std::move(state));
+  m.capture_fd = m.mount->dir_fd();
+  m.capture_dir = m.mount->dir_shown();
+  m.journal_fd = openat(m.capture_fd, "journal", O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (m.journal_fd < 0) return IoError("create " + m.capture_dir + "/journal", errno);
+  if (write(m.journal_fd, kJournalMagic, sizeof(kJournalMagic)) != static_cast<ssize_t>(sizeof(kJournalMagic)) ||
+      fsync(m.journal_fd) != 0) {
+    return IoError("write " + m.capture_dir + "/journal", errno);
+  }
+  fsync(m.capture_fd);
+  m.lease_thread = std::thread([&m] { m.LeaseLoop(); });
   UCPFS_RETURN_IF_ERROR(m.Recover());
   if (m.cache != nullptr) UCPFS_RETURN_IF_ERROR(m.EnsureStarted());
   return wc;
@@ -330,6 +377,11 @@ Status WriteCapture::SetMode(CapturedFile& f, mode_t mode) {
 CaptureStats WriteCapture::Stats() const {
   const Impl& m = *impl_;
   CaptureStats s;
+  s.state_dir = m.capture_dir;
+  {
+    std::lock_guard lock(m.mu);
+    s.unplaced = m.kept_unplaced;
+  }
   std::shared_ptr<PinnedCache> cache;
   {
     std::lock_guard lock(m.start_mu);

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "core/io/capture_journal.h"
+#include "core/io/capture_mount.h"
 #include "core/io/write_capture.h"
 
 namespace ucpfs::io {
@@ -55,22 +56,6 @@ inline int OpenBeneath(int root, const std::string& rel, uint64_t flags) {
   how.flags = flags | O_CLOEXEC;
   how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
   return static_cast<int>(syscall(SYS_openat2, root, rel.c_str(), &how, sizeof(how)));
-}
-
-// Opens (creating it) directory `name` in `dirfd`, never following a symlink.
-inline Result<int> OpenOrMakeDir(int dirfd, const char* name, const std::string& shown) {
-  int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0 && errno == ENOENT) {
-    if (mkdirat(dirfd, name, 0700) != 0 && errno != EEXIST) return IoError("mkdir " + shown, errno);
-    fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  }
-  if (fd < 0) {
-    if (errno == ELOOP || errno == ENOTDIR) {
-      return InvalidArgumentError(shown + " is a symbolic link or not a directory: not followed");
-    }
-    return IoError("open " + shown, errno);
-  }
-  return fd;
 }
 
 inline std::string PartName(uint64_t seq) { return std::to_string(seq) + ".part"; }
@@ -158,15 +143,22 @@ struct WriteCapture::Impl {
   WriteCaptureOptions options;
   std::shared_ptr<PinnedCache> cache;
   size_t chunk_bytes = 0;
-  int capture_fd = -1;
+  int capture_root_fd = -1;      // SRC/.ucpfs/capture
+  std::string capture_root_dir;  // for messages
+  std::optional<MountState> mount;  // this mount's state directory in it, its lock held
+  int capture_fd = -1;              // == mount->dir_fd(): the parts and the journal
   int journal_fd = -1;
-  std::string capture_dir;  // for messages
+  std::string capture_dir;  // == mount->dir_shown(), for messages
+  // Files recovery found whole but could not place (kept for a later mount), as (path, where, why).
+  std::vector<UnplacedFile> kept_unplaced;  // guarded by mu
+  std::thread lease_thread;  // renews mount's lease every kLeaseRenewSeconds until stopping
   std::string source_real;  // realpath of SRC, to express destinations relative to it
   std::string engine_name;  // the flushers' engine, once they run; guarded by start_mu
 
   mutable std::mutex mu;  // everything below; taken after a file's mutex, never before
   std::condition_variable work_cv;    // flush queue or commit queue changed
   std::condition_variable done_cv;    // a commit finished or failed
+  std::condition_variable lease_cv;   // stopping
   std::deque<std::pair<std::shared_ptr<CapturedFile>, uint64_t>> flush_queue;  // (file, chunk index)
   struct CommitItem {
     std::shared_ptr<CapturedFile> file;
@@ -204,6 +196,7 @@ struct WriteCapture::Impl {
   void Journal(const JournalRecord& r);
   Status EnsureStarted();
   void Stop();
+  void LeaseLoop();
 
   // capture_flusher.cc
   struct Flight {
@@ -230,7 +223,11 @@ struct WriteCapture::Impl {
 
   // capture_recovery.cc
   Status Recover();
-  Status FinishRecovered(const RecoveryStep& step);
+  // Recovers the state in `dir_fd` (shown as `shown`); returns the steps kept, unplaced.
+  Result<std::vector<RecoveryStep>> RecoverState(int dir_fd, const std::string& shown);
+  // *placing_failed: the file is whole but its place cannot take it now (kept, not discarded).
+  Status FinishRecovered(const RecoveryStep& step, int dir_fd, const std::string& shown, bool* placing_failed);
+  void NoteKept(const std::vector<RecoveryStep>& kept, const std::string& where);
 };
 
 }  // namespace ucpfs::io
