@@ -522,6 +522,12 @@ int ServeMount(const MountArgs& args, int ready_fd) {
       j["chunks_coalesced"] = s.chunks_coalesced;
       j["memory"] = s.memory_kind;
       j["engine"] = s.engine;
+      j["state_dir"] = s.state_dir;
+      nlohmann::ordered_json unplaced = nlohmann::ordered_json::array();
+      for (const io::UnplacedFile& u : s.unplaced) {
+        unplaced.push_back({{"path", u.path}, {"reason", u.reason}, {"kept_in", u.kept_in}});
+      }
+      j["unplaced"] = std::move(unplaced);
       return j;
     };
   }
