@@ -54,6 +54,10 @@ bool Passthrough::CapturedNow(const Node& node) const {
   return node.captured != nullptr && capture_ != nullptr && !capture_->Settled(*node.captured);
 }
 
+bool Passthrough::Unplaced(const Node& node) const {
+  return CapturedNow(node) && !capture_->Placed(*node.captured);
+}
+
 PassthroughHandle::~PassthroughHandle() {
   if (fd >= 0) close(fd);
 }
@@ -302,6 +306,7 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
   }
   if ((to_set & kSetSize) != 0) {
     if (node->is_dir) return PosixError(EISDIR, node->name + " is a directory");
+    if (node->is_symlink) return PosixError(EINVAL, node->name + " is a symlink");
     if (handle != nullptr && handle->fd >= 0) {
       if (ftruncate(handle->fd, attr.st_size) != 0) return Sys(errno, "truncate " + node->name);
     } else if (truncate(proc.c_str(), attr.st_size) != 0) {
@@ -768,7 +773,11 @@ Status Passthrough::SetXattr(const Caller& caller, Ino ino, const std::string& n
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
   if (!UserXattr(name)) return PosixError(ENOTSUP, "only user.* xattrs are kept");
-  if (CapturedNow(*node)) return PosixError(ENOTSUP, node->name + " is being saved: no xattrs yet");
+  // A file being saved gets its inode under its name first (placed now, with its owner and
+  // mode): the xattr then lives on the real file (cp -a sets them right after the data).
+  if (CapturedNow(*node) && !capture_->Placed(*node->captured)) UCPFS_RETURN_IF_ERROR(capture_->Fsync(*node->captured));
+  // Through the /proc link only a file's own xattrs are safe to touch; a symlink has no user.* ones.
+  if (node->is_symlink) return PosixError(EPERM, node->name + " is a symlink");
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
   if (setxattr(ProcPath(node->fd).c_str(), name.c_str(), value.data(), value.size(), flags) != 0) {
@@ -781,7 +790,7 @@ Result<std::vector<std::byte>> Passthrough::GetXattr(const Caller& caller, Ino i
                                                       size_t size) {
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
-  if (!UserXattr(name) || CapturedNow(*node) || node->is_symlink) return PosixError(ENODATA, "no such xattr");
+  if (!UserXattr(name) || Unplaced(*node) || node->is_symlink) return PosixError(ENODATA, "no such xattr");
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
   std::vector<std::byte> value(size);
@@ -796,7 +805,7 @@ Result<std::vector<std::byte>> Passthrough::ListXattr(const Caller& caller, Ino 
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
   std::vector<std::byte> out;
-  if (CapturedNow(*node) || node->is_symlink) return out;
+  if (Unplaced(*node) || node->is_symlink) return out;
   std::vector<char> names;
   {
     AsCaller as(caller);
@@ -828,7 +837,7 @@ Result<std::vector<std::byte>> Passthrough::ListXattr(const Caller& caller, Ino 
 Status Passthrough::RemoveXattr(const Caller& caller, Ino ino, const std::string& name) {
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
-  if (!UserXattr(name) || CapturedNow(*node)) return PosixError(ENODATA, "no such xattr");
+  if (!UserXattr(name) || Unplaced(*node) || node->is_symlink) return PosixError(ENODATA, "no such xattr");
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
   if (removexattr(ProcPath(node->fd).c_str(), name.c_str()) != 0) return Sys(errno, "removexattr " + node->name);

@@ -35,7 +35,8 @@
 // unprivileged write; the sticky rule), applied here because no inode of the caller's exists yet.
 // xattrs: only `user.*` names are passed through (to real files, as the caller); others are
 // ENOTSUP, since the daemon keeps capabilities (CAP_SETFCAP, CAP_SYS_ADMIN) a switched fsuid
-// does not drop; a pending file has none (set: ENOTSUP).
+// does not drop. Setting one on a file being saved places it first (as fsync does), so the
+// xattr lands on the real file.
 //
 // Thread-safety: every method may be called from any thread at once. Lock order: mu_ (the node
 // map and overlay), then a file's capture locks (inside WriteCapture); no lock is held across a
@@ -181,7 +182,10 @@ class Passthrough {
   // Whether `caller` may remove or replace a pending file owned by `owner` in `dir`: write and
   // search permission on it (asked of the kernel as the caller), and the sticky rule.
   Status MayDelete(const Caller& caller, const Node& dir, uid_t owner);
+  // Captured and not settled: its attributes are the capture's.
   bool CapturedNow(const Node& node) const;
+  // Captured and not yet under its name at all (no inode of its own there: no xattrs).
+  bool Unplaced(const Node& node) const;
   // mkdir/mknod/symlink: `make(dirfd, name)` (0 or -1 with errno) run as the caller, then the
   // new entry's node (one reference taken).
   Result<struct stat> MakeEntry(const Caller& caller, Ino parent, std::string_view name, const char* what,

@@ -16,7 +16,7 @@ The exploit probe: `nobody` copies /usr/bin/id with mode 04755: it must not be r
 
 Then ordinary tools (as root): `cp -a`, `tar x` and `rsync -a` of a small tree (modes, owners,
 mtimes, a symlink, a subdirectory) into the mount give the same tree as into a plain directory;
-`cp -a` exits 0; a `user.*` xattr is passed through to a source file, others are ENOTSUP; a
+`cp -a` exits 0 and its `user.*` xattr lands on the file; others are ENOTSUP; a
 writable shared mmap of a file opened for writing fails with ENODEV (documented in the README).
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs /usr/bin/python3 tests/e2e/permissions_test.py
@@ -249,6 +249,8 @@ def tool_tree(base):
         with open(p, "wb") as f:
             f.write(data)
         os.chmod(p, mode)
+    # cp -a copies it (onto a file still being saved: the mount places it first).
+    os.setxattr(os.path.join(base, "a.bin"), "user.origin", b"tool tree")
     os.symlink("a.bin", os.path.join(base, "link"))
     os.chmod(os.path.join(base, "sub"), 0o750)
     for i, rel in enumerate(["a.bin", "run.sh", "sub/secret", "sub/empty", "link", "sub", "."]):
@@ -267,7 +269,8 @@ def full_tree(base):
             st = os.lstat(path)
             entry = [stat.filemode(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns]
             if stat.S_ISREG(st.st_mode):
-                entry += [st.st_size, hashlib.sha256(open(path, "rb").read()).hexdigest()[:16]]
+                entry += [st.st_size, hashlib.sha256(open(path, "rb").read()).hexdigest()[:16],
+                          sorted((n, os.getxattr(path, n).decode()) for n in os.listxattr(path))]
             if stat.S_ISLNK(st.st_mode):
                 entry.append(os.readlink(path))
             out[os.path.relpath(path, base)] = entry
