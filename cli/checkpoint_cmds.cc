@@ -263,6 +263,10 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
   t.preset = v.preset;
   t.rules = std::move(v.rules);
   t.pp_split = std::move(v.pp_split);
+  if (args.lookup_memory_mib > kMaxLookupMemoryMib) {
+    return InvalidArgumentError("lookup memory " + std::to_string(args.lookup_memory_mib) + " MiB: at most " +
+                                std::to_string(kMaxLookupMemoryMib) + " (1 TiB)");
+  }
   t.lookup_budget_bytes = args.lookup_memory_mib << 20;
   t.safetensors_shard_n_bytes = v.safetensors_shard_n_bytes;
   return t;
@@ -688,6 +692,12 @@ int RunMount(const MountArgs& mount_args) {
     std::string log = args.log_file.empty() ? "/dev/null" : args.log_file;
     int logfd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     ::dup2(logfd >= 0 ? logfd : devnull, 2);
+    // Whatever else the caller left open without O_CLOEXEC (a pipe a script waits on, a file
+    // it holds) is not the daemon's to keep alive for the mount's life: only 0-2 and the
+    // readiness pipe stay.
+    const auto ready = static_cast<unsigned>(fds[1]);
+    if (ready > 3) ::close_range(3, ready - 1, 0);
+    ::close_range(ready + 1, ~0u, 0);
     _exit(ServeMount(args, fds[1]));
   }
   ::close(fds[1]);

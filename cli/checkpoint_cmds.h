@@ -34,6 +34,9 @@ int RunIndex(const SourceArgs& args, bool json);
 // Per parameter: states, dtype, global shape, pattern, fragments, bytes, source files.
 int RunInspectCheckpoint(const SourceArgs& args, bool json);
 
+// The most --lookup-memory-mib may be (1 TiB): above it the byte count would overflow.
+inline constexpr uint64_t kMaxLookupMemoryMib = uint64_t{1} << 20;
+
 struct MountArgs {
   SourceArgs source;
   std::string mountpoint;
@@ -44,7 +47,7 @@ struct MountArgs {
   std::string preset = "auto";            // --preset
   std::string pattern_rules;              // --pattern-rules FILE
   std::string pp_split;                   // --pp-split a,b,...
-  uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib
+  uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib, at most kMaxLookupMemoryMib
   std::string cache_size = "2G";          // --cache-size: the pinned write-capture cache
   std::string safetensors_shard_size;     // --safetensors-shard-size (empty: Hugging Face's 5GB)
   std::string readahead;                  // --readahead (ParseReadAhead)

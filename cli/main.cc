@@ -66,7 +66,9 @@ int main(int argc, char** argv) {
   ucpfs::cli::AddPatternOptions(mount_cmd, mount.preset, mount.pattern_rules, mount.pp_split);
   mount_cmd->add_option("--lookup-memory-mib", mount.lookup_memory_mib,
                         "memory for layouts built on lookup under target/, together (default 256); "
-                        "a layout that would pass it is refused");
+                        "a layout that would pass it is refused")
+      // Checked as text first: a negative number would otherwise wrap to 2^64 - 5.
+      ->check(CLI::Range(uint64_t{0}, ucpfs::cli::kMaxLookupMemoryMib));
   mount_cmd->add_option("--cache-size", mount.cache_size,
                         "pinned host cache that captures saves into the mount (default 2G; e.g. 512M, 8G)");
   mount_cmd->add_flag("--read-only", mount.read_only, "serve read-only: no writes, no write capture");
@@ -124,7 +126,8 @@ int main(int argc, char** argv) {
   convert->add_option("--safetensors-shard-size", convert_args.safetensors_shard_size,
                       "largest safetensors shard (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
   ucpfs::cli::AddPatternOptions(convert, convert_args.preset, convert_args.pattern_rules, convert_args.pp_split);
-  convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)");
+  convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)")
+      ->check(CLI::Range(0, 4096));
   convert->add_flag("--json", convert_args.json, "print the summary as one JSON object");
   AddSourceOptions(convert, convert_args.source);
   ucpfs::cli::PlanArgs plan_args;

@@ -394,10 +394,10 @@ std::optional<struct stat> Filesystem::StatOf(Ino ino) const {
   return Stat(found);
 }
 
-Result<OpenFile> Filesystem::Open(Ino ino, int flags) const {
+Result<OpenFile> Filesystem::Open(Ino ino, int flags, const Caller& caller) const {
   if (Passthrough::Owns(ino)) {
     if (!options_.passthrough) return NotFoundError("no inode " + std::to_string(ino));
-    UCPFS_ASSIGN_OR_RETURN(auto h, options_.passthrough->Open(ino, flags));
+    UCPFS_ASSIGN_OR_RETURN(auto h, options_.passthrough->Open(caller, ino, flags));
     OpenFile file;
     file.ino = ino;
     file.passthrough = std::move(h);
@@ -557,12 +557,15 @@ Status Filesystem::Access(Ino ino, int mask) const {
   return Status::Ok();
 }
 
-Result<struct stat> Filesystem::SetAttr(Ino ino, const struct stat& attr, int to_set, OpenFile* file) {
+Result<struct stat> Filesystem::SetAttr(Ino ino, const struct stat& attr, int to_set, OpenFile* file,
+                                        const Caller& caller) {
   if (!Passthrough::Owns(ino) || !options_.passthrough) return PosixError(EROFS, PathOf(ino) + " is read-only");
-  return options_.passthrough->SetAttr(ino, attr, to_set, file != nullptr ? file->passthrough.get() : nullptr);
+  return options_.passthrough->SetAttr(caller, ino, attr, to_set,
+                                       file != nullptr ? file->passthrough.get() : nullptr);
 }
 
-Result<std::pair<Entry, OpenFile>> Filesystem::Create(Ino parent, std::string_view name, mode_t mode, int flags) {
+Result<std::pair<Entry, OpenFile>> Filesystem::Create(Ino parent, std::string_view name, mode_t mode, int flags,
+                                                      const Caller& caller) {
   UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
   if (!to_source) {
     if (parent == kRootIno && CurrentGeneration().tree->Lookup(kRootIno, std::string(name)) != nullptr) {
@@ -570,7 +573,7 @@ Result<std::pair<Entry, OpenFile>> Filesystem::Create(Ino parent, std::string_vi
     }
     return PosixError(EROFS, PathOf(parent) + " is read-only");
   }
-  UCPFS_ASSIGN_OR_RETURN(auto made, options_.passthrough->Create(parent, name, mode, flags));
+  UCPFS_ASSIGN_OR_RETURN(auto made, options_.passthrough->Create(caller, parent, name, mode, flags));
   OpenFile file;
   file.ino = made.first.st_ino;
   file.passthrough = std::move(made.second);
@@ -605,31 +608,80 @@ Status Filesystem::Release(OpenFile& file) {
   return s;
 }
 
-Result<Entry> Filesystem::Mkdir(Ino parent, std::string_view name, mode_t mode) {
+Result<Entry> Filesystem::Mkdir(Ino parent, std::string_view name, mode_t mode, const Caller& caller) {
   UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
   if (!to_source) return PosixError(parent == kRootIno ? EEXIST : EROFS, "/" + std::string(name) + " is a view");
-  UCPFS_ASSIGN_OR_RETURN(const struct stat st, options_.passthrough->Mkdir(parent, name, mode));
+  UCPFS_ASSIGN_OR_RETURN(const struct stat st, options_.passthrough->Mkdir(caller, parent, name, mode));
   return PtEntry(st);
 }
 
-Status Filesystem::Unlink(Ino parent, std::string_view name) {
+Result<Entry> Filesystem::Mknod(Ino parent, std::string_view name, mode_t mode, const Caller& caller) {
   UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
-  if (!to_source) return PosixError(EROFS, "/" + std::string(name) + " is a view");
-  return options_.passthrough->Unlink(parent, name);
+  if (!to_source) return PosixError(parent == kRootIno ? EEXIST : EROFS, "/" + std::string(name) + " is a view");
+  UCPFS_ASSIGN_OR_RETURN(const struct stat st, options_.passthrough->Mknod(caller, parent, name, mode));
+  return PtEntry(st);
 }
 
-Status Filesystem::Rmdir(Ino parent, std::string_view name) {
+Result<Entry> Filesystem::Symlink(Ino parent, std::string_view name, const std::string& target,
+                                  const Caller& caller) {
+  UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
+  if (!to_source) return PosixError(parent == kRootIno ? EEXIST : EROFS, "/" + std::string(name) + " is a view");
+  UCPFS_ASSIGN_OR_RETURN(const struct stat st, options_.passthrough->Symlink(caller, parent, name, target));
+  return PtEntry(st);
+}
+
+Result<std::string> Filesystem::Readlink(Ino ino) const {
+  if (!Passthrough::Owns(ino) || !options_.passthrough) return PosixError(EINVAL, PathOf(ino) + " is not a symlink");
+  return options_.passthrough->Readlink(ino);
+}
+
+Status Filesystem::Unlink(Ino parent, std::string_view name, const Caller& caller) {
   UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
   if (!to_source) return PosixError(EROFS, "/" + std::string(name) + " is a view");
-  return options_.passthrough->Rmdir(parent, name);
+  return options_.passthrough->Unlink(caller, parent, name);
+}
+
+Status Filesystem::Rmdir(Ino parent, std::string_view name, const Caller& caller) {
+  UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
+  if (!to_source) return PosixError(EROFS, "/" + std::string(name) + " is a view");
+  return options_.passthrough->Rmdir(caller, parent, name);
 }
 
 Status Filesystem::Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name,
-                          unsigned flags) {
+                          unsigned flags, const Caller& caller) {
   UCPFS_ASSIGN_OR_RETURN(const bool from_source, ToSource(parent, name));
   UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(new_parent, new_name));
   if (!from_source || !to_source) return PosixError(EROFS, "views cannot be renamed or replaced");
-  return options_.passthrough->Rename(parent, name, new_parent, new_name, flags);
+  return options_.passthrough->Rename(caller, parent, name, new_parent, new_name, flags);
+}
+
+// The root's own xattrs are the source root's (the mount's root stands for it).
+Status Filesystem::SetXattr(Ino ino, const std::string& name, std::span<const std::byte> value, int flags,
+                            const Caller& caller) {
+  if (!options_.passthrough || (!Passthrough::Owns(ino) && ino != kRootIno)) {
+    return PosixError(ENOTSUP, PathOf(ino) + ": views have no xattrs");
+  }
+  return options_.passthrough->SetXattr(caller, ino, name, value, flags);
+}
+
+Result<std::vector<std::byte>> Filesystem::GetXattr(Ino ino, const std::string& name, size_t size,
+                                                    const Caller& caller) {
+  if (!options_.passthrough || (!Passthrough::Owns(ino) && ino != kRootIno)) {
+    return PosixError(ENODATA, PathOf(ino) + ": views have no xattrs");
+  }
+  return options_.passthrough->GetXattr(caller, ino, name, size);
+}
+
+Result<std::vector<std::byte>> Filesystem::ListXattr(Ino ino, size_t size, const Caller& caller) {
+  if (!options_.passthrough || (!Passthrough::Owns(ino) && ino != kRootIno)) return std::vector<std::byte>{};
+  return options_.passthrough->ListXattr(caller, ino, size);
+}
+
+Status Filesystem::RemoveXattr(Ino ino, const std::string& name, const Caller& caller) {
+  if (!options_.passthrough || (!Passthrough::Owns(ino) && ino != kRootIno)) {
+    return PosixError(ENODATA, PathOf(ino) + ": views have no xattrs");
+  }
+  return options_.passthrough->RemoveXattr(caller, ino, name);
 }
 
 }  // namespace ucpfs::fs

@@ -42,6 +42,7 @@
 
 #include "core/byte_source.h"
 #include "core/status.h"
+#include "fs/caller.h"
 #include "fs/mount_report.h"
 #include "fs/passthrough.h"
 #include "fs/tree.h"
@@ -126,7 +127,8 @@ class Filesystem {
   Result<struct stat> GetAttr(Ino ino) const;
   // Read-only opens only. Errors: kNotFound, EISDIR, EROFS (write or truncate access), kIo
   // when the node's opener fails (logged with the path), EIO when its source has another size.
-  Result<OpenFile> Open(Ino ino, int flags) const;
+  // A source file is opened as `caller` (fs/caller.h; the default acts as the daemon).
+  Result<OpenFile> Open(Ino ino, int flags, const Caller& caller = {}) const;
   // Up to buffer.size() bytes at byte_offset (fewer at the end of the file); returns how many.
   // A failing source read is logged with the path and offset (a data-loss message once per
   // distinct message, so a changed source file does not flood the log) and returned.
@@ -144,20 +146,35 @@ class Filesystem {
   Status Access(Ino ino, int mask) const;
 
   // ---- the source, read-write (EROFS for views and the tree's names) ----
-  // Each returns what the source gives (errno in Status::sys_errno).
-  Result<struct stat> SetAttr(Ino ino, const struct stat& attr, int to_set, OpenFile* file);
+  // Each returns what the source gives (errno in Status::sys_errno), acting as `caller`
+  // (fs/caller.h; the default acts as the daemon itself).
+  Result<struct stat> SetAttr(Ino ino, const struct stat& attr, int to_set, OpenFile* file, const Caller& caller = {});
   // Creates and opens; the Entry holds one kernel reference.
-  Result<std::pair<Entry, OpenFile>> Create(Ino parent, std::string_view name, mode_t mode, int flags);
+  Result<std::pair<Entry, OpenFile>> Create(Ino parent, std::string_view name, mode_t mode, int flags,
+                                            const Caller& caller = {});
   Result<size_t> Write(OpenFile& file, uint64_t byte_offset, std::span<const std::byte> data);
   Status Fsync(OpenFile& file, bool datasync);
   // close(2) of an open file (each close of each descriptor): the error a save into it met.
   Status Flush(OpenFile& file);
   // The last close of an open file (every open gets exactly one).
   Status Release(OpenFile& file);
-  Result<Entry> Mkdir(Ino parent, std::string_view name, mode_t mode);
-  Status Unlink(Ino parent, std::string_view name);
-  Status Rmdir(Ino parent, std::string_view name);
-  Status Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name, unsigned flags);
+  Result<Entry> Mkdir(Ino parent, std::string_view name, mode_t mode, const Caller& caller = {});
+  // Regular files only (EPERM for FIFOs, sockets and devices).
+  Result<Entry> Mknod(Ino parent, std::string_view name, mode_t mode, const Caller& caller = {});
+  Result<Entry> Symlink(Ino parent, std::string_view name, const std::string& target, const Caller& caller = {});
+  // Errors: EINVAL for anything but a source symlink.
+  Result<std::string> Readlink(Ino ino) const;
+  Status Unlink(Ino parent, std::string_view name, const Caller& caller = {});
+  Status Rmdir(Ino parent, std::string_view name, const Caller& caller = {});
+  Status Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name, unsigned flags,
+                const Caller& caller = {});
+  // xattrs: `user.*` of source files (Passthrough); views have none (get: ENODATA, set: ENOTSUP).
+  // size 0: only the size is asked (a vector of that length is returned).
+  Status SetXattr(Ino ino, const std::string& name, std::span<const std::byte> value, int flags,
+                  const Caller& caller = {});
+  Result<std::vector<std::byte>> GetXattr(Ino ino, const std::string& name, size_t size, const Caller& caller = {});
+  Result<std::vector<std::byte>> ListXattr(Ino ino, size_t size, const Caller& caller = {});
+  Status RemoveXattr(Ino ino, const std::string& name, const Caller& caller = {});
   bool HasPassthrough() const { return options_.passthrough != nullptr; }
 
   // A new generation of the views (a Snapshot built after a save): from now on the root's view

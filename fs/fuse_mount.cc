@@ -179,6 +179,39 @@ int ReplyEntry(fuse_req_t req, Filesystem& fs, const Entry& entry) {
   return 0;
 }
 
+// Who sent `req`: its fsuid, fsgid, umask and (when the daemon will switch to it) supplementary
+// groups. A root daemon acts as every other caller (fs/caller.h); a request from the daemon's own
+// user and group needs no switch.
+Caller CallerOf(fuse_req_t req) {
+  static const bool can_switch = geteuid() == 0;
+  static const gid_t daemon_gid = getegid();
+  const fuse_ctx* ctx = fuse_req_ctx(req);
+  Caller caller;
+  caller.uid = ctx->uid;
+  caller.gid = ctx->gid;
+  caller.umask = ctx->umask;
+  caller.has_umask = true;
+  caller.switch_creds = can_switch && !(ctx->uid == 0 && ctx->gid == daemon_gid);
+  if (!caller.switch_creds) return caller;
+  // From /proc/<tid>/status; when it cannot be read (the caller is gone, another pid
+  // namespace) the caller acts with no supplementary group: it may be refused more, never granted more.
+  std::vector<gid_t> groups(32);
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const int n = fuse_req_getgroups(req, static_cast<int>(groups.size()), groups.data());
+    if (n < 0) {
+      groups.clear();
+      break;
+    }
+    if (static_cast<size_t>(n) <= groups.size()) {
+      groups.resize(static_cast<size_t>(n));
+      break;
+    }
+    groups.resize(static_cast<size_t>(n));
+  }
+  caller.groups = std::move(groups);
+  return caller;
+}
+
 // ---- Op* adapters ----
 
 void OpInit(void* userdata, fuse_conn_info* conn) {
@@ -190,8 +223,10 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   conn->max_readahead = server.max_read_bytes;
   // ATOMIC_O_TRUNC: open(O_TRUNC) arrives as such (not as a truncate, then an open), so a file
   // rewritten through the mount is captured and replaces the old one atomically.
+  // DONT_MASK: create/mkdir arrive with the caller's mode and umask unapplied, and the umask is
+  // applied by the kernel when the daemon creates as the caller (so a default ACL wins over it).
   const unsigned wanted = FUSE_CAP_ASYNC_READ | FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO |
-                          FUSE_CAP_PARALLEL_DIROPS | FUSE_CAP_ATOMIC_O_TRUNC;
+                          FUSE_CAP_PARALLEL_DIROPS | FUSE_CAP_ATOMIC_O_TRUNC | FUSE_CAP_DONT_MASK;
   conn->want |= wanted & conn->capable;
   conn->want &= ~static_cast<unsigned>(FUSE_CAP_WRITEBACK_CACHE);
   // No splice: the reply comes from a gathered buffer anyway (docs: not worth it).
@@ -245,7 +280,7 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fu
     if ((to_set & FUSE_SET_ATTR_ATIME_NOW) != 0) set |= Passthrough::kSetAtime | Passthrough::kSetAtimeNow;
     if ((to_set & FUSE_SET_ATTR_MTIME_NOW) != 0) set |= Passthrough::kSetMtime | Passthrough::kSetMtimeNow;
     OpenFile* file = fi != nullptr ? &HandleOf<OpenFileHandle>(fi)->file : nullptr;
-    Result<struct stat> st = FsOf(req).SetAttr(ino, *attr, set, file);
+    Result<struct stat> st = FsOf(req).SetAttr(ino, *attr, set, file, CallerOf(req));
     if (!st.ok()) return ErrnoFromStatus(st.error());
     fuse_reply_attr(req, &*st, TimeoutOf(ino));
     return 0;
@@ -255,15 +290,45 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fu
 void OpMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode) {
   Handle(req, "mkdir", [&] {
     Filesystem& fs = FsOf(req);
-    Result<Entry> entry = fs.Mkdir(parent, name, mode);
+    Result<Entry> entry = fs.Mkdir(parent, name, mode, CallerOf(req));
     if (!entry.ok()) return ErrnoFromStatus(entry.error());
     return ReplyEntry(req, fs, *entry);
   });
 }
 
+void OpMknod(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, dev_t) {
+  Handle(req, "mknod", [&] {
+    Filesystem& fs = FsOf(req);
+    Result<Entry> entry = fs.Mknod(parent, name, mode, CallerOf(req));
+    if (!entry.ok()) return ErrnoFromStatus(entry.error());
+    return ReplyEntry(req, fs, *entry);
+  });
+}
+
+void OpSymlink(fuse_req_t req, const char* target, fuse_ino_t parent, const char* name) {
+  Handle(req, "symlink", [&] {
+    Filesystem& fs = FsOf(req);
+    Result<Entry> entry = fs.Symlink(parent, name, target, CallerOf(req));
+    if (!entry.ok()) return ErrnoFromStatus(entry.error());
+    return ReplyEntry(req, fs, *entry);
+  });
+}
+
+void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
+  Handle(req, "readlink", [&] {
+    Result<std::string> target = FsOf(req).Readlink(ino);
+    if (!target.ok()) return ErrnoFromStatus(target.error());
+    fuse_reply_readlink(req, target->c_str());
+    return 0;
+  });
+}
+
+// Hard links are not made in the source (a captured file has no inode to link yet).
+void OpLink(fuse_req_t req, fuse_ino_t, fuse_ino_t, const char*) { fuse_reply_err(req, EPERM); }
+
 void OpUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Handle(req, "unlink", [&] {
-    const Status s = FsOf(req).Unlink(parent, name);
+    const Status s = FsOf(req).Unlink(parent, name, CallerOf(req));
     if (!s.ok()) return ErrnoFromStatus(s);
     fuse_reply_err(req, 0);
     return 0;
@@ -272,7 +337,7 @@ void OpUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
 
 void OpRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Handle(req, "rmdir", [&] {
-    const Status s = FsOf(req).Rmdir(parent, name);
+    const Status s = FsOf(req).Rmdir(parent, name, CallerOf(req));
     if (!s.ok()) return ErrnoFromStatus(s);
     fuse_reply_err(req, 0);
     return 0;
@@ -282,7 +347,7 @@ void OpRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
 void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t new_parent, const char* new_name,
               unsigned flags) {
   Handle(req, "rename", [&] {
-    const Status s = FsOf(req).Rename(parent, name, new_parent, new_name, flags);
+    const Status s = FsOf(req).Rename(parent, name, new_parent, new_name, flags, CallerOf(req));
     if (!s.ok()) return ErrnoFromStatus(s);
     fuse_reply_err(req, 0);
     return 0;
@@ -302,7 +367,7 @@ void SourceOpenFlags(fuse_file_info* fi, bool writable) {
 void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, fuse_file_info* fi) {
   Handle(req, "create", [&] {
     Filesystem& fs = FsOf(req);
-    Result<std::pair<Entry, OpenFile>> made = fs.Create(parent, name, mode, fi->flags);
+    Result<std::pair<Entry, OpenFile>> made = fs.Create(parent, name, mode, fi->flags, CallerOf(req));
     if (!made.ok()) return ErrnoFromStatus(made.error());
     SourceOpenFlags(fi, true);
     Server& server = ServerOf(req);
@@ -358,7 +423,9 @@ void OpReadOnly(fuse_req_t req, Args...) {
 
 void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Handle(req, "open", [&] {
-    Result<OpenFile> file = FsOf(req).Open(ino, fi->flags);
+    // Views need no caller: they are read-only, and the kernel checked access (default_permissions).
+    Result<OpenFile> file = Passthrough::Owns(ino) ? FsOf(req).Open(ino, fi->flags, CallerOf(req))
+                                                   : FsOf(req).Open(ino, fi->flags);
     if (!file.ok()) return ErrnoFromStatus(file.error());
     if (file->passthrough) {
       SourceOpenFlags(fi, file->passthrough->writable);
@@ -507,17 +574,54 @@ void OpStatfs(fuse_req_t req, fuse_ino_t) {
   });
 }
 
-// Answering ENOSYS makes the kernel remember that xattrs are unsupported and reply
-// EOPNOTSUPP itself from then on: `ls -l` and friends cost no round trip per file.
-void OpGetxattr(fuse_req_t req, fuse_ino_t, const char*, size_t) { fuse_reply_err(req, ENOSYS); }
+// xattrs: `user.*` of source files, as the caller; views have none. A read-only mount (no
+// source) answers ENOTSUP for every set.
+void OpSetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, const char* value, size_t size, int flags) {
+  Handle(req, "setxattr", [&] {
+    const Status s = FsOf(req).SetXattr(ino, name, std::span(reinterpret_cast<const std::byte*>(value), size), flags,
+                                        CallerOf(req));
+    if (!s.ok()) return ErrnoFromStatus(s);
+    fuse_reply_err(req, 0);
+    return 0;
+  });
+}
 
-void OpListxattr(fuse_req_t req, fuse_ino_t, size_t size) {
-  // An empty list: the size probe gets 0, a read gets no bytes.
+// size 0 asks for the size only.
+void ReplyXattr(fuse_req_t req, size_t size, const std::vector<std::byte>& value) {
   if (size == 0) {
-    fuse_reply_xattr(req, 0);
+    fuse_reply_xattr(req, value.size());
   } else {
-    fuse_reply_buf(req, nullptr, 0);
+    fuse_reply_buf(req, reinterpret_cast<const char*>(value.data()), value.size());
   }
+}
+
+void OpGetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
+  Handle(req, "getxattr", [&] {
+    Result<std::vector<std::byte>> value = FsOf(req).GetXattr(ino, name, size, CallerOf(req));
+    if (!value.ok()) return ErrnoFromStatus(value.error());
+    if (size != 0 && value->size() > size) return ERANGE;
+    ReplyXattr(req, size, *value);
+    return 0;
+  });
+}
+
+void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  Handle(req, "listxattr", [&] {
+    Result<std::vector<std::byte>> names = FsOf(req).ListXattr(ino, size, CallerOf(req));
+    if (!names.ok()) return ErrnoFromStatus(names.error());
+    if (size != 0 && names->size() > size) return ERANGE;
+    ReplyXattr(req, size, *names);
+    return 0;
+  });
+}
+
+void OpRemovexattr(fuse_req_t req, fuse_ino_t ino, const char* name) {
+  Handle(req, "removexattr", [&] {
+    const Status s = FsOf(req).RemoveXattr(ino, name, CallerOf(req));
+    if (!s.ok()) return ErrnoFromStatus(s);
+    fuse_reply_err(req, 0);
+    return 0;
+  });
 }
 
 void OpAccess(fuse_req_t req, fuse_ino_t ino, int mask) {
@@ -539,14 +643,14 @@ const fuse_lowlevel_ops kOps = {
     .forget = OpForget,
     .getattr = OpGetattr,
     .setattr = OpSetattr,
-    .readlink = nullptr,  // no symlinks
-    .mknod = OpReadOnly,
+    .readlink = OpReadlink,
+    .mknod = OpMknod,
     .mkdir = OpMkdir,
     .unlink = OpUnlink,
     .rmdir = OpRmdir,
-    .symlink = OpReadOnly,
+    .symlink = OpSymlink,
     .rename = OpRename,
-    .link = OpReadOnly,
+    .link = OpLink,
     .open = OpOpen,
     .read = OpRead,
     .write = OpWrite,
@@ -558,10 +662,10 @@ const fuse_lowlevel_ops kOps = {
     .releasedir = OpReleasedir,
     .fsyncdir = nullptr,
     .statfs = OpStatfs,
-    .setxattr = OpReadOnly,
+    .setxattr = OpSetxattr,
     .getxattr = OpGetxattr,
     .listxattr = OpListxattr,
-    .removexattr = OpReadOnly,
+    .removexattr = OpRemovexattr,
     .access = OpAccess,
     .create = OpCreate,
     .getlk = nullptr,  // local locks only

@@ -5,9 +5,11 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/statvfs.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -17,7 +19,21 @@
 namespace ucpfs::fs {
 namespace {
 
-bool Shown(mode_t mode) { return S_ISREG(mode) || S_ISDIR(mode); }
+bool Shown(mode_t mode) { return S_ISREG(mode) || S_ISDIR(mode) || S_ISLNK(mode); }
+
+// What an unprivileged write, truncation or chown leaves of a mode: S_ISUID goes, and S_ISGID
+// when group-executable (the kernel's should_remove_suid).
+mode_t KillPrivs(mode_t mode) {
+  mode &= ~static_cast<mode_t>(S_ISUID);
+  if ((mode & (S_ISGID | S_IXGRP)) == (S_ISGID | S_IXGRP)) mode &= ~static_cast<mode_t>(S_ISGID);
+  return mode;
+}
+
+bool HasPrivs(mode_t mode) { return KillPrivs(mode) != mode; }
+
+// Only the user namespace is passed through: the daemon keeps capabilities (CAP_SETFCAP for
+// security.capability, CAP_SYS_ADMIN for trusted.*) that a switched fsuid does not drop.
+bool UserXattr(const std::string& name) { return name.starts_with("user.") && name.size() > 5; }
 
 Status Sys(int err, const std::string& what) { return PosixError(err, what + ": " + std::strerror(err)); }
 
@@ -33,6 +49,14 @@ Status CheckName(std::string_view name) {
 }
 
 }  // namespace
+
+bool Passthrough::CapturedNow(const Node& node) const {
+  return node.captured != nullptr && capture_ != nullptr && !capture_->Settled(*node.captured);
+}
+
+bool Passthrough::Unplaced(const Node& node) const {
+  return CapturedNow(node) && !capture_->Placed(*node.captured);
+}
 
 PassthroughHandle::~PassthroughHandle() {
   if (fd >= 0) close(fd);
@@ -98,9 +122,11 @@ std::string Passthrough::PathOf(Ino ino) const {
 }
 
 Result<struct stat> Passthrough::StatNode(const Node& node) const {
-  if (node.captured != nullptr && capture_ != nullptr && !capture_->Settled(*node.captured)) {
+  if (CapturedNow(node)) {
     struct stat st = capture_->Stat(*node.captured);
     st.st_ino = InoOf(node);
+    st.st_uid = node.owner_uid;
+    st.st_gid = node.owner_gid;
     return st;
   }
   struct stat st = {};
@@ -138,6 +164,7 @@ Result<std::shared_ptr<Passthrough::Node>> Passthrough::NodeFor(const std::share
     node->ino = st->st_ino;
     node->fd = fd;
     node->is_dir = S_ISDIR(st->st_mode);
+    node->is_symlink = S_ISLNK(st->st_mode);
     nodes_.emplace(node->id, node);
     by_file_.emplace(key, node->id);
   }
@@ -219,18 +246,53 @@ Result<struct stat> Passthrough::GetAttr(Ino ino) {
   return StatNode(*node);
 }
 
-Result<struct stat> Passthrough::SetAttr(Ino ino, const struct stat& attr, int to_set, PassthroughHandle* handle) {
+Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const struct stat& attr, int to_set,
+                                         PassthroughHandle* handle) {
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
-  const bool captured = node->captured != nullptr && capture_ != nullptr && !capture_->Settled(*node->captured);
-  const std::string proc = ProcPath(node->fd);
-  if ((to_set & kSetMode) != 0) {
-    if (captured) {
-      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, attr.st_mode));
-    } else if (chmod(proc.c_str(), attr.st_mode & 07777) != 0) {
-      return Sys(errno, "chmod " + node->name);
+  if (CapturedNow(*node)) {
+    // No inode of the caller's exists yet: the kernel's rules for chown/chmod, applied here.
+    if ((to_set & (kSetUid | kSetGid)) != 0) {
+      const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : node->owner_uid;
+      const gid_t gid = (to_set & kSetGid) != 0 ? attr.st_gid : node->owner_gid;
+      if (!caller.Privileged() &&
+          (caller.uid != node->owner_uid || uid != node->owner_uid || (gid != node->owner_gid && !caller.InGroup(gid)))) {
+        return PosixError(EPERM, "chown " + node->name + ": not permitted");
+      }
+      node->owner_uid = uid;
+      node->owner_gid = gid;
+      const mode_t mode = capture_->Stat(*node->captured).st_mode & 07777;
+      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, KillPrivs(mode)));
     }
+    if ((to_set & kSetMode) != 0) {
+      if (!caller.Privileged() && caller.uid != node->owner_uid) {
+        return PosixError(EPERM, "chmod " + node->name + ": not the owner");
+      }
+      mode_t mode = attr.st_mode & 07777;
+      if (!caller.Privileged() && !caller.InGroup(node->owner_gid)) mode &= ~static_cast<mode_t>(S_ISGID);
+      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, mode));
+    }
+    if ((to_set & kSetSize) != 0) {
+      UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, static_cast<uint64_t>(attr.st_size)));
+    }
+    return StatNode(*node);
   }
+  if (node->is_dir && (to_set & (kSetAtime | kSetMtime)) != 0 && capture_ != nullptr) {
+    // Placing a pending file changes its directory's mtime: place them first, so the times
+    // set now (cp -a, tar x and rsync set a directory's after its contents) are the last word.
+    std::vector<std::shared_ptr<io::CapturedFile>> pending;
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& [key, id] : overlay_) {
+        const auto it = nodes_.find(id);
+        if (key.first == node->id && it != nodes_.end() && it->second->captured) pending.push_back(it->second->captured);
+      }
+    }
+    for (const auto& file : pending) UCPFS_RETURN_IF_ERROR(capture_->Fsync(*file));
+  }
+  const std::string proc = ProcPath(node->fd);
+  AsCaller as(caller);
+  UCPFS_RETURN_IF_ERROR(as.status());
   if ((to_set & (kSetUid | kSetGid)) != 0) {
     const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : static_cast<uid_t>(-1);
     const gid_t gid = (to_set & kSetGid) != 0 ? attr.st_gid : static_cast<gid_t>(-1);
@@ -238,31 +300,73 @@ Result<struct stat> Passthrough::SetAttr(Ino ino, const struct stat& attr, int t
       return Sys(errno, "chown " + node->name);
     }
   }
+  if ((to_set & kSetMode) != 0) {
+    if (node->is_symlink) return PosixError(EOPNOTSUPP, "chmod " + node->name + ": a symlink");
+    if (chmod(proc.c_str(), attr.st_mode & 07777) != 0) return Sys(errno, "chmod " + node->name);
+  }
   if ((to_set & kSetSize) != 0) {
     if (node->is_dir) return PosixError(EISDIR, node->name + " is a directory");
-    if (captured) {
-      UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, static_cast<uint64_t>(attr.st_size)));
-    } else if (handle != nullptr && handle->fd >= 0) {
+    if (node->is_symlink) return PosixError(EINVAL, node->name + " is a symlink");
+    if (handle != nullptr && handle->fd >= 0) {
       if (ftruncate(handle->fd, attr.st_size) != 0) return Sys(errno, "truncate " + node->name);
     } else if (truncate(proc.c_str(), attr.st_size) != 0) {
       return Sys(errno, "truncate " + node->name);
     }
   }
-  if ((to_set & (kSetAtime | kSetMtime)) != 0 && !captured) {
+  if ((to_set & (kSetAtime | kSetMtime)) != 0) {
     struct timespec times[2];
     times[0].tv_nsec = UTIME_OMIT;
     times[1].tv_nsec = UTIME_OMIT;
     if ((to_set & kSetAtime) != 0) times[0] = (to_set & kSetAtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_atim;
     if ((to_set & kSetMtime) != 0) times[1] = (to_set & kSetMtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_mtim;
-    if (utimensat(AT_FDCWD, proc.c_str(), times, 0) != 0) return Sys(errno, "set the times of " + node->name);
+    // A symlink's own times: through the /proc link they would be its target's.
+    const int rc = node->is_symlink ? utimensat(node->fd, "", times, AT_EMPTY_PATH)
+                                    : utimensat(AT_FDCWD, proc.c_str(), times, 0);
+    if (rc != 0) return Sys(errno, "set the times of " + node->name);
   }
   return StatNode(*node);
 }
 
+Result<struct stat> Passthrough::ProbeCreate(const Caller& caller, const Node& dir, mode_t mode) {
+  static std::atomic<uint64_t> next_probe{0};
+  AsCaller as(caller);
+  UCPFS_RETURN_IF_ERROR(as.status());
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    const std::string probe =
+        ".ucpfs-create." + std::to_string(getpid()) + "." + std::to_string(next_probe.fetch_add(1));
+    const int fd = openat(dir.fd, probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 07777);
+    if (fd < 0 && errno == EEXIST) continue;
+    if (fd < 0) return Sys(errno, "create in " + (dir.name.empty() ? std::string("/") : dir.name));
+    struct stat st = {};
+    const int rc = fstat(fd, &st);
+    const int err = errno;
+    close(fd);
+    unlinkat(dir.fd, probe.c_str(), 0);
+    if (rc != 0) return Sys(err, "stat a new file");
+    return st;
+  }
+  return PosixError(EEXIST, "no free placeholder name");
+}
+
+Status Passthrough::MayDelete(const Caller& caller, const Node& dir, uid_t owner) {
+  struct stat dst = {};
+  if (fstatat(dir.fd, "", &dst, AT_EMPTY_PATH) != 0) return Sys(errno, "stat " + dir.name);
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    if (faccessat(dir.fd, "", W_OK | X_OK, AT_EACCESS | AT_EMPTY_PATH) != 0) return Sys(errno, "remove in " + dir.name);
+  }
+  if ((dst.st_mode & S_ISVTX) != 0 && !caller.Privileged() && caller.uid != owner && caller.uid != dst.st_uid) {
+    return PosixError(EPERM, "a sticky directory: not the owner");
+  }
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::shared_ptr<Node>& dir,
-                                                                     const std::string& name, mode_t mode,
+                                                                     const std::string& name, const struct stat& attr,
                                                                      std::shared_ptr<Node>* made) {
-  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<io::CapturedFile> file, capture_->Create(dir->fd, name, mode));
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<io::CapturedFile> file,
+                         capture_->Create(dir->fd, name, attr.st_mode & 07777));
   const struct stat st = capture_->Stat(*file);
   Result<int> path_fd = capture_->OpenPath(*file);
   if (!path_fd.ok()) {
@@ -276,6 +380,8 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::
   node->name = name;
   node->captured = file;
   node->open_writers = 1;
+  node->owner_uid = attr.st_uid;
+  node->owner_gid = attr.st_gid;
   {
     std::lock_guard lock(mu_);
     node->id = next_id_++;
@@ -293,29 +399,31 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::
   return h;
 }
 
-Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(Ino ino, int flags) {
+Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(const Caller& caller, Ino ino, int flags) {
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
   if (node->is_dir) return PosixError(EISDIR, node->name + " is a directory");
+  if (node->is_symlink) return PosixError(ELOOP, node->name + " is a symlink");
   const bool write = (flags & O_ACCMODE) != O_RDONLY;
   bool open_writers = false;
   {
     std::lock_guard lock(mu_);
     open_writers = node->open_writers > 0;
   }
-  if (write && !open_writers && node->captured != nullptr && capture_ != nullptr &&
-      !capture_->Settled(*node->captured) && (flags & O_TRUNC) == 0) {
+  if (write && !open_writers && CapturedNow(*node) && (flags & O_TRUNC) == 0) {
     // Reopened for writing after its last close, before it is durable: make it durable, then
     // write to it in place like any source file.
     UCPFS_RETURN_IF_ERROR(capture_->Fsync(*node->captured));
   }
-  if (node->captured != nullptr && capture_ != nullptr && !capture_->Settled(*node->captured) &&
-      (!write || open_writers)) {
+  if (CapturedNow(*node) && (!write || open_writers)) {
     // Another open of a file being captured: reads see what was written; writes join it.
+    // (Permission: the kernel checked it against the attributes served, default_permissions.)
     auto h = std::make_unique<PassthroughHandle>();
     h->ino = ino;
     h->captured = node->captured;
     h->writable = write;
+    h->caller = caller;
+    h->kill_privs = write && !caller.Privileged();
     if (write) {
       std::lock_guard lock(mu_);
       ++node->open_writers;
@@ -323,22 +431,32 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(Ino ino, int flags)
     if (write && (flags & O_TRUNC) != 0) UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, 0));
     return h;
   }
+  const std::string proc = ProcPath(node->fd);
   if (write && (flags & O_TRUNC) != 0 && capture_ != nullptr) {
-    // Rewriting a file: captured like a new one, which replaces it atomically when durable.
+    // Rewriting a file: captured like a new one, which replaces it atomically when durable. The
+    // caller must be able to open it for writing: asked of the kernel (without truncating it).
+    {
+      AsCaller as(caller);
+      UCPFS_RETURN_IF_ERROR(as.status());
+      const int probe = open(proc.c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW | O_TRUNC)) | O_CLOEXEC);
+      if (probe < 0) return Sys(errno, "open " + node->name);
+      close(probe);
+    }
     std::shared_ptr<Node> dir;
     std::string name;
-    mode_t mode = 0644;
     {
       std::lock_guard lock(mu_);
       const auto it = nodes_.find(node->parent_id);
       if (it != nodes_.end()) dir = it->second;
       name = node->name;
     }
-    struct stat st = {};
-    if (fstatat(node->fd, "", &st, AT_EMPTY_PATH) == 0) mode = st.st_mode & 07777;
+    struct stat attr = {};
+    if (fstatat(node->fd, "", &attr, AT_EMPTY_PATH) != 0) return Sys(errno, "stat " + node->name);
+    // It keeps its owner, group and mode; truncation by an unprivileged writer drops S_ISUID/S_ISGID.
+    if (!caller.Privileged()) attr.st_mode = KillPrivs(attr.st_mode);
     if (dir != nullptr && !name.empty()) {
       std::shared_ptr<Node> made;
-      UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, mode, &made));
+      UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made));
       // The kernel knows this inode number: it now stands for the captured file (the old file
       // is replaced when the new one is placed).
       std::lock_guard lock(mu_);
@@ -352,23 +470,37 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(Ino ino, int flags)
       node->ino = made->ino;
       by_file_[{node->dev, node->ino}] = node->id;
       node->captured = made->captured;
+      node->owner_uid = made->owner_uid;
+      node->owner_gid = made->owner_gid;
       node->open_writers = 1;
       overlay_[{dir->id, name}] = node->id;
       h->ino = ino;
+      h->caller = caller;
+      h->kill_privs = !caller.Privileged();
       return h;
     }
   }
   // Reopened through /proc: the O_PATH descriptor names the inode itself (no path is resolved).
-  const int fd = open(ProcPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW)) | O_CLOEXEC);
-  if (fd < 0) return Sys(errno, "open " + node->name);
+  // As the caller, so the kernel checks its access (and truncation drops its bits).
+  int fd = -1;
+  struct stat st = {};
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    fd = open(proc.c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW)) | O_CLOEXEC);
+    if (fd < 0) return Sys(errno, "open " + node->name);
+  }
   auto h = std::make_unique<PassthroughHandle>();
   h->ino = ino;
   h->fd = fd;
   h->writable = write;
+  h->caller = caller;
+  h->kill_privs = write && !caller.Privileged() && fstat(fd, &st) == 0 && HasPrivs(st.st_mode);
   return h;
 }
 
-Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::Create(Ino parent,
+Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::Create(const Caller& caller,
+                                                                                       Ino parent,
                                                                                        std::string_view name_view,
                                                                                        mode_t mode, int flags) {
   const std::shared_ptr<Node> dir = DirNode(parent);
@@ -377,7 +509,7 @@ Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::
   const std::string name(name_view);
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
     if ((flags & O_EXCL) != 0) return PosixError(EEXIST, name + " exists");
-    UCPFS_ASSIGN_OR_RETURN(auto h, Open(InoOf(*pending), flags | O_TRUNC));
+    UCPFS_ASSIGN_OR_RETURN(auto h, Open(caller, InoOf(*pending), flags | O_TRUNC));
     pending->n_lookups.fetch_add(1);
     UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*pending));
     return std::make_pair(st, std::move(h));
@@ -385,28 +517,43 @@ Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::
   struct stat existing = {};
   if (fstatat(dir->fd, name.c_str(), &existing, AT_SYMLINK_NOFOLLOW) == 0) {
     if ((flags & O_EXCL) != 0) return PosixError(EEXIST, name + " exists");
+    if (S_ISLNK(existing.st_mode)) return PosixError(ELOOP, name + " is a symlink");
     if (!Shown(existing.st_mode)) return PosixError(EEXIST, name + " exists and is not a regular file");
     UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<Node> node, NodeFor(dir, name, true, &existing));
-    UCPFS_ASSIGN_OR_RETURN(auto h, Open(InoOf(*node), flags));
+    Result<std::unique_ptr<PassthroughHandle>> h = Open(caller, InoOf(*node), flags);
+    if (!h.ok()) {
+      Forget(InoOf(*node), 1);
+      return h.error();
+    }
     UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*node));
-    return std::make_pair(st, std::move(h));
+    return std::make_pair(st, std::move(*h));
   }
   if (capture_ != nullptr) {
+    UCPFS_ASSIGN_OR_RETURN(const struct stat attr, ProbeCreate(caller, *dir, mode));
     std::shared_ptr<Node> made;
-    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, mode, &made));
+    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made));
+    h->caller = caller;
+    h->kill_privs = !caller.Privileged();
     made->n_lookups.fetch_add(1);
     UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*made));
     return std::make_pair(st, std::move(h));
   }
-  const int fd = openat(dir->fd, name.c_str(), (flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC) & ~O_NOCTTY, mode & 07777);
-  if (fd < 0) return Sys(errno, "create " + name);
+  int fd = -1;
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    fd = openat(dir->fd, name.c_str(), (flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC) & ~O_NOCTTY, mode & 07777);
+    if (fd < 0) return Sys(errno, "create " + name);
+  }
   auto h = std::make_unique<PassthroughHandle>();
   h->fd = fd;
   h->writable = true;
+  h->caller = caller;
   struct stat st = {};
   Result<std::shared_ptr<Node>> node = NodeFor(dir, name, true, &st);
   if (!node.ok()) return node.error();
   h->ino = InoOf(**node);
+  h->kill_privs = !caller.Privileged() && HasPrivs(st.st_mode);
   UCPFS_ASSIGN_OR_RETURN(st, StatNode(**node));
   return std::make_pair(st, std::move(h));
 }
@@ -427,10 +574,22 @@ Result<size_t> Passthrough::Read(PassthroughHandle& h, uint64_t byte_offset, std
 Result<size_t> Passthrough::Write(PassthroughHandle& h, uint64_t byte_offset, std::span<const std::byte> data) {
   if (!h.writable) return PosixError(EBADF, "not open for writing");
   if (h.captured != nullptr) {
+    if (h.kill_privs.exchange(false)) {  // an unprivileged write drops S_ISUID/S_ISGID
+      const mode_t mode = capture_->Stat(*h.captured).st_mode & 07777;
+      if (HasPrivs(mode)) UCPFS_RETURN_IF_ERROR(capture_->SetMode(*h.captured, KillPrivs(mode)));
+    }
     UCPFS_RETURN_IF_ERROR(capture_->Write(*h.captured, byte_offset, data));
     return data.size();
   }
   size_t done = 0;
+  if (h.kill_privs.exchange(false)) {
+    // The first write as the writer: the kernel drops the bits itself.
+    AsCaller as(h.caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    const ssize_t n = pwrite(h.fd, data.data(), data.size(), static_cast<off_t>(byte_offset));
+    if (n < 0) return Sys(errno, "write");
+    done = static_cast<size_t>(n);
+  }
   while (done < data.size()) {
     const ssize_t n = pwrite(h.fd, data.data() + done, data.size() - done, static_cast<off_t>(byte_offset + done));
     if (n < 0 && errno == EINTR) continue;
@@ -461,24 +620,62 @@ Status Passthrough::Release(PassthroughHandle& h) {
   return last ? capture_->Close(*h.captured) : Status::Ok();
 }
 
-Result<struct stat> Passthrough::Mkdir(Ino parent, std::string_view name_view, mode_t mode) {
+Result<struct stat> Passthrough::MakeEntry(const Caller& caller, Ino parent, std::string_view name_view,
+                                           const char* what, const std::function<int(int, const char*)>& make) {
   const std::shared_ptr<Node> dir = DirNode(parent);
   if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
   UCPFS_RETURN_IF_ERROR(CheckName(name_view));
   const std::string name(name_view);
   if (Pending(dir->id, name) != nullptr) return PosixError(EEXIST, name + " exists");
-  if (mkdirat(dir->fd, name.c_str(), mode & 07777) != 0) return Sys(errno, "mkdir " + name);
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    if (make(dir->fd, name.c_str()) != 0) return Sys(errno, std::string(what) + " " + name);
+  }
   struct stat st = {};
   UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<Node> node, NodeFor(dir, name, true, &st));
   return StatNode(*node);
 }
 
-Status Passthrough::Unlink(Ino parent, std::string_view name_view) {
+Result<struct stat> Passthrough::Mkdir(const Caller& caller, Ino parent, std::string_view name, mode_t mode) {
+  return MakeEntry(caller, parent, name, "mkdir",
+                   [mode](int dirfd, const char* n) { return mkdirat(dirfd, n, mode & 07777); });
+}
+
+Result<struct stat> Passthrough::Mknod(const Caller& caller, Ino parent, std::string_view name, mode_t mode) {
+  if (!S_ISREG(mode)) {
+    return PosixError(EPERM, std::string(name) + ": only regular files, directories and symlinks are made in the source");
+  }
+  return MakeEntry(caller, parent, name, "mknod", [mode](int dirfd, const char* n) {
+    const int fd = openat(dirfd, n, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 07777);
+    return fd < 0 ? -1 : close(fd);
+  });
+}
+
+Result<struct stat> Passthrough::Symlink(const Caller& caller, Ino parent, std::string_view name,
+                                         const std::string& target) {
+  return MakeEntry(caller, parent, name, "symlink",
+                   [&target](int dirfd, const char* n) { return symlinkat(target.c_str(), dirfd, n); });
+}
+
+Result<std::string> Passthrough::Readlink(Ino ino) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  if (!node->is_symlink) return PosixError(EINVAL, node->name + " is not a symlink");
+  std::string target(4096, '\0');
+  const ssize_t n = readlinkat(node->fd, "", target.data(), target.size());
+  if (n < 0) return Sys(errno, "readlink " + node->name);
+  target.resize(static_cast<size_t>(n));
+  return target;
+}
+
+Status Passthrough::Unlink(const Caller& caller, Ino parent, std::string_view name_view) {
   const std::shared_ptr<Node> dir = DirNode(parent);
   if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
   UCPFS_RETURN_IF_ERROR(CheckName(name_view));
   const std::string name(name_view);
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, pending->owner_uid));
     const bool discarded = capture_->Discard(*pending->captured);
     {
       std::lock_guard lock(mu_);
@@ -490,12 +687,16 @@ Status Passthrough::Unlink(Ino parent, std::string_view name_view) {
   struct stat st = {};
   if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "unlink " + name);
   if (!Shown(st.st_mode)) return PosixError(ENOENT, name + " is not shown");
-  if (unlinkat(dir->fd, name.c_str(), 0) != 0) return Sys(errno, "unlink " + name);
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    if (unlinkat(dir->fd, name.c_str(), 0) != 0) return Sys(errno, "unlink " + name);
+  }
   if (changed_) changed_(PathOf(InoOf(*dir)) + "/" + name);
   return Status::Ok();
 }
 
-Status Passthrough::Rmdir(Ino parent, std::string_view name_view) {
+Status Passthrough::Rmdir(const Caller& caller, Ino parent, std::string_view name_view) {
   const std::shared_ptr<Node> dir = DirNode(parent);
   if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
   UCPFS_RETURN_IF_ERROR(CheckName(name_view));
@@ -512,13 +713,17 @@ Status Passthrough::Rmdir(Ino parent, std::string_view name_view) {
       }
     }
   }
-  if (unlinkat(dir->fd, name.c_str(), AT_REMOVEDIR) != 0) return Sys(errno, "rmdir " + name);
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    if (unlinkat(dir->fd, name.c_str(), AT_REMOVEDIR) != 0) return Sys(errno, "rmdir " + name);
+  }
   if (changed_) changed_(PathOf(InoOf(*dir)) + "/" + name);
   return Status::Ok();
 }
 
-Status Passthrough::Rename(Ino parent, std::string_view name_view, Ino new_parent, std::string_view new_name_view,
-                           unsigned flags) {
+Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view name_view, Ino new_parent,
+                           std::string_view new_name_view, unsigned flags) {
   const std::shared_ptr<Node> dir = DirNode(parent);
   const std::shared_ptr<Node> new_dir = DirNode(new_parent);
   if (dir == nullptr || new_dir == nullptr) return PosixError(ENOTDIR, "not a directory");
@@ -529,12 +734,14 @@ Status Passthrough::Rename(Ino parent, std::string_view name_view, Ino new_paren
   // A pending source is made durable under its name first (rename is a sync point: DCP writes
   // `.metadata.tmp`, fsyncs it and renames it to `.metadata`).
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, pending->owner_uid));
     UCPFS_RETURN_IF_ERROR(capture_->Fsync(*pending->captured));
     Pending(dir->id, name);  // drops the overlay entry of the placed file
   }
   // A pending target would be placed later over what the rename put there: discard it.
   if (std::shared_ptr<Node> target = Pending(new_dir->id, new_name)) {
     if ((flags & RENAME_NOREPLACE) != 0) return PosixError(EEXIST, new_name + " exists");
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *new_dir, target->owner_uid));
     (void)capture_->Discard(*target->captured);  // placed already: the rename replaces it
     std::lock_guard lock(mu_);
     overlay_.erase({new_dir->id, new_name});
@@ -542,8 +749,12 @@ Status Passthrough::Rename(Ino parent, std::string_view name_view, Ino new_paren
   struct stat st = {};
   if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "rename " + name);
   if (!Shown(st.st_mode)) return PosixError(ENOENT, name + " is not shown");
-  if (renameat2(dir->fd, name.c_str(), new_dir->fd, new_name.c_str(), flags) != 0) {
-    return Sys(errno, "rename " + name + " to " + new_name);
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    if (renameat2(dir->fd, name.c_str(), new_dir->fd, new_name.c_str(), flags) != 0) {
+      return Sys(errno, "rename " + name + " to " + new_name);
+    }
   }
   {
     std::lock_guard lock(mu_);
@@ -554,6 +765,82 @@ Status Passthrough::Rename(Ino parent, std::string_view name_view, Ino new_paren
     }
   }
   if (changed_) changed_(PathOf(InoOf(*new_dir)) + "/" + new_name);
+  return Status::Ok();
+}
+
+Status Passthrough::SetXattr(const Caller& caller, Ino ino, const std::string& name, std::span<const std::byte> value,
+                             int flags) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  if (!UserXattr(name)) return PosixError(ENOTSUP, "only user.* xattrs are kept");
+  // A file being saved gets its inode under its name first (placed now, with its owner and
+  // mode): the xattr then lives on the real file (cp -a sets them right after the data).
+  if (CapturedNow(*node) && !capture_->Placed(*node->captured)) UCPFS_RETURN_IF_ERROR(capture_->Fsync(*node->captured));
+  // Through the /proc link only a file's own xattrs are safe to touch; a symlink has no user.* ones.
+  if (node->is_symlink) return PosixError(EPERM, node->name + " is a symlink");
+  AsCaller as(caller);
+  UCPFS_RETURN_IF_ERROR(as.status());
+  if (setxattr(ProcPath(node->fd).c_str(), name.c_str(), value.data(), value.size(), flags) != 0) {
+    return Sys(errno, "setxattr " + node->name);
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<std::byte>> Passthrough::GetXattr(const Caller& caller, Ino ino, const std::string& name,
+                                                      size_t size) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  if (!UserXattr(name) || Unplaced(*node) || node->is_symlink) return PosixError(ENODATA, "no such xattr");
+  AsCaller as(caller);
+  UCPFS_RETURN_IF_ERROR(as.status());
+  std::vector<std::byte> value(size);
+  const ssize_t n = getxattr(ProcPath(node->fd).c_str(), name.c_str(), size == 0 ? nullptr : value.data(), size);
+  if (n < 0) return Sys(errno, "getxattr " + node->name);
+  // size 0 asks only the size: a vector of that many (unused) bytes tells it.
+  value.resize(static_cast<size_t>(n));
+  return value;
+}
+
+Result<std::vector<std::byte>> Passthrough::ListXattr(const Caller& caller, Ino ino, size_t size) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  std::vector<std::byte> out;
+  if (Unplaced(*node) || node->is_symlink) return out;
+  std::vector<char> names;
+  {
+    AsCaller as(caller);
+    UCPFS_RETURN_IF_ERROR(as.status());
+    const std::string proc = ProcPath(node->fd);
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      const ssize_t need = listxattr(proc.c_str(), nullptr, 0);
+      if (need < 0) return Sys(errno, "listxattr " + node->name);
+      names.resize(static_cast<size_t>(need));
+      const ssize_t n = listxattr(proc.c_str(), names.data(), names.size());
+      if (n >= 0) {
+        names.resize(static_cast<size_t>(n));
+        break;
+      }
+      if (errno != ERANGE) return Sys(errno, "listxattr " + node->name);
+    }
+  }
+  for (size_t i = 0; i < names.size();) {
+    const std::string one(names.data() + i);
+    i += one.size() + 1;
+    if (!UserXattr(one)) continue;
+    for (char c : one) out.push_back(static_cast<std::byte>(c));
+    out.push_back(std::byte{0});
+  }
+  if (size != 0 && out.size() > size) return PosixError(ERANGE, "listxattr: buffer too small");
+  return out;
+}
+
+Status Passthrough::RemoveXattr(const Caller& caller, Ino ino, const std::string& name) {
+  const std::shared_ptr<Node> node = Find(ino);
+  if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
+  if (!UserXattr(name) || Unplaced(*node) || node->is_symlink) return PosixError(ENODATA, "no such xattr");
+  AsCaller as(caller);
+  UCPFS_RETURN_IF_ERROR(as.status());
+  if (removexattr(ProcPath(node->fd).c_str(), name.c_str()) != 0) return Sys(errno, "removexattr " + node->name);
   return Status::Ok();
 }
 

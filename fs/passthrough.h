@@ -14,9 +14,29 @@
 // unlink and rename see it) and its attributes come from the capture (the size written so far).
 // Without a WriteCapture, writes go straight to the source files.
 //
-// Trust: nothing is ever resolved through a symlink: every name is one component looked up with
-// *at() calls on an O_PATH directory descriptor and AT_SYMLINK_NOFOLLOW / O_NOFOLLOW. Symlinks,
-// FIFOs, sockets and devices in the source are not shown (lookup: ENOENT) and cannot be created.
+// Trust: nothing is ever resolved through a symlink by the daemon: every name is one component
+// looked up with *at() calls on an O_PATH directory descriptor and AT_SYMLINK_NOFOLLOW /
+// O_NOFOLLOW. Symlinks are shown as symlinks (readlink; the caller's kernel follows them, in the
+// caller's own name) and may be created; FIFOs, sockets and devices in the source are not shown
+// (lookup: ENOENT) and cannot be created (EPERM); hard links cannot be made (EPERM).
+//
+// Credentials: every method that changes the source or opens one of its files takes the
+// Caller and does its syscalls under the caller's credentials (fs/caller.h), so the kernel
+// decides permissions, owners and bits. A captured file is written by the daemon into its part
+// and renamed into place at commit; the owner, group and mode it must end with are what the
+// kernel gives the caller's own create: learned at create time from a real O_EXCL create, by
+// the caller, of a hidden placeholder `.ucpfs-create.<pid>.<n>` in the same directory (removed
+// at once), so write permission, setgid directories, the umask and S_ISGID stripping are the
+// kernel's. For a rewrite (open with O_TRUNC) of an existing file the caller must be able to
+// open it for writing (checked by a real open as the caller); it keeps that file's owner, group
+// and mode, less S_ISUID/S_ISGID for an unprivileged writer (what truncation does). Until
+// placed, a pending file's chmod/chown/unlink follow the kernel's rules (owner or root; chgrp to
+// one's own groups; S_ISGID cleared for a non-member; S_ISUID/S_ISGID cleared on chown and on an
+// unprivileged write; the sticky rule), applied here because no inode of the caller's exists yet.
+// xattrs: only `user.*` names are passed through (to real files, as the caller); others are
+// ENOTSUP, since the daemon keeps capabilities (CAP_SETFCAP, CAP_SYS_ADMIN) a switched fsuid
+// does not drop. Setting one on a file being saved places it first (as fsync does), so the
+// xattr lands on the real file.
 //
 // Thread-safety: every method may be called from any thread at once. Lock order: mu_ (the node
 // map and overlay), then a file's capture locks (inside WriteCapture); no lock is held across a
@@ -39,6 +59,7 @@
 
 #include "core/io/write_capture.h"
 #include "core/status.h"
+#include "fs/caller.h"
 #include "fs/tree.h"
 
 namespace ucpfs::fs {
@@ -52,6 +73,10 @@ struct PassthroughHandle {
   int fd = -1;  // a real descriptor (plain files); -1 for captured files
   std::shared_ptr<io::CapturedFile> captured;
   bool writable = false;
+  // Who opened it; the first write by an unprivileged writer clears S_ISUID/S_ISGID, as the
+  // kernel does (kill_privs: the file had such a bit at open).
+  Caller caller;
+  std::atomic<bool> kill_privs{false};
   ~PassthroughHandle();
 };
 
@@ -74,13 +99,15 @@ class Passthrough {
   // kSetMtime (with kSetAtimeNow/kSetMtimeNow). `handle` may be null.
   enum : int { kSetMode = 1, kSetUid = 2, kSetGid = 4, kSetSize = 8, kSetAtime = 16, kSetMtime = 32,
                kSetAtimeNow = 128, kSetMtimeNow = 256 };
-  Result<struct stat> SetAttr(Ino ino, const struct stat& attr, int to_set, PassthroughHandle* handle);
+  Result<struct stat> SetAttr(const Caller& caller, Ino ino, const struct stat& attr, int to_set,
+                              PassthroughHandle* handle);
 
   // Errors: EEXIST, EISDIR, ENOENT, EACCES... as the source gives them (kIo with sys_errno).
-  Result<std::unique_ptr<PassthroughHandle>> Open(Ino ino, int flags);
+  Result<std::unique_ptr<PassthroughHandle>> Open(const Caller& caller, Ino ino, int flags);
   // Creates and opens; the returned stat's ino is the new node's (one reference taken).
-  Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Create(Ino parent, std::string_view name,
-                                                                            mode_t mode, int flags);
+  Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Create(const Caller& caller, Ino parent,
+                                                                            std::string_view name, mode_t mode,
+                                                                            int flags);
   Result<size_t> Read(PassthroughHandle& h, uint64_t byte_offset, std::span<std::byte> out);
   Result<size_t> Write(PassthroughHandle& h, uint64_t byte_offset, std::span<const std::byte> data);
   Status Fsync(PassthroughHandle& h, bool datasync);
@@ -89,10 +116,22 @@ class Passthrough {
   // The handle is closed: a captured file whose last writer this was is queued for commit.
   Status Release(PassthroughHandle& h);
 
-  Result<struct stat> Mkdir(Ino parent, std::string_view name, mode_t mode);
-  Status Unlink(Ino parent, std::string_view name);
-  Status Rmdir(Ino parent, std::string_view name);
-  Status Rename(Ino parent, std::string_view name, Ino new_parent, std::string_view new_name, unsigned flags);
+  Result<struct stat> Mkdir(const Caller& caller, Ino parent, std::string_view name, mode_t mode);
+  // A regular file (empty, created directly); any other type is EPERM.
+  Result<struct stat> Mknod(const Caller& caller, Ino parent, std::string_view name, mode_t mode);
+  Result<struct stat> Symlink(const Caller& caller, Ino parent, std::string_view name, const std::string& target);
+  Result<std::string> Readlink(Ino ino);
+  Status Unlink(const Caller& caller, Ino parent, std::string_view name);
+  Status Rmdir(const Caller& caller, Ino parent, std::string_view name);
+  Status Rename(const Caller& caller, Ino parent, std::string_view name, Ino new_parent, std::string_view new_name,
+                unsigned flags);
+  // `user.*` xattrs of real files, as the caller. Get/List with size 0 return the size needed.
+  // Errors: ENOTSUP (other namespaces; pending files on set), ENODATA, ERANGE, EACCES...
+  Status SetXattr(const Caller& caller, Ino ino, const std::string& name, std::span<const std::byte> value,
+                  int flags);
+  Result<std::vector<std::byte>> GetXattr(const Caller& caller, Ino ino, const std::string& name, size_t size);
+  Result<std::vector<std::byte>> ListXattr(const Caller& caller, Ino ino, size_t size);
+  Status RemoveXattr(const Caller& caller, Ino ino, const std::string& name);
 
   struct DirItem {
     std::string name;
@@ -114,6 +153,9 @@ class Passthrough {
     ino_t ino = 0;
     int fd = -1;  // O_PATH
     bool is_dir = false;
+    bool is_symlink = false;
+    uid_t owner_uid = 0;  // captured and not settled: the owner and group it will have
+    gid_t owner_gid = 0;
     std::atomic<uint64_t> n_lookups{0};
     uint64_t parent_id = 0;
     std::string name;
@@ -133,7 +175,21 @@ class Passthrough {
   // been placed is dropped first (the real entry now has its name).
   std::shared_ptr<Node> Pending(uint64_t dir_id, const std::string& name);
   Result<std::unique_ptr<PassthroughHandle>> StartCapture(const std::shared_ptr<Node>& dir, const std::string& name,
-                                                          mode_t mode, std::shared_ptr<Node>* made);
+                                                          const struct stat& attr, std::shared_ptr<Node>* made);
+  // The owner, group and mode (st_uid, st_gid, st_mode) the kernel gives `caller`'s new file in
+  // `dir`, from a real O_EXCL create of a placeholder there (see the file comment).
+  Result<struct stat> ProbeCreate(const Caller& caller, const Node& dir, mode_t mode);
+  // Whether `caller` may remove or replace a pending file owned by `owner` in `dir`: write and
+  // search permission on it (asked of the kernel as the caller), and the sticky rule.
+  Status MayDelete(const Caller& caller, const Node& dir, uid_t owner);
+  // Captured and not settled: its attributes are the capture's.
+  bool CapturedNow(const Node& node) const;
+  // Captured and not yet under its name at all (no inode of its own there: no xattrs).
+  bool Unplaced(const Node& node) const;
+  // mkdir/mknod/symlink: `make(dirfd, name)` (0 or -1 with errno) run as the caller, then the
+  // new entry's node (one reference taken).
+  Result<struct stat> MakeEntry(const Caller& caller, Ino parent, std::string_view name, const char* what,
+                                const std::function<int(int, const char*)>& make);
 
   const int root_fd_;
   const std::string source_dir_;
