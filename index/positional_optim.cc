@@ -53,8 +53,20 @@ bool IsHfLlamaFamily(const std::string& model_type) {
   return model_type == "llama" || model_type == "mistral" || model_type == "qwen2" || model_type == "qwen3";
 }
 
-bool SortHfLlamaOrder(std::vector<NamedShape>* params) {
+const char* ModuleOrderName(ModuleOrder order) {
+  return order == ModuleOrder::kHfLlama ? "hf_llama" : "torchtune_llama";
+}
+
+std::optional<ModuleOrder> ParseModuleOrder(const std::string& name) {
+  for (ModuleOrder o : {ModuleOrder::kHfLlama, ModuleOrder::kTorchtuneLlama}) {
+    if (name == ModuleOrderName(o)) return o;
+  }
+  return std::nullopt;
+}
+
+bool SortModuleOrder(std::vector<NamedShape>* params, ModuleOrder order) {
   // Rank among siblings, as the modeling code registers them.
+  static const std::map<std::string, int> kTorchtuneMlp = {{"gate_proj", 0}, {"down_proj", 1}, {"up_proj", 2}};
   static const std::map<std::string, int> kRank = {
       {"model", 0},          {"lm_head", 1},      {"embed_tokens", 0}, {"layers", 1},
       {"norm", 2},           {"self_attn", 0},    {"mlp", 1},          {"input_layernorm", 2},
@@ -72,6 +84,10 @@ bool SortHfLlamaOrder(std::vector<NamedShape>* params) {
       start = dot + 1;
       if (!part.empty() && part.size() <= 9 && std::all_of(part.begin(), part.end(), ::isdigit)) {
         key.push_back(std::stoll(part));
+        continue;
+      }
+      if (order == ModuleOrder::kTorchtuneLlama && kTorchtuneMlp.count(part)) {
+        key.push_back(kTorchtuneMlp.at(part));
         continue;
       }
       auto it = kRank.find(part);

@@ -42,14 +42,19 @@ struct PositionalOptimizer {
   std::vector<std::pair<int64_t, std::vector<int64_t>>> state_shapes;
 };
 
-// The named_parameters() order of a Hugging Face model of the Llama family (transformers'
-// LlamaForCausalLM, Mistral, Qwen2, Qwen3: model{embed_tokens, layers.<i>{self_attn{q,k,v,o_proj,
-// q_norm,k_norm}, mlp{gate,up,down_proj}, input_layernorm, post_attention_layernorm}, norm},
-// lm_head; weight before bias), for weights whose file keeps no order (safetensors sorts tensors
-// by name). Whether `model_type` (config.json) is such a model; and `params` sorted so, or false
-// (unchanged) when a name has a component that order does not know.
+// Module orders for weights whose file keeps none (safetensors sorts tensors by name), in Hugging
+// Face names: kHfLlama, transformers' Llama family (LlamaForCausalLM, Mistral, Qwen2, Qwen3:
+// model{embed_tokens, layers.<i>{self_attn{q,k,v,o_proj, q_norm, k_norm}, mlp{gate,up,down_proj},
+// input_layernorm, post_attention_layernorm}, norm}, lm_head; weight before bias); kTorchtuneLlama,
+// torchtune's llama builders as its checkpointer names them in Hugging Face terms (the same, but
+// its FeedForward registers w1, w2, w3: gate, down, up).
+enum class ModuleOrder : uint8_t { kHfLlama, kTorchtuneLlama };
+const char* ModuleOrderName(ModuleOrder order);  // "hf_llama", "torchtune_llama"
+std::optional<ModuleOrder> ParseModuleOrder(const std::string& name);
+// Whether config.json's `model_type` is of the Llama family.
 bool IsHfLlamaFamily(const std::string& model_type);
-bool SortHfLlamaOrder(std::vector<NamedShape>* params);
+// `params` sorted in `order`, or false (unchanged) when a name has a component it does not know.
+bool SortModuleOrder(std::vector<NamedShape>* params, ModuleOrder order);
 
 // Per group, the parameter names `rule` gives; nothing when the rule makes a different number
 // of groups or sizes than `groups`.

@@ -1,6 +1,7 @@
 // See torch_state_scan.h.
 #include "index/torch_state_scan.h"
 
+#include <dirent.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -126,6 +127,73 @@ std::optional<std::pair<int64_t, std::string>> SplitState(const std::string& res
   return std::make_pair(std::stoll(rest.substr(0, dot)), rest.substr(dot + 1));
 }
 
+bool IsRealDir(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool IsRealFile(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+constexpr std::string_view kRecipeState = "recipe_state/recipe_state.pt";
+
+// torchtune's output_dir: `recipe_state/recipe_state.pt` and the checkpointer's `epoch_<N>/`
+// folders (real directories); the newest epoch's name, or "" when it is not one.
+std::string TorchtuneEpochDir(const std::string& dir) {
+  if (!IsRealDir(dir + "/recipe_state") || !IsRealFile(dir + "/" + std::string(kRecipeState))) return "";
+  std::string best;
+  int64_t best_n = -1;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return "";
+  size_t seen = 0;
+  while (const dirent* e = ::readdir(d)) {
+    if (++seen > 100000) break;
+    const std::string name = e->d_name;
+    if (!name.starts_with("epoch_") || name.size() > 6 + 9 || name.size() == 6) continue;
+    const std::string digits = name.substr(6);
+    if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    if (!IsRealDir(dir + "/" + name)) continue;
+    const int64_t n = std::stoll(digits);
+    if (n > best_n) best_n = n, best = name;
+  }
+  ::closedir(d);
+  return best;
+}
+
+// torchtune's checkpointer saves q_proj / k_proj in Hugging Face's rotary layout (tune_to_hf's
+// _permute: Hugging Face row (h, a, i) is torchtune row (h, i, a) of head h, a in {0, 1}, i <
+// head_dim / 2) while the optimizer's moments keep torchtune's: this places a moment tensor so
+// its rows are read in the weights' layout (2 strided fragments per head). False when the shape
+// does not split into `heads` heads of even size.
+bool PlaceRotaryRows(Item* item, const format::TensorRecord& rec, int64_t heads) {
+  if (rec.shape.size() != 2 || heads <= 0 || rec.shape[0] % heads != 0 || (rec.shape[0] / heads) % 2 != 0) {
+    return false;
+  }
+  const int64_t hd = rec.shape[0] / heads, dim = rec.shape[1];
+  const int64_t s0 = rec.contiguous ? dim : rec.stride[0], s1 = rec.contiguous ? 1 : rec.stride[1];
+  const uint64_t elem = ItemSize(rec.dtype);
+  if (item->layout.fragments.size() != 1) return false;
+  const uint32_t file_id = item->layout.fragments[0].file_id;
+  item->layout.fragments.clear();
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t a = 0; a < 2; ++a) {
+      slice::Fragment f;
+      f.box.offsets = {h * hd + a * hd / 2, 0};
+      f.box.sizes = {hd / 2, dim};
+      f.flat_lo = 0;
+      f.flat_hi = static_cast<uint64_t>(hd / 2 * dim);
+      f.file_id = file_id;
+      f.byte_offset = rec.data_offset + static_cast<uint64_t>((h * hd + a) * s0) * elem;
+      f.dtype = rec.dtype;
+      f.strides = {2 * s0, s1};
+      item->layout.fragments.push_back(std::move(f));
+    }
+  }
+  return true;
+}
+
 class TorchStateScan {
  public:
   explicit TorchStateScan(const std::string& dir) : builder_(dir) {}
@@ -141,7 +209,10 @@ class TorchStateScan {
     std::string holder;
     std::set<std::string> not_weights;  // torch files that are not the weights
     std::vector<std::string> schedulers;
-    if (!ckpts.empty()) {
+    const std::string epoch_dir = TorchtuneEpochDir(dir);
+    if (!epoch_dir.empty()) {
+      holder = std::string(kRecipeState);
+    } else if (!ckpts.empty()) {
       if (ckpts.size() == 1) {
         holder = ckpts[0];
       } else if (std::find(ckpts.begin(), ckpts.end(), "last.ckpt") != ckpts.end()) {
@@ -194,6 +265,7 @@ class TorchStateScan {
       UCPFS_RETURN_IF_ERROR(AddLightningWeights(tf, hid, where, &info));
     } else {
       WeightsOptions wo;
+      wo.sub_dir = epoch_dir;
       wo.key_prefix = "model.";
       wo.exclude = not_weights;
       UCPFS_ASSIGN_OR_RETURN(WeightsFound w, AddWeights(builder_, wo, nullptr));
@@ -205,31 +277,40 @@ class TorchStateScan {
     // The parameters' named_parameters() order: a torch.save state dict keeps it; safetensors
     // sorts tensors by name, so it comes from the model family config.json names, if known.
     std::string order_unknown;
+    std::vector<NamedShape> served_order;  // the items' order when it is not `params`'
+    nlohmann::json config;
+    std::vector<GroupingRule> rules = {GroupingRule::kInOrder, GroupingRule::kTrainerDecay,
+                                       GroupingRule::kTrainerDecayLayerNorm};
+    if (!epoch_dir.empty()) {
+      // torchtune's recipes: one group over model.parameters() (torchtune's own module order).
+      info["framework"] = "torchtune";
+      rules = {GroupingRule::kInOrder};
+      config = Config(epoch_dir + "/config.json");
+    } else if (!lightning && IsRealFile(dir + "/trainer_state.json")) {
+      // The Trainer's decay / no-decay groups.
+      info["framework"] = "hf_trainer";
+      rules = {GroupingRule::kTrainerDecay, GroupingRule::kTrainerDecayLayerNorm};
+    }
     if (info.value("weights_container", std::string()) == "safetensors") {
-      const std::string model_type = ModelType();
-      if (IsHfLlamaFamily(model_type) && SortHfLlamaOrder(&params)) {
-        info["param_order"] = "hf_llama";
+      if (epoch_dir.empty()) config = Config("config.json");
+      const std::string model_type = config.value("model_type", std::string());
+      const ModuleOrder order = epoch_dir.empty() ? ModuleOrder::kHfLlama : ModuleOrder::kTorchtuneLlama;
+      served_order = params;
+      if (IsHfLlamaFamily(model_type) && (epoch_dir.empty() || model_type == "llama") &&
+          SortModuleOrder(&params, order) && SortModuleOrder(&served_order, ModuleOrder::kHfLlama)) {
+        info["param_order"] = ModuleOrderName(order);
         std::map<std::string, size_t> at;
-        for (size_t i = 0; i < params.size(); ++i) at["model." + params[i].name] = i;
+        for (size_t i = 0; i < served_order.size(); ++i) at["model." + served_order[i].name] = i;
         std::vector<Item>& items = builder_.checkpoint().items;
         std::stable_sort(items.begin(), items.end(),
                          [&](const Item& a, const Item& b) { return at[a.key] < at[b.key]; });
       } else {
         order_unknown = "the weights are safetensors, which keep no parameter order (tensors sorted by name), and "
                         "config.json's model_type '" + model_type + "' is not one whose module order ucpfs knows "
-                        "(llama, mistral, qwen2, qwen3 with their own module names)";
+                        "(llama, mistral, qwen2, qwen3 with their own module names; torchtune: llama)";
       }
     } else {
       info["param_order"] = "state_dict";
-    }
-
-    // The grouping rule: the Trainer's when its trainer_state.json says so, else every rule.
-    std::vector<GroupingRule> rules = {GroupingRule::kInOrder, GroupingRule::kTrainerDecay,
-                                       GroupingRule::kTrainerDecayLayerNorm};
-    struct stat st;
-    if (!lightning && ::lstat((dir + "/trainer_state.json").c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
-      info["framework"] = "hf_trainer";
-      rules = {GroupingRule::kTrainerDecay, GroupingRule::kTrainerDecayLayerNorm};
     }
     PositionalOptimizer po;
     po.group_positions = GroupPositions(g, opt.node);
@@ -272,6 +353,14 @@ class TorchStateScan {
       std::vector<int64_t> strides;
       if (!rec.contiguous) strides = rec.stride;
       Item item = CheckpointBuilder::WholeTensor(key, rec.dtype, rec.shape, hid, rec.data_offset, std::move(strides));
+      if (!epoch_dir.empty() && named != name_of.end() && ps->second != "step") {
+        const int64_t heads = RotaryHeads(named->second, config);
+        if (heads != 0 && !PlaceRotaryRows(&item, rec, heads)) {
+          return UnsupportedError(where + ": '" + rec.key + "' of shape " + JoinInts(rec.shape) +
+                                  " does not split into " + std::to_string(heads) + " heads of even size, as " +
+                                  "torchtune's q/k layout needs (heads from " + epoch_dir + "/config.json)");
+        }
+      }
       UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
       builder_.AddItem(std::move(item));
     }
@@ -328,18 +417,26 @@ class TorchStateScan {
     return Status::Ok();
   }
 
-  // config.json's "model_type" (a Hugging Face save), or "".
-  std::string ModelType() {
-    auto id = builder_.AddFile("config.json");
-    if (!id.ok()) return "";
+  // A Hugging Face config.json of the checkpoint (`rel`), or an empty object.
+  nlohmann::json Config(const std::string& rel) {
+    auto id = builder_.AddFile(rel);
+    if (!id.ok()) return nlohmann::json::object();
     const ByteSource& src = *builder_.source(*id);
-    if (src.Size() > (1u << 20)) return "";
+    if (src.Size() > (1u << 20)) return nlohmann::json::object();
     auto bytes = ReadRange(src, 0, src.Size(), 1u << 20);
-    if (!bytes.ok()) return "";
-    const auto j = nlohmann::json::parse(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()),
-                                         nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object() || !j.contains("model_type") || !j["model_type"].is_string()) return "";
-    return j["model_type"].get<std::string>();
+    if (!bytes.ok()) return nlohmann::json::object();
+    auto j = nlohmann::json::parse(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()),
+                                   nullptr, /*allow_exceptions=*/false);
+    return j.is_object() ? j : nlohmann::json::object();
+  }
+
+  // The heads of a torchtune q_proj / k_proj weight (tune_to_hf permutes those two), else 0.
+  static int64_t RotaryHeads(const std::string& name, const nlohmann::json& config) {
+    const char* field = name.ends_with(".self_attn.q_proj.weight")   ? "num_attention_heads"
+                        : name.ends_with(".self_attn.k_proj.weight") ? "num_key_value_heads"
+                                                                     : nullptr;
+    if (field == nullptr || !config.contains(field) || !config[field].is_number_integer()) return field ? -1 : 0;
+    return config[field].get<int64_t>();
   }
 
   CheckpointBuilder builder_;
@@ -367,6 +464,7 @@ NodeId NodeAt(const PickleGraph& g, const std::string& prefix) {
 }  // namespace
 
 bool IsTorchStateDirectory(const std::string& dir) {
+  if (!TorchtuneEpochDir(dir).empty()) return true;
   size_t probed = 0;
   CheckpointBuilder probe(dir);
   for (const std::string& name : RegularFileNames(dir)) {
@@ -416,6 +514,8 @@ TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping
     for (const Item& it : c.items) {
       if (it.kind == ItemKind::kTensor && it.key.starts_with("model.")) params.push_back({it.key.substr(6), {}});
     }
+    // The items are in the served model's order; the optimizer's may differ (torchtune's).
+    if (auto order = ParseModuleOrder(info.value("param_order", std::string()))) SortModuleOrder(&params, *order);
     if (auto assigned = AssignPositions(params, groups, *rule)) name_of.insert(assigned->begin(), assigned->end());
   } else {
     const std::string ambiguous = "optimizer.state." + std::string(kAmbiguous);

@@ -11,6 +11,10 @@
 //     non-parameter state. The LightningModule's names lose one leading attribute when every
 //     weight has the same one (`self.model = ...`: `model.`), so names are those of the wrapped
 //     model, whose class the user instantiates; otherwise they are the LightningModule's;
+//   - torchtune's checkpointer output_dir: `recipe_state/recipe_state.pt` ({optimizer, seed,
+//     epochs_run, ...}) and `epoch_<N>/` (the newest is served: Hugging Face safetensors in
+//     torchtune's conversion, whose q_proj / k_proj rows are permuted to Hugging Face's rotary
+//     layout; the optimizer's moments of those are placed in the same layout);
 //   - a plain training script's files: a state dict (`model.pt`) and `optim.pt` (or any name).
 // The positions are matched to the weights' names by the framework's grouping rule and checked
 // against every state shape (positional_optim.h). Items are named canonically for key mapping:
@@ -38,7 +42,7 @@ namespace ucpfs::index {
 
 inline constexpr size_t kMaxProbedFiles = 16;
 
-// True when `dir` holds a `.ckpt` file, or a torch.save file (`*.pt`, `*.pth`, `*.bin`) whose
+// True when `dir` is torchtune's output_dir, holds a `.ckpt` file, or a torch.save file (`*.pt`, `*.pth`, `*.bin`) whose
 // pickle holds an optimizer state dict (probing at most kMaxProbedFiles files).
 bool IsTorchStateDirectory(const std::string& dir);
 

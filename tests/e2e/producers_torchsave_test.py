@@ -4,15 +4,19 @@ Each checkpoint is saved by the framework's own recipe (tests/e2e/fixtures/gen_h
 gen_lightning.py; each generated once here) and mounted at the folder a user would pick:
   - hf_trainer: the Trainer's `checkpoint-K/` (model.safetensors, optimizer.pt with positions in
     the Trainer's decay / no-decay groups, scheduler.pt, trainer_state.json);
-  - lightning: the folder of ModelCheckpoint's `.ckpt`.
+  - lightning: the folder of ModelCheckpoint's `.ckpt`;
+  - torchtune: the checkpointer's output_dir (`epoch_0/` with Hugging Face safetensors,
+    `recipe_state/recipe_state.pt` with the optimizer): torchtune trains its own llama3 module,
+    whose MLP order (w1, w2, w3) and rotary q/k row layout differ from LlamaForCausalLM's; the
+    served moments follow the saved weights' layout, and the resumed LlamaForCausalLM (another
+    implementation of the same model) repeats the live losses to 1e-5.
 Checks per case, against the truth the live job gave:
  1. status.json: format torch_state, no unmapped key, nothing ambiguous;
  2. atomic/<name>/{fp32,exp_avg,exp_avg_sq}.pt equal the live weights and moments bit for bit,
     step.pt the live step;
  3. target/tp1_pp1_dp1/rank_0/model.pt loads with load_state_dict(strict=True) into a fresh
     LlamaForCausalLM; optim.pt loads into a fresh AdamW of that model grouped as the framework
-    groups it (the Trainer: its get_decay_parameter_names; Lightning: configure_optimizers' one
-    group), its param groups carry the live hyper-parameters, and 3 more steps give the live job's
+    groups it (the Trainer: its get_decay_parameter_names; Lightning, torchtune: one group), its param groups carry the live hyper-parameters, and 3 more steps give the live job's
     losses exactly;
  4. target/tp2_pp1_dp1: each rank's model.pt and optim.pt moments are the truth's slices.
 And: the Trainer's checkpoint with config.json naming a model family whose module order is not
@@ -65,7 +69,7 @@ def check_atomic(m, truth):
         assert torch.equal(torch.as_tensor(step), truth["step"][n]), f"atomic {n} step {step}"
 
 
-def check_resume(m, truth, groups_of):
+def check_resume(m, truth, groups_of, exact=True):
     d = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0")
     model = gen_hf_trainer.make_model(1234)
     model.load_state_dict(torch.load(os.path.join(d, "model.pt")), strict=True)
@@ -74,7 +78,10 @@ def check_resume(m, truth, groups_of):
     opt.load_state_dict(o)
     names = {p: n for n, p in model.named_parameters()}
     for g, want in zip(opt.param_groups, truth["groups"]):
-        assert [names[p] for p in g["params"]] == want["names"], "group members"
+        members = [names[p] for p in g["params"]]
+        # torchtune's module registers its MLP as w1, w2, w3 (gate, down, up): another order.
+        assert (members if exact else sorted(members)) == (want["names"] if exact else sorted(want["names"])), \
+            "group members"
         for k, v in want.items():
             if k != "names":
                 assert g.get(k) == v, f"group {k}: {g.get(k)} != {v}"
@@ -90,7 +97,11 @@ def check_resume(m, truth, groups_of):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert losses == truth["losses"], f"resumed losses {losses} != {truth['losses']}"
+    if exact:
+        assert losses == truth["losses"], f"resumed losses {losses} != {truth['losses']}"
+    else:  # another implementation of the same model: equal to float rounding
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, truth["losses"])), \
+            f"resumed losses {losses} !~ {truth['losses']}"
 
 
 def check_tp2(m, truth):
@@ -115,12 +126,12 @@ def one_group(model):
     return [{"params": list(model.parameters())}]
 
 
-def check_case(res, name, src, mnt, truth, groups_of):
+def check_case(res, name, src, mnt, truth, groups_of, exact=True):
     with mounted(src, mnt, "--read-only", *LAYOUTS, "--index-dir", mnt + ".idx") as (m, _):
         res.check(f"{name}: recognised, mapped, not ambiguous", lambda: check_status(m))
         res.check(f"{name}: atomic weights, moments, step = live job", lambda: check_atomic(m, truth))
         res.check(f"{name}: model.pt strict, optim.pt loads, resume = live losses",
-                  lambda: check_resume(m, truth, groups_of))
+                  lambda: check_resume(m, truth, groups_of, exact))
         res.check(f"{name}: tp2_pp1_dp1 = truth slices", lambda: check_tp2(m, truth))
 
 
@@ -188,8 +199,12 @@ def main():
         lt = os.path.join(work, "lightning")
         run([PY, os.path.join(FIXTURES, "gen_lightning.py"), lt], timeout=300)
         cases.append(("lightning", os.path.join(lt, "ckpt"), torch.load(os.path.join(lt, "truth.pt")), one_group))
+        tt = os.path.join(work, "torchtune")
+        run([PY, os.path.join(FIXTURES, "gen_torchtune.py"), tt], timeout=300)
+        cases.append(("torchtune", os.path.join(tt, "out"), torch.load(os.path.join(tt, "truth.pt")), one_group))
         for name, src, truth, groups_of in cases:
-            check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of)
+            # torchtune trained its own llama3 module; the served files load into LlamaForCausalLM.
+            check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of, name != "torchtune")
         res.check("hf_trainer, unknown module order: ambiguous in status.json, --rules settles it",
                   lambda: ambiguous_then_rules(work, cases[0][1], cases[0][2]))
         res.check("empty dir + torch.save model.pt, optim.pt: remount serves them", lambda: empty_dir_probe(work))

@@ -88,7 +88,7 @@ TEST(PositionalOptim, HfLlamaOrder) {
                                {"model.embed_tokens.weight", {}},
                                {"model.layers.2.post_attention_layernorm.weight", {}},
                                {"model.norm.weight", {}}};
-  ASSERT_TRUE(SortHfLlamaOrder(&p));
+  ASSERT_TRUE(SortModuleOrder(&p, ModuleOrder::kHfLlama));
   std::vector<std::string> names;
   for (const auto& x : p) names.push_back(x.name);
   EXPECT_EQ(names, (std::vector<std::string>{"model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
@@ -97,7 +97,12 @@ TEST(PositionalOptim, HfLlamaOrder) {
                                              "model.layers.10.mlp.down_proj.weight", "model.norm.weight",
                                              "lm_head.weight"}));
   std::vector<NamedShape> unknown = {{"transformer.h.0.attn.c_attn.weight", {}}};
-  EXPECT_FALSE(SortHfLlamaOrder(&unknown));
+  EXPECT_FALSE(SortModuleOrder(&unknown, ModuleOrder::kHfLlama));
+  std::vector<NamedShape> mlp = {{"model.layers.0.mlp.up_proj.weight", {}},
+                                 {"model.layers.0.mlp.down_proj.weight", {}},
+                                 {"model.layers.0.mlp.gate_proj.weight", {}}};
+  ASSERT_TRUE(SortModuleOrder(&mlp, ModuleOrder::kTorchtuneLlama));  // w1, w2, w3
+  EXPECT_EQ(mlp[1].name, "model.layers.0.mlp.down_proj.weight");
   EXPECT_TRUE(IsHfLlamaFamily("qwen2"));
   EXPECT_FALSE(IsHfLlamaFamily("gpt2"));
 }
