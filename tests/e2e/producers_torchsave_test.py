@@ -26,6 +26,11 @@ And the empty-directory probe: a mount of an empty directory receives model.pt (
 optim.pt (an optimizer state dict) by torch.save; its remount serves them as weights + positional
 optimizer (atomic moments equal what was saved).
 
+Not checked here: the Trainer with DeepSpeed (gen_hf_trainer.py --deepspeed zero2|zero3) is served
+by the DeepSpeed scanner; its ZeRO-2 atomic moments and masters equal the truth, but the module
+weights' `model.` prefix is stripped by key mapping while the ZeRO state keeps it, so each
+parameter appears twice (a DeepSpeed scanner / key map fix).
+
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/producers_torchsave_test.py
 """
 import json
