@@ -22,6 +22,8 @@ Checks per case, against the truth the live job gave:
 And: the Trainer's checkpoint with config.json naming a model family whose module order is not
 known is named ambiguous in status.json (nothing guessed), and --rules mapping the
 `optimizer.state.ambiguous.<i>.*` keys settles it (atomic moments = truth).
+A Lightning .ckpt renamed to model.pt is still recognised by structure; a script's model.pt +
+optim.pt saved by Debian's torch 1.13 (when /usr/bin/python3 has torch) are served alike.
 And the empty-directory probe: a mount of an empty directory receives model.pt (a state dict) and
 optim.pt (an optimizer state dict) by torch.save; its remount serves them as weights + positional
 optimizer (atomic moments equal what was saved).
@@ -193,6 +195,51 @@ def ambiguous_then_rules(work, ckpt, truth):
                 assert bits_equal(got, truth[k][n]), f"{n} {k}"
 
 
+def renamed_ckpt(work, ckpt_dir, truth):
+    """Lightning's .ckpt renamed to model.pt (the only file of its folder): recognised by its
+    structure (state_dict + optimizer_states), its optimizer state served, not dropped."""
+    src = os.path.join(work, "renamed")
+    os.makedirs(src)
+    shutil.copy(os.path.join(ckpt_dir, os.listdir(ckpt_dir)[0]), os.path.join(src, "model.pt"))
+    mnt = os.path.join(work, "mnt-renamed")
+    with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
+        assert status(m)["flavor"] == "lightning", status(m)["flavor"]
+        check_atomic(m, truth)
+
+
+TORCH113_PRODUCER = r"""
+import sys, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for _ in range(2):
+    model(torch.randn(5, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+torch.save(model.state_dict(), sys.argv[1] + "/model.pt")
+torch.save(opt.state_dict(), sys.argv[1] + "/optim.pt")
+names = dict(zip(range(len(list(model.parameters()))), [n for n, _ in model.named_parameters()]))
+torch.save({names[i]: s["exp_avg"] for i, s in opt.state_dict()["state"].items()}, sys.argv[1] + "_truth.pt")
+"""
+
+
+def torch113_script_files(work):
+    """model.pt + optim.pt saved by Debian's torch 1.13 (another pickler): served the same way."""
+    src = os.path.join(work, "t113")
+    os.makedirs(src)
+    run(["/usr/bin/python3", "-c", TORCH113_PRODUCER, src], timeout=120)
+    truth = torch.load(src + "_truth.pt")
+    mnt = os.path.join(work, "mnt-t113")
+    with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
+        assert status(m)["format"] == "torch_state", status(m)["format"]
+        for n, t in truth.items():
+            assert bits_equal(torch.load(os.path.join(m, "atomic", n, "exp_avg.pt"))["param"], t), n
+
+
+def has_torch113():
+    return run(["/usr/bin/python3", "-c", "import torch"], check=False).returncode == 0
+
+
 def main():
     res = Results("producers_torchsave")
     with tmpdir("ucpfs-torchsave-") as work:
@@ -213,6 +260,10 @@ def main():
         res.check("hf_trainer, unknown module order: ambiguous in status.json, --rules settles it",
                   lambda: ambiguous_then_rules(work, cases[0][1], cases[0][2]))
         res.check("empty dir + torch.save model.pt, optim.pt: remount serves them", lambda: empty_dir_probe(work))
+        res.check("lightning .ckpt renamed to model.pt: optimizer served", lambda: renamed_ckpt(work, lt + "/ckpt",
+                                                                                              cases[1][2]))
+        if has_torch113():
+            res.check("model.pt + optim.pt saved by torch 1.13: served", lambda: torch113_script_files(work))
     res.finish()
 
 
