@@ -81,9 +81,12 @@ std::vector<FoundOptimizer> FindOptimizers(const PickleGraph& g) {
   return out;
 }
 
-// Lightning's checkpoint dict: `state_dict` (the LightningModule's) and `optimizer_states`.
+// Lightning's checkpoint dict: `state_dict` (the LightningModule's) and `optimizer_states`, or,
+// saved with save_weights_only, the `pytorch-lightning_version` Lightning always writes.
 bool IsLightning(const PickleGraph& g) {
-  return g.kind(Get(g, g.root(), "state_dict")) == Kind::kDict && IsListLike(g, Get(g, g.root(), "optimizer_states"));
+  return g.kind(Get(g, g.root(), "state_dict")) == Kind::kDict &&
+         (IsListLike(g, Get(g, g.root(), "optimizer_states")) ||
+          g.kind(Get(g, g.root(), "pytorch-lightning_version")) == Kind::kString);
 }
 
 // A torch file that can be the weights: a dict of tensors, or one wrapping it (weights_scan.h).
@@ -253,10 +256,16 @@ class TorchStateScan {
     const PickleGraph& g = tf.graph();
     const bool lightning = IsLightning(g);
     std::vector<FoundOptimizer> found = FindOptimizers(g);
-    if (found.empty()) return NotFoundError(where + ": holds no optimizer state dict (state, param_groups)");
-    const FoundOptimizer& opt = found[0];
+    // A Lightning checkpoint saved with save_weights_only has no optimizer: its weights and
+    // non-parameter state are served alone.
+    const bool has_optimizer = !found.empty();
+    if (!has_optimizer && !lightning) {
+      return NotFoundError(where + ": holds no optimizer state dict (state, param_groups)");
+    }
+    const FoundOptimizer opt = has_optimizer ? found[0] : FoundOptimizer{pickle::kNoNode, "", "optimizer_states"};
 
     nlohmann::json info;
+    info["has_optimizer"] = has_optimizer;
     info["optimizer_file"] = holder;
     info["optimizer_prefix"] = opt.prefix;
     info["optimizer_top_key"] = opt.top_key;
@@ -312,6 +321,7 @@ class TorchStateScan {
     } else {
       info["param_order"] = "state_dict";
     }
+    if (!has_optimizer) return Finish(info, lightning, where, {}, progress);
     PositionalOptimizer po;
     po.group_positions = GroupPositions(g, opt.node);
     const std::string state_prefix = opt.prefix + "state.";
@@ -365,6 +375,13 @@ class TorchStateScan {
       builder_.AddItem(std::move(item));
     }
     if (found.size() > 1) info["other_optimizers"] = found.size() - 1;
+    return Finish(info, lightning, where, schedulers, progress);
+  }
+
+ private:
+  // The scheduler files as whole-file items, and the checkpoint's format facts.
+  Result<Checkpoint> Finish(const nlohmann::json& info, bool lightning, const std::string& where,
+                            const std::vector<std::string>& schedulers, const ScanProgress& progress) {
     for (const std::string& s : schedulers) {
       UCPFS_ASSIGN_OR_RETURN(const uint32_t sid, builder_.AddFile(s));
       Item item;
@@ -383,7 +400,6 @@ class TorchStateScan {
     return builder_.Take();
   }
 
- private:
   // Lightning's `state_dict.<name>` tensors as `model.<name>`, less the one attribute every name
   // starts with (the LightningModule's wrapped model), if any.
   Status AddLightningWeights(const format::TorchFile& tf, uint32_t id, const std::string& where, nlohmann::json* info) {
@@ -461,49 +477,19 @@ NodeId NodeAt(const PickleGraph& g, const std::string& prefix) {
   return n;
 }
 
-}  // namespace
-
-bool IsTorchStateDirectory(const std::string& dir) {
-  if (!TorchtuneEpochDir(dir).empty()) return true;
-  size_t probed = 0;
-  CheckpointBuilder probe(dir);
-  for (const std::string& name : RegularFileNames(dir)) {
-    if (EndsWith(name, ".ckpt")) return true;
-    if (!IsTorchName(name) || probed >= kMaxProbedFiles) continue;
-    ++probed;
-    auto id = probe.AddFile(name);
-    if (!id.ok()) continue;
-    auto tf = probe.OpenTorchFile(*id);
-    if (tf.ok() && !FindOptimizers(tf->graph()).empty()) return true;
-  }
-  return false;
-}
-
-Result<Checkpoint> ScanTorchState(const std::string& dir, const ScanProgress& progress) {
-  return TorchStateScan(dir).Run(progress);
-}
-
-TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping, const FileTable& files) {
-  TorchStateFacts out;
-  if (c.format != kFormat) return out;
-  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, /*allow_exceptions=*/false);
-  const std::string file = info.is_object() ? info.value("optimizer_file", std::string()) : std::string();
-  auto fail = [&](const std::string& why) {
-    out.not_served.push_back({file.empty() ? std::string("optimizer") : file + ": param_groups", why});
-    return out;
-  };
-  uint32_t id = UINT32_MAX;
-  for (size_t i = 0; i < c.files.size(); ++i) {
-    if (c.files[i].rel_path == file) id = static_cast<uint32_t>(i);
-  }
-  if (id == UINT32_MAX || id >= files->size()) return fail("index: the optimizer file is not in the file table");
-  const std::shared_ptr<const ByteSource>& src = (*files)[id];
-  auto tf = format::TorchFile::Open(src);
-  if (!tf.ok()) return fail(tf.error().message());
-  const PickleGraph& g = tf->graph();
+// The optimizer's param groups: hyper-parameters as saved, positions named (TorchStateFactsOf).
+void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::json& info, const format::TorchFile& tf,
+               const std::shared_ptr<const ByteSource>& src, const format::PlainValueLimits& limits,
+               TorchStateFacts* out) {
+  const PickleGraph& g = tf.graph();
+  const std::string file = info.value("optimizer_file", std::string());
   const std::string prefix = info.value("optimizer_prefix", std::string());
   const NodeId opt = NodeAt(g, prefix);
-  if (!IsOptimizerStateDict(g, opt)) return fail(src->Name() + ": no optimizer state dict at '" + prefix + "' any more");
+  if (!IsOptimizerStateDict(g, opt)) {
+    out->not_served.push_back({file + ": param_groups", src->Name() + ": no optimizer state dict at '" + prefix +
+                                                            "' any more"});
+    return;
+  }
   const std::vector<std::vector<int64_t>> groups = GroupPositions(g, opt);
 
   // Position -> name: the scanner's rule over the weights, or the user's rules for the
@@ -531,24 +517,21 @@ TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping
     size_t n_positions = 0;
     for (const auto& grp : groups) n_positions += grp.size();
     if (name_of.size() != n_positions) {  // not settled by the user's rules
-      out.not_served.push_back({file + ": " + prefix + "state",
+      out->not_served.push_back({file + ": " + prefix + "state",
                                 "positional optimizer state not matched to parameter names: " +
                                     info.value("ambiguous", std::string()) +
                                     "; its keys are optimizer.state.ambiguous.<position>.<field>: pass --rules "
                                     "mapping them to parameter names (state \"$1\")"});
     }
   }
-  format::PlainValueLimits limits;
-  limits.max_depth = 16;
-  limits.max_nodes = 1 << 20;
   const auto group_nodes = Items(g, Get(g, opt, "param_groups"));
   for (size_t gi = 0; gi < group_nodes.size() && gi < groups.size(); ++gi) {
     TorchStateGroup group;
     for (const auto& [k, v] : Pairs(g, group_nodes[gi])) {
       if (g.kind(k) != Kind::kString || g.text(k) == "params" || g.text(k) == "param_names") continue;
-      auto value = format::DecodeValueAt(*tf, src, v, limits);
+      auto value = format::DecodeValueAt(tf, src, v, limits);
       if (!value.ok()) {
-        out.not_served.push_back({file + ": " + prefix + "param_groups." + std::to_string(gi) + "." +
+        out->not_served.push_back({file + ": " + prefix + "param_groups." + std::to_string(gi) + "." +
                                       std::string(g.text(k)),
                                   value.error().message()});
         continue;
@@ -562,14 +545,20 @@ TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping
       else group.params.push_back(it->second);
     }
     if (unnamed != 0 && name_of.size() != 0) {
-      out.not_served.push_back({file + ": " + prefix + "param_groups." + std::to_string(gi),
+      out->not_served.push_back({file + ": " + prefix + "param_groups." + std::to_string(gi),
                                 std::to_string(unnamed) + " of its parameter positions are not matched to names"});
     }
-    out.groups.push_back(std::move(group));
+    out->groups.push_back(std::move(group));
   }
 
-  // What a nesting file keeps beside the optimizer and the weights (Lightning's epoch,
-  // global_step, lr_schedulers, loops; torchtune's seed, epochs_run): non-parameter state.
+}
+
+// What a nesting file keeps beside the optimizer and the weights: non-parameter state.
+void AddExtras(const nlohmann::json& info, const format::TorchFile& tf, const std::shared_ptr<const ByteSource>& src,
+               const format::PlainValueLimits& limits, TorchStateFacts* out) {
+  const PickleGraph& g = tf.graph();
+  const std::string prefix = info.value("optimizer_prefix", std::string());
+  // Lightning's epoch, global_step, lr_schedulers, loops; torchtune's seed, epochs_run.
   const std::string top = info.value("optimizer_top_key", std::string());
   if (!top.empty()) {
     for (const auto& [k, v] : Pairs(g, g.root())) {
@@ -579,22 +568,72 @@ TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping
       if (key == top) {
         const auto items = Items(g, v);
         for (size_t i = 1; i < items.size(); ++i) {
-          out.not_served.push_back({key + "." + std::to_string(i), "a second optimizer: only " + prefix +
+          out->not_served.push_back({key + "." + std::to_string(i), "a second optimizer: only " + prefix +
                                                                       " is matched to parameters"});
         }
         continue;
       }
-      auto value = format::DecodeValueAt(*tf, src, v, limits);
+      auto value = format::DecodeValueAt(tf, src, v, limits);
       if (!value.ok()) {
-        out.not_served.push_back({key, value.error().message()});
+        out->not_served.push_back({key, value.error().message()});
         continue;
       }
       views::ExtraItem e;
       e.key = key;
       e.value = std::move(*value);
-      out.extras.push_back(std::move(e));
+      out->extras.push_back(std::move(e));
     }
   }
+}
+
+}  // namespace
+
+bool IsTorchStateDirectory(const std::string& dir) {
+  if (!TorchtuneEpochDir(dir).empty()) return true;
+  size_t probed = 0;
+  CheckpointBuilder probe(dir);
+  for (const std::string& name : RegularFileNames(dir)) {
+    const bool ckpt = EndsWith(name, ".ckpt");
+    if ((!ckpt && !IsTorchName(name)) || probed >= kMaxProbedFiles) continue;
+    ++probed;
+    auto id = probe.AddFile(name);
+    if (!id.ok()) continue;
+    auto tf = probe.OpenTorchFile(*id);
+    if (tf.ok() && (!FindOptimizers(tf->graph()).empty() || (ckpt && IsLightning(tf->graph())))) return true;
+  }
+  return false;
+}
+
+Result<Checkpoint> ScanTorchState(const std::string& dir, const ScanProgress& progress) {
+  return TorchStateScan(dir).Run(progress);
+}
+
+TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping, const FileTable& files) {
+  TorchStateFacts out;
+  if (c.format != kFormat) return out;
+  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, /*allow_exceptions=*/false);
+  if (!info.is_object()) {
+    out.not_served.push_back({"optimizer", "index: the scanner's facts (format_info) are not a JSON object"});
+    return out;
+  }
+  const std::string file = info.value("optimizer_file", std::string());
+  auto fail = [&](const std::string& why) {
+    out.not_served.push_back({file + ": param_groups", why});
+    return out;
+  };
+  uint32_t id = UINT32_MAX;
+  for (size_t i = 0; i < c.files.size(); ++i) {
+    if (c.files[i].rel_path == file) id = static_cast<uint32_t>(i);
+  }
+  if (id == UINT32_MAX || id >= files->size()) return fail("index: the optimizer file is not in the file table");
+  const std::shared_ptr<const ByteSource>& src = (*files)[id];
+  auto tf = format::TorchFile::Open(src);
+  if (!tf.ok()) return fail(tf.error().message());
+  format::PlainValueLimits limits;
+  limits.max_depth = 16;
+  limits.max_nodes = 1 << 20;
+  if (info.value("has_optimizer", true)) AddGroups(c, mapping, info, *tf, src, limits, &out);
+  AddExtras(info, *tf, src, limits, &out);
   return out;
 }
 

@@ -8,7 +8,8 @@
 //   - PyTorch Lightning: a `.ckpt` (the folder's one, else `last.ckpt`; or any torch file whose
 //     top level holds `state_dict` and `optimizer_states`): weights `state_dict.<fqn>`,
 //     `optimizer_states[0]`, the rest (`epoch`, `global_step`, `lr_schedulers`, `loops`, ...) as
-//     non-parameter state. The LightningModule's names lose one leading attribute when every
+//     non-parameter state (a `.ckpt` saved with save_weights_only: its weights and that state). The
+//     LightningModule's names lose one leading attribute when every
 //     weight has the same one (`self.model = ...`: `model.`), so names are those of the wrapped
 //     model, whose class the user instantiates; otherwise they are the LightningModule's;
 //   - torchtune's checkpointer output_dir: `recipe_state/recipe_state.pt` ({optimizer, seed,
@@ -42,7 +43,7 @@ namespace ucpfs::index {
 
 inline constexpr size_t kMaxProbedFiles = 16;
 
-// True when `dir` is torchtune's output_dir, holds a `.ckpt` file, or a torch.save file (`*.pt`, `*.pth`, `*.bin`) whose
+// True when `dir` is torchtune's output_dir, holds a Lightning `.ckpt`, or a torch.save file (`*.pt`, `*.pth`, `*.bin`) whose
 // pickle holds an optimizer state dict (probing at most kMaxProbedFiles files).
 bool IsTorchStateDirectory(const std::string& dir);
 
