@@ -6,6 +6,7 @@
 #include "index/dcp_scan.h"
 #include "index/deepspeed_scan.h"
 #include "index/megatron_scan.h"
+#include "index/torch_state_scan.h"
 #include "index/weights_scan.h"
 
 namespace ucpfs::index {
@@ -38,6 +39,15 @@ class MegatronLegacyScanner final : public Scanner {
   }
 };
 
+class TorchStateScanner final : public Scanner {
+ public:
+  std::string_view Name() const override { return "torch_state"; }
+  bool Recognizes(const std::string& dir) const override { return IsTorchStateDirectory(dir); }
+  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
+    return ScanTorchState(dir, progress);
+  }
+};
+
 class WeightsScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "weights"; }
@@ -53,9 +63,11 @@ std::span<const Scanner* const> Scanners() {
   static const DcpScanner dcp;
   static const DeepSpeedFormatScanner deepspeed;
   static const MegatronLegacyScanner megatron;
+  static const TorchStateScanner torch_state;
   static const WeightsScanner weights;
-  // Weights last: other formats' directories may hold .pt or .safetensors files too.
-  static const std::array<const Scanner*, 4> all = {&dcp, &deepspeed, &megatron, &weights};
+  // Weights last: other formats' directories may hold .pt or .safetensors files too; before it,
+  // torch.save files with an optimizer state dict beside the weights.
+  static const std::array<const Scanner*, 5> all = {&dcp, &deepspeed, &megatron, &torch_state, &weights};
   return all;
 }
 
@@ -65,7 +77,8 @@ Result<const Scanner*> ScannerFor(const std::string& dir) {
   }
   return NotFoundError(dir + " is not a checkpoint ucpfs reads: no DCP metadata (.metadata, __<r>.metadata), "
                        "no DeepSpeed save (latest, mp_rank_XX_model_states.pt), no Megatron-LM save "
-                       "(latest_checkpointed_iteration.txt, mp_rank_XX/model_optim_rng.pt) and no weights "
+                       "(latest_checkpointed_iteration.txt, mp_rank_XX/model_optim_rng.pt), no optimizer state "
+                       "dict or Lightning .ckpt and no weights "
                        "(*.safetensors, model.safetensors.index.json, a .pt/.pth/.bin state dict)");
 }
 

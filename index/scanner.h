@@ -6,7 +6,9 @@
 // Formats: "dcp" (PyTorch DCP, torch 1.13 and 2.x, Megatron-Core torch_dist; dcp_scan.h),
 // "deepspeed" (a DeepSpeed save directory or one tag of it; deepspeed_scan.h), "megatron"
 // (a Megatron-LM legacy `--ckpt-format torch` save directory or one iteration of it;
-// megatron_scan.h) and "weights" (Hugging Face safetensors or a torch.save state dict, no
+// megatron_scan.h), "torch_state" (torch.save training state with a positional optimizer: a
+// Hugging Face Trainer checkpoint-N/, a Lightning .ckpt, a script's model.pt + optim.pt;
+// torch_state_scan.h) and "weights" (Hugging Face safetensors or a torch.save state dict, no
 // optimizer state; weights_scan.h), tried in that order.
 #pragma once
 

@@ -16,6 +16,7 @@
 #include "core/format/plain_value.h"
 #include "core/views/atomic.h"
 #include "index/megatron_scan.h"
+#include "index/torch_state_scan.h"
 #include "index/universal_view.h"
 
 namespace ucpfs::index {
@@ -258,6 +259,19 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
         }
       }
     }
+  }
+  // A positional optimizer in torch.save files keeps its groups, and its file the trainer's other
+  // state, inside pickles (torch_state_scan.h).
+  {
+    TorchStateFacts ts = TorchStateFactsOf(c, mapping, files);
+    for (const TorchStateGroup& g : ts.groups) {
+      for (const std::string& name : g.params) {
+        auto& h = hyper[name];
+        if (h.empty()) h = g.fields;
+      }
+    }
+    for (auto& e : ts.extras) in->extras.push_back(std::move(e));
+    for (const auto& n : ts.not_served) report(n.key, n.reason);
   }
   for (const std::string& id : group_order) {
     Group& g = groups[id];

@@ -38,8 +38,9 @@ bool IsTorchName(std::string_view name) {
   return EndsWith(name, ".pt") || EndsWith(name, ".pth") || EndsWith(name, ".bin");
 }
 
-// The regular files of `dir` (no symlinks, no hidden names), sorted; at most kMaxListedNames.
-std::vector<std::string> RegularFiles(const std::string& dir) {
+}  // namespace
+
+std::vector<std::string> RegularFileNames(const std::string& dir) {
   std::vector<std::string> names;
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return names;
@@ -55,6 +56,8 @@ std::vector<std::string> RegularFiles(const std::string& dir) {
   return names;
 }
 
+namespace {
+
 struct Listing {
   bool safetensors_index = false;
   bool torch_index = false;
@@ -65,7 +68,7 @@ struct Listing {
 
 Listing List(const std::string& dir) {
   Listing l;
-  for (const std::string& name : RegularFiles(dir)) {
+  for (const std::string& name : RegularFileNames(dir)) {
     if (name == kSafetensorsIndex) l.safetensors_index = true;
     else if (name == kTorchIndex) l.torch_index = true;
     else if (EndsWith(name, ".safetensors")) l.safetensors.push_back(name);
@@ -79,69 +82,64 @@ Listing List(const std::string& dir) {
 
 class WeightsScan {
  public:
-  explicit WeightsScan(const std::string& dir) : builder_(dir) {}
+  WeightsScan(CheckpointBuilder& builder, const WeightsOptions& options) : builder_(builder), options_(options) {}
 
-  Result<Checkpoint> Run(const ScanProgress& progress) {
+  Result<WeightsFound> Run(const ScanProgress& progress) {
     progress_ = progress;
-    const Listing l = List(builder_.dir());
-    std::string container;
+    const std::string dir = options_.sub_dir.empty() ? builder_.dir() : builder_.dir() + "/" + options_.sub_dir;
+    Listing l = List(dir);
+    std::erase_if(l.torch, [&](const std::string& n) { return options_.exclude.count(n) != 0; });
+    l.pytorch_model = std::find(l.torch.begin(), l.torch.end(), std::string(kPytorchModel)) != l.torch.end();
+    WeightsFound found;
     if (l.safetensors_index) {
-      container = "safetensors";
+      found.container = "safetensors";
       UCPFS_RETURN_IF_ERROR(FromIndex(std::string(kSafetensorsIndex), /*safetensors=*/true));
     } else if (!l.safetensors.empty()) {
-      container = "safetensors";
+      found.container = "safetensors";
       total_ = l.safetensors.size();
       for (const std::string& name : l.safetensors) UCPFS_RETURN_IF_ERROR(AddSafetensorsFile(name, nullptr));
     } else if (l.torch_index) {
-      container = "torch";
+      found.container = "torch";
       UCPFS_RETURN_IF_ERROR(FromIndex(std::string(kTorchIndex), /*safetensors=*/false));
     } else if (l.torch.size() == 1 || l.pytorch_model) {
       // Hugging Face's own name wins over the files a Trainer saves beside it (optimizer.pt,
       // training_args.bin, rng_state.pth).
-      container = "torch";
+      found.container = "torch";
       total_ = 1;
       UCPFS_RETURN_IF_ERROR(AddTorchFile(l.pytorch_model ? std::string(kPytorchModel) : l.torch.front(), nullptr));
     } else if (l.torch.size() > 1) {
-      return UnsupportedError(builder_.dir() + ": " + std::to_string(l.torch.size()) +
-                              " torch.save files (" + l.torch[0] + ", " + l.torch[1] +
-                              ", ...) and no " + std::string(kTorchIndex) +
+      return UnsupportedError(dir + ": " + std::to_string(l.torch.size()) + " torch.save files (" + l.torch[0] +
+                              ", " + l.torch[1] + ", ...) and no " + std::string(kTorchIndex) +
                               " saying which tensors each holds; ucpfs serves one state dict per directory");
     } else {
-      return NotFoundError(builder_.dir() + ": no weights (" + std::string(kSafetensorsIndex) +
-                           ", *.safetensors, " + std::string(kTorchIndex) + " or a .pt/.pth/.bin file)");
+      return NotFoundError(dir + ": no weights (" + std::string(kSafetensorsIndex) + ", *.safetensors, " +
+                           std::string(kTorchIndex) + " or a .pt/.pth/.bin file)");
     }
-    Checkpoint& c = builder_.checkpoint();
-    c.format = "weights";
-    c.flavor = container;
-    nlohmann::json info;
-    info["container"] = container;
-    nlohmann::json files = nlohmann::json::array();
-    for (const SourceFile& f : c.files) files.push_back(f.rel_path);
-    info["files"] = std::move(files);
-    info["skipped_values"] = skipped_values_;
-    if (!state_dict_key_.empty()) info["state_dict_key"] = state_dict_key_;
-    c.format_info = info.dump();
-    if (c.format_info.size() > kMaxFormatInfoBytes) {
-      return ResourceExhaustedError(builder_.dir() + ": too many weight files to record");
-    }
-    return builder_.Take();
+    found.skipped_values = skipped_values_;
+    found.state_dict_key = state_dict_key_;
+    return found;
   }
 
  private:
   // The tensors a shard must hold: name -> still expected. Null: take every tensor.
   using Expected = std::map<std::string, bool>;
 
+  std::string RelPath(const std::string& name) const {
+    return options_.sub_dir.empty() ? name : options_.sub_dir + "/" + name;
+  }
+
   Status Add(Item item, const std::string& where) {
     if (!names_.insert(item.key).second) {
       return CorruptError(where + ": tensor '" + item.key + "' is stored twice (also in an earlier file)");
     }
+    item.key = options_.key_prefix + item.key;
     UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
     builder_.AddItem(std::move(item));
     return Status::Ok();
   }
 
-  Status AddSafetensorsFile(const std::string& rel_path, Expected* expected) {
-    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(rel_path));
+  Status AddSafetensorsFile(const std::string& name, Expected* expected) {
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(RelPath(name)));
     const ByteSource& src = *builder_.source(id);
     UCPFS_ASSIGN_OR_RETURN(format::SafetensorsHeader h, format::ReadSafetensors(src));
     for (format::SafetensorsTensor& t : h.tensors) {
@@ -154,8 +152,8 @@ class WeightsScan {
     return Status::Ok();
   }
 
-  Status AddTorchFile(const std::string& rel_path, Expected* expected) {
-    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(rel_path));
+  Status AddTorchFile(const std::string& name, Expected* expected) {
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(RelPath(name)));
     UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(id));
     const std::string& where = builder_.source(id)->Name();
     const std::string prefix = WrapperPrefix(tf);
@@ -234,7 +232,7 @@ class WeightsScan {
   // An index (HF `*.index.json`): its weight_map names each tensor's file. The files are read
   // in the order of their first mention; items follow each file's own order.
   Status FromIndex(const std::string& index_name, bool safetensors) {
-    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(index_name));
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(RelPath(index_name)));
     const ByteSource& src = *builder_.source(id);
     if (src.Size() > kMaxIndexBytes) {
       return ResourceExhaustedError(src.Name() + ": " + std::to_string(src.Size()) + " bytes, over the " +
@@ -260,7 +258,7 @@ class WeightsScan {
     for (const std::string& file : order) {
       // A shard the index names but the directory lacks is a broken checkpoint, not "no
       // checkpoint here" (kNotFound would let a mount fall back to an empty namespace).
-      if (Result<uint32_t> added = builder_.AddFile(file); !added.ok()) {
+      if (Result<uint32_t> added = builder_.AddFile(RelPath(file)); !added.ok()) {
         if (added.error().code() != StatusCode::kNotFound) return added.status();
         return CorruptError(src.Name() + ": weight_map names " + file + ", which is missing");
       }
@@ -280,7 +278,8 @@ class WeightsScan {
     if (progress_) progress_(++done_, total_);
   }
 
-  CheckpointBuilder builder_;
+  CheckpointBuilder& builder_;
+  const WeightsOptions& options_;
   ScanProgress progress_;
   uint64_t done_ = 0, total_ = 0;
   uint64_t skipped_values_ = 0;
@@ -295,8 +294,29 @@ bool IsWeightsDirectory(const std::string& dir) {
   return l.safetensors_index || l.torch_index || !l.safetensors.empty() || !l.torch.empty();
 }
 
+Result<WeightsFound> AddWeights(CheckpointBuilder& builder, const WeightsOptions& options,
+                                const ScanProgress& progress) {
+  return WeightsScan(builder, options).Run(progress);
+}
+
 Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress) {
-  return WeightsScan(dir).Run(progress);
+  CheckpointBuilder builder(dir);
+  UCPFS_ASSIGN_OR_RETURN(WeightsFound found, AddWeights(builder, WeightsOptions{}, progress));
+  Checkpoint& c = builder.checkpoint();
+  c.format = "weights";
+  c.flavor = found.container;
+  nlohmann::json info;
+  info["container"] = found.container;
+  nlohmann::json files = nlohmann::json::array();
+  for (const SourceFile& f : c.files) files.push_back(f.rel_path);
+  info["files"] = std::move(files);
+  info["skipped_values"] = found.skipped_values;
+  if (!found.state_dict_key.empty()) info["state_dict_key"] = found.state_dict_key;
+  c.format_info = info.dump();
+  if (c.format_info.size() > kMaxFormatInfoBytes) {
+    return ResourceExhaustedError(dir + ": too many weight files to record");
+  }
+  return builder.Take();
 }
 
 }  // namespace ucpfs::index

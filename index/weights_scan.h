@@ -24,10 +24,13 @@
 // the tensor, kUnsupported (several torch files without an index, compressed records...).
 #pragma once
 
+#include <set>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 #include "index/checkpoint.h"
+#include "index/checkpoint_builder.h"
 #include "index/scanner.h"
 
 namespace ucpfs::index {
@@ -37,6 +40,25 @@ namespace ucpfs::index {
 // index). Tried after every other format, whose directories may hold such files too.
 bool IsWeightsDirectory(const std::string& dir);
 
+// The regular files of `dir` (no symlinks, no hidden names), sorted; at most 100000.
+std::vector<std::string> RegularFileNames(const std::string& dir);
+
 Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress = nullptr);
+
+// The weights of one directory, read as ScanWeights reads them, into another scanner's builder
+// (torch_state_scan.h: the weights beside an optimizer's state).
+struct WeightsOptions {
+  std::string sub_dir;            // relative to the builder's directory; "" for itself
+  std::string key_prefix;         // put before every tensor's state-dict name in its item key
+  std::set<std::string> exclude;  // torch files of sub_dir that are not weights (an optimizer's)
+};
+struct WeightsFound {
+  std::string container;        // "safetensors" or "torch"
+  uint64_t skipped_values = 0;  // torch: values not served
+  std::string state_dict_key;   // torch: the wrapper key, if any
+};
+// Errors: those of ScanWeights.
+Result<WeightsFound> AddWeights(CheckpointBuilder& builder, const WeightsOptions& options,
+                                const ScanProgress& progress = nullptr);
 
 }  // namespace ucpfs::index

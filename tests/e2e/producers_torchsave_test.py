@@ -1,0 +1,271 @@
+"""End-to-end: training state that frameworks save with torch.save / safetensors (issue 23).
+
+Each checkpoint is saved by the framework's own recipe (tests/e2e/fixtures/gen_hf_trainer.py,
+gen_lightning.py; each generated once here) and mounted at the folder a user would pick:
+  - hf_trainer: the Trainer's `checkpoint-K/` (model.safetensors, optimizer.pt with positions in
+    the Trainer's decay / no-decay groups, scheduler.pt, trainer_state.json);
+  - lightning: the folder of ModelCheckpoint's `.ckpt`;
+  - torchtune: the checkpointer's output_dir (`epoch_0/` with Hugging Face safetensors,
+    `recipe_state/recipe_state.pt` with the optimizer): torchtune trains its own llama3 module,
+    whose MLP order (w1, w2, w3) and rotary q/k row layout differ from LlamaForCausalLM's; the
+    served moments follow the saved weights' layout, and the resumed LlamaForCausalLM (another
+    implementation of the same model) repeats the live losses to 1e-5.
+Checks per case, against the truth the live job gave:
+ 1. status.json: format torch_state, no unmapped key, nothing ambiguous;
+ 2. atomic/<name>/{fp32,exp_avg,exp_avg_sq}.pt equal the live weights and moments bit for bit,
+    step.pt the live step;
+ 3. target/tp1_pp1_dp1/rank_0/model.pt loads with load_state_dict(strict=True) into a fresh
+    LlamaForCausalLM; optim.pt loads into a fresh AdamW of that model grouped as the framework
+    groups it (the Trainer: its get_decay_parameter_names; Lightning, torchtune: one group), its param groups carry the live hyper-parameters, and 3 more steps give the live job's
+    losses exactly;
+ 4. target/tp2_pp1_dp1: each rank's model.pt and optim.pt moments are the truth's slices.
+And: the Trainer's checkpoint with config.json naming a model family whose module order is not
+known is named ambiguous in status.json (nothing guessed), and --rules mapping the
+`optimizer.state.ambiguous.<i>.*` keys settles it (atomic moments = truth).
+A Lightning .ckpt renamed to model.pt is still recognised by structure; a script's model.pt +
+optim.pt saved by Debian's torch 1.13 (when /usr/bin/python3 has torch) are served alike.
+And the empty-directory probe: a mount of an empty directory receives model.pt (a state dict) and
+optim.pt (an optimizer state dict) by torch.save; its remount serves them as weights + positional
+optimizer (atomic moments equal what was saved).
+
+Not checked here: the Trainer with DeepSpeed (gen_hf_trainer.py --deepspeed zero2|zero3) is served
+by the DeepSpeed scanner; its ZeRO-2 atomic moments and masters equal the truth, but the module
+weights' `model.` prefix is stripped by key mapping while the ZeRO state keeps it, so each
+parameter appears twice (a DeepSpeed scanner / key map fix).
+
+Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/producers_torchsave_test.py
+"""
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "fixtures"))
+sys.path.insert(0, HERE)
+from e2e_common import Results, bits_equal, run, tmpdir  # noqa: E402
+from mount_common import FIXTURES, PY, mounted, status  # noqa: E402
+from weights_only_test import tp_piece  # noqa: E402
+
+import gen_hf_trainer  # noqa: E402
+
+LAYOUTS = ("--layout", "tp1_pp1_dp1", "--layout", "tp2_pp1_dp1")
+
+
+def check_status(m):
+    s = status(m)
+    assert s["format"] == "torch_state", f"format: {s['format']}"
+    assert not s.get("unmapped_keys"), f"unmapped: {s.get('unmapped_keys')}"
+    amb = [n for n in s.get("not_served", []) if "ambiguous" in n["reason"] or "not matched" in n["reason"]]
+    assert not amb, f"ambiguous: {amb}"
+
+
+def check_atomic(m, truth):
+    names = sorted(truth["weights"])
+    assert sorted(os.listdir(os.path.join(m, "atomic"))) == names, "atomic/ lists exactly the parameters"
+    for n in names:
+        got = torch.load(os.path.join(m, "atomic", n, "fp32.pt"))["param"]
+        assert bits_equal(got, truth["weights"][n].float()), f"atomic {n} fp32"
+        for k in ("exp_avg", "exp_avg_sq"):
+            got = torch.load(os.path.join(m, "atomic", n, k + ".pt"))["param"]
+            assert bits_equal(got, truth[k][n]), f"atomic {n} {k}"
+        step = torch.load(os.path.join(m, "atomic", n, "step.pt"))
+        step = step["param"] if isinstance(step, dict) else step
+        assert torch.equal(torch.as_tensor(step), truth["step"][n]), f"atomic {n} step {step}"
+
+
+def check_resume(m, truth, groups_of, exact=True):
+    d = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0")
+    model = gen_hf_trainer.make_model(1234)
+    model.load_state_dict(torch.load(os.path.join(d, "model.pt")), strict=True)
+    opt = torch.optim.AdamW(groups_of(model))
+    o = torch.load(os.path.join(d, "optim.pt"), weights_only=False)
+    opt.load_state_dict(o)
+    names = {p: n for n, p in model.named_parameters()}
+    for g, want in zip(opt.param_groups, truth["groups"]):
+        members = [names[p] for p in g["params"]]
+        # torchtune's module registers its MLP as w1, w2, w3 (gate, down, up): another order.
+        assert (members if exact else sorted(members)) == (want["names"] if exact else sorted(want["names"])), \
+            "group members"
+        for k, v in want.items():
+            if k != "names":
+                assert g.get(k) == v, f"group {k}: {g.get(k)} != {v}"
+    for p, n in names.items():
+        assert torch.equal(opt.state[p]["step"], truth["step"][n]), f"step {n}"
+    losses = []
+    model.train()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    for b in truth["batches"]:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if exact:
+        assert losses == truth["losses"], f"resumed losses {losses} != {truth['losses']}"
+    else:  # another implementation of the same model: equal to float rounding
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, truth["losses"])), \
+            f"resumed losses {losses} !~ {truth['losses']}"
+
+
+def check_tp2(m, truth):
+    for r in range(2):
+        d = os.path.join(m, "target", "tp2_pp1_dp1", f"rank_{r}")
+        sd = torch.load(os.path.join(d, "model.pt"))
+        assert set(sd) == set(truth["weights"]), "tp2 names"
+        o = torch.load(os.path.join(d, "optim.pt"), weights_only=False)
+        order = list(sd)
+        for i, n in enumerate(order):
+            assert bits_equal(sd[n], tp_piece(n, truth["weights"][n], 2, r).contiguous()), f"tp2 rank {r} {n}"
+            for k in ("exp_avg", "exp_avg_sq"):
+                want = tp_piece(n, truth[k][n], 2, r).contiguous()
+                assert bits_equal(o["state"][i][k], want), f"tp2 rank {r} {n} {k}"
+
+
+def trainer_groups(model):
+    return gen_hf_trainer.trainer_param_groups(model, 0.01, 1e-2)
+
+
+def one_group(model):
+    return [{"params": list(model.parameters())}]
+
+
+def check_case(res, name, src, mnt, truth, groups_of, exact=True):
+    with mounted(src, mnt, "--read-only", *LAYOUTS, "--index-dir", mnt + ".idx") as (m, _):
+        res.check(f"{name}: recognised, mapped, not ambiguous", lambda: check_status(m))
+        res.check(f"{name}: atomic weights, moments, step = live job", lambda: check_atomic(m, truth))
+        res.check(f"{name}: model.pt strict, optim.pt loads, resume = live losses",
+                  lambda: check_resume(m, truth, groups_of, exact))
+        res.check(f"{name}: tp2_pp1_dp1 = truth slices", lambda: check_tp2(m, truth))
+
+
+def empty_dir_probe(work):
+    src, mnt = os.path.join(work, "probe_src"), os.path.join(work, "probe_mnt")
+    os.makedirs(src)
+    model = gen_hf_trainer.make_model(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    b = gen_hf_trainer.batches(3, 1)[0]
+    model(**b).loss.backward()
+    opt.step()
+    with mounted(src, mnt, "--index-dir", mnt + ".idx") as (m, _):
+        torch.save(model.state_dict(), os.path.join(m, "model.pt"))
+        torch.save(opt.state_dict(), os.path.join(m, "optim.pt"))
+    with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx2") as (m, _):
+        s = status(m)
+        assert s["format"] == "torch_state", f"not recognised: {s['format']} {s.get('not_served')}"
+        names = {p: n for n, p in model.named_parameters()}
+        for p, st in opt.state.items():
+            got = torch.load(os.path.join(m, "atomic", names[p], "exp_avg.pt"))["param"]
+            assert bits_equal(got, st["exp_avg"]), names[p]
+        o = torch.load(os.path.join(m, "target", "tp1_pp1_dp1", "rank_0", "optim.pt"), weights_only=False)
+        fresh = gen_hf_trainer.make_model(9)
+        fresh.load_state_dict(torch.load(os.path.join(m, "target", "tp1_pp1_dp1", "rank_0", "model.pt")))
+        torch.optim.AdamW(fresh.parameters()).load_state_dict(o)
+        assert o["param_groups"][0]["lr"] == 1e-3
+
+
+def ambiguous_then_rules(work, ckpt, truth):
+    """The Trainer's checkpoint with config.json naming a model family whose module order ucpfs
+    does not know: model.safetensors keeps no parameter order, so the positions are named
+    ambiguous in status.json (never guessed); --rules mapping each position settles it."""
+    src = os.path.join(work, "amb")
+    shutil.copytree(ckpt, src)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["model_type"] = "some_new_model"
+    json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
+    mnt = os.path.join(work, "mnt-amb")
+    with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
+        amb = [n for n in status(m)["not_served"] if "not matched to parameter names" in n["reason"]]
+        assert amb and "keep no parameter order" in amb[0]["reason"], status(m)["not_served"]
+        assert not os.path.exists(os.path.join(m, "atomic", "lm_head.weight", "exp_avg.pt"))
+    order = [n for g in truth["groups"] for n in g["names"]]  # positions: the groups' params in order
+    rules = {"rules": [{"pattern": rf"^optimizer\.state\.ambiguous\.{i}\.(exp_avg|exp_avg_sq|step)$",
+                        "param": name, "state": "$1"} for i, name in enumerate(order)]}
+    path = os.path.join(work, "rules.json")
+    json.dump(rules, open(path, "w"))
+    with mounted(src, mnt, "--read-only", "--rules", path, "--index-dir", mnt + ".idx2") as (m, _):
+        s = status(m)
+        assert not [n for n in s["not_served"] if "not matched" in n["reason"]], s["not_served"]
+        for n in order:
+            for k in ("exp_avg", "exp_avg_sq"):
+                got = torch.load(os.path.join(m, "atomic", n, k + ".pt"))["param"]
+                assert bits_equal(got, truth[k][n]), f"{n} {k}"
+
+
+def renamed_ckpt(work, ckpt_dir, truth):
+    """Lightning's .ckpt renamed to model.pt (the only file of its folder): recognised by its
+    structure (state_dict + optimizer_states), its optimizer state served, not dropped."""
+    src = os.path.join(work, "renamed")
+    os.makedirs(src)
+    shutil.copy(os.path.join(ckpt_dir, os.listdir(ckpt_dir)[0]), os.path.join(src, "model.pt"))
+    mnt = os.path.join(work, "mnt-renamed")
+    with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
+        assert status(m)["flavor"] == "lightning", status(m)["flavor"]
+        check_atomic(m, truth)
+
+
+TORCH113_PRODUCER = r"""
+import sys, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for _ in range(2):
+    model(torch.randn(5, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+torch.save(model.state_dict(), sys.argv[1] + "/model.pt")
+torch.save(opt.state_dict(), sys.argv[1] + "/optim.pt")
+names = dict(zip(range(len(list(model.parameters()))), [n for n, _ in model.named_parameters()]))
+torch.save({names[i]: s["exp_avg"] for i, s in opt.state_dict()["state"].items()}, sys.argv[1] + "_truth.pt")
+"""
+
+
+def torch113_script_files(work):
+    """model.pt + optim.pt saved by Debian's torch 1.13 (another pickler): served the same way."""
+    src = os.path.join(work, "t113")
+    os.makedirs(src)
+    run(["/usr/bin/python3", "-c", TORCH113_PRODUCER, src], timeout=120)
+    truth = torch.load(src + "_truth.pt")
+    mnt = os.path.join(work, "mnt-t113")
+    with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
+        assert status(m)["format"] == "torch_state", status(m)["format"]
+        for n, t in truth.items():
+            assert bits_equal(torch.load(os.path.join(m, "atomic", n, "exp_avg.pt"))["param"], t), n
+
+
+def has_torch113():
+    return run(["/usr/bin/python3", "-c", "import torch"], check=False).returncode == 0
+
+
+def main():
+    res = Results("producers_torchsave")
+    with tmpdir("ucpfs-torchsave-") as work:
+        cases = []
+        hf = os.path.join(work, "hf")
+        run([PY, os.path.join(FIXTURES, "gen_hf_trainer.py"), hf], timeout=300)
+        cases.append(("hf_trainer", os.path.join(hf, "checkpoint-3"), torch.load(os.path.join(hf, "truth.pt")),
+                      trainer_groups))
+        lt = os.path.join(work, "lightning")
+        run([PY, os.path.join(FIXTURES, "gen_lightning.py"), lt], timeout=300)
+        cases.append(("lightning", os.path.join(lt, "ckpt"), torch.load(os.path.join(lt, "truth.pt")), one_group))
+        tt = os.path.join(work, "torchtune")
+        run([PY, os.path.join(FIXTURES, "gen_torchtune.py"), tt], timeout=300)
+        cases.append(("torchtune", os.path.join(tt, "out"), torch.load(os.path.join(tt, "truth.pt")), one_group))
+        for name, src, truth, groups_of in cases:
+            # torchtune trained its own llama3 module; the served files load into LlamaForCausalLM.
+            check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of, name != "torchtune")
+        res.check("hf_trainer, unknown module order: ambiguous in status.json, --rules settles it",
+                  lambda: ambiguous_then_rules(work, cases[0][1], cases[0][2]))
+        res.check("empty dir + torch.save model.pt, optim.pt: remount serves them", lambda: empty_dir_probe(work))
+        res.check("lightning .ckpt renamed to model.pt: optimizer served", lambda: renamed_ckpt(work, lt + "/ckpt",
+                                                                                              cases[1][2]))
+        if has_torch113():
+            res.check("model.pt + optim.pt saved by torch 1.13: served", lambda: torch113_script_files(work))
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()
