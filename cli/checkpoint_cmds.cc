@@ -171,6 +171,9 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   }
   out["params"] = std::move(params);
   out["unmapped_keys"] = (*l)->mapping.unmapped_keys;
+  out["key_structure"] = {{"model_prefix", (*l)->mapping.model_prefix},
+                          {"optimizer_prefixes", (*l)->mapping.optimizer_prefixes},
+                          {"ambiguities", (*l)->mapping.ambiguities}};
   // Non-parameter state: what target views serve in extra_state.pt, and what no view serves.
   auto input = index::MakeTargetInput(c, (*l)->mapping, (*l)->files, nullptr);
   if (!input.ok()) return Fail("inspect", input.error());
@@ -205,6 +208,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
                 << s["nbytes"] << " B, in " << files << '\n';
     }
   }
+  for (const auto& a : (*l)->mapping.ambiguities) std::cout << "ambiguous: " << a << '\n';
   if (!(*l)->mapping.unmapped_keys.empty()) {
     std::cout << "unmapped keys (" << (*l)->mapping.unmapped_keys.size() << "):\n";
     for (const auto& k : (*l)->mapping.unmapped_keys) std::cout << "  " << k << '\n';

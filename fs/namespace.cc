@@ -584,6 +584,10 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
                        " tags get a universal view; the subdirectories after them (in name order) were not examined"}};
   }
   status["unmapped_keys"] = mapping.unmapped_keys;
+  // What the key mapping read from the checkpoint's structure, and what it would not guess.
+  status["key_structure"] = {{"model_prefix", mapping.model_prefix},
+                             {"optimizer_prefixes", mapping.optimizer_prefixes},
+                             {"ambiguities", mapping.ambiguities}};
   status["extra_state"] = nlohmann::ordered_json::array();
   for (const auto& e : target_input->extras) {
     nlohmann::ordered_json j = {{"key", e.key}};

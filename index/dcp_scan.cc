@@ -96,6 +96,60 @@ std::vector<int64_t> StripLeadingOnes(const std::vector<int64_t>& v) {
 
 bool HasZero(const std::vector<int64_t>& v) { return std::find(v.begin(), v.end(), 0) != v.end(); }
 
+// The metadata files of a DCP directory: `.metadata`, else the rank-local ones by rank.
+std::vector<std::string> MetadataFiles(const std::string& dir) {
+  if (IsRegularFile(dir + "/.metadata")) return {".metadata"};
+  return RankLocalMetadataFiles(dir);
+}
+
+// A composite DCP directory (IsDcpCompositeDirectory): at most this many parts, each recognised
+// from metadata of at most kMaxPartMetadataBytes.
+constexpr size_t kMaxParts = 16;
+constexpr uint64_t kMaxPartMetadataBytes = 64ull << 20;
+
+// The DCP subdirectories of `dir` (real directories, never a symlink, no dot names), by name.
+std::vector<std::string> DcpSubdirectories(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name[0] == '.' || !it->is_directory(ec) || it->is_symlink(ec)) continue;
+    if (IsRegularFile(it->path().string() + "/.metadata") || !RankLocalMetadataFiles(it->path().string()).empty()) {
+      out.push_back(name);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The parts of `dir` when it is one checkpoint saved as several DCP directories whose keys are
+// disjoint (Accelerate's save_state: `pytorch_model_fsdp_0/` holds the model, `optimizer_0/` the
+// optimizer); empty otherwise. Saves of one model at several steps repeat their keys: a run.
+std::vector<std::string> CompositeParts(const std::string& dir) {
+  if (IsRegularFile(dir + "/.metadata") || !RankLocalMetadataFiles(dir).empty()) return {};
+  std::vector<std::string> parts = DcpSubdirectories(dir);
+  if (parts.size() < 2 || parts.size() > kMaxParts) return {};
+  std::set<std::string> keys;  // of the parts before
+  for (const std::string& part : parts) {
+    const std::string sub = dir + "/" + part;
+    std::set<std::string> mine;  // a rank-local part's files may list a key each
+    for (const std::string& name : MetadataFiles(sub)) {
+      auto src = FileSource::Open(sub + "/" + name);
+      if (!src.ok() || (*src)->Size() > kMaxPartMetadataBytes) return {};
+      auto bytes = ReadRange(**src, 0, (*src)->Size(), kMaxPartMetadataBytes);
+      if (!bytes.ok()) return {};
+      auto md = ParseDcpMetadata(*bytes, sub + "/" + name);
+      if (!md.ok()) return {};
+      for (const DcpEntry& e : md->entries) mine.insert(e.fqn);
+    }
+    for (const std::string& k : mine) {
+      if (keys.count(k) != 0) return {};  // a key of another part: not one checkpoint
+    }
+    keys.insert(mine.begin(), mine.end());
+  }
+  return parts;
+}
+
 class DcpScan {
  public:
   explicit DcpScan(std::string dir) : dir_(std::move(dir)), builder_(dir_) {
@@ -201,23 +255,28 @@ class DcpScan {
   Status ReadMetadata() {
     std::error_code ec;
     if (!fs::is_directory(dir_, ec)) return NotFoundError(dir_ + ": no such directory");
-    std::vector<std::string> names;
-    if (IsRegularFile(dir_ + "/.metadata")) {
-      names.push_back(".metadata");
-    } else {
-      names = RankLocalMetadataFiles(dir_);
+    // (part directory with its '/', metadata file name): the directory's own metadata, or each
+    // part's of a composite directory (CompositeParts), whose data paths are relative to the part.
+    std::vector<std::pair<std::string, std::string>> names;
+    for (const std::string& name : MetadataFiles(dir_)) names.emplace_back("", name);
+    if (names.empty() && !megatron_) {
+      for (const std::string& part : CompositeParts(dir_)) {
+        for (const std::string& name : MetadataFiles(dir_ + "/" + part)) names.emplace_back(part + "/", name);
+      }
     }
     if (names.empty()) {
-      return NotFoundError(dir_ + ": no DCP metadata (neither .metadata nor __<rank>.metadata)");
+      return NotFoundError(dir_ + ": no DCP metadata (neither .metadata nor __<rank>.metadata, nor DCP "
+                                  "subdirectories with disjoint keys)");
     }
-    for (const std::string& name : names) {
-      UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(name));
+    for (const auto& [base, name] : names) {
+      UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile(base + name));
       const ByteSource& src = *builder_.source(id);
       UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
                              ReadRange(src, 0, src.Size(), kMaxMetadataBytes));
       UCPFS_ASSIGN_OR_RETURN(DcpMetadata md, ParseDcpMetadata(bytes, src.Name()));
       metas_.push_back(std::move(md));
       meta_names_.push_back(src.Name());
+      meta_bases_.push_back(base);
     }
     builder_.checkpoint().flavor = metas_.front().flavor;
     return Merge();
@@ -289,13 +348,13 @@ class DcpScan {
   // ---- files -----------------------------------------------------------------------------
 
   // A data file named by a storage entry of `what` (which names the item for errors).
-  Result<uint32_t> AddDataFile(const DcpStorage& s, const std::string& meta_name,
-                               const std::string& what) {
+  Result<uint32_t> AddDataFile(const DcpStorage& s, size_t meta, const std::string& what) {
+    const std::string& meta_name = meta_names_[meta];
     if (!SafeRelativePath(s.relative_path)) {
       return CorruptError(meta_name + ": " + what + ": relative_path '" + s.relative_path +
                           "' leaves the checkpoint directory");
     }
-    auto id = builder_.AddFile(s.relative_path);
+    auto id = builder_.AddFile(meta_bases_[meta] + s.relative_path);
     if (!id.ok()) {
       if (id.error().code() == StatusCode::kNotFound) {
         return CorruptError(meta_name + ": " + what + ": data file '" + s.relative_path +
@@ -330,7 +389,7 @@ class DcpScan {
     if (s == nullptr)
       return CorruptError(meta_names_[m.meta] + ": " + what + " has no storage_data entry");
     UCPFS_RETURN_IF_ERROR(RefuseTransforms(*s, what));
-    UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddDataFile(*s, meta_names_[m.meta], what));
+    UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddDataFile(*s, m.meta, what));
     Item item;
     item.key = m.entry.fqn;
     item.kind = ItemKind::kBytes;
@@ -442,7 +501,7 @@ class DcpScan {
       if (!seen.emplace(c.offsets, c.sizes, s->relative_path, s->byte_offset, s->n_bytes).second)
         continue;
       UCPFS_RETURN_IF_ERROR(RefuseTransforms(*s, what));
-      UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddDataFile(*s, meta_name, what));
+      UCPFS_ASSIGN_OR_RETURN(uint32_t id, AddDataFile(*s, m.chunk_meta[ci], what));
       if (empty) continue;  // torch.chunk leaves the last ranks empty: no elements, no fragment
       UCPFS_ASSIGN_OR_RETURN(Stored st, OpenChunk(*s, id, c.sizes, what));
 
@@ -545,6 +604,7 @@ class DcpScan {
   CheckpointBuilder builder_;
   std::vector<DcpMetadata> metas_;
   std::vector<std::string> meta_names_;
+  std::vector<std::string> meta_bases_;  // per metadata file: "" or its part directory with '/'
   std::vector<Merged> entries_;
   std::map<std::string, std::vector<int64_t>> nd_orig_shape_;
 };
@@ -554,6 +614,8 @@ class DcpScan {
 bool IsDcpDirectory(const std::string& dir) {
   return IsRegularFile(dir + "/.metadata") || !RankLocalMetadataFiles(dir).empty();
 }
+
+std::vector<std::string> DcpCompositeParts(const std::string& dir) { return CompositeParts(dir); }
 
 Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress) {
   return DcpScan(dir).Run(progress);

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 #include "index/checkpoint.h"
@@ -21,6 +22,15 @@ namespace ucpfs::index {
 // True when `dir` holds `.metadata` or any `__<r>.metadata` (DCP), possibly with
 // metadata.json (Megatron torch_dist).
 bool IsDcpDirectory(const std::string& dir);
+
+// The parts, by name, when `dir` is not a DCP directory itself but one checkpoint saved as
+// several (2 to 16; else empty):
+// its real subdirectories that are DCP directories have pairwise disjoint keys (Accelerate's
+// save_state folder: `pytorch_model_fsdp_0/` for the model, `optimizer_0/` for the optimizer).
+// Reads their metadata (each file at most 64 MiB). Subdirectories repeating keys are a run of
+// checkpoints (run_dir.h), not one. ScanDcp scans such a directory as one checkpoint whose file
+// paths name the part (`optimizer_0/__0_0.distcp`).
+std::vector<std::string> DcpCompositeParts(const std::string& dir);
 
 // Scans `dir`. Errors: kNotFound (no metadata), kCorrupt (metadata or blob malformed, a chunk
 // whose stored shape disagrees with the metadata, coverage gaps/overlaps), kUnsupported.

@@ -19,7 +19,10 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <map>
+#include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -326,7 +329,176 @@ void MatchPositionalOptimizerState(KeyMapping* m) {
   m->params = std::move(kept);
 }
 
+// ---- the checkpoint's structure (see MapKeys in key_map.h) ------------------------------------
+
+constexpr std::string_view kWrapperComponents[] = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"};
+
+bool IsWrapperComponent(std::string_view part) {
+  return std::find(std::begin(kWrapperComponents), std::end(kWrapperComponents), part) != std::end(kWrapperComponents);
+}
+
+// Whether `prefix` ("" or ending in '.') ends in a wrapper component.
+bool EndsInWrapperComponent(std::string_view prefix) {
+  if (prefix.size() < 2) return false;
+  prefix.remove_suffix(1);
+  const size_t dot = prefix.rfind('.');
+  return IsWrapperComponent(dot == std::string_view::npos ? prefix : prefix.substr(dot + 1));
+}
+
+// A key of the form `<prefix>state.<fqn>.<field>`, split at its leftmost `state` component.
+struct OptimizerKey {
+  std::string prefix;  // "" or ending in '.'
+  std::string fqn;
+  StateKind kind = StateKind::kWeight;
+  bool moment_or_master = false;  // exp_avg, exp_avg_sq, fp32_param or master_param (not step)
+};
+
+std::optional<OptimizerKey> SplitOptimizerKey(const std::string& key) {
+  constexpr std::string_view kState = "state.";
+  size_t p = 0;
+  for (;; ++p) {
+    p = key.find(kState, p);
+    if (p == std::string::npos) return std::nullopt;
+    if (p == 0 || key[p - 1] == '.') break;
+  }
+  const size_t begin = p + kState.size();
+  const size_t dot = key.rfind('.');
+  if (dot == std::string::npos || dot <= begin) return std::nullopt;
+  const std::string_view field = std::string_view(key).substr(dot + 1);
+  OptimizerKey out;
+  if (field == "exp_avg") {
+    out.kind = StateKind::kExpAvg;
+  } else if (field == "exp_avg_sq") {
+    out.kind = StateKind::kExpAvgSq;
+  } else if (field == "step") {
+    out.kind = StateKind::kStep;
+  } else if (field == "fp32_param" || field == "master_param") {
+    out.kind = StateKind::kFp32;
+  } else {
+    return std::nullopt;
+  }
+  out.moment_or_master = out.kind != StateKind::kStep;
+  out.prefix = key.substr(0, p);
+  out.fqn = key.substr(begin, dot - begin);
+  return out;
+}
+
+// Whether `key` is `<prefix>param_groups` or lies under it.
+bool IsParamGroupsKey(const std::string& key, const std::string& prefix) {
+  constexpr std::string_view kGroups = "param_groups";
+  if (key.compare(0, prefix.size(), prefix) != 0) return false;
+  const std::string_view rest = std::string_view(key).substr(prefix.size());
+  return rest == kGroups || (rest.starts_with(kGroups) && rest.size() > kGroups.size() && rest[kGroups.size()] == '.');
+}
+
+std::string Quoted(const std::string& prefix) { return "'" + prefix + "'"; }
+
+// What MapKeys decides from the structure of the keys no user rule matched.
+struct Structure {
+  std::vector<std::string> optimizers;  // prefixes, in order of first key
+  std::unordered_set<std::string> ambiguous_optimizers;
+  std::unordered_set<std::string> fqns;  // the unambiguous optimizers' parameters, stripped
+  std::optional<std::string> model_prefix;
+  std::vector<std::string> ambiguities;
+
+  bool IsOptimizer(const std::string& prefix) const {
+    return std::find(optimizers.begin(), optimizers.end(), prefix) != optimizers.end();
+  }
+};
+
+// `considered[i]`: item i is not matched by a user rule (and not over-long).
+Structure FindStructure(const Checkpoint& c, const std::vector<bool>& considered) {
+  Structure s;
+  std::unordered_map<std::string, std::unordered_set<std::string>> fqns_of;  // prefix -> fqns
+  std::unordered_map<std::string, const std::vector<int64_t>*> shape_of;      // fqn -> exp_avg's shape
+  for (size_t i = 0; i < c.items.size(); ++i) {
+    const Item& it = c.items[i];
+    if (!considered[i] || it.kind != ItemKind::kTensor) continue;
+    std::optional<OptimizerKey> k = SplitOptimizerKey(it.key);
+    if (!k || !k->moment_or_master || IsPosition(k->fqn)) continue;
+    auto [entry, fresh] = fqns_of.try_emplace(k->prefix);
+    if (fresh) s.optimizers.push_back(k->prefix);
+    std::string fqn = StripWrapperComponents(k->fqn);
+    if (k->kind == StateKind::kExpAvg) shape_of.try_emplace(fqn, &it.layout.shape);
+    entry->second.insert(std::move(fqn));
+  }
+  // Two optimizers over the same parameters: which one a resume wants is not in the keys.
+  for (size_t a = 0; a < s.optimizers.size(); ++a) {
+    for (size_t b = a + 1; b < s.optimizers.size(); ++b) {
+      const auto& fa = fqns_of[s.optimizers[a]];
+      const auto& fb = fqns_of[s.optimizers[b]];
+      const auto shared = std::find_if(fa.begin(), fa.end(), [&](const std::string& f) { return fb.count(f) != 0; });
+      if (shared == fa.end()) continue;
+      s.ambiguous_optimizers.insert(s.optimizers[a]);
+      s.ambiguous_optimizers.insert(s.optimizers[b]);
+      s.ambiguities.push_back("optimizer state of the same parameters (e.g. '" + *shared + "') under both " +
+                              Quoted(s.optimizers[a] + "state.") + " and " + Quoted(s.optimizers[b] + "state.") +
+                              ": neither is served; a --rules file mapping one of them (and ignoring the other) "
+                              "settles it");
+    }
+  }
+  for (const std::string& p : s.optimizers) {
+    if (s.ambiguous_optimizers.count(p) == 0) s.fqns.insert(fqns_of[p].begin(), fqns_of[p].end());
+  }
+  if (s.fqns.empty()) return s;
+
+  // Candidate model prefixes: every component boundary of every other tensor key whose rest
+  // names an optimizer fqn of the same shape.
+  std::map<std::string, std::unordered_set<std::string>> named;  // prefix -> fqns it names
+  for (size_t i = 0; i < c.items.size(); ++i) {
+    const Item& it = c.items[i];
+    if (!considered[i] || it.kind != ItemKind::kTensor) continue;
+    if (std::optional<OptimizerKey> k = SplitOptimizerKey(it.key); k && fqns_of.count(k->prefix) != 0) continue;
+    for (size_t b = 0; b < it.key.size(); b = it.key.find('.', b) + 1) {
+      std::string rest = StripWrapperComponents(std::string_view(it.key).substr(b));
+      // A prefix ending in a wrapper component is the prefix before it (stripped alike).
+      if (s.fqns.count(rest) != 0 && !EndsInWrapperComponent(std::string_view(it.key).substr(0, b))) {
+        auto shape = shape_of.find(rest);
+        if (shape == shape_of.end() || *shape->second == it.layout.shape) named[it.key.substr(0, b)].insert(rest);
+      }
+      if (it.key.find('.', b) == std::string::npos) break;
+    }
+  }
+  size_t best = 0;
+  std::vector<std::string> best_prefixes;
+  for (const auto& [prefix, f] : named) {
+    if (f.size() > best) {
+      best = f.size();
+      best_prefixes = {prefix};
+    } else if (f.size() == best) {
+      best_prefixes.push_back(prefix);
+    }
+  }
+  if (best_prefixes.size() == 1) {
+    s.model_prefix = best_prefixes.front();
+  } else if (best_prefixes.size() > 1) {
+    std::string list;
+    for (const auto& p : best_prefixes) list += (list.empty() ? "" : ", ") + Quoted(p);
+    s.ambiguities.push_back("the optimizer's " + std::to_string(best) + " parameters appear as weights under " +
+                            std::to_string(best_prefixes.size()) + " prefixes (" + list +
+                            "): none is taken as the model; a --rules file naming the model's keys settles it");
+  }
+  return s;
+}
+
 }  // namespace
+
+std::string StripWrapperComponents(std::string_view name) {
+  std::string out;
+  out.reserve(name.size());
+  size_t begin = 0;
+  while (begin <= name.size()) {
+    size_t end = name.find('.', begin);
+    if (end == std::string_view::npos) end = name.size();
+    const std::string_view part = name.substr(begin, end - begin);
+    if (!IsWrapperComponent(part)) {
+      if (!out.empty()) out.push_back('.');
+      out.append(part);
+    }
+    begin = end + 1;
+  }
+  return out.empty() ? std::string(name) : out;
+}
 
 std::vector<KeyRule> BuiltinRules(std::string_view format) {
   std::vector<KeyRule> rules;
@@ -436,6 +608,26 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
   }
   std::vector<size_t> unmatched;
   std::smatch m;
+  // The first user rule matching each item (the structure is read from the other items).
+  auto first_hit = [&](const std::string& key, size_t begin, size_t end) -> const MatcherRule* {
+    for (size_t r = begin; r < end; ++r) {
+      if (key.compare(0, rules[r].prefix.size(), rules[r].prefix) != 0) continue;
+      if (std::regex_match(key, m, rules[r].rule->compiled)) return &rules[r];
+    }
+    return nullptr;
+  };
+  std::vector<bool> considered(checkpoint.items.size());
+  for (size_t i = 0; i < checkpoint.items.size(); ++i) {
+    const std::string& key = checkpoint.items[i].key;
+    considered[i] = key.size() <= kMaxMatchedKeyBytes && first_hit(key, 0, user.size()) == nullptr;
+  }
+  Structure structure = FindStructure(checkpoint, considered);
+  for (const std::string& p : structure.optimizers) {
+    if (structure.ambiguous_optimizers.count(p) == 0) out.optimizer_prefixes.push_back(p);
+  }
+  if (structure.model_prefix) out.model_prefix = *structure.model_prefix;
+  out.ambiguities = structure.ambiguities;
+
   for (size_t i = 0; i < checkpoint.items.size(); ++i) {
     const Item& item = checkpoint.items[i];
     const bool tensor = item.kind == ItemKind::kTensor;
@@ -447,12 +639,41 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
       }
       continue;
     }
-    const MatcherRule* hit = nullptr;
-    for (const MatcherRule& r : rules) {
-      if (item.key.compare(0, r.prefix.size(), r.prefix) != 0) continue;
-      if (std::regex_match(item.key, m, r.rule->compiled)) {
-        hit = &r;
-        break;
+    const MatcherRule* hit = considered[i] ? nullptr : first_hit(item.key, 0, user.size());
+    if (hit == nullptr) {
+      // The structure: an optimizer's state and param groups, then (after the built-in ignore
+      // rules) the model's weights under its prefix.
+      std::optional<OptimizerKey> ok = SplitOptimizerKey(item.key);
+      if (ok && structure.IsOptimizer(ok->prefix) && !IsPosition(ok->fqn)) {
+        if (structure.ambiguous_optimizers.count(ok->prefix) != 0 || (!tensor && ok->kind != StateKind::kStep)) {
+          if (tensor) {
+            out.unmapped_keys.push_back(item.key);
+          } else {
+            out.other_items.push_back(static_cast<int32_t>(i));
+          }
+          continue;
+        }
+        UCPFS_RETURN_IF_ERROR(assign(StripWrapperComponents(ok->fqn), ok->kind, i));
+        continue;
+      }
+      if (std::any_of(structure.optimizers.begin(), structure.optimizers.end(),
+                      [&](const std::string& p) { return IsParamGroupsKey(item.key, p); })) {
+        out.other_items.push_back(static_cast<int32_t>(i));
+        continue;
+      }
+      hit = first_hit(item.key, user.size(), rules.size());
+      if (tensor && structure.model_prefix && (hit == nullptr || !hit->rule->ignore)) {
+        const std::string& w = *structure.model_prefix;
+        std::string name;
+        if (!w.empty() && item.key.size() > w.size() && item.key.compare(0, w.size(), w) == 0) {
+          name = StripWrapperComponents(std::string_view(item.key).substr(w.size()));
+        } else if (w.empty() && structure.fqns.count(StripWrapperComponents(item.key)) != 0) {
+          name = StripWrapperComponents(item.key);
+        }
+        if (!name.empty()) {
+          UCPFS_RETURN_IF_ERROR(assign(name, StateKind::kWeight, i));
+          continue;
+        }
       }
     }
     if (hit == nullptr) {

@@ -1,5 +1,10 @@
 // Key mapping: which checkpoint keys are model weights, fp32 masters, Adam moments or steps of
-// which parameter. Built-in rules cover torchtitan (`<fqn>`, `model.<fqn>`,
+// which parameter. Before any built-in rule, the checkpoint's structure decides where a framework
+// nested its state (see MapKeys): optimizer state `<P>state.<fqn>.<field>` under any prefix P
+// (`app.optim.`, `optimizer_0.`, `optimizer.`...), and the model's weights under whichever wrapper
+// prefix W (`app.model.`, `model.`, `state_dict.`...) makes their names the optimizer's fqns with
+// equal shapes; W is stripped, as are torch's own wrapper components (`_orig_mod.`,
+// `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`). Built-in rules cover torchtitan (`<fqn>`, `model.<fqn>`,
 // `optimizer.state.<fqn>.exp_avg|exp_avg_sq|step`), torch.distributed.checkpoint.state_dict
 // helpers (`state.<fqn>.<k>`, `param_groups.<fqn>.<field>`) and Megatron (`<key>`,
 // `optimizer.state.{param,fp32_param,exp_avg,exp_avg_sq}.<key>`; a leading `module.` of <key>,
@@ -62,7 +67,21 @@ struct KeyMapping {
   // When the optimizer state was keyed by parameter position (torch.optim's own state_dict,
   // `optim.state.<i>.<k>`) and matched to the model tensors: position i -> name. Else empty.
   std::vector<std::string> positional_names;
+  // What the structure decided (empty when it decided nothing): the wrapper prefix stripped from
+  // the model's weights, and the prefixes (each ending in '.', or "") under which optimizer state
+  // `<P>state.…` and its `<P>param_groups` were found.
+  std::string model_prefix;
+  std::vector<std::string> optimizer_prefixes;
+  // Where the structure has two answers (two prefixes holding the optimizer's parameters, two
+  // optimizers over the same parameters): one sentence each, naming the keys' prefixes and what
+  // --rules settles. Nothing ambiguous is mapped by structure: it is left to the rules.
+  std::vector<std::string> ambiguities;
 };
+
+// Removes torch's own wrapper module components from a parameter name, anywhere in it, as
+// torch.distributed.checkpoint.state_dict's _get_fqns does: `_orig_mod.` (torch.compile),
+// `_fsdp_wrapped_module.` (FSDP1), `_checkpoint_wrapped_module.` (activation checkpointing).
+std::string StripWrapperComponents(std::string_view name);
 
 // Parses a rules file. JSON: {"rules": [{"pattern": "...", "param": "$1", "state": "exp_avg"},
 // {"pattern": "...", "ignore": true}, ...]}; TOML: [[rules]] tables with the same fields.
@@ -77,8 +96,19 @@ Result<std::vector<KeyRule>> LoadRules(const std::string& path);
 // format shares the rules above.
 std::vector<KeyRule> BuiltinRules(std::string_view format = "");
 
-// Maps every item of `checkpoint`: user rules first, then the built-ins of its format; the first matching rule
-// wins. A tensor key matching a rule whose state is already taken for that parameter is an
+// Maps every item of `checkpoint`: user rules first, then the structure (below), then the
+// built-ins of its format; the first matching rule wins.
+// The structure, over the keys no user rule matched: a prefix P is an optimizer's when a tensor
+// key `<P>state.<fqn>.<field>` exists (field exp_avg, exp_avg_sq, fp32_param or master_param;
+// P ends in '.' or is empty; the leftmost `state` component; positions (digits) are left to the
+// rules). Its keys `<P>state.<fqn>.{exp_avg,exp_avg_sq,step,fp32_param,master_param}` are that
+// parameter's states and `<P>param_groups[.…]` non-parameter state. The model prefix W is the
+// prefix of the other tensor keys that, stripped (and StripWrapperComponents), names the most of
+// the optimizers' fqns with the exp_avg's shape; every tensor key under a non-empty W is a weight
+// of its stripped name (buffers and frozen parameters included), under W = "" only those named
+// like an optimizer fqn. Two optimizer prefixes over overlapping fqns, or two W naming equally
+// many, are ambiguities (KeyMapping::ambiguities): that part is then not mapped by structure
+// (ambiguous optimizer keys are unmapped; weights go to the rules). A tensor key matching a rule whose state is already taken for that parameter is an
 // error naming both keys (kInvalidArgument). A non-tensor (kBytes) item is a parameter's state
 // only when a rule makes it that parameter's step (e.g. `optimizer.state.<fqn>.step` saved as a
 // Python int); every other non-tensor item goes to other_items whatever the rules say. A tensor key no rule matches that

@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <iterator>
+
+#include "index/dcp_scan.h"
 
 namespace ucpfs::index {
 
@@ -35,9 +38,17 @@ Result<RunCheckpoints> FindRunCheckpoints(const std::string& dir) {
   for (const std::string& name : names) {
     const int sub = openat(dirfd(d), name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (sub < 0) continue;
-    for (const char* marker : kMarkers) {
+    std::vector<std::string> markers(std::begin(kMarkers), std::end(kMarkers));
+    struct stat any = {};
+    if (std::none_of(std::begin(kMarkers), std::end(kMarkers),
+                     [&](const char* m) { return fstatat(sub, m, &any, AT_SYMLINK_NOFOLLOW) == 0; })) {
+      // One checkpoint saved as several DCP directories (Accelerate's save_state folder): its
+      // first part's metadata.
+      for (const std::string& part : DcpCompositeParts(dir + "/" + name)) markers.push_back(part + "/.metadata");
+    }
+    for (const std::string& marker : markers) {
       struct stat st = {};
-      if (fstatat(sub, marker, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) continue;
+      if (fstatat(sub, marker.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) continue;
       if (out.checkpoints.size() >= kMaxRunCheckpoints) {
         ++out.n_left_out;
       } else {

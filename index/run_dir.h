@@ -3,8 +3,9 @@
 // directories...). Finds them without reading tensor data, newest last.
 //
 // "Newest" is the checkpoint whose completion marker (`.metadata`, `__0.metadata`, `latest`,
-// `latest_checkpointed_iteration.txt`, or for a DeepSpeed tag its `mp_rank_00_model_states.pt`)
-// was modified last; ties go to the name that sorts last.
+// `latest_checkpointed_iteration.txt`, for a DeepSpeed tag its `mp_rank_00_model_states.pt`, for
+// one checkpoint saved as several DCP directories (dcp_scan.h DcpCompositeParts, Accelerate's
+// save_state folder) its first part's `.metadata`) was modified last; ties go to the name that sorts last.
 //
 // Trust: only real subdirectories are examined (never a symlink), names starting with '.' are
 // skipped, and at most kMaxRunCheckpoints are taken in name order (the rest are counted).

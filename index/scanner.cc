@@ -15,7 +15,9 @@ namespace {
 class DcpScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "dcp"; }
-  bool Recognizes(const std::string& dir) const override { return IsDcpDirectory(dir); }
+  bool Recognizes(const std::string& dir) const override {
+    return IsDcpDirectory(dir) || !DcpCompositeParts(dir).empty();
+  }
   Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
     return ScanDcp(dir, progress);
   }

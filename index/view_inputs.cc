@@ -28,13 +28,29 @@ using format::SaveValue;
 // Non-tensor items larger than this are not decoded (they are reported instead).
 constexpr uint64_t kMaxOtherItemBytes = 64ull << 20;
 
-// `<prefix>param_groups[.<rest>]` with prefix "", "optimizer." or "optim.": returns the prefix
-// (with its dot) and rest, or nothing for any other key.
-std::optional<std::pair<std::string, std::string>> SplitParamGroups(const std::string& key) {
-  static const std::regex kRe(R"(^((?:optim(?:izer)?\.)?)param_groups(?:\.(.+))?$)");
-  std::smatch m;
-  if (!std::regex_match(key, m, kRe)) return std::nullopt;
-  return std::make_pair(m[1].str(), m[2].matched ? m[2].str() : std::string());
+// `<prefix>param_groups[.<rest>]` with prefix "", "optimizer.", "optim." or one of the optimizer
+// prefixes the key mapping found (KeyMapping::optimizer_prefixes, e.g. the DCP tutorial's
+// `app.optim.`): returns the prefix (with its dot) and rest, or nothing for any other key.
+std::optional<std::pair<std::string, std::string>> SplitParamGroups(const std::string& key,
+                                                                    const std::vector<std::string>& found) {
+  constexpr std::string_view kGroups = "param_groups";
+  auto split = [&](const std::string& prefix) -> std::optional<std::pair<std::string, std::string>> {
+    if (key.size() < prefix.size() + kGroups.size() || key.compare(0, prefix.size(), prefix) != 0 ||
+        key.compare(prefix.size(), kGroups.size(), kGroups) != 0) {
+      return std::nullopt;
+    }
+    const size_t end = prefix.size() + kGroups.size();
+    if (end == key.size()) return std::make_pair(prefix, std::string());
+    if (key[end] != '.' || end + 1 == key.size()) return std::nullopt;
+    return std::make_pair(prefix, key.substr(end + 1));
+  };
+  for (const char* prefix : {"", "optimizer.", "optim."}) {
+    if (auto s = split(prefix)) return s;
+  }
+  for (const std::string& prefix : found) {
+    if (auto s = split(prefix)) return s;
+  }
+  return std::nullopt;
 }
 
 bool AllDigits(const std::string& s) {
@@ -191,7 +207,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
       report(it.key, value.error().message());
       continue;
     }
-    if (auto pg = SplitParamGroups(it.key)) {
+    if (auto pg = SplitParamGroups(it.key, mapping.optimizer_prefixes)) {
       const auto& [prefix, rest] = *pg;
       const std::string base = prefix + "param_groups";
       if (rest.empty()) {  // the whole list of groups

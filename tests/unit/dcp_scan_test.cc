@@ -8,6 +8,7 @@
 // messages, and a seeded corruption loop checks that damaged files never crash the scanner.
 // Fixtures are generated once per process into a temp dir (kept when UCPFS_KEEP_FIXTURES is set).
 #include "index/dcp_scan.h"
+#include "index/run_dir.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -519,6 +520,31 @@ void CheckTorch113(int ranks, bool single, int seed) {
 
 TEST(DcpScan, Torch113ThreeRanksFilePerItem) { CheckTorch113(3, false, 2); }
 TEST(DcpScan, Torch113FourRanksGrid) { CheckTorch113(4, true, 3); }
+
+// ------------------------------------------------------------------------ composite folders
+
+TEST(DcpScan, SubdirectoriesRepeatingKeysAreARunNotOneCheckpoint) {
+  // Two saves of the same model (keys repeat): not one checkpoint, the run directory lists both.
+  // One checkpoint in several DCP folders with disjoint keys (Accelerate's save_state) is the
+  // e2e_producers_dcp test's accelerate_fsdp case, saved by Accelerate itself.
+  REQUIRE_X2();
+  const fs::path run = Fixtures::Get().Scratch("run_of_two");
+  fs::create_directories(run);
+  fs::copy(x2, run / "step-10", fs::copy_options::recursive);
+  fs::copy(Sibling(x2, "ranklocal"), run / "step-20", fs::copy_options::recursive);
+  EXPECT_FALSE(IsDcpDirectory(run.string()));
+  EXPECT_TRUE(DcpCompositeParts(run.string()).empty());
+  auto found = FindRunCheckpoints(run.string());
+  ASSERT_TRUE(found.ok()) << found.error().ToString();
+  ASSERT_EQ(found->checkpoints.size(), 2u);
+  // One DCP subdirectory alone is not a composite either, and a symlinked one is never followed.
+  const fs::path one = Fixtures::Get().Scratch("one_part");
+  fs::create_directories(one);
+  fs::copy(x2, one / "pytorch_model_fsdp_0", fs::copy_options::recursive);
+  fs::create_directory_symlink(Sibling(x2, "ranklocal"), one / "optimizer_0");
+  EXPECT_TRUE(DcpCompositeParts(one.string()).empty());
+  ExpectError(ScanDcp(one.string()), StatusCode::kNotFound, {"DCP subdirectories with disjoint keys"});
+}
 
 // ------------------------------------------------------------------------ errors
 
