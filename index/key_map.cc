@@ -1,8 +1,11 @@
-// Key mapping (see key_map.h): rules, rules files, and the mapping of a checkpoint's keys.
+// Key mapping (see key_map.h): rules, rules files, the checkpoint's structure (optimizer and
+// model prefixes), and the mapping of a checkpoint's keys.
 //
-// Not for: anything about layouts or bytes; a rule names a parameter and a state, nothing else.
+// Not for: anything about bytes; a rule names a parameter and a state, nothing else (the
+// structure reads global shapes only to tell which prefix holds the optimizer's parameters).
 // Invariants: every item ends up in exactly one of params / unmapped_keys / other_items (a
-// kBytes item is a parameter's state only as its step); the result depends only on the key order.
+// kBytes item is a parameter's state only as its step); the result depends only on the keys,
+// their order, kinds and global shapes.
 // GCC 12 with -fsanitize=address,undefined -O2 reports a false -Wmaybe-uninitialized inside
 // libstdc++'s <regex> compiler (std::function in _State, GCC PR 105562); it must be off
 // before <regex> is first included (by key_map.h) to cover the header's locations.
