@@ -22,6 +22,7 @@ Checks per case, against the truth the live job gave:
 And: the Trainer's checkpoint with config.json naming a model family whose module order is not
 known is named ambiguous in status.json (nothing guessed), and --rules mapping the
 `optimizer.state.ambiguous.<i>.*` keys settles it (atomic moments = truth).
+Several .ckpt files without last.ckpt, or two optimizer files, are refused naming them.
 A Lightning .ckpt renamed to model.pt is still recognised by structure; a script's model.pt +
 optim.pt saved by Debian's torch 1.13 (when /usr/bin/python3 has torch) are served alike.
 And the empty-directory probe: a mount of an empty directory receives model.pt (a state dict) and
@@ -47,7 +48,7 @@ sys.path.insert(0, os.path.join(HERE, "fixtures"))
 sys.path.insert(0, HERE)
 from e2e_common import Results, bits_equal, run, tmpdir  # noqa: E402
 from mount_common import FIXTURES, PY, mounted, status  # noqa: E402
-from weights_only_test import tp_piece  # noqa: E402
+from weights_only_test import mount_fails, tp_piece  # noqa: E402
 
 import gen_hf_trainer  # noqa: E402
 
@@ -236,6 +237,24 @@ def torch113_script_files(work):
             assert bits_equal(torch.load(os.path.join(m, "atomic", n, "exp_avg.pt"))["param"], t), n
 
 
+def refusals(work, ckpt_dir):
+    """Choices ucpfs does not make: several .ckpt files without last.ckpt, two optimizer files."""
+    two = os.path.join(work, "two_ckpt")
+    os.makedirs(two)
+    ckpt = os.path.join(ckpt_dir, os.listdir(ckpt_dir)[0])
+    for name in ("epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"):
+        shutil.copy(ckpt, os.path.join(two, name))
+    mount_fails(two, os.path.join(work, "mnt-two_ckpt"), "no last.ckpt")
+    optims = os.path.join(work, "two_optim")
+    os.makedirs(optims)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    torch.save(model.state_dict(), os.path.join(optims, "model.pt"))
+    for name in ("optim_a.pt", "optim_b.pt"):
+        torch.save(opt.state_dict(), os.path.join(optims, name))
+    mount_fails(optims, os.path.join(work, "mnt-two_optim"), "optim_a.pt, optim_b.pt")
+
+
 def has_torch113():
     return run(["/usr/bin/python3", "-c", "import torch"], check=False).returncode == 0
 
@@ -262,6 +281,7 @@ def main():
         res.check("empty dir + torch.save model.pt, optim.pt: remount serves them", lambda: empty_dir_probe(work))
         res.check("lightning .ckpt renamed to model.pt: optimizer served", lambda: renamed_ckpt(work, lt + "/ckpt",
                                                                                               cases[1][2]))
+        res.check("several .ckpt or optimizer files: refused, naming them", lambda: refusals(work, lt + "/ckpt"))
         if has_torch113():
             res.check("model.pt + optim.pt saved by torch 1.13: served", lambda: torch113_script_files(work))
     res.finish()
