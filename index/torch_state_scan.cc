@@ -303,10 +303,13 @@ class TorchStateScan {
     if (info.value("weights_container", std::string()) == "safetensors") {
       if (epoch_dir.empty()) config = Config("config.json");
       const std::string model_type = config.value("model_type", std::string());
-      const ModuleOrder order = epoch_dir.empty() ? ModuleOrder::kHfLlama : ModuleOrder::kTorchtuneLlama;
+      const std::optional<ModuleOrder> known = HfModuleOrder(model_type);
+      const ModuleOrder hf = known.value_or(ModuleOrder::kHfLlama);
+      // torchtune: its llama module (its checkpointer converts Llama-family weights only so).
+      const bool has_order = epoch_dir.empty() ? known.has_value() : model_type == "llama";
+      const ModuleOrder order = epoch_dir.empty() ? hf : ModuleOrder::kTorchtuneLlama;
       served_order = params;
-      if (IsHfLlamaFamily(model_type) && (epoch_dir.empty() || model_type == "llama") &&
-          SortModuleOrder(&params, order) && SortModuleOrder(&served_order, ModuleOrder::kHfLlama)) {
+      if (has_order && SortModuleOrder(&params, order) && SortModuleOrder(&served_order, hf)) {
         info["param_order"] = ModuleOrderName(order);
         std::map<std::string, size_t> at;
         for (size_t i = 0; i < served_order.size(); ++i) at["model." + served_order[i].name] = i;
@@ -316,7 +319,7 @@ class TorchStateScan {
       } else {
         order_unknown = "the weights are safetensors, which keep no parameter order (tensors sorted by name), and "
                         "config.json's model_type '" + model_type + "' is not one whose module order ucpfs knows "
-                        "(llama, mistral, qwen2, qwen3 with their own module names; torchtune: llama)";
+                        "(llama, mistral, qwen2, qwen3, gpt2 with their own module names; torchtune: llama)";
       }
     } else {
       info["param_order"] = "state_dict";
@@ -511,11 +514,17 @@ void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::j
   if (auto rule = ParseGroupingRule(Text(info, "grouping"))) {
     std::vector<NamedShape> params;
     for (const Item& it : c.items) {
-      if (it.kind == ItemKind::kTensor && it.key.starts_with("model.")) params.push_back({it.key.substr(6), {}});
+      if (it.kind == ItemKind::kTensor && it.key.starts_with("model.")) params.push_back({it.key.substr(6), it.layout.shape});
     }
     // The items are in the served model's order; the optimizer's may differ (torchtune's).
     if (auto order = ParseModuleOrder(Text(info, "param_order"))) SortModuleOrder(&params, *order);
-    if (auto assigned = AssignPositions(params, groups, *rule)) name_of.insert(assigned->begin(), assigned->end());
+    if (auto assigned = AssignPositions(params, groups, *rule)) {
+      name_of.insert(assigned->begin(), assigned->end());
+    } else {
+      out->not_served.push_back({file + ": " + prefix + "param_groups",
+                                 std::string("the grouping rule ") + GroupingRuleName(*rule) +
+                                     " the index recorded no longer fits the weights; hyper-parameters left out"});
+    }
   } else {
     const std::string ambiguous = "optimizer.state." + std::string(kAmbiguous);
     for (const ParamEntry& p : mapping.params) {

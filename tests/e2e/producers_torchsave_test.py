@@ -3,7 +3,8 @@
 Each checkpoint is saved by the framework's own recipe (tests/e2e/fixtures/gen_hf_trainer.py,
 gen_lightning.py; each generated once here) and mounted at the folder a user would pick:
   - hf_trainer: the Trainer's `checkpoint-K/` (model.safetensors, optimizer.pt with positions in
-    the Trainer's decay / no-decay groups, scheduler.pt, trainer_state.json);
+    the Trainer's decay / no-decay groups, scheduler.pt, trainer_state.json); hf_trainer_gpt2 the
+    same for a GPT-2 (its nn.LayerNorm weights are kept out of decay by type; no tp2 check);
   - lightning: the folder of ModelCheckpoint's `.ckpt`;
   - torchtune: the checkpointer's output_dir (`epoch_0/` with Hugging Face safetensors,
     `recipe_state/recipe_state.pt` with the optimizer): torchtune trains its own llama3 module,
@@ -80,7 +81,7 @@ def check_atomic(m, truth):
 
 def check_resume(m, truth, groups_of, exact=True):
     d = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0")
-    model = gen_hf_trainer.make_model(1234)
+    model = gen_hf_trainer.make_model(1234, truth.get("model", "llama"))
     model.load_state_dict(torch.load(os.path.join(d, "model.pt")), strict=True)
     opt = torch.optim.AdamW(groups_of(model))
     o = torch.load(os.path.join(d, "optim.pt"), weights_only=False)
@@ -141,7 +142,8 @@ def check_case(res, name, src, mnt, truth, groups_of, exact=True):
         res.check(f"{name}: atomic weights, moments, step = live job", lambda: check_atomic(m, truth))
         res.check(f"{name}: model.pt strict, optim.pt loads, resume = live losses",
                   lambda: check_resume(m, truth, groups_of, exact))
-        res.check(f"{name}: tp2_pp1_dp1 = truth slices", lambda: check_tp2(m, truth))
+        if truth.get("model", "llama") == "llama":  # tp_piece knows the Hugging Face Llama preset
+            res.check(f"{name}: tp2_pp1_dp1 = truth slices", lambda: check_tp2(m, truth))
 
 
 def empty_dir_probe(work):
@@ -263,18 +265,22 @@ def has_torch113():
 def main():
     res = Results("producers_torchsave")
     with tmpdir("ucpfs-torchsave-") as work:
-        hf, lt, tt = (os.path.join(work, n) for n in ("hf", "lightning", "torchtune"))
+        hf, lt, tt, gpt2 = (os.path.join(work, n) for n in ("hf", "lightning", "torchtune", "gpt2"))
         # The three generators side by side: most of their time is importing their frameworks.
-        procs = [subprocess.Popen([PY, os.path.join(FIXTURES, script), out], stdout=subprocess.PIPE,
+        procs = [subprocess.Popen([PY, os.path.join(FIXTURES, script), out, *extra], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
-                 for script, out in (("gen_hf_trainer.py", hf), ("gen_lightning.py", lt), ("gen_torchtune.py", tt))]
+                 for script, out, extra in (("gen_hf_trainer.py", hf, []), ("gen_lightning.py", lt, []),
+                                            ("gen_torchtune.py", tt, []),
+                                            ("gen_hf_trainer.py", gpt2, ["--model", "gpt2"]))]
         for p in procs:
             log, _ = p.communicate(timeout=300)
             assert p.returncode == 0, f"{p.args} exited {p.returncode}:\n{log[-4000:]}"
         cases = [("hf_trainer", os.path.join(hf, "checkpoint-3"), torch.load(os.path.join(hf, "truth.pt")),
                   trainer_groups),
                  ("lightning", os.path.join(lt, "ckpt"), torch.load(os.path.join(lt, "truth.pt")), one_group),
-                 ("torchtune", os.path.join(tt, "out"), torch.load(os.path.join(tt, "truth.pt")), one_group)]
+                 ("torchtune", os.path.join(tt, "out"), torch.load(os.path.join(tt, "truth.pt")), one_group),
+                 ("hf_trainer_gpt2", os.path.join(gpt2, "checkpoint-3"), torch.load(os.path.join(gpt2, "truth.pt")),
+                  trainer_groups)]
         for name, src, truth, groups_of in cases:
             # torchtune trained its own llama3 module; the served files load into LlamaForCausalLM.
             check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of, name != "torchtune")
