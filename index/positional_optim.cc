@@ -54,11 +54,22 @@ bool IsHfLlamaFamily(const std::string& model_type) {
 }
 
 const char* ModuleOrderName(ModuleOrder order) {
-  return order == ModuleOrder::kHfLlama ? "hf_llama" : "torchtune_llama";
+  switch (order) {
+    case ModuleOrder::kHfLlama: return "hf_llama";
+    case ModuleOrder::kTorchtuneLlama: return "torchtune_llama";
+    case ModuleOrder::kHfGpt2: return "hf_gpt2";
+  }
+  return "unknown";
+}
+
+std::optional<ModuleOrder> HfModuleOrder(const std::string& model_type) {
+  if (IsHfLlamaFamily(model_type)) return ModuleOrder::kHfLlama;
+  if (model_type == "gpt2") return ModuleOrder::kHfGpt2;
+  return std::nullopt;
 }
 
 std::optional<ModuleOrder> ParseModuleOrder(const std::string& name) {
-  for (ModuleOrder o : {ModuleOrder::kHfLlama, ModuleOrder::kTorchtuneLlama}) {
+  for (ModuleOrder o : {ModuleOrder::kHfLlama, ModuleOrder::kTorchtuneLlama, ModuleOrder::kHfGpt2}) {
     if (name == ModuleOrderName(o)) return o;
   }
   return std::nullopt;
@@ -67,6 +78,11 @@ std::optional<ModuleOrder> ParseModuleOrder(const std::string& name) {
 bool SortModuleOrder(std::vector<NamedShape>* params, ModuleOrder order) {
   // Rank among siblings, as the modeling code registers them.
   static const std::map<std::string, int> kTorchtuneMlp = {{"gate_proj", 0}, {"down_proj", 1}, {"up_proj", 2}};
+  static const std::map<std::string, int> kGpt2 = {
+      {"transformer", 0}, {"lm_head", 1}, {"wte", 0},           {"wpe", 1},           {"h", 2},
+      {"ln_f", 3},        {"ln_1", 0},    {"attn", 1},          {"ln_2", 2},          {"crossattention", 3},
+      {"ln_cross_attn", 4}, {"mlp", 5},   {"c_attn", 0},        {"q_attn", 1},        {"c_fc", 0},
+      {"c_proj", 2},      {"weight", 0},  {"bias", 1}};
   static const std::map<std::string, int> kRank = {
       {"model", 0},          {"lm_head", 1},      {"embed_tokens", 0}, {"layers", 1},
       {"norm", 2},           {"self_attn", 0},    {"mlp", 1},          {"input_layernorm", 2},
@@ -90,8 +106,9 @@ bool SortModuleOrder(std::vector<NamedShape>* params, ModuleOrder order) {
         key.push_back(kTorchtuneMlp.at(part));
         continue;
       }
-      auto it = kRank.find(part);
-      if (it == kRank.end()) return false;
+      const std::map<std::string, int>& ranks = order == ModuleOrder::kHfGpt2 ? kGpt2 : kRank;
+      auto it = ranks.find(part);
+      if (it == ranks.end()) return false;
       key.push_back(it->second);
     }
     keys.emplace_back(std::move(key), i);

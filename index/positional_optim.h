@@ -47,9 +47,13 @@ struct PositionalOptimizer {
 // model{embed_tokens, layers.<i>{self_attn{q,k,v,o_proj, q_norm, k_norm}, mlp{gate,up,down_proj},
 // input_layernorm, post_attention_layernorm}, norm}, lm_head; weight before bias); kTorchtuneLlama,
 // torchtune's llama builders as its checkpointer names them in Hugging Face terms (the same, but
-// its FeedForward registers w1, w2, w3: gate, down, up).
-enum class ModuleOrder : uint8_t { kHfLlama, kTorchtuneLlama };
-const char* ModuleOrderName(ModuleOrder order);  // "hf_llama", "torchtune_llama"
+// its FeedForward registers w1, w2, w3: gate, down, up); kHfGpt2, transformers' GPT-2
+// (transformer{wte, wpe, h.<i>{ln_1, attn{c_attn, q_attn, c_proj}, ln_2, crossattention,
+// ln_cross_attn, mlp{c_fc, c_proj}}, ln_f}, lm_head).
+enum class ModuleOrder : uint8_t { kHfLlama, kTorchtuneLlama, kHfGpt2 };
+const char* ModuleOrderName(ModuleOrder order);  // "hf_llama", "torchtune_llama", "hf_gpt2"
+// The order of a Hugging Face model_type (config.json), if known.
+std::optional<ModuleOrder> HfModuleOrder(const std::string& model_type);
 std::optional<ModuleOrder> ParseModuleOrder(const std::string& name);
 // Whether config.json's `model_type` is of the Llama family.
 bool IsHfLlamaFamily(const std::string& model_type);

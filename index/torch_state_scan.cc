@@ -303,10 +303,13 @@ class TorchStateScan {
     if (info.value("weights_container", std::string()) == "safetensors") {
       if (epoch_dir.empty()) config = Config("config.json");
       const std::string model_type = config.value("model_type", std::string());
-      const ModuleOrder order = epoch_dir.empty() ? ModuleOrder::kHfLlama : ModuleOrder::kTorchtuneLlama;
+      const std::optional<ModuleOrder> known = HfModuleOrder(model_type);
+      const ModuleOrder hf = known.value_or(ModuleOrder::kHfLlama);
+      // torchtune: its llama module (its checkpointer converts Llama-family weights only so).
+      const bool has_order = epoch_dir.empty() ? known.has_value() : model_type == "llama";
+      const ModuleOrder order = epoch_dir.empty() ? hf : ModuleOrder::kTorchtuneLlama;
       served_order = params;
-      if (IsHfLlamaFamily(model_type) && (epoch_dir.empty() || model_type == "llama") &&
-          SortModuleOrder(&params, order) && SortModuleOrder(&served_order, ModuleOrder::kHfLlama)) {
+      if (has_order && SortModuleOrder(&params, order) && SortModuleOrder(&served_order, hf)) {
         info["param_order"] = ModuleOrderName(order);
         std::map<std::string, size_t> at;
         for (size_t i = 0; i < served_order.size(); ++i) at["model." + served_order[i].name] = i;
@@ -316,7 +319,7 @@ class TorchStateScan {
       } else {
         order_unknown = "the weights are safetensors, which keep no parameter order (tensors sorted by name), and "
                         "config.json's model_type '" + model_type + "' is not one whose module order ucpfs knows "
-                        "(llama, mistral, qwen2, qwen3 with their own module names; torchtune: llama)";
+                        "(llama, mistral, qwen2, qwen3, gpt2 with their own module names; torchtune: llama)";
       }
     } else {
       info["param_order"] = "state_dict";
@@ -468,7 +471,9 @@ NodeId NodeAt(const PickleGraph& g, const std::string& prefix) {
     start = dot + 1;
     if (IsListLike(g, n)) {
       const auto items = Items(g, n);
-      const size_t i = part.empty() || part.size() > 9 ? SIZE_MAX : std::stoul(part);
+      const bool digits = !part.empty() && part.size() <= 9 &&
+                          std::all_of(part.begin(), part.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      const size_t i = digits ? std::stoul(part) : SIZE_MAX;
       n = i < items.size() ? items[i] : pickle::kNoNode;
     } else {
       n = Get(g, n, part);
@@ -477,13 +482,24 @@ NodeId NodeAt(const PickleGraph& g, const std::string& prefix) {
   return n;
 }
 
+// format_info's fields, as the scanner wrote them; an index is untrusted, so a field of another
+// type reads as empty (then nothing matches and the views report it).
+std::string Text(const nlohmann::json& info, const char* key) {
+  auto it = info.find(key);
+  return it != info.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+bool Flag(const nlohmann::json& info, const char* key) {
+  auto it = info.find(key);
+  return it == info.end() || !it->is_boolean() || it->get<bool>();
+}
+
 // The optimizer's param groups: hyper-parameters as saved, positions named (TorchStateFactsOf).
 void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::json& info, const format::TorchFile& tf,
                const std::shared_ptr<const ByteSource>& src, const format::PlainValueLimits& limits,
                TorchStateFacts* out) {
   const PickleGraph& g = tf.graph();
-  const std::string file = info.value("optimizer_file", std::string());
-  const std::string prefix = info.value("optimizer_prefix", std::string());
+  const std::string file = Text(info, "optimizer_file");
+  const std::string prefix = Text(info, "optimizer_prefix");
   const NodeId opt = NodeAt(g, prefix);
   if (!IsOptimizerStateDict(g, opt)) {
     out->not_served.push_back({file + ": param_groups", src->Name() + ": no optimizer state dict at '" + prefix +
@@ -495,14 +511,20 @@ void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::j
   // Position -> name: the scanner's rule over the weights, or the user's rules for the
   // ambiguous positions' keys.
   std::map<int64_t, std::string> name_of;
-  if (auto rule = ParseGroupingRule(info.value("grouping", std::string()))) {
+  if (auto rule = ParseGroupingRule(Text(info, "grouping"))) {
     std::vector<NamedShape> params;
     for (const Item& it : c.items) {
-      if (it.kind == ItemKind::kTensor && it.key.starts_with("model.")) params.push_back({it.key.substr(6), {}});
+      if (it.kind == ItemKind::kTensor && it.key.starts_with("model.")) params.push_back({it.key.substr(6), it.layout.shape});
     }
     // The items are in the served model's order; the optimizer's may differ (torchtune's).
-    if (auto order = ParseModuleOrder(info.value("param_order", std::string()))) SortModuleOrder(&params, *order);
-    if (auto assigned = AssignPositions(params, groups, *rule)) name_of.insert(assigned->begin(), assigned->end());
+    if (auto order = ParseModuleOrder(Text(info, "param_order"))) SortModuleOrder(&params, *order);
+    if (auto assigned = AssignPositions(params, groups, *rule)) {
+      name_of.insert(assigned->begin(), assigned->end());
+    } else {
+      out->not_served.push_back({file + ": " + prefix + "param_groups",
+                                 std::string("the grouping rule ") + GroupingRuleName(*rule) +
+                                     " the index recorded no longer fits the weights; hyper-parameters left out"});
+    }
   } else {
     const std::string ambiguous = "optimizer.state." + std::string(kAmbiguous);
     for (const ParamEntry& p : mapping.params) {
@@ -519,7 +541,7 @@ void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::j
     if (name_of.size() != n_positions) {  // not settled by the user's rules
       out->not_served.push_back({file + ": " + prefix + "state",
                                 "positional optimizer state not matched to parameter names: " +
-                                    info.value("ambiguous", std::string()) +
+                                    Text(info, "ambiguous") +
                                     "; its keys are optimizer.state.ambiguous.<position>.<field>: pass --rules "
                                     "mapping them to parameter names (state \"$1\")"});
     }
@@ -557,9 +579,9 @@ void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::j
 void AddExtras(const nlohmann::json& info, const format::TorchFile& tf, const std::shared_ptr<const ByteSource>& src,
                const format::PlainValueLimits& limits, TorchStateFacts* out) {
   const PickleGraph& g = tf.graph();
-  const std::string prefix = info.value("optimizer_prefix", std::string());
+  const std::string prefix = Text(info, "optimizer_prefix");
   // Lightning's epoch, global_step, lr_schedulers, loops; torchtune's seed, epochs_run.
-  const std::string top = info.value("optimizer_top_key", std::string());
+  const std::string top = Text(info, "optimizer_top_key");
   if (!top.empty()) {
     for (const auto& [k, v] : Pairs(g, g.root())) {
       if (g.kind(k) != Kind::kString) continue;
@@ -616,7 +638,7 @@ TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping
     out.not_served.push_back({"optimizer", "index: the scanner's facts (format_info) are not a JSON object"});
     return out;
   }
-  const std::string file = info.value("optimizer_file", std::string());
+  const std::string file = Text(info, "optimizer_file");
   auto fail = [&](const std::string& why) {
     out.not_served.push_back({file + ": param_groups", why});
     return out;
@@ -632,7 +654,7 @@ TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping
   format::PlainValueLimits limits;
   limits.max_depth = 16;
   limits.max_nodes = 1 << 20;
-  if (info.value("has_optimizer", true)) AddGroups(c, mapping, info, *tf, src, limits, &out);
+  if (Flag(info, "has_optimizer")) AddGroups(c, mapping, info, *tf, src, limits, &out);
   AddExtras(info, *tf, src, limits, &out);
   return out;
 }

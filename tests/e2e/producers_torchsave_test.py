@@ -3,7 +3,8 @@
 Each checkpoint is saved by the framework's own recipe (tests/e2e/fixtures/gen_hf_trainer.py,
 gen_lightning.py; each generated once here) and mounted at the folder a user would pick:
   - hf_trainer: the Trainer's `checkpoint-K/` (model.safetensors, optimizer.pt with positions in
-    the Trainer's decay / no-decay groups, scheduler.pt, trainer_state.json);
+    the Trainer's decay / no-decay groups, scheduler.pt, trainer_state.json); hf_trainer_gpt2 the
+    same for a GPT-2 (its nn.LayerNorm weights are kept out of decay by type; no tp2 check);
   - lightning: the folder of ModelCheckpoint's `.ckpt`;
   - torchtune: the checkpointer's output_dir (`epoch_0/` with Hugging Face safetensors,
     `recipe_state/recipe_state.pt` with the optimizer): torchtune trains its own llama3 module,
@@ -22,6 +23,7 @@ Checks per case, against the truth the live job gave:
 And: the Trainer's checkpoint with config.json naming a model family whose module order is not
 known is named ambiguous in status.json (nothing guessed), and --rules mapping the
 `optimizer.state.ambiguous.<i>.*` keys settles it (atomic moments = truth).
+Several .ckpt files without last.ckpt, or two optimizer files, are refused naming them.
 A Lightning .ckpt renamed to model.pt is still recognised by structure; a script's model.pt +
 optim.pt saved by Debian's torch 1.13 (when /usr/bin/python3 has torch) are served alike.
 And the empty-directory probe: a mount of an empty directory receives model.pt (a state dict) and
@@ -38,6 +40,7 @@ Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/producers_torc
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import torch
@@ -47,7 +50,7 @@ sys.path.insert(0, os.path.join(HERE, "fixtures"))
 sys.path.insert(0, HERE)
 from e2e_common import Results, bits_equal, run, tmpdir  # noqa: E402
 from mount_common import FIXTURES, PY, mounted, status  # noqa: E402
-from weights_only_test import tp_piece  # noqa: E402
+from weights_only_test import mount_fails, tp_piece  # noqa: E402
 
 import gen_hf_trainer  # noqa: E402
 
@@ -78,7 +81,7 @@ def check_atomic(m, truth):
 
 def check_resume(m, truth, groups_of, exact=True):
     d = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0")
-    model = gen_hf_trainer.make_model(1234)
+    model = gen_hf_trainer.make_model(1234, truth.get("model", "llama"))
     model.load_state_dict(torch.load(os.path.join(d, "model.pt")), strict=True)
     opt = torch.optim.AdamW(groups_of(model))
     o = torch.load(os.path.join(d, "optim.pt"), weights_only=False)
@@ -139,7 +142,8 @@ def check_case(res, name, src, mnt, truth, groups_of, exact=True):
         res.check(f"{name}: atomic weights, moments, step = live job", lambda: check_atomic(m, truth))
         res.check(f"{name}: model.pt strict, optim.pt loads, resume = live losses",
                   lambda: check_resume(m, truth, groups_of, exact))
-        res.check(f"{name}: tp2_pp1_dp1 = truth slices", lambda: check_tp2(m, truth))
+        if truth.get("model", "llama") == "llama":  # tp_piece knows the Hugging Face Llama preset
+            res.check(f"{name}: tp2_pp1_dp1 = truth slices", lambda: check_tp2(m, truth))
 
 
 def empty_dir_probe(work):
@@ -236,6 +240,24 @@ def torch113_script_files(work):
             assert bits_equal(torch.load(os.path.join(m, "atomic", n, "exp_avg.pt"))["param"], t), n
 
 
+def refusals(work, ckpt_dir):
+    """Choices ucpfs does not make: several .ckpt files without last.ckpt, two optimizer files."""
+    two = os.path.join(work, "two_ckpt")
+    os.makedirs(two)
+    ckpt = os.path.join(ckpt_dir, os.listdir(ckpt_dir)[0])
+    for name in ("epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"):
+        shutil.copy(ckpt, os.path.join(two, name))
+    mount_fails(two, os.path.join(work, "mnt-two_ckpt"), "no last.ckpt")
+    optims = os.path.join(work, "two_optim")
+    os.makedirs(optims)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    torch.save(model.state_dict(), os.path.join(optims, "model.pt"))
+    for name in ("optim_a.pt", "optim_b.pt"):
+        torch.save(opt.state_dict(), os.path.join(optims, name))
+    mount_fails(optims, os.path.join(work, "mnt-two_optim"), "optim_a.pt, optim_b.pt")
+
+
 def has_torch113():
     return run(["/usr/bin/python3", "-c", "import torch"], check=False).returncode == 0
 
@@ -243,17 +265,22 @@ def has_torch113():
 def main():
     res = Results("producers_torchsave")
     with tmpdir("ucpfs-torchsave-") as work:
-        cases = []
-        hf = os.path.join(work, "hf")
-        run([PY, os.path.join(FIXTURES, "gen_hf_trainer.py"), hf], timeout=300)
-        cases.append(("hf_trainer", os.path.join(hf, "checkpoint-3"), torch.load(os.path.join(hf, "truth.pt")),
-                      trainer_groups))
-        lt = os.path.join(work, "lightning")
-        run([PY, os.path.join(FIXTURES, "gen_lightning.py"), lt], timeout=300)
-        cases.append(("lightning", os.path.join(lt, "ckpt"), torch.load(os.path.join(lt, "truth.pt")), one_group))
-        tt = os.path.join(work, "torchtune")
-        run([PY, os.path.join(FIXTURES, "gen_torchtune.py"), tt], timeout=300)
-        cases.append(("torchtune", os.path.join(tt, "out"), torch.load(os.path.join(tt, "truth.pt")), one_group))
+        hf, lt, tt, gpt2 = (os.path.join(work, n) for n in ("hf", "lightning", "torchtune", "gpt2"))
+        # The three generators side by side: most of their time is importing their frameworks.
+        procs = [subprocess.Popen([PY, os.path.join(FIXTURES, script), out, *extra], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for script, out, extra in (("gen_hf_trainer.py", hf, []), ("gen_lightning.py", lt, []),
+                                            ("gen_torchtune.py", tt, []),
+                                            ("gen_hf_trainer.py", gpt2, ["--model", "gpt2"]))]
+        for p in procs:
+            log, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, f"{p.args} exited {p.returncode}:\n{log[-4000:]}"
+        cases = [("hf_trainer", os.path.join(hf, "checkpoint-3"), torch.load(os.path.join(hf, "truth.pt")),
+                  trainer_groups),
+                 ("lightning", os.path.join(lt, "ckpt"), torch.load(os.path.join(lt, "truth.pt")), one_group),
+                 ("torchtune", os.path.join(tt, "out"), torch.load(os.path.join(tt, "truth.pt")), one_group),
+                 ("hf_trainer_gpt2", os.path.join(gpt2, "checkpoint-3"), torch.load(os.path.join(gpt2, "truth.pt")),
+                  trainer_groups)]
         for name, src, truth, groups_of in cases:
             # torchtune trained its own llama3 module; the served files load into LlamaForCausalLM.
             check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of, name != "torchtune")
@@ -262,6 +289,7 @@ def main():
         res.check("empty dir + torch.save model.pt, optim.pt: remount serves them", lambda: empty_dir_probe(work))
         res.check("lightning .ckpt renamed to model.pt: optimizer served", lambda: renamed_ckpt(work, lt + "/ckpt",
                                                                                               cases[1][2]))
+        res.check("several .ckpt or optimizer files: refused, naming them", lambda: refusals(work, lt + "/ckpt"))
         if has_torch113():
             res.check("model.pt + optim.pt saved by torch 1.13: served", lambda: torch113_script_files(work))
     res.finish()

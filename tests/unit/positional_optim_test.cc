@@ -1,6 +1,6 @@
 // Positional optimizer state: the grouping rules (in order, the Trainer's decay split with and
 // without LayerNorm pairs), the shape check, disagreeing rules named ambiguous, and the Hugging
-// Face Llama-family module order.
+// Face Llama-family, torchtune and GPT-2 module orders.
 #include "index/positional_optim.h"
 
 #include <gtest/gtest.h>
@@ -103,6 +103,15 @@ TEST(PositionalOptim, HfLlamaOrder) {
                                  {"model.layers.0.mlp.gate_proj.weight", {}}};
   ASSERT_TRUE(SortModuleOrder(&mlp, ModuleOrder::kTorchtuneLlama));  // w1, w2, w3
   EXPECT_EQ(mlp[1].name, "model.layers.0.mlp.down_proj.weight");
+  std::vector<NamedShape> gpt2 = {{"transformer.h.0.mlp.c_proj.weight", {}}, {"transformer.h.0.ln_1.weight", {}},
+                                  {"lm_head.weight", {}},                    {"transformer.h.0.attn.c_proj.weight", {}},
+                                  {"transformer.wte.weight", {}},            {"transformer.h.0.mlp.c_fc.weight", {}}};
+  ASSERT_TRUE(SortModuleOrder(&gpt2, *HfModuleOrder("gpt2")));
+  names.clear();
+  for (const auto& x : gpt2) names.push_back(x.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"transformer.wte.weight", "transformer.h.0.ln_1.weight",
+                                             "transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight",
+                                             "transformer.h.0.mlp.c_proj.weight", "lm_head.weight"}));
   EXPECT_TRUE(IsHfLlamaFamily("qwen2"));
   EXPECT_FALSE(IsHfLlamaFamily("gpt2"));
 }
