@@ -196,8 +196,11 @@ def run_directory(work):
         old.seek(0)
         t0 = time.monotonic()
         subprocess.run(["cp", "-r", out3, os.path.join(m, "step-3")], check=True)
-        t1 = wait_until(lambda: json.load(open(os.path.join(m, ".ucpfs", "status.json")))["run"]["newest"] == "step-3")
-        atomic_equal(os.path.join(m, "atomic"), expected[3])
+        t1 = wait_until(lambda: json.load(open(os.path.join(m, ".ucpfs", "status.json")))["run"]["newest"] == "step-3",
+                        timeout_s=60)
+        # The mount's root names are cached for 1 s: atomic/ may name the previous generation
+        # that long after status.json names the new one.
+        wait_until(lambda: atomic_equal(os.path.join(m, "atomic"), expected[3]) > 0, timeout_s=10)
         atomic_equal(os.path.join(m, "checkpoints", "step-3", "atomic"), expected[3])
         assert old.read() == old_bytes, "a reader of the old view saw new bytes"
         old.close()
