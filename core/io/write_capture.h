@@ -25,9 +25,15 @@
 // later one, for the next mount. The journal is untrusted input (it lives in the checkpoint
 // directory): it is bounded, every record is checksummed and every path checked before use.
 //
-// Errors while flushing (EIO, ENOSPC): the chunks stay in the cache, the file stays pending, and
-// the error is returned by Fsync/Sync (and Close, if it happened before); later commits wait
-// behind it (order is never broken). Sync() retries a failed file.
+// Errors while flushing or placing (EIO, ENOSPC, the directory removed or moved out of SRC from
+// outside, an O_EXCL name taken): the chunks stay in the cache, the file stays pending, and the
+// error is returned by Fsync/Sync (and Close, if it happened before); later commits wait behind
+// it (order is never broken), and what is written of each is made durable in its part. The
+// committer tries the failed file again by itself (after 1 s, backing off to 8 s; at once when
+// Sync is called or a pending file is unlinked, which frees its part's space at once), so the
+// files behind it place as soon as it does. Stats().unplaced lists them meanwhile; an unmount
+// leaves those durable in their parts for the next mount and logs each (and any whose bytes
+// were only in memory). Writes past the source filesystem's file size limit fail with EFBIG.
 //
 // Thread-safety: every method may be called from any thread at once. Lock order: a file's mutex
 // before the engine's mutex (mu_); no lock is held while blocked on the cache.
@@ -125,7 +131,10 @@ class WriteCapture {
   // directory through renames), with permission bits `mode`; whatever has that name then is
   // replaced. Errors: kIo (creating the part); PinnedCache::Make's for the first file when the
   // cache is made then.
-  Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode);
+  // `exclusive` (an O_EXCL create): a name made there from outside meanwhile is not replaced (the
+  // commit fails with EEXIST and the file is kept, listed as unplaced).
+  Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode,
+                                               bool exclusive = false);
 
   // The part's descriptor-level identity (st_dev, st_ino: the final file's after the rename) and
   // the file's logical size and times.
