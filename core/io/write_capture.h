@@ -4,7 +4,8 @@
 // A captured file lives in two places until it is durable:
 //   - its bytes, chunk by chunk, in the PinnedCache (write() returns once they are there; a full
 //     cache blocks the writer until flushers free chunks: back-pressure, never an error);
-//   - its backing file `SRC/.ucpfs/capture/<seq>.part`, which flushers fill with O_DIRECT writes
+//   - its backing file `SRC/.ucpfs/capture/<mount id>/<seq>.part` (each mount has its own state
+//     directory: capture_mount.h), which flushers fill with O_DIRECT writes
 //     of whole chunks (several in flight through an IoEngine, fixed buffers, out of order), a
 //     chunk being written as soon as it is full so files larger than the cache stream through.
 // It appears under its final name only once complete and durable: the committer truncates the
@@ -13,18 +14,26 @@
 // Close/Fsync calls (close order), so a pointer file written last (`latest`, `.metadata`) is
 // never durable before the shards closed before it.
 //
-// Crash safety: a journal (`SRC/.ucpfs/capture/journal`) records each chunk written (offset,
-// length, xxHash64 of its bytes) and each commit (size, mode, final path) in close order. Start()
-// reads it back first: in close order, a closed file whose part holds every chunk with its
-// recorded hash is finished (renamed into place, one log line); from the first one that is not,
-// that file and every later one are discarded (one log line each), so nothing is ever visible
-// under a final name torn or ahead of what was closed before it; parts never closed are
-// discarded. The journal is untrusted input (it lives in the checkpoint directory): it is
-// bounded, every record is checksummed and every path checked before use.
+// Crash safety: a journal (`SRC/.ucpfs/capture/<mount id>/journal`) records each chunk written
+// (offset, length, xxHash64 of its bytes) and each commit (size, mode, final path) in close
+// order. Start() reads back the journal of each dead mount (capture_mount.h says which), on its
+// own: in close order, a closed file whose part holds every chunk with its recorded hash is
+// finished (renamed into place, one log line); from the first one that is not, that file and
+// every later one are discarded (one log line each), so nothing is ever visible under a final
+// name torn or ahead of what was closed before it; parts never closed are discarded. A whole
+// file whose place cannot take it (its directory is gone, the disk is full) is kept, with every
+// later one, for the next mount. The journal is untrusted input (it lives in the checkpoint
+// directory): it is bounded, every record is checksummed and every path checked before use.
 //
-// Errors while flushing (EIO, ENOSPC): the chunks stay in the cache, the file stays pending, and
-// the error is returned by Fsync/Sync (and Close, if it happened before); later commits wait
-// behind it (order is never broken). Sync() retries a failed file.
+// Errors while flushing or placing (EIO, ENOSPC, the directory removed or moved out of SRC from
+// outside, an O_EXCL name taken): the chunks stay in the cache, the file stays pending, and the
+// error is returned by Fsync/Sync (and Close, if it happened before); later commits wait behind
+// it (order is never broken), and what is written of each is made durable in its part. The
+// committer tries the failed file again by itself (after 1 s, backing off to 8 s; at once when
+// Sync is called or a pending file is unlinked, which frees its part's space at once), so the
+// files behind it place as soon as it does. Stats().unplaced lists them meanwhile; an unmount
+// leaves those durable in their parts for the next mount and logs each (and any whose bytes
+// were only in memory). Writes past the source filesystem's file size limit fail with EFBIG.
 //
 // Thread-safety: every method may be called from any thread at once. Lock order: a file's mutex
 // before the engine's mutex (mu_); no lock is held while blocked on the cache.
@@ -67,6 +76,15 @@ struct WriteCaptureOptions {
   // Called on the committer thread just before a file is renamed over `rel_path` (whatever is
   // there is replaced): what still reads the old file can open it now.
   std::function<void(const std::string& rel_path)> before_replace;
+  // Another host's mount whose lease was not renewed for this long is dead (capture_mount.h).
+  uint64_t lease_timeout_s = 60;
+};
+
+// A file whose save was accepted (close or fsync) but that is not under its final name.
+struct UnplacedFile {
+  std::string path;     // relative to SRC
+  std::string reason;   // why not (yet)
+  std::string kept_in;  // the state directory holding its bytes durably; "" while in memory only
 };
 
 // One file being captured. Opaque; shared by every open handle of the file.
@@ -86,6 +104,8 @@ struct CaptureStats {
   uint64_t chunks_coalesced = 0;   // chunks written as part of a larger write with their neighbour
   std::string memory_kind;         // PinnedMemoryKindName
   std::string engine;              // the flushers' IoEngine::Name() ("not started yet" before the first save)
+  std::string state_dir;           // this mount's state directory (capture_mount.h)
+  std::vector<UnplacedFile> unplaced;
 };
 
 // Merges write ops that continue each other both in their file and in memory into one op (not
@@ -111,7 +131,10 @@ class WriteCapture {
   // directory through renames), with permission bits `mode`; whatever has that name then is
   // replaced. Errors: kIo (creating the part); PinnedCache::Make's for the first file when the
   // cache is made then.
-  Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode);
+  // `exclusive` (an O_EXCL create): a name made there from outside meanwhile is not replaced (the
+  // commit fails with EEXIST and the file is kept, listed as unplaced).
+  Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode,
+                                               bool exclusive = false);
 
   // The part's descriptor-level identity (st_dev, st_ino: the final file's after the rename) and
   // the file's logical size and times.

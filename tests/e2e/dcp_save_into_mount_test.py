@@ -53,7 +53,7 @@ import warnings
 import torch
 
 from e2e_common import Results, TORCH_VERSION, seeded_rng, tmpdir
-from mount_common import FIXTURES, expected_atomic, is_mounted, mounted, status, step_equal
+from mount_common import FIXTURES, capture_parts, expected_atomic, is_mounted, mounted, status, step_equal
 
 sys.path.insert(0, FIXTURES)
 from rendezvous import TcpRendezvous, rank_env  # noqa: E402
@@ -582,7 +582,7 @@ def check_recovered(src, d, wants, synced):
         assert len(shards) == N_SHARDS, f"{d}/latest is there with only {shards}"
     lost = [n for n in synced if n not in present]
     assert not lost, f"{d}: fsync returned success for {lost}, absent after recovery"
-    parts = [p for p in os.listdir(os.path.join(src, ".ucpfs", "capture")) if p.endswith(".part")]
+    parts = capture_parts(src)
     assert not parts, f"left over: {parts}"
     return len(shards), "latest" in present
 

@@ -58,6 +58,15 @@ def mounted(src, mnt, *extra, timeout_s=120):
                 print(f"--- daemon log {log}:\n{text}", file=sys.stderr)
 
 
+def capture_parts(src):
+    """The parts (files being captured) left in SRC's capture state: every mount keeps its own
+    state directory under .ucpfs/capture/."""
+    out = []
+    for d, _, files in os.walk(os.path.join(src, ".ucpfs", "capture")):
+        out += [os.path.join(d, f) for f in files if f.endswith(".part")]
+    return out
+
+
 def status(mnt):
     return json.load(open(os.path.join(mnt, ".ucpfs", "status.json")))
 

@@ -27,7 +27,7 @@ import time
 import torch
 
 from e2e_common import Results, run, tmpdir, ucpfs_bin
-from mount_common import expected_atomic, gen_fixture, is_mounted, mounted
+from mount_common import capture_parts, expected_atomic, gen_fixture, is_mounted, mounted
 
 
 def state(seed, n_tensors=6, rows=512):
@@ -50,7 +50,7 @@ def wait_unmounted_and_drained(mnt, src, names, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not is_mounted(mnt) and all(os.path.exists(os.path.join(src, n)) for n in names):
-            parts = [p for p in os.listdir(os.path.join(src, ".ucpfs", "capture")) if p.endswith(".part")]
+            parts = capture_parts(src)
             if not parts:
                 return
         time.sleep(0.05)
@@ -146,7 +146,7 @@ def kill_during_saves(work, src):
         assert open(os.path.join(src, name), "rb").read() == wants[name], f"{name} is torn"
     if os.path.exists(os.path.join(src, "k", "latest")):
         assert len(placed) == len(wants), "latest is durable before its shards"
-    leftover = [p for p in os.listdir(os.path.join(src, ".ucpfs", "capture")) if p.endswith(".part")]
+    leftover = capture_parts(src)
     assert not leftover, leftover
     return f"{len(placed)} of {len(wants)} shards placed; log: {log.count('capture recovery')} recovery lines"
 

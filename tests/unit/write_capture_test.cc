@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,27 +66,36 @@ class WriteCaptureTest : public ::testing::Test {
     stdfs::remove_all(dir_);
   }
   void Start(size_t n_chunks, size_t chunk_bytes = 64 << 10, std::function<std::unique_ptr<IoEngine>()> engine = {}) {
+    capture_ = StartAnother(n_chunks, chunk_bytes, std::move(engine));
+  }
+  // One more WriteCapture of the same SRC: another mount of it.
+  std::unique_ptr<WriteCapture> StartAnother(size_t n_chunks, size_t chunk_bytes = 64 << 10,
+                                             std::function<std::unique_ptr<IoEngine>()> engine = {}) {
     PinnedCacheOptions co;
     co.capacity_bytes = n_chunks * chunk_bytes;
     co.chunk_bytes = chunk_bytes;
     co.allow_cuda = false;
     co.lock_on_first_use = true;  // as the mount makes it
     auto cache = PinnedCache::Make(co);
-    ASSERT_TRUE(cache.ok()) << cache.error().ToString();
+    EXPECT_TRUE(cache.ok()) << cache.error().ToString();
+    if (!cache.ok()) return nullptr;
     WriteCaptureOptions o;
     o.source_dirfd = src_fd_;
     o.source_dir = dir_.string();
     o.cache = std::shared_ptr<PinnedCache>(std::move(*cache));
     o.make_engine = std::move(engine);
-    o.log = [this](const std::string& line) { log_.push_back(line); };
+    o.log = [this](const std::string& line) {
+      std::lock_guard lock(durable_mu_);
+      log_.push_back(line);
+    };
     o.on_durable = [this](const std::string& rel) {
       std::lock_guard lock(durable_mu_);
       durable_.push_back(rel);
     };
     o.before_replace = before_replace_;
     auto wc = WriteCapture::Start(std::move(o));
-    ASSERT_TRUE(wc.ok()) << wc.error().ToString();
-    capture_ = std::move(*wc);
+    EXPECT_TRUE(wc.ok()) << wc.error().ToString();
+    return wc.ok() ? std::move(*wc) : nullptr;
   }
   std::shared_ptr<CapturedFile> Create(const std::string& name, int dirfd = -1) {
     auto f = capture_->Create(dirfd < 0 ? src_fd_ : dirfd, name, 0640);
@@ -144,8 +154,10 @@ TEST_F(WriteCaptureTest, FilesLandByteExactInCloseOrderOnlyWhenComplete) {
     EXPECT_EQ(durable_[i], (i % 2 == 0 ? "" : "sub/") + ("shard_" + std::to_string(i) + ".bin"));
   }
   // Nothing captured is alive: the journal is back to its magic alone.
-  EXPECT_EQ(stdfs::file_size(dir_ / ".ucpfs" / "capture" / "journal"), sizeof(kJournalMagic));
-  for (const auto& e : stdfs::directory_iterator(dir_ / ".ucpfs" / "capture")) {
+  const stdfs::path state = capture_->Stats().state_dir;
+  EXPECT_EQ(state.parent_path(), dir_ / ".ucpfs" / "capture");
+  EXPECT_EQ(stdfs::file_size(state / "journal"), sizeof(kJournalMagic));
+  for (const auto& e : stdfs::recursive_directory_iterator(dir_ / ".ucpfs" / "capture")) {
     EXPECT_NE(e.path().extension(), ".part") << e.path();
   }
 }
@@ -421,6 +433,109 @@ TEST_F(WriteCaptureTest, RecoveryNeverPlacesOutsideTheSourceOrThroughASymlink) {
   EXPECT_FALSE(stdfs::exists(dir_.parent_path() / "escape"));
   EXPECT_FALSE(stdfs::exists(dir_ / ".ucpfs" / "x"));
   stdfs::remove_all(outside);
+}
+
+// ---- several mounts of one SRC ----
+
+std::string BootId() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+TEST_F(WriteCaptureTest, MountsOfOneSourceSaveAtOnceAndANewOneLeavesTheLiveOnesAlone) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 11);
+  std::vector<std::unique_ptr<WriteCapture>> mounts;
+  for (int i = 0; i < 4; ++i) mounts.push_back(StartAnother(8));
+  // Each mount has its own state directory.
+  std::set<std::string> states;
+  for (auto& m : mounts) states.insert(m->Stats().state_dir);
+  ASSERT_EQ(states.size(), mounts.size());
+  // Every mount saves its rank's files at once; a file of each stays open (written, fsync'd
+  // halfway) while a fifth mount starts: its recovery must leave the live mounts' parts alone.
+  std::vector<std::vector<std::byte>> data(mounts.size()), open_data(mounts.size());
+  std::vector<std::shared_ptr<CapturedFile>> open_files(mounts.size());
+  for (size_t r = 0; r < mounts.size(); ++r) {
+    data[r] = RandomBytes(rng, 100000 + 9000 * r);
+    open_data[r] = RandomBytes(rng, 150000);
+  }
+  std::vector<std::thread> savers;
+  for (size_t r = 0; r < mounts.size(); ++r) {
+    savers.emplace_back([&, r] {
+      WriteCapture& wc = *mounts[r];
+      for (int k = 0; k < 3; ++k) {
+        auto f = wc.Create(src_fd_, "__" + std::to_string(r) + "_" + std::to_string(k) + ".distcp", 0644);
+        ASSERT_TRUE(f.ok()) << f.error().ToString();
+        ASSERT_TRUE(wc.Write(**f, 0, data[r]).ok());
+        ASSERT_TRUE(wc.Fsync(**f).ok());
+        ASSERT_TRUE(wc.Close(**f).ok());
+      }
+      auto f = wc.Create(sub_fd_, "open_" + std::to_string(r), 0644);
+      ASSERT_TRUE(f.ok());
+      ASSERT_TRUE(wc.Write(**f, 0, std::span(open_data[r].data(), 70000)).ok());
+      ASSERT_TRUE(wc.Fsync(**f).ok());
+      open_files[r] = *f;
+    });
+  }
+  for (auto& t : savers) t.join();
+  auto late = StartAnother(8);
+  ASSERT_NE(late, nullptr);
+  for (size_t r = 0; r < mounts.size(); ++r) {
+    ASSERT_TRUE(mounts[r]->Write(*open_files[r], 70000, std::span(open_data[r].data() + 70000, 80000)).ok());
+    ASSERT_TRUE(mounts[r]->Close(*open_files[r]).ok());
+    const Status s = mounts[r]->Sync();
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(ReadFile((dir_ / "sub" / ("open_" + std::to_string(r))).string()), open_data[r]);
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_EQ(ReadFile((dir_ / ("__" + std::to_string(r) + "_" + std::to_string(k) + ".distcp")).string()), data[r]);
+    }
+  }
+  for (const auto& l : log_) EXPECT_EQ(l.find("discarded"), std::string::npos) << l;
+  // A clean end removes the state directory.
+  const std::string state = mounts[0]->Stats().state_dir;
+  mounts[0].reset();
+  EXPECT_FALSE(stdfs::exists(state));
+}
+
+TEST_F(WriteCaptureTest, RecoveryTakesOnlyTheStateOfMountsProvablyDead) {
+  const stdfs::path cap = dir_ / ".ucpfs" / "capture";
+  stdfs::create_directories(cap);
+  const std::vector<std::byte> d(1000, std::byte{7});
+  // A mount's state: lock, lease (boot id, and how long ago it was renewed), journal, one part
+  // committed as `path`.
+  auto state = [&](const std::string& id, const std::string& boot, int lease_age_s, const std::string& path) {
+    const stdfs::path s = cap / id;
+    stdfs::create_directories(s);
+    stdfs::permissions(s, stdfs::perms::owner_all);
+    std::ofstream(s / "lock").put('\0');
+    std::ofstream(s / "lease") << "host h\nboot " << boot << "\npid 1\n";
+    const auto t = stdfs::file_time_type::clock::now() - std::chrono::seconds(lease_age_s);
+    stdfs::last_write_time(s / "lease", t);
+    std::ofstream(s / "1.part", std::ios::binary).write(reinterpret_cast<const char*>(d.data()), 1000);
+    WriteJournal(s / "journal", {ChunkRecord(1, 0, d), CommitRecord(1, 1000, path)});
+  };
+  state("dead-here", BootId(), 0, "dead_here");             // lock free on this kernel: dead
+  state("alive-here", BootId(), 0, "alive_here");           // lock held below: alive
+  state("other-host-fresh", "another-boot", 5, "fresh");    // another kernel, lease fresh: alive
+  state("other-host-stale", "another-boot", 600, "stale");  // another kernel, lease expired: dead
+  const int held = open((cap / "alive-here" / "lock").c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(held, 0);
+  struct flock fl = {};
+  fl.l_type = F_WRLCK;
+  ASSERT_EQ(fcntl(held, F_OFD_SETLK, &fl), 0);
+  Start(4);
+  std::string all;
+  for (const auto& l : log_) all += l + "\n";
+  EXPECT_EQ(ReadFile((dir_ / "dead_here").string()), d) << all;
+  EXPECT_EQ(ReadFile((dir_ / "stale").string()), d);
+  EXPECT_FALSE(stdfs::exists(cap / "dead-here"));
+  EXPECT_FALSE(stdfs::exists(cap / "other-host-stale"));
+  EXPECT_FALSE(stdfs::exists(dir_ / "alive_here"));
+  EXPECT_FALSE(stdfs::exists(dir_ / "fresh"));
+  EXPECT_TRUE(stdfs::exists(cap / "alive-here" / "1.part"));
+  EXPECT_TRUE(stdfs::exists(cap / "other-host-fresh" / "1.part"));
+  close(held);
 }
 
 TEST(CaptureJournal, DamagedAndTornRecordsEndTheJournal) {

@@ -1,0 +1,250 @@
+// The flushers of WriteCapture (see write_capture.h, write_capture_internal.h): chunks of the
+// pinned cache made resident for writers, queued when full (or for eviction), and written into
+// the parts through an IoEngine, several in flight, adjacent ones coalesced.
+#include "core/io/write_capture_internal.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace ucpfs::io {
+
+std::vector<IoOp> CoalesceWrites(std::vector<IoOp> ops, std::vector<std::vector<uint64_t>>* members) {
+  std::sort(ops.begin(), ops.end(), [](const IoOp& a, const IoOp& b) {
+    return a.fd != b.fd ? a.fd < b.fd : a.byte_offset < b.byte_offset;
+  });
+  std::vector<IoOp> out;
+  for (const IoOp& op : ops) {
+    if (!out.empty()) {
+      IoOp& last = out.back();
+      if (last.fd == op.fd && last.byte_offset + last.n_bytes == op.byte_offset &&
+          last.buffer + last.n_bytes == op.buffer && last.n_bytes % kDirectAlign == 0) {
+        last.n_bytes += op.n_bytes;
+        last.registered_buffer = -1;  // spans two fixed buffers
+        (*members)[last.user_data].push_back(op.user_data);
+        continue;
+      }
+    }
+    members->push_back({op.user_data});
+    out.push_back(op);
+    out.back().user_data = members->size() - 1;
+  }
+  return out;
+}
+
+// Queues a chunk of `f` (f.mu held) for flushing.
+void WriteCapture::Impl::QueueChunk(const std::shared_ptr<CapturedFile>& f, uint64_t index, ChunkSlot& slot) {
+  if (slot.queued || slot.in_flight) return;
+  slot.queued = true;
+  {
+    std::lock_guard lock(mu);
+    flush_queue.emplace_back(f, index);
+  }
+  work_cv.notify_all();
+}
+
+// Frees memory for a blocked writer: resident chunks not being written are released when clean
+// and queued for an evicting flush when dirty.
+void WriteCapture::Impl::RelieveMemory() {
+  std::vector<std::shared_ptr<CapturedFile>> files;
+  {
+    std::lock_guard lock(mu);
+    for (auto& [seq, weak] : pending) {
+      if (auto f = weak.lock()) files.push_back(std::move(f));
+    }
+  }
+  for (auto& f : files) {
+    std::unique_lock lock(f->mu, std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    for (auto& [index, slot] : f->chunks) {
+      if (!slot.mem || slot.in_flight || slot.queued) continue;
+      if (!slot.dirty) {
+        ReleaseChunk(*cache, *slot.mem);
+        slot.mem.reset();
+        ++slot.generation;
+      } else {
+        slot.evict = true;
+        QueueChunk(f, index, slot);
+      }
+    }
+  }
+}
+
+// Makes `slot` (chunk `index` of f, f.mu held via `lock`) resident, reading back what the part
+// holds. May unlock while waiting for the cache.
+Status WriteCapture::Impl::MakeResident(const std::shared_ptr<CapturedFile>& f, std::unique_lock<std::mutex>& lock, uint64_t index) {
+  while (!f->chunks[index].mem) {
+    lock.unlock();
+    std::optional<Chunk> chunk = cache->TryAcquire();
+    if (!chunk) {
+      RelieveMemory();
+      chunk = cache->Acquire();
+    }
+    lock.lock();
+    if (!chunk) return InternalError("write capture is shutting down");
+    ChunkSlot& slot = f->chunks[index];
+    if (slot.mem) {  // another writer won
+      ReleaseChunk(*cache, *chunk);
+      break;
+    }
+    slot.mem = chunk;
+    slot.valid_bytes = 0;
+    slot.filled = {};
+    ++slot.generation;
+    const uint64_t start = index * chunk_bytes;
+    if (slot.on_disk && f->size > start) {
+      const auto n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, f->size - start));
+      size_t got = 0;
+      while (got < n) {
+        const ssize_t r = pread(f->fd, chunk->data + got, n - got, static_cast<off_t>(start + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+          const int err = errno;
+          ReleaseChunk(*cache, *chunk);
+          slot.mem.reset();
+          return Errno("read back " + PartPath(*f), err);
+        }
+        if (r == 0) break;
+        got += static_cast<size_t>(r);
+      }
+      std::memset(chunk->data + got, 0, n - got);
+      slot.valid_bytes = n;
+      slot.filled.Add(0, n);
+    }
+  }
+  return Status::Ok();
+}
+
+void WriteCapture::Impl::FlusherLoop() {
+  std::unique_ptr<IoEngine> engine = options.make_engine ? options.make_engine() : MakeDefaultEngine(options.queue_depth);
+  {
+    std::lock_guard lock(start_mu);
+    engine_name = engine->Name();
+  }
+  // Fixed buffers, registered chunk by chunk when this flusher first writes from one (the
+  // cache locks a chunk on its first use; registering all of them now would fault in and pin
+  // the whole capacity).
+  const std::vector<iovec> regions = cache->Regions();
+  const bool fixed = engine->RegisterBufferSlots(static_cast<unsigned>(regions.size())).ok();
+  std::vector<bool> registered(regions.size(), false);
+  const size_t depth = std::max<size_t>(1, std::min<size_t>(options.queue_depth, engine->QueueDepth()));
+  std::vector<Flight> flights;
+  std::vector<IoOp> ops;
+  std::vector<IoCompletion> done(depth);
+  for (;;) {
+    std::vector<std::pair<std::shared_ptr<CapturedFile>, uint64_t>> batch;
+    {
+      std::unique_lock lock(mu);
+      work_cv.wait(lock, [&] { return stopping || !flush_queue.empty(); });
+      if (flush_queue.empty() && stopping) return;
+      while (!flush_queue.empty() && batch.size() < depth) {
+        batch.push_back(std::move(flush_queue.front()));
+        flush_queue.pop_front();
+      }
+    }
+    flights.clear();
+    ops.clear();
+    for (auto& [f, index] : batch) {
+      std::lock_guard lock(f->mu);
+      const auto found = f->chunks.find(index);
+      if (found == f->chunks.end()) continue;  // truncated away
+      ChunkSlot& slot = found->second;
+      slot.queued = false;
+      if (f->discarded || !slot.mem || !slot.dirty) {
+        if (f->discarded && slot.mem) {
+          ReleaseChunk(*cache, *slot.mem);
+          slot.mem.reset();
+        }
+        continue;
+      }
+      const uint64_t start = index * chunk_bytes;
+      const uint64_t n_data = f->size > start ? std::min<uint64_t>(chunk_bytes, f->size - start) : 0;
+      if (n_data == 0) {  // truncated away
+        slot.dirty = false;
+        dirty_chunks.fetch_sub(1);
+        ReleaseChunk(*cache, *slot.mem);
+        slot.mem.reset();
+        ++slot.generation;
+        continue;
+      }
+      const uint64_t n_write = (n_data + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+      if (slot.valid_bytes < n_write) {  // holes and the padding of the tail read as zeros
+        std::memset(slot.mem->data + slot.valid_bytes, 0, n_write - slot.valid_bytes);
+        slot.valid_bytes = n_write;
+      }
+      slot.in_flight = true;
+      // Hashed under the file's lock: a writer changing the chunk afterwards (while the kernel
+      // reads it) bumps its generation, and then neither the record nor the release happens.
+      Flight fl{f, index, slot.generation, n_data, XXH64(slot.mem->data, static_cast<size_t>(n_data), 0)};
+      flights.push_back(fl);
+      IoOp op;
+      op.kind = OpKind::kWrite;
+      op.fd = f->direct_fd;
+      op.byte_offset = start;
+      op.buffer = slot.mem->data;
+      op.n_bytes = static_cast<size_t>(n_write);
+      op.registered_buffer = -1;
+      if (fixed && (registered[slot.mem->index] ||
+                    engine->UpdateBuffer(slot.mem->index, regions[slot.mem->index]).ok())) {
+        registered[slot.mem->index] = true;
+        op.registered_buffer = static_cast<int>(slot.mem->index);
+      }
+      op.user_data = flights.size() - 1;
+      ops.push_back(op);
+    }
+    if (ops.empty()) continue;
+    // Adjacent chunks of one file that are adjacent in memory too go out as one write (not
+    // from a fixed buffer then: it spans two).
+    std::vector<std::vector<uint64_t>> members;  // per op sent: the flights it carries
+    std::vector<IoOp> sent = CoalesceWrites(ops, &members);
+    {
+      std::lock_guard busy(busy_mu);
+      if (batches_in_flight++ == 0) busy_since_ns = NowNs();
+    }
+    std::vector<IoCompletion> results = engine->RunAll(sent);
+    {
+      std::lock_guard busy(busy_mu);
+      if (--batches_in_flight == 0) flush_busy_ns.fetch_add(NowNs() - busy_since_ns);
+    }
+    ops_coalesced.fetch_add(ops.size() - sent.size());
+    // Completed last chunk first: the cache hands chunks out LIFO, so the next file's chunks
+    // come out ascending in memory, and coalesce again.
+    for (size_t i = results.size(); i-- > 0;) {
+      const std::vector<uint64_t>& carried = members[results[i].user_data];
+      for (size_t k = carried.size(); k-- > 0;) Complete(flights[carried[k]], results[i]);
+    }
+  }
+}
+
+void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
+  CapturedFile& f = *fl.file;
+  {
+    std::lock_guard lock(f.mu);
+    ChunkSlot& slot = f.chunks[fl.index];
+    slot.in_flight = false;
+    if (!c.status.ok()) {
+      if (f.error.ok()) f.error = c.status;
+      flush_errors.fetch_add(1);
+      Log("ucpfs: flushing " + PartPath(f) + " at byte " + std::to_string(fl.index * chunk_bytes) + ": " +
+          c.status.ToString() + " (the data stays in the cache)");
+    } else {
+      bytes_flushed.fetch_add(fl.n_data);
+      slot.on_disk = true;
+      if (slot.generation == fl.generation) {
+        slot.dirty = false;
+        dirty_chunks.fetch_sub(1);
+        Journal({JournalType::kChunk, f.seq, fl.index * chunk_bytes, fl.n_data, fl.hash, 0, 0, {}});
+        if (slot.evict || f.closed || slot.filled.Covers(chunk_bytes)) {
+          ReleaseChunk(*cache, *slot.mem);
+          slot.mem.reset();
+          slot.evict = false;
+          ++slot.generation;
+        }
+      } else if (slot.filled.Covers(chunk_bytes) || !f.flush_ready) {
+        QueueChunk(fl.file, fl.index, slot);  // changed while in flight: write it again
+      }
+    }
+  }
+  f.cv.notify_all();
+}
+
+}  // namespace ucpfs::io

@@ -1,0 +1,245 @@
+// Internals of WriteCapture shared by its files: the captured file, its chunks and the engine's
+// state (WriteCapture::Impl). Included only by write_capture*.cc and capture_*.cc of this folder;
+// the public interface is write_capture.h.
+//
+// Where each part lives:
+//   write_capture.cc      the public class, start/stop, the journal appender
+//   capture_flusher.cc    cache -> parts: chunks made resident, queued and written through an IoEngine
+//   capture_committer.cc  close-order placement: flush, truncate, fdatasync, rename, fsync the directory
+//   capture_recovery.cc   the next mount's replay of what a crashed daemon left in the capture directory
+#pragma once
+
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/io/capture_journal.h"
+#include "core/io/capture_mount.h"
+#include "core/io/write_capture.h"
+
+namespace ucpfs::io {
+
+inline constexpr size_t kDirectAlign = 4096;
+
+inline uint64_t NowNs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+inline Status Errno(const std::string& what, int err) {
+  if (err == ENOSPC || err == EDQUOT) return Status(StatusCode::kNoSpace, what + ": " + std::strerror(err), err);
+  return IoError(what, err);
+}
+
+// A directory beneath `root` by a relative path, never through a symlink or out of `root`.
+inline int OpenBeneath(int root, const std::string& rel, uint64_t flags) {
+  struct open_how how = {};
+  how.flags = flags | O_CLOEXEC;
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+  return static_cast<int>(syscall(SYS_openat2, root, rel.c_str(), &how, sizeof(how)));
+}
+
+inline std::string PartName(uint64_t seq) { return std::to_string(seq) + ".part"; }
+
+// Gives a chunk back; the cache refuses only a chunk it does not know or one given back twice,
+// which is a bug here: say so, loudly, rather than lose track of memory silently.
+inline void ReleaseChunk(PinnedCache& cache, const Chunk& chunk) {
+  const Status s = cache.Release(chunk);
+  if (!s.ok()) std::fprintf(stderr, "ucpfs: internal: %s\n", s.ToString().c_str());
+}
+
+// Merged byte intervals of a chunk written since it was filled from scratch.
+struct Intervals {
+  std::vector<std::pair<uint64_t, uint64_t>> runs;  // sorted, disjoint, non-adjacent
+  void Add(uint64_t lo, uint64_t hi) {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (const auto& r : runs) {
+      if (r.second < lo || r.first > hi) {
+        out.push_back(r);
+      } else {
+        lo = std::min(lo, r.first);
+        hi = std::max(hi, r.second);
+      }
+    }
+    out.emplace_back(lo, hi);
+    std::sort(out.begin(), out.end());
+    runs = std::move(out);
+  }
+  bool Covers(uint64_t n) const { return runs.size() == 1 && runs[0].first == 0 && runs[0].second >= n; }
+  void Clip(uint64_t n) {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (const auto& r : runs) {
+      if (r.first < n) out.emplace_back(r.first, std::min(r.second, n));
+    }
+    runs = std::move(out);
+  }
+};
+
+struct ChunkSlot {
+  std::optional<Chunk> mem;  // resident in the cache
+  uint64_t valid_bytes = 0;  // [0, valid_bytes) of mem holds data or zeros; the rest is stale
+  Intervals filled;
+  bool dirty = false;
+  bool queued = false;      // in the flush queue
+  bool in_flight = false;
+  bool evict = false;       // release after the flush even if not full
+  bool on_disk = false;     // the part holds bytes of this chunk
+  uint64_t generation = 0;  // bumped by every change of mem
+};
+
+class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
+ public:
+  mutable std::mutex mu;
+  std::condition_variable cv;  // a chunk write completed, or the file changed state
+  uint64_t seq = 0;
+  std::string part_name;
+  int direct_fd = -1;  // O_DIRECT when the filesystem takes it, else == fd
+  int fd = -1;         // buffered: reads back, truncate, fdatasync
+  int parent_fd = -1;  // O_PATH destination directory (dup'ed)
+  std::string name;
+  mode_t mode = 0644;
+  uint64_t size = 0;   // logical
+  struct timespec mtime = {};
+  struct stat part_stat = {};
+  std::map<uint64_t, ChunkSlot> chunks;
+  bool closed = false;
+  bool discarded = false;
+  bool placed = false;
+  bool settled = false;     // closed, and its last commit started after the close
+  bool flush_ready = true;  // false while a commit of it has not been started
+  Status error;             // the first flush error not yet retried
+  PinnedCache* cache = nullptr;
+  bool exclusive = false;   // created O_EXCL: placed only where no name is (RENAME_NOREPLACE)
+  std::string last_rel;     // where it goes, relative to SRC, as last resolved (for messages, the journal)
+  bool kept = false;        // everything written is durable in its part (a commit failed after)
+
+  ~CapturedFile() {
+    for (auto& [index, slot] : chunks) {
+      if (slot.mem) ReleaseChunk(*cache, *slot.mem);
+    }
+    if (direct_fd >= 0 && direct_fd != fd) close(direct_fd);
+    if (fd >= 0) close(fd);
+    if (parent_fd >= 0) close(parent_fd);
+  }
+};
+
+struct WriteCapture::Impl {
+  WriteCaptureOptions options;
+  std::shared_ptr<PinnedCache> cache;
+  size_t chunk_bytes = 0;
+  int capture_root_fd = -1;      // SRC/.ucpfs/capture
+  std::string capture_root_dir;  // for messages
+  std::optional<MountState> mount;  // this mount's state directory in it, its lock held
+  int capture_fd = -1;              // == mount->dir_fd(): the parts and the journal
+  int journal_fd = -1;
+  std::string capture_dir;  // == mount->dir_shown(), for messages
+  // Files recovery found whole but could not place (kept for a later mount), as (path, where, why).
+  std::vector<UnplacedFile> kept_unplaced;  // guarded by mu
+  std::thread lease_thread;  // renews mount's lease every kLeaseRenewSeconds until stopping
+  std::string source_real;  // realpath of SRC, to express destinations relative to it
+  std::string engine_name;  // the flushers' engine, once they run; guarded by start_mu
+
+  mutable std::mutex mu;  // everything below; taken after a file's mutex, never before
+  std::condition_variable work_cv;    // flush queue or commit queue changed
+  std::condition_variable done_cv;    // a commit finished or failed
+  std::condition_variable lease_cv;   // stopping
+  std::deque<std::pair<std::shared_ptr<CapturedFile>, uint64_t>> flush_queue;  // (file, chunk index)
+  struct CommitItem {
+    std::shared_ptr<CapturedFile> file;
+    uint64_t ticket = 0;
+  };
+  std::deque<CommitItem> commit_queue;
+  uint64_t next_ticket = 1;
+  uint64_t committed_ticket = 0;  // every ticket <= this is durable
+  Status head_error;              // the head of the commit queue failed with this
+  uint64_t head_error_ticket = 0;
+  bool retry = false;
+  uint64_t max_file_bytes = std::numeric_limits<int64_t>::max();  // SRC's filesystem's, probed at start
+  bool stopping = false;
+  uint64_t next_seq = 1;
+  std::map<uint64_t, std::weak_ptr<CapturedFile>> pending;  // created and not yet placed or discarded
+  std::mutex journal_mu;
+
+  std::atomic<uint64_t> bytes_captured{0}, bytes_flushed{0}, files_committed{0}, flush_errors{0};
+  std::atomic<uint64_t> dirty_chunks{0}, flush_busy_ns{0}, ops_coalesced{0};
+  // flush_busy_ns counts the time with at least one flusher's batch in flight: the union of the
+  // flushers' busy intervals, not their sum (which overlapping flushers would count twice).
+  // busy_mu is a leaf lock, never held with another.
+  std::mutex busy_mu;
+  unsigned batches_in_flight = 0;
+  uint64_t busy_since_ns = 0;
+  std::vector<std::thread> threads;
+  mutable std::mutex start_mu;
+  bool started = false;  // guarded by start_mu; cache, chunk_bytes and threads are set once
+
+  void Log(const std::string& line) const {
+    if (options.log) options.log(line);
+  }
+  std::string PartPath(const CapturedFile& f) const { return capture_dir + "/" + f.part_name; }
+
+  // write_capture.cc
+  void Journal(const JournalRecord& r);
+  Status EnsureStarted();
+  void Stop();
+  void LeaseLoop();
+
+  // capture_flusher.cc
+  struct Flight {
+    std::shared_ptr<CapturedFile> file;
+    uint64_t index = 0;
+    uint64_t generation = 0;
+    uint64_t n_data = 0;  // file bytes in this chunk
+    uint64_t hash = 0;
+  };
+  void QueueChunk(const std::shared_ptr<CapturedFile>& f, uint64_t index, ChunkSlot& slot);
+  void RelieveMemory();
+  Status MakeResident(const std::shared_ptr<CapturedFile>& f, std::unique_lock<std::mutex>& lock, uint64_t index);
+  void FlusherLoop();
+  void Complete(const Flight& fl, const IoCompletion& c);
+
+  // capture_committer.cc
+  std::string RelPath(const CapturedFile& f) const;
+  // The directory `f` is to be placed in, re-resolved beneath SRC's root (never through a
+  // symlink or out of SRC) and checked to be the one it was created in; sets f.last_rel.
+  // Errors: kIo (EIO) naming the file when that directory was removed or left SRC.
+  Result<int> OpenPlace(CapturedFile& f, std::string* rel);
+  // Makes what is written of every file queued behind a failed one durable in its part, so an
+  // unmount keeps it for the next mount.
+  void KeepQueued();
+  Status FlushAll(const std::shared_ptr<CapturedFile>& f);
+  void ForgetIfDone(const std::shared_ptr<CapturedFile>& f);
+  Status CommitFile(const std::shared_ptr<CapturedFile>& f, IoEngine& engine);
+  void CommitterLoop();
+  uint64_t Enqueue(const std::shared_ptr<CapturedFile>& f);
+  Status WaitFor(uint64_t ticket);
+
+  // capture_recovery.cc
+  Status Recover();
+  // Recovers the state in `dir_fd` (shown as `shown`); returns the steps kept, unplaced.
+  Result<std::vector<RecoveryStep>> RecoverState(int dir_fd, const std::string& shown);
+  // *placing_failed: the file is whole but its place cannot take it now (kept, not discarded).
+  Status FinishRecovered(const RecoveryStep& step, int dir_fd, const std::string& shown, bool* placing_failed);
+  void NoteKept(const std::vector<RecoveryStep>& kept, const std::string& where);
+};
+
+}  // namespace ucpfs::io
