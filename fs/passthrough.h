@@ -154,8 +154,6 @@ class Passthrough {
     int fd = -1;  // O_PATH
     bool is_dir = false;
     bool is_symlink = false;
-    uid_t owner_uid = 0;  // captured and not settled: the owner and group it will have
-    gid_t owner_gid = 0;
     std::atomic<uint64_t> n_lookups{0};
     uint64_t parent_id = 0;
     std::string name;

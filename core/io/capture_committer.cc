@@ -122,6 +122,7 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
     placed = f->placed;
   }
   if (ftruncate(f->fd, static_cast<off_t>(size)) != 0) return Errno("truncate " + PartPath(*f), errno);
+  UCPFS_RETURN_IF_ERROR(ApplyAttributes(*f));
   IoOp sync;
   sync.kind = OpKind::kFdatasync;
   sync.fd = f->fd;
@@ -143,6 +144,7 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
     return place.error();
   }
   const int dir = *place;
+  Status late_attrs;
   if (options.before_replace) options.before_replace(rel);
   {
     // Under the file's lock: an unlink (Discard) either comes first, and the file is never
@@ -161,6 +163,9 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
                    err);
     }
     f->placed = true;
+    // Again: a chmod/chown/utimens may have come since ApplyAttributes (from now on they go to
+    // the placed file directly).
+    late_attrs = ApplyAttributesLocked(*f);
   }
   {
     const int rc = fsync(dir);
@@ -168,6 +173,7 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
     close(dir);
     if (rc != 0) return Errno("fsync the directory of " + rel, err);
   }
+  UCPFS_RETURN_IF_ERROR(late_attrs);
   {
     std::lock_guard lock(f->mu);
     f->settled = closed_before;
@@ -255,6 +261,24 @@ void WriteCapture::Impl::CommitterLoop() {
   }
 }
 
+// What the caller's own create (and its chown, chmod, utimens since) gave the file: decided in
+// fs/passthrough.cc as the caller, applied by the daemon here, after the last byte and before the
+// rename, so the name never shows the part's 0600 and root. chown first: it clears S_ISUID and
+// S_ISGID, which the mode then sets again where the caller's own file would have them.
+Status WriteCapture::Impl::ApplyAttributes(CapturedFile& f) {
+  std::lock_guard lock(f.mu);
+  return ApplyAttributesLocked(f);
+}
+
+Status WriteCapture::Impl::ApplyAttributesLocked(CapturedFile& f) {
+  if ((f.uid != static_cast<uid_t>(-1) || f.gid != static_cast<gid_t>(-1)) && fchown(f.fd, f.uid, f.gid) != 0) {
+    return Errno("chown " + PartPath(f), errno);
+  }
+  const struct timespec times[2] = {f.atime, f.mtime};
+  if (fchmod(f.fd, f.mode) != 0 || futimens(f.fd, times) != 0) return Errno("set the mode and times of " + PartPath(f), errno);
+  return Status::Ok();
+}
+
 // Queues `f` for commit, with its commit record; returns the ticket.
 uint64_t WriteCapture::Impl::Enqueue(const std::shared_ptr<CapturedFile>& f) {
   JournalRecord r;
@@ -264,6 +288,11 @@ uint64_t WriteCapture::Impl::Enqueue(const std::shared_ptr<CapturedFile>& f) {
     r.seq = f->seq;
     r.size = f->size;
     r.mode = f->mode;
+    r.attrs.known = f->uid != static_cast<uid_t>(-1) || f->gid != static_cast<gid_t>(-1);
+    r.attrs.uid = static_cast<uint32_t>(f->uid);
+    r.attrs.gid = static_cast<uint32_t>(f->gid);
+    r.attrs.atime_ns = static_cast<int64_t>(f->atime.tv_sec) * 1000000000 + f->atime.tv_nsec;
+    r.attrs.mtime_ns = static_cast<int64_t>(f->mtime.tv_sec) * 1000000000 + f->mtime.tv_nsec;
   }
   std::string rel;
   Result<int> place = OpenPlace(*f, &rel);

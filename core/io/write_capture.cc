@@ -181,7 +181,7 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
   f->mode = mode & 07777;
   f->fd = openat(m.capture_fd, f->part_name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (f->fd < 0) return Errno("create " + m.PartPath(*f), errno);
-  if (fchmod(f->fd, f->mode) != 0 || fstat(f->fd, &f->part_stat) != 0) {
+  if (fstat(f->fd, &f->part_stat) != 0) {
     const int err = errno;
     unlinkat(m.capture_fd, f->part_name.c_str(), 0);
     return Errno("set up " + m.PartPath(*f), err);
@@ -195,6 +195,7 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
     return Errno("dup the directory of " + name, err);
   }
   clock_gettime(CLOCK_REALTIME, &f->mtime);
+  f->atime = f->mtime;
   f->exclusive = exclusive;
   f->last_rel = m.RelPath(*f);
   std::lock_guard lock(m.mu);
@@ -209,6 +210,9 @@ struct stat WriteCapture::Stat(const CapturedFile& file) const {
   st.st_mode = static_cast<mode_t>(S_IFREG | f.mode);
   st.st_size = static_cast<off_t>(f.size);
   st.st_blocks = static_cast<blkcnt_t>((f.size + 511) / 512);
+  if (f.uid != static_cast<uid_t>(-1)) st.st_uid = f.uid;
+  if (f.gid != static_cast<gid_t>(-1)) st.st_gid = f.gid;
+  st.st_atim = f.atime;
   st.st_mtim = f.mtime;
   st.st_ctim = f.mtime;
   st.st_nlink = f.discarded ? 0 : 1;
@@ -424,7 +428,30 @@ bool WriteCapture::Settled(const CapturedFile& file) const {
 Status WriteCapture::SetMode(CapturedFile& f, mode_t mode) {
   std::lock_guard lock(f.mu);
   f.mode = mode & 07777;
-  if (fchmod(f.fd, f.mode) != 0) return Errno("chmod " + impl_->PartPath(f), errno);
+  if (f.placed && fchmod(f.fd, f.mode) != 0) return Errno("chmod " + f.last_rel, errno);
+  return Status::Ok();
+}
+
+Status WriteCapture::SetOwner(CapturedFile& f, uid_t uid, gid_t gid) {
+  std::lock_guard lock(f.mu);
+  if (uid != static_cast<uid_t>(-1)) f.uid = uid;
+  if (gid != static_cast<gid_t>(-1)) f.gid = gid;
+  if (f.placed && (fchown(f.fd, f.uid, f.gid) != 0 || fchmod(f.fd, f.mode) != 0)) {
+    return Errno("chown " + f.last_rel, errno);
+  }
+  return Status::Ok();
+}
+
+Status WriteCapture::SetTimes(CapturedFile& f, const struct timespec times[2]) {
+  struct timespec now = {};
+  clock_gettime(CLOCK_REALTIME, &now);
+  std::lock_guard lock(f.mu);
+  for (int i = 0; i < 2; ++i) {
+    if (times[i].tv_nsec == UTIME_OMIT) continue;
+    (i == 0 ? f.atime : f.mtime) = times[i].tv_nsec == UTIME_NOW ? now : times[i];
+  }
+  const struct timespec set[2] = {f.atime, f.mtime};
+  if (f.placed && futimens(f.fd, set) != 0) return Errno("set the times of " + f.last_rel, errno);
   return Status::Ok();
 }
 

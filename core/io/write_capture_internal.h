@@ -117,8 +117,11 @@ class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
   int fd = -1;         // buffered: reads back, truncate, fdatasync
   int parent_fd = -1;  // O_PATH destination directory (dup'ed)
   std::string name;
-  mode_t mode = 0644;
+  mode_t mode = 0644;  // applied to the part only when it is placed (it stays 0600 until then)
+  uid_t uid = static_cast<uid_t>(-1);  // owner to place it with (-1: the daemon's, as created)
+  gid_t gid = static_cast<gid_t>(-1);
   uint64_t size = 0;   // logical
+  struct timespec atime = {};
   struct timespec mtime = {};
   struct stat part_stat = {};
   std::map<uint64_t, ChunkSlot> chunks;
@@ -229,6 +232,10 @@ struct WriteCapture::Impl {
   Status FlushAll(const std::shared_ptr<CapturedFile>& f);
   void ForgetIfDone(const std::shared_ptr<CapturedFile>& f);
   Status CommitFile(const std::shared_ptr<CapturedFile>& f, IoEngine& engine);
+  // The owner, group, mode and times `f` must have, applied to its part before it is placed
+  // (Locked: f.mu held).
+  Status ApplyAttributes(CapturedFile& f);
+  Status ApplyAttributesLocked(CapturedFile& f);
   void CommitterLoop();
   uint64_t Enqueue(const std::shared_ptr<CapturedFile>& f);
   Status WaitFor(uint64_t ticket);
