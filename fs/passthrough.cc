@@ -374,9 +374,9 @@ Status Passthrough::MayDelete(const Caller& caller, const Node& dir, uid_t owner
 
 Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::shared_ptr<Node>& dir,
                                                                      const std::string& name, const struct stat& attr,
-                                                                     std::shared_ptr<Node>* made) {
+                                                                     std::shared_ptr<Node>* made, bool exclusive) {
   UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<io::CapturedFile> file,
-                         capture_->Create(dir->fd, name, attr.st_mode & 07777));
+                         capture_->Create(dir->fd, name, attr.st_mode & 07777, exclusive));
   if (Status owned = capture_->SetOwner(*file, attr.st_uid, attr.st_gid); !owned.ok()) {
     capture_->Discard(*file);
     return owned;
@@ -540,8 +540,13 @@ Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::
   }
   if (capture_ != nullptr) {
     UCPFS_ASSIGN_OR_RETURN(const struct stat attr, ProbeCreate(caller, *dir, mode));
+    // The name was free. An O_EXCL create keeps it so; so does one in a sticky directory, where
+    // a name another user makes meanwhile is one this caller could not replace.
+    struct stat dst = {};
+    const bool sticky = fstatat(dir->fd, "", &dst, AT_EMPTY_PATH) == 0 && (dst.st_mode & S_ISVTX) != 0;
     std::shared_ptr<Node> made;
-    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made));
+    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made,
+                                                (flags & O_EXCL) != 0 || (sticky && !caller.Privileged())));
     h->caller = caller;
     h->kill_privs = !caller.Privileged();
     made->n_lookups.fetch_add(1);
