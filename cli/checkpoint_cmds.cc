@@ -735,7 +735,10 @@ Status SyncMount(const std::string& mnt) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
-    if (err == ENOENT) return NotFoundError(mnt + " is not a writable ucpfs mount (no .ucpfs/sync)");
+    struct stat st = {};
+    if (err == ENOENT && ::stat(path.c_str(), &st) != 0) {
+      return NotFoundError(mnt + " is not a writable ucpfs mount (no .ucpfs/sync)");
+    }
     return IoError("sync " + mnt + " (see the daemon's log for the file)", err);
   }
   ::close(fd);
@@ -747,6 +750,30 @@ std::string ReadText(const std::string& path) {
   std::stringstream text;
   text << f.rdbuf();
   return text.str();
+}
+
+// The files of MNT whose save was accepted but that are not placed (stats.json's
+// capture.unplaced). After a failed sync the daemon is still making the held-back files durable
+// in their parts: waits up to 5 s for that. Prints one line per file to stderr, prefixed by
+// `who`; returns how many there are, and in *in_memory how many have bytes only in memory.
+size_t ReportUnplaced(const std::string& mnt, const std::string& who, size_t* in_memory) {
+  nlohmann::json list = nlohmann::json::array();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
+    list = stats.is_object() && stats.contains("capture") ? stats["capture"].value("unplaced", nlohmann::json::array())
+                                                          : nlohmann::json::array();
+    *in_memory = 0;
+    for (const auto& u : list) *in_memory += u.value("kept_in", std::string()).empty() ? 1 : 0;
+    if (*in_memory == 0 || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  for (const auto& u : list) {
+    const std::string kept = u.value("kept_in", std::string());
+    std::cerr << who << ": not placed: " << u.value("path", std::string("?")) << " (" << u.value("reason", std::string())
+              << "; " << (kept.empty() ? std::string("its bytes are only in the daemon's memory") : "kept in " + kept) << ")\n";
+  }
+  return list.size();
 }
 
 }  // namespace
@@ -798,7 +825,11 @@ int RunSync(const SyncArgs& args) {
     }
   }
   syncer.join();
-  if (!s.ok()) return Fail("sync", s);
+  if (!s.ok()) {
+    size_t in_memory = 0;
+    ReportUnplaced(mnt, "ucpfs sync", &in_memory);
+    return Fail("sync", s);
+  }
   // Only a sync that had to wait draws its final line; the counters are read once more for it
   // and for --json.
   draw(/*final=*/std::chrono::steady_clock::now() - t0 >= Progress::kTtyDelay);
@@ -886,6 +917,11 @@ int RunStatus(const std::string& mountpoint, bool json) {
               << "files:       " << c.value("files_pending", uint64_t{0}) << " pending, " << c.value("files_committed", uint64_t{0})
               << " made durable, " << c.value("flush_errors", uint64_t{0}) << " flush errors\n"
               << "writers blocked: " << c.value("writers_blocked_seconds", 0.0) << " s\n";
+    for (const auto& u : c.value("unplaced", nlohmann::json::array())) {
+      const std::string kept = u.value("kept_in", std::string());
+      std::cout << "not placed:  " << u.value("path", std::string("?")) << " (" << u.value("reason", std::string()) << "; "
+                << (kept.empty() ? std::string("bytes only in memory") : "kept in " + kept) << ")\n";
+    }
   } else {
     std::cout << "write cache: none (read-only mount)\n";
   }
@@ -898,13 +934,32 @@ int RunStatus(const std::string& mountpoint, bool json) {
 int RunUmount(const std::string& mountpoint) {
   // Everything captured is made durable before the mount goes (the daemon drains on unmount
   // too, but only after umount has returned). A read-only mount has nothing to sync.
+  // Files that cannot be placed (their directory removed from outside, the disk full) make it
+  // fail, naming each: those durable in their parts are placed by the next mount (the mount
+  // goes); while some file's bytes are only in memory, the mount stays, so nothing accepted is
+  // lost (free space, or unlink the file through the mount, and run it again).
   const std::string mnt = AbsPathOrJoined(mountpoint);
+  size_t unplaced = 0;
   if (Status synced = SyncMount(mnt); !synced.ok() && synced.code() != StatusCode::kNotFound) {
-    std::cerr << "ucpfs umount: warning: " << synced.ToString() << '\n';
+    std::cerr << "ucpfs umount: " << synced.ToString() << '\n';
+    size_t in_memory = 0;
+    unplaced = ReportUnplaced(mnt, "ucpfs umount", &in_memory);
+    if (in_memory > 0) {
+      return Fail("umount", Status(StatusCode::kNoSpace,
+                                   "not unmounted: " + std::to_string(in_memory) +
+                                       " file(s) above have bytes only in memory (make room in the source, or unlink "
+                                       "them through the mount, and run it again)"));
+    }
+    if (unplaced == 0) unplaced = 1;  // the sync failed all the same
   }
   // Only ucpfs mounts: `ucpfs umount` of another filesystem is refused, naming its type.
   Status s = fs::UnmountUcpfs(mnt);
   if (!s.ok()) return Fail("umount", s);
+  if (unplaced > 0) {
+    std::cerr << "ucpfs umount: unmounted, but " << unplaced
+              << " file(s) above are not placed; the next mount of the source tries again\n";
+    return 1;
+  }
   return 0;
 }
 

@@ -125,8 +125,6 @@ Result<struct stat> Passthrough::StatNode(const Node& node) const {
   if (CapturedNow(node)) {
     struct stat st = capture_->Stat(*node.captured);
     st.st_ino = InoOf(node);
-    st.st_uid = node.owner_uid;
-    st.st_gid = node.owner_gid;
     return st;
   }
   struct stat st = {};
@@ -251,29 +249,41 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
   if (CapturedNow(*node)) {
-    // No inode of the caller's exists yet: the kernel's rules for chown/chmod, applied here.
+    // No inode of the caller's exists yet: the kernel's rules for chown/chmod/utimens, applied
+    // here to what the capture keeps (and applies when it places the file).
+    const struct stat now = capture_->Stat(*node->captured);
+    const bool owner = caller.Privileged() || caller.uid == now.st_uid;
     if ((to_set & (kSetUid | kSetGid)) != 0) {
-      const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : node->owner_uid;
-      const gid_t gid = (to_set & kSetGid) != 0 ? attr.st_gid : node->owner_gid;
-      if (!caller.Privileged() &&
-          (caller.uid != node->owner_uid || uid != node->owner_uid || (gid != node->owner_gid && !caller.InGroup(gid)))) {
+      const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : now.st_uid;
+      const gid_t gid = (to_set & kSetGid) != 0 ? attr.st_gid : now.st_gid;
+      if (!caller.Privileged() && (!owner || uid != now.st_uid || (gid != now.st_gid && !caller.InGroup(gid)))) {
         return PosixError(EPERM, "chown " + node->name + ": not permitted");
       }
-      node->owner_uid = uid;
-      node->owner_gid = gid;
-      const mode_t mode = capture_->Stat(*node->captured).st_mode & 07777;
-      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, KillPrivs(mode)));
+      UCPFS_RETURN_IF_ERROR(capture_->SetOwner(*node->captured, uid, gid));
+      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, KillPrivs(now.st_mode & 07777)));
     }
     if ((to_set & kSetMode) != 0) {
-      if (!caller.Privileged() && caller.uid != node->owner_uid) {
-        return PosixError(EPERM, "chmod " + node->name + ": not the owner");
-      }
+      if (!owner) return PosixError(EPERM, "chmod " + node->name + ": not the owner");
       mode_t mode = attr.st_mode & 07777;
-      if (!caller.Privileged() && !caller.InGroup(node->owner_gid)) mode &= ~static_cast<mode_t>(S_ISGID);
+      const gid_t gid = capture_->Stat(*node->captured).st_gid;
+      if (!caller.Privileged() && !caller.InGroup(gid)) mode &= ~static_cast<mode_t>(S_ISGID);
       UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, mode));
     }
     if ((to_set & kSetSize) != 0) {
       UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, static_cast<uint64_t>(attr.st_size)));
+    }
+    if ((to_set & (kSetAtime | kSetMtime)) != 0) {
+      // Times of one's choosing: the owner's only (to now: anyone who may write, checked by the
+      // kernel against the attributes served).
+      const bool explicit_times = ((to_set & kSetAtime) != 0 && (to_set & kSetAtimeNow) == 0) ||
+                                  ((to_set & kSetMtime) != 0 && (to_set & kSetMtimeNow) == 0);
+      if (explicit_times && !owner) return PosixError(EPERM, "set the times of " + node->name + ": not the owner");
+      struct timespec times[2];
+      times[0].tv_nsec = UTIME_OMIT;
+      times[1].tv_nsec = UTIME_OMIT;
+      if ((to_set & kSetAtime) != 0) times[0] = (to_set & kSetAtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_atim;
+      if ((to_set & kSetMtime) != 0) times[1] = (to_set & kSetMtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_mtim;
+      UCPFS_RETURN_IF_ERROR(capture_->SetTimes(*node->captured, times));
     }
     return StatNode(*node);
   }
@@ -364,9 +374,13 @@ Status Passthrough::MayDelete(const Caller& caller, const Node& dir, uid_t owner
 
 Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::shared_ptr<Node>& dir,
                                                                      const std::string& name, const struct stat& attr,
-                                                                     std::shared_ptr<Node>* made) {
+                                                                     std::shared_ptr<Node>* made, bool exclusive) {
   UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<io::CapturedFile> file,
-                         capture_->Create(dir->fd, name, attr.st_mode & 07777));
+                         capture_->Create(dir->fd, name, attr.st_mode & 07777, exclusive));
+  if (Status owned = capture_->SetOwner(*file, attr.st_uid, attr.st_gid); !owned.ok()) {
+    capture_->Discard(*file);
+    return owned;
+  }
   const struct stat st = capture_->Stat(*file);
   Result<int> path_fd = capture_->OpenPath(*file);
   if (!path_fd.ok()) {
@@ -380,8 +394,6 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::
   node->name = name;
   node->captured = file;
   node->open_writers = 1;
-  node->owner_uid = attr.st_uid;
-  node->owner_gid = attr.st_gid;
   {
     std::lock_guard lock(mu_);
     node->id = next_id_++;
@@ -470,8 +482,6 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(const Caller& calle
       node->ino = made->ino;
       by_file_[{node->dev, node->ino}] = node->id;
       node->captured = made->captured;
-      node->owner_uid = made->owner_uid;
-      node->owner_gid = made->owner_gid;
       node->open_writers = 1;
       overlay_[{dir->id, name}] = node->id;
       h->ino = ino;
@@ -530,8 +540,13 @@ Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::
   }
   if (capture_ != nullptr) {
     UCPFS_ASSIGN_OR_RETURN(const struct stat attr, ProbeCreate(caller, *dir, mode));
+    // The name was free. An O_EXCL create keeps it so; so does one in a sticky directory, where
+    // a name another user makes meanwhile is one this caller could not replace.
+    struct stat dst = {};
+    const bool sticky = fstatat(dir->fd, "", &dst, AT_EMPTY_PATH) == 0 && (dst.st_mode & S_ISVTX) != 0;
     std::shared_ptr<Node> made;
-    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made));
+    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made,
+                                                (flags & O_EXCL) != 0 || (sticky && !caller.Privileged())));
     h->caller = caller;
     h->kill_privs = !caller.Privileged();
     made->n_lookups.fetch_add(1);
@@ -675,7 +690,7 @@ Status Passthrough::Unlink(const Caller& caller, Ino parent, std::string_view na
   UCPFS_RETURN_IF_ERROR(CheckName(name_view));
   const std::string name(name_view);
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
-    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, pending->owner_uid));
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, capture_->Stat(*pending->captured).st_uid));
     const bool discarded = capture_->Discard(*pending->captured);
     {
       std::lock_guard lock(mu_);
@@ -734,14 +749,14 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
   // A pending source is made durable under its name first (rename is a sync point: DCP writes
   // `.metadata.tmp`, fsyncs it and renames it to `.metadata`).
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
-    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, pending->owner_uid));
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, capture_->Stat(*pending->captured).st_uid));
     UCPFS_RETURN_IF_ERROR(capture_->Fsync(*pending->captured));
     Pending(dir->id, name);  // drops the overlay entry of the placed file
   }
   // A pending target would be placed later over what the rename put there: discard it.
   if (std::shared_ptr<Node> target = Pending(new_dir->id, new_name)) {
     if ((flags & RENAME_NOREPLACE) != 0) return PosixError(EEXIST, new_name + " exists");
-    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *new_dir, target->owner_uid));
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *new_dir, capture_->Stat(*target->captured).st_uid));
     (void)capture_->Discard(*target->captured);  // placed already: the rename replaces it
     std::lock_guard lock(mu_);
     overlay_.erase({new_dir->id, new_name});

@@ -154,8 +154,6 @@ class Passthrough {
     int fd = -1;  // O_PATH
     bool is_dir = false;
     bool is_symlink = false;
-    uid_t owner_uid = 0;  // captured and not settled: the owner and group it will have
-    gid_t owner_gid = 0;
     std::atomic<uint64_t> n_lookups{0};
     uint64_t parent_id = 0;
     std::string name;
@@ -174,8 +172,10 @@ class Passthrough {
   // The overlay entry (a pending captured file) of `name` in `dir`, or null; one whose file has
   // been placed is dropped first (the real entry now has its name).
   std::shared_ptr<Node> Pending(uint64_t dir_id, const std::string& name);
+  // `exclusive`: placed only where no name is then (io::WriteCapture::Create).
   Result<std::unique_ptr<PassthroughHandle>> StartCapture(const std::shared_ptr<Node>& dir, const std::string& name,
-                                                          const struct stat& attr, std::shared_ptr<Node>* made);
+                                                          const struct stat& attr, std::shared_ptr<Node>* made,
+                                                          bool exclusive = false);
   // The owner, group and mode (st_uid, st_gid, st_mode) the kernel gives `caller`'s new file in
   // `dir`, from a real O_EXCL create of a placeholder there (see the file comment).
   Result<struct stat> ProbeCreate(const Caller& caller, const Node& dir, mode_t mode);

@@ -21,6 +21,58 @@ std::string WriteCapture::Impl::RelPath(const CapturedFile& f) const {
   return "";
 }
 
+Result<int> WriteCapture::Impl::OpenPlace(CapturedFile& f, std::string* rel) {
+  std::string last;
+  {
+    std::lock_guard lock(f.mu);
+    last = f.last_rel;
+  }
+  const std::string now = RelPath(f);
+  auto gone = [&](const std::string& why) {
+    return Status(StatusCode::kIo, "'" + last + "' cannot be placed: its directory " + why, EIO);
+  };
+  if (now.empty()) return gone("was moved out of the source from outside");
+  const size_t slash = now.rfind('/');
+  const std::string parent = slash == std::string::npos ? "" : now.substr(0, slash);
+  const int dir = parent.empty() ? fcntl(options.source_dirfd, F_DUPFD_CLOEXEC, 0)
+                                 : OpenBeneath(options.source_dirfd, parent, O_RDONLY | O_DIRECTORY);
+  if (dir < 0) return gone("was removed");
+  struct stat want = {}, got = {};
+  if (fstat(f.parent_fd, &want) != 0 || fstat(dir, &got) != 0 || want.st_dev != got.st_dev || want.st_ino != got.st_ino) {
+    close(dir);
+    return gone("was removed or replaced");
+  }
+  {
+    std::lock_guard lock(f.mu);
+    f.last_rel = now;
+  }
+  *rel = now;
+  return dir;
+}
+
+void WriteCapture::Impl::KeepQueued() {
+  std::vector<std::shared_ptr<CapturedFile>> files;
+  {
+    std::lock_guard lock(mu);
+    for (const CommitItem& item : commit_queue) files.push_back(item.file);
+  }
+  for (const auto& f : files) {
+    {
+      std::lock_guard lock(f->mu);
+      if (f->discarded || f->placed || f->kept) continue;
+    }
+    if (!FlushAll(f).ok()) continue;  // still in memory only: listed so
+    uint64_t size = 0;
+    {
+      std::lock_guard lock(f->mu);
+      size = f->size;
+    }
+    if (ftruncate(f->fd, static_cast<off_t>(size)) != 0 || fdatasync(f->fd) != 0) continue;
+    std::lock_guard lock(f->mu);
+    f->kept = f->closed;  // a file still open may grow: kept only once closed
+  }
+}
+
 // Waits until `f` has no dirty chunk (queueing them all), or a flush failed.
 Status WriteCapture::Impl::FlushAll(const std::shared_ptr<CapturedFile>& f) {
   std::unique_lock lock(f->mu);
@@ -70,6 +122,7 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
     placed = f->placed;
   }
   if (ftruncate(f->fd, static_cast<off_t>(size)) != 0) return Errno("truncate " + PartPath(*f), errno);
+  UCPFS_RETURN_IF_ERROR(ApplyAttributes(*f));
   IoOp sync;
   sync.kind = OpKind::kFdatasync;
   sync.fd = f->fd;
@@ -83,24 +136,46 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
     ForgetIfDone(f);
     return Status::Ok();
   }
-  const std::string rel = RelPath(*f);
-  if (options.before_replace) options.before_replace(rel);
-  if (renameat(capture_fd, f->part_name.c_str(), f->parent_fd, f->name.c_str()) != 0) {
-    const int err = errno;
+  std::string rel;
+  Result<int> place = OpenPlace(*f, &rel);
+  if (!place.ok()) {
     std::lock_guard lock(f->mu);
-    if (f->discarded) return Status::Ok();  // unlinked while being committed: its part is gone
-    return Errno("rename " + PartPath(*f) + " to " + options.source_dir + "/" + rel, err);
+    if (f->discarded) return Status::Ok();
+    return place.error();
   }
-  const int dir = openat(f->parent_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
+  const int dir = *place;
+  Status late_attrs;
+  if (options.before_replace) options.before_replace(rel);
+  {
+    // Under the file's lock: an unlink (Discard) either comes first, and the file is never
+    // placed, or after, and finds it placed.
+    std::lock_guard lock(f->mu);
+    if (f->discarded) {
+      close(dir);
+      return Status::Ok();
+    }
+    const unsigned flags = f->exclusive ? RENAME_NOREPLACE : 0;
+    if (renameat2(capture_fd, f->part_name.c_str(), dir, f->name.c_str(), flags) != 0) {
+      const int err = errno;
+      close(dir);
+      return Errno("rename " + PartPath(*f) + " to " + options.source_dir + "/" + rel +
+                       (err == EEXIST ? " (created O_EXCL, and the name was taken from outside meanwhile)" : ""),
+                   err);
+    }
+    f->placed = true;
+    // Again: a chmod/chown/utimens may have come since ApplyAttributes (from now on they go to
+    // the placed file directly).
+    late_attrs = ApplyAttributesLocked(*f);
+  }
+  {
     const int rc = fsync(dir);
     const int err = errno;
     close(dir);
     if (rc != 0) return Errno("fsync the directory of " + rel, err);
   }
+  UCPFS_RETURN_IF_ERROR(late_attrs);
   {
     std::lock_guard lock(f->mu);
-    f->placed = true;
     f->settled = closed_before;
   }
   Journal({JournalType::kDone, f->seq, 0, 0, 0, 0, 0, {}});
@@ -112,41 +187,59 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
 
 void WriteCapture::Impl::CommitterLoop() {
   std::unique_ptr<IoEngine> engine = options.make_engine ? options.make_engine() : MakeDefaultEngine(4);
+  // A failed head is tried again by itself, after 1 s, then twice as long each time up to 8 s
+  // (space freed, a directory made again): files behind it place without anyone calling sync.
+  auto backoff = std::chrono::seconds(1);
   for (;;) {
     CommitItem item;
     bool is_retry = false;
+    bool keep = false;
     {
       std::unique_lock lock(mu);
-      work_cv.wait(lock, [&] { return stopping || retry || (!commit_queue.empty() && head_error.ok()); });
+      auto ready = [&] { return stopping || retry || (!commit_queue.empty() && head_error.ok()); };
+      if (!head_error.ok() && !commit_queue.empty()) {
+        if (!work_cv.wait_for(lock, backoff, ready)) retry = true;
+      } else {
+        work_cv.wait(lock, ready);
+      }
       if (commit_queue.empty()) {
         retry = false;
         if (stopping) return;
         continue;
       }
-      if (!head_error.ok() && !retry) {  // stuck on a failed file until Sync retries
+      if (!head_error.ok() && !retry) {
         if (!stopping) continue;
-        // Unmounting with a file that cannot be made durable: give up, loudly (the caller of
-        // Sync logs it); its later files are not placed either, so the order holds.
-        commit_queue.clear();
-        lock.unlock();
-        done_cv.notify_all();
-        return;
+        // Unmounting with a file that cannot be placed: what is written of it and of every
+        // file behind it is durable in its part (KeepQueued; the next mount places them, in
+        // order), and the caller of Sync reports them.
+        keep = true;
+      } else {
+        is_retry = retry;
+        retry = false;
+        head_error = Status::Ok();
+        item = commit_queue.front();
       }
-      is_retry = retry;
-      retry = false;
-      head_error = Status::Ok();
-      item = commit_queue.front();
     }
-    if (is_retry) {  // Sync asked again: the file's earlier flush errors are tried anew
+    if (keep) {  // the destructor kept what it could (KeepQueued) before stopping the threads
+      {
+        std::lock_guard lock(mu);
+        commit_queue.clear();
+      }
+      done_cv.notify_all();
+      return;
+    }
+    if (is_retry) {  // tried anew: the file's earlier flush errors too
       std::lock_guard lock(item.file->mu);
       item.file->error = Status::Ok();
     }
     const Status s = CommitFile(item.file, *engine);
+    bool failed = false;
     {
       std::lock_guard lock(mu);
       if (s.ok()) {
         commit_queue.pop_front();
         committed_ticket = item.ticket;
+        backoff = std::chrono::seconds(1);
         if (commit_queue.empty() && pending.empty()) {
           // Nothing captured is alive: the journal's records are all spent. Start it afresh,
           // so it stays small over a long mount (a crash now has nothing to recover).
@@ -156,15 +249,34 @@ void WriteCapture::Impl::CommitterLoop() {
           }
         }
       } else {
+        if (head_error_ticket != item.ticket || !is_retry) Log("ucpfs: capture: " + s.ToString() + " (tried again until it can be placed)");
         head_error = s;
         head_error_ticket = item.ticket;
-        if (stopping) {  // give up: unmount reports it; the data stays for the next mount
-          commit_queue.clear();
-        }
+        backoff = std::min<std::chrono::seconds>(backoff * 2, std::chrono::seconds(8));
+        failed = true;
       }
     }
     done_cv.notify_all();
+    if (failed) KeepQueued();
   }
+}
+
+// What the caller's own create (and its chown, chmod, utimens since) gave the file: decided in
+// fs/passthrough.cc as the caller, applied by the daemon here, after the last byte and before the
+// rename, so the name never shows the part's 0600 and root. chown first: it clears S_ISUID and
+// S_ISGID, which the mode then sets again where the caller's own file would have them.
+Status WriteCapture::Impl::ApplyAttributes(CapturedFile& f) {
+  std::lock_guard lock(f.mu);
+  return ApplyAttributesLocked(f);
+}
+
+Status WriteCapture::Impl::ApplyAttributesLocked(CapturedFile& f) {
+  if ((f.uid != static_cast<uid_t>(-1) || f.gid != static_cast<gid_t>(-1)) && fchown(f.fd, f.uid, f.gid) != 0) {
+    return Errno("chown " + PartPath(f), errno);
+  }
+  const struct timespec times[2] = {f.atime, f.mtime};
+  if (fchmod(f.fd, f.mode) != 0 || futimens(f.fd, times) != 0) return Errno("set the mode and times of " + PartPath(f), errno);
+  return Status::Ok();
 }
 
 // Queues `f` for commit, with its commit record; returns the ticket.
@@ -176,8 +288,20 @@ uint64_t WriteCapture::Impl::Enqueue(const std::shared_ptr<CapturedFile>& f) {
     r.seq = f->seq;
     r.size = f->size;
     r.mode = f->mode;
+    r.attrs.known = f->uid != static_cast<uid_t>(-1) || f->gid != static_cast<gid_t>(-1);
+    r.attrs.uid = static_cast<uint32_t>(f->uid);
+    r.attrs.gid = static_cast<uint32_t>(f->gid);
+    r.attrs.atime_ns = static_cast<int64_t>(f->atime.tv_sec) * 1000000000 + f->atime.tv_nsec;
+    r.attrs.mtime_ns = static_cast<int64_t>(f->mtime.tv_sec) * 1000000000 + f->mtime.tv_nsec;
   }
-  r.path = RelPath(*f);
+  std::string rel;
+  Result<int> place = OpenPlace(*f, &rel);
+  if (place.ok()) close(*place);
+  {
+    std::lock_guard lock(f->mu);
+    r.path = f->last_rel;  // where it was last seen beneath SRC, if its directory is gone now
+    f->kept = false;
+  }
   Journal(r);
   uint64_t ticket = 0;
   {

@@ -43,8 +43,16 @@ bool DecodePayload(std::span<const std::byte> p, JournalRecord* r) {
       r->size = Get(p, 9, 8);
       r->mode = static_cast<uint32_t>(Get(p, 17, 4));
       const uint64_t path_len = Get(p, 21, 4);
-      if (path_len > kMaxJournalPathBytes || n != 25 + path_len) return false;
+      constexpr uint64_t kAttrsBytes = 1 + 4 + 4 + 8 + 8;
+      if (path_len > kMaxJournalPathBytes || (n != 25 + path_len && n != 25 + path_len + kAttrsBytes)) return false;
       r->path.assign(reinterpret_cast<const char*>(p.data() + 25), static_cast<size_t>(path_len));
+      if (n == 25 + path_len) return true;  // written before owners and times were recorded
+      const size_t at = static_cast<size_t>(25 + path_len);
+      r->attrs.known = Get(p, at, 1) == 1;
+      r->attrs.uid = static_cast<uint32_t>(Get(p, at + 1, 4));
+      r->attrs.gid = static_cast<uint32_t>(Get(p, at + 5, 4));
+      r->attrs.atime_ns = static_cast<int64_t>(Get(p, at + 9, 8));
+      r->attrs.mtime_ns = static_cast<int64_t>(Get(p, at + 17, 8));
       return true;
     }
     case static_cast<uint8_t>(JournalType::kDone):
@@ -75,6 +83,11 @@ std::vector<std::byte> EncodeJournalRecord(const JournalRecord& r) {
       Put(payload, r.mode, 4);
       Put(payload, r.path.size(), 4);
       for (char c : r.path) payload.push_back(static_cast<std::byte>(c));
+      Put(payload, r.attrs.known ? 1 : 0, 1);
+      Put(payload, r.attrs.uid, 4);
+      Put(payload, r.attrs.gid, 4);
+      Put(payload, static_cast<uint64_t>(r.attrs.atime_ns), 8);
+      Put(payload, static_cast<uint64_t>(r.attrs.mtime_ns), 8);
       break;
     case JournalType::kDone:
     case JournalType::kDiscard:
@@ -173,6 +186,7 @@ std::vector<RecoveryStep> PlanRecovery(const ParsedJournal& journal, const std::
     step.path = c.path;
     step.size = c.size;
     step.mode = c.mode;
+    step.attrs = c.attrs;
     if (stop) {
       step.reason = stop_reason;
     } else if (Status s = CheckPlacePath(c.path); !s.ok()) {

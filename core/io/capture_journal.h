@@ -6,7 +6,9 @@
 //   u32 payload length (little endian) | u64 XXH64(payload, seed 0) | payload
 // and a payload is a u8 type then its fields (all little endian):
 //   kChunk   seq u64, byte_offset u64, n_bytes u64, hash u64  (XXH64 of those bytes of the part)
-//   kCommit  seq u64, size u64, mode u32, path length u32, path (relative to SRC)
+//   kCommit  seq u64, size u64, mode u32, path length u32, path (relative to SRC), then
+//            (optional, absent in older journals) known u8, uid u32, gid u32, atime ns i64,
+//            mtime ns i64: the owner and times the file is placed with
 //   kDone    seq u64   (placed under its final name; the part no longer exists)
 //   kDiscard seq u64   (unlinked before it was placed)
 // A torn or damaged record ends the journal there (everything after it is ignored).
@@ -29,6 +31,15 @@ inline constexpr size_t kMaxJournalPathBytes = 4096;
 
 enum class JournalType : uint8_t { kChunk = 1, kCommit = 2, kDone = 3, kDiscard = 4 };
 
+// The owner, group and times of a committed file (kCommit); `known` false in older journals.
+struct CapturedAttrs {
+  bool known = false;
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+  int64_t atime_ns = 0;
+  int64_t mtime_ns = 0;
+};
+
 struct JournalRecord {
   JournalType type = JournalType::kChunk;
   uint64_t seq = 0;
@@ -38,6 +49,7 @@ struct JournalRecord {
   uint64_t size = 0;         // kCommit
   uint32_t mode = 0;         // kCommit
   std::string path;          // kCommit
+  CapturedAttrs attrs = {};  // kCommit
 };
 
 // One encoded record, ready to append.
@@ -61,6 +73,7 @@ struct RecoveryStep {
   std::string path;       // its final path (relative), "" when never committed
   uint64_t size = 0;
   uint32_t mode = 0;
+  CapturedAttrs attrs = {};  // owner and times to place it with (when known)
   std::string reason;     // for the log line when discarded
   // kChunk records to verify against the part before finishing: the latest per offset, sorted,
   // covering [0, size) without a gap.

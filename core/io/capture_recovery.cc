@@ -95,7 +95,7 @@ Result<std::vector<RecoveryStep>> WriteCapture::Impl::RecoverState(int dir_fd, c
                                reinterpret_cast<const std::byte*>(kJournalMagic) + sizeof(kJournalMagic));
   for (const RecoveryStep& step : kept) {
     std::vector<JournalRecord> records = step.chunks;
-    records.push_back({JournalType::kCommit, step.seq, 0, 0, 0, step.size, step.mode, step.path});
+    records.push_back({JournalType::kCommit, step.seq, 0, 0, 0, step.size, step.mode, step.path, step.attrs});
     for (const JournalRecord& r : records) {
       const std::vector<std::byte> e = EncodeJournalRecord(r);
       bytes.insert(bytes.end(), e.begin(), e.end());
@@ -181,7 +181,14 @@ Status WriteCapture::Impl::FinishRecovered(const RecoveryStep& step, int dir_fd,
       return Status(StatusCode::kDataLoss, "the bytes at " + std::to_string(c.byte_offset) + " are not what was flushed");
     }
   }
-  if (ftruncate(fd, static_cast<off_t>(step.size)) != 0 || fchmod(fd, step.mode & 01777) != 0 || fdatasync(fd) != 0) {
+  // The owner and times the journal records (the journal is untrusted: never S_ISUID/S_ISGID).
+  if (step.attrs.known && fchown(fd, step.attrs.uid, step.attrs.gid) != 0) {
+    return IoError("chown " + shown + "/" + part, errno);
+  }
+  const auto ts = [](int64_t ns) { return timespec{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)}; };
+  const struct timespec times[2] = {ts(step.attrs.atime_ns), ts(step.attrs.mtime_ns)};
+  if (ftruncate(fd, static_cast<off_t>(step.size)) != 0 || fchmod(fd, step.mode & 01777) != 0 ||
+      (step.attrs.known && futimens(fd, times) != 0) || fdatasync(fd) != 0) {
     return IoError("finish " + shown + "/" + part, errno);
   }
   const size_t slash = step.path.rfind('/');

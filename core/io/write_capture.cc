@@ -67,13 +67,45 @@ void WriteCapture::Impl::NoteKept(const std::vector<RecoveryStep>& kept, const s
   }
 }
 
+namespace {
+
+// The largest file SRC's filesystem takes (ext4: 16 TiB less a block), found by truncating a
+// sparse probe file: a write past it gets EFBIG at once rather than failing at flush.
+uint64_t ProbeMaxFileBytes(int dir_fd) {
+  uint64_t lo = 0, hi = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  const int fd = openat(dir_fd, "size-probe", O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return hi;
+  while (lo < hi) {
+    const uint64_t mid = lo + (hi - lo + 1) / 2;
+    if (ftruncate(fd, static_cast<off_t>(mid)) == 0) {
+      lo = mid;
+    } else if (errno == EFBIG || errno == EINVAL) {
+      hi = mid - 1;
+    } else {
+      lo = hi;  // another error: no limit known, none enforced
+    }
+  }
+  close(fd);
+  unlinkat(dir_fd, "size-probe", 0);
+  return lo;
+}
+
+}  // namespace
+
 WriteCapture::WriteCapture(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 WriteCapture::~WriteCapture() {
   if (!impl_) return;
   Impl& m = *impl_;
   const Status s = Sync();
-  if (!s.ok()) m.Log("ucpfs: unmount: not everything captured is durable: " + s.ToString());
+  if (!s.ok()) {
+    m.Log("ucpfs: unmount: not everything captured could be placed: " + s.ToString());
+    m.KeepQueued();  // while the flushers run
+    for (const UnplacedFile& u : Stats().unplaced) {
+      m.Log("ucpfs: unmount: '" + u.path + "' not placed (" + u.reason + "): " +
+            (u.kept_in.empty() ? "LOST: its bytes were only in memory" : "kept in " + u.kept_in + " for the next mount"));
+    }
+  }
   m.Stop();
   if (m.journal_fd >= 0) close(m.journal_fd);
   if (m.mount.has_value()) {
@@ -127,13 +159,15 @@ Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions op
     return IoError("write " + m.capture_dir + "/journal", errno);
   }
   fsync(m.capture_fd);
+  m.max_file_bytes = ProbeMaxFileBytes(m.capture_fd);
   m.lease_thread = std::thread([&m] { m.LeaseLoop(); });
   UCPFS_RETURN_IF_ERROR(m.Recover());
   if (m.cache != nullptr) UCPFS_RETURN_IF_ERROR(m.EnsureStarted());
   return wc;
 }
 
-Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, const std::string& name, mode_t mode) {
+Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, const std::string& name, mode_t mode,
+                                                           bool exclusive) {
   Impl& m = *impl_;
   UCPFS_RETURN_IF_ERROR(m.EnsureStarted());
   auto f = std::make_shared<CapturedFile>();
@@ -147,7 +181,7 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
   f->mode = mode & 07777;
   f->fd = openat(m.capture_fd, f->part_name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (f->fd < 0) return Errno("create " + m.PartPath(*f), errno);
-  if (fchmod(f->fd, f->mode) != 0 || fstat(f->fd, &f->part_stat) != 0) {
+  if (fstat(f->fd, &f->part_stat) != 0) {
     const int err = errno;
     unlinkat(m.capture_fd, f->part_name.c_str(), 0);
     return Errno("set up " + m.PartPath(*f), err);
@@ -161,6 +195,9 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
     return Errno("dup the directory of " + name, err);
   }
   clock_gettime(CLOCK_REALTIME, &f->mtime);
+  f->atime = f->mtime;
+  f->exclusive = exclusive;
+  f->last_rel = m.RelPath(*f);
   std::lock_guard lock(m.mu);
   m.pending.emplace(f->seq, f);
   return f;
@@ -173,6 +210,9 @@ struct stat WriteCapture::Stat(const CapturedFile& file) const {
   st.st_mode = static_cast<mode_t>(S_IFREG | f.mode);
   st.st_size = static_cast<off_t>(f.size);
   st.st_blocks = static_cast<blkcnt_t>((f.size + 511) / 512);
+  if (f.uid != static_cast<uid_t>(-1)) st.st_uid = f.uid;
+  if (f.gid != static_cast<gid_t>(-1)) st.st_gid = f.gid;
+  st.st_atim = f.atime;
   st.st_mtim = f.mtime;
   st.st_ctim = f.mtime;
   st.st_nlink = f.discarded ? 0 : 1;
@@ -184,8 +224,15 @@ Status WriteCapture::Write(CapturedFile& file, uint64_t byte_offset, std::span<c
   const std::shared_ptr<CapturedFile> f = file.shared_from_this();
   const size_t c = m.chunk_bytes;
   size_t done = 0;
+  if (byte_offset > m.max_file_bytes || data.size() > m.max_file_bytes - byte_offset) {
+    return Status(StatusCode::kInvalidArgument,
+                  "a write at byte " + std::to_string(byte_offset) + " passes the source filesystem's file size limit of " +
+                      std::to_string(m.max_file_bytes) + " bytes",
+                  EFBIG);
+  }
   std::unique_lock lock(file.mu);
   if (file.closed) return InvalidArgumentError("write after close");
+  file.kept = false;
   while (done < data.size()) {
     const uint64_t at = byte_offset + done;
     const uint64_t index = at / c;
@@ -246,6 +293,10 @@ Result<size_t> WriteCapture::Read(CapturedFile& f, uint64_t byte_offset, std::sp
 
 Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
   Impl& m = *impl_;
+  if (n_bytes > m.max_file_bytes) {
+    return Status(StatusCode::kInvalidArgument,
+                  "a size of " + std::to_string(n_bytes) + " bytes passes the source filesystem's file size limit", EFBIG);
+  }
   std::unique_lock lock(f.mu);
   if (n_bytes < f.size) {
     // No write of this file may land after the part is cut: it would bring bytes past the new
@@ -335,10 +386,17 @@ bool WriteCapture::Discard(CapturedFile& f) {
       slot.dirty = false;
     }
   }
+  // Its space is given back now (a writer may still hold the file open), which may be what a
+  // failed commit waits for.
+  if (ftruncate(f.fd, 0) != 0) m.Log("ucpfs: capture: cannot free " + m.PartPath(f) + ": " + std::strerror(errno));
   unlinkat(m.capture_fd, f.part_name.c_str(), 0);
   m.Journal({JournalType::kDiscard, f.seq, 0, 0, 0, 0, 0, {}});
-  std::lock_guard lock(m.mu);
-  m.pending.erase(f.seq);
+  {
+    std::lock_guard lock(m.mu);
+    m.pending.erase(f.seq);
+    if (!m.head_error.ok()) m.retry = true;
+  }
+  m.work_cv.notify_all();
   return true;
 }
 
@@ -370,7 +428,30 @@ bool WriteCapture::Settled(const CapturedFile& file) const {
 Status WriteCapture::SetMode(CapturedFile& f, mode_t mode) {
   std::lock_guard lock(f.mu);
   f.mode = mode & 07777;
-  if (fchmod(f.fd, f.mode) != 0) return Errno("chmod " + impl_->PartPath(f), errno);
+  if (f.placed && fchmod(f.fd, f.mode) != 0) return Errno("chmod " + f.last_rel, errno);
+  return Status::Ok();
+}
+
+Status WriteCapture::SetOwner(CapturedFile& f, uid_t uid, gid_t gid) {
+  std::lock_guard lock(f.mu);
+  if (uid != static_cast<uid_t>(-1)) f.uid = uid;
+  if (gid != static_cast<gid_t>(-1)) f.gid = gid;
+  if (f.placed && (fchown(f.fd, f.uid, f.gid) != 0 || fchmod(f.fd, f.mode) != 0)) {
+    return Errno("chown " + f.last_rel, errno);
+  }
+  return Status::Ok();
+}
+
+Status WriteCapture::SetTimes(CapturedFile& f, const struct timespec times[2]) {
+  struct timespec now = {};
+  clock_gettime(CLOCK_REALTIME, &now);
+  std::lock_guard lock(f.mu);
+  for (int i = 0; i < 2; ++i) {
+    if (times[i].tv_nsec == UTIME_OMIT) continue;
+    (i == 0 ? f.atime : f.mtime) = times[i].tv_nsec == UTIME_NOW ? now : times[i];
+  }
+  const struct timespec set[2] = {f.atime, f.mtime};
+  if (f.placed && futimens(f.fd, set) != 0) return Errno("set the times of " + f.last_rel, errno);
   return Status::Ok();
 }
 
@@ -378,9 +459,26 @@ CaptureStats WriteCapture::Stats() const {
   const Impl& m = *impl_;
   CaptureStats s;
   s.state_dir = m.capture_dir;
+  std::vector<std::shared_ptr<CapturedFile>> held;
+  Status head;
   {
     std::lock_guard lock(m.mu);
     s.unplaced = m.kept_unplaced;
+    head = m.head_error;
+    if (!head.ok()) {
+      for (const auto& item : m.commit_queue) held.push_back(item.file);
+    }
+  }
+  std::string first;
+  for (const auto& f : held) {
+    std::lock_guard lock(f->mu);
+    if (f->discarded || f->placed) continue;
+    UnplacedFile u;
+    u.path = f->last_rel;
+    u.reason = first.empty() ? head.message() : "waits behind '" + first + "', which could not be placed";
+    u.kept_in = f->kept ? m.capture_dir : "";
+    if (first.empty()) first = u.path;
+    if (s.unplaced.empty() || s.unplaced.back().path != u.path) s.unplaced.push_back(std::move(u));
   }
   std::shared_ptr<PinnedCache> cache;
   {

@@ -9,13 +9,15 @@
 //     of whole chunks (several in flight through an IoEngine, fixed buffers, out of order), a
 //     chunk being written as soon as it is full so files larger than the cache stream through.
 // It appears under its final name only once complete and durable: the committer truncates the
-// part to its exact size, fdatasyncs it, renames it over the final name (resolved beneath SRC,
-// never through a symlink) and fsyncs that directory. Commits happen strictly in the order of
+// part to its exact size, gives it its owner, mode and times (SetOwner/SetMode/SetTimes: until
+// then the part is 0600 and the daemon's), fdatasyncs it, renames it over the final name
+// (resolved beneath SRC, never through a symlink) and fsyncs that directory. Commits happen strictly in the order of
 // Close/Fsync calls (close order), so a pointer file written last (`latest`, `.metadata`) is
 // never durable before the shards closed before it.
 //
 // Crash safety: a journal (`SRC/.ucpfs/capture/<mount id>/journal`) records each chunk written
-// (offset, length, xxHash64 of its bytes) and each commit (size, mode, final path) in close
+// (offset, length, xxHash64 of its bytes) and each commit (size, mode, owner, times, final path,
+// as they were at close; a recovered file never gets S_ISUID/S_ISGID from it) in close
 // order. Start() reads back the journal of each dead mount (capture_mount.h says which), on its
 // own: in close order, a closed file whose part holds every chunk with its recorded hash is
 // finished (renamed into place, one log line); from the first one that is not, that file and
@@ -25,9 +27,15 @@
 // later one, for the next mount. The journal is untrusted input (it lives in the checkpoint
 // directory): it is bounded, every record is checksummed and every path checked before use.
 //
-// Errors while flushing (EIO, ENOSPC): the chunks stay in the cache, the file stays pending, and
-// the error is returned by Fsync/Sync (and Close, if it happened before); later commits wait
-// behind it (order is never broken). Sync() retries a failed file.
+// Errors while flushing or placing (EIO, ENOSPC, the directory removed or moved out of SRC from
+// outside, an O_EXCL name taken): the chunks stay in the cache, the file stays pending, and the
+// error is returned by Fsync/Sync (and Close, if it happened before); later commits wait behind
+// it (order is never broken), and what is written of each is made durable in its part. The
+// committer tries the failed file again by itself (after 1 s, backing off to 8 s; at once when
+// Sync is called or a pending file is unlinked, which frees its part's space at once), so the
+// files behind it place as soon as it does. Stats().unplaced lists them meanwhile; an unmount
+// leaves those durable in their parts for the next mount and logs each (and any whose bytes
+// were only in memory). Writes past the source filesystem's file size limit fail with EFBIG.
 //
 // Thread-safety: every method may be called from any thread at once. Lock order: a file's mutex
 // before the engine's mutex (mu_); no lock is held while blocked on the cache.
@@ -125,7 +133,10 @@ class WriteCapture {
   // directory through renames), with permission bits `mode`; whatever has that name then is
   // replaced. Errors: kIo (creating the part); PinnedCache::Make's for the first file when the
   // cache is made then.
-  Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode);
+  // `exclusive` (an O_EXCL create): a name made there from outside meanwhile is not replaced (the
+  // commit fails with EEXIST and the file is kept, listed as unplaced).
+  Result<std::shared_ptr<CapturedFile>> Create(int parent_dirfd, const std::string& name, mode_t mode,
+                                               bool exclusive = false);
 
   // The part's descriptor-level identity (st_dev, st_ino: the final file's after the rename) and
   // the file's logical size and times.
@@ -162,8 +173,15 @@ class WriteCapture {
   // A new O_PATH descriptor of the file's inode (the part, later the placed file), owned by the
   // caller. Errors: kIo.
   Result<int> OpenPath(const CapturedFile& file) const;
-  // chmod of a file not yet placed (applied to the part; placed files are chmod'ed directly).
+  // chmod, chown and utimens of a file not yet settled: kept and applied to the part just before
+  // it is placed (chown first, which clears S_ISUID/S_ISGID, then the mode, then the times), and
+  // at once to a file placed already. The part itself stays 0600 and the daemon's until then.
+  // SetOwner: -1 leaves that id. SetTimes: as utimensat takes them (UTIME_NOW, UTIME_OMIT); a
+  // later write or truncate sets mtime to now again, as the kernel does. A file's mtime is
+  // otherwise its last write's. Errors: kIo from a placed file's fchmod/fchown/futimens.
   Status SetMode(CapturedFile& file, mode_t mode);
+  Status SetOwner(CapturedFile& file, uid_t uid, gid_t gid);
+  Status SetTimes(CapturedFile& file, const struct timespec times[2]);
 
   CaptureStats Stats() const;
 

@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -116,8 +117,11 @@ class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
   int fd = -1;         // buffered: reads back, truncate, fdatasync
   int parent_fd = -1;  // O_PATH destination directory (dup'ed)
   std::string name;
-  mode_t mode = 0644;
+  mode_t mode = 0644;  // applied to the part only when it is placed (it stays 0600 until then)
+  uid_t uid = static_cast<uid_t>(-1);  // owner to place it with (-1: the daemon's, as created)
+  gid_t gid = static_cast<gid_t>(-1);
   uint64_t size = 0;   // logical
+  struct timespec atime = {};
   struct timespec mtime = {};
   struct stat part_stat = {};
   std::map<uint64_t, ChunkSlot> chunks;
@@ -128,6 +132,9 @@ class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
   bool flush_ready = true;  // false while a commit of it has not been started
   Status error;             // the first flush error not yet retried
   PinnedCache* cache = nullptr;
+  bool exclusive = false;   // created O_EXCL: placed only where no name is (RENAME_NOREPLACE)
+  std::string last_rel;     // where it goes, relative to SRC, as last resolved (for messages, the journal)
+  bool kept = false;        // everything written is durable in its part (a commit failed after)
 
   ~CapturedFile() {
     for (auto& [index, slot] : chunks) {
@@ -170,6 +177,7 @@ struct WriteCapture::Impl {
   Status head_error;              // the head of the commit queue failed with this
   uint64_t head_error_ticket = 0;
   bool retry = false;
+  uint64_t max_file_bytes = std::numeric_limits<int64_t>::max();  // SRC's filesystem's, probed at start
   bool stopping = false;
   uint64_t next_seq = 1;
   std::map<uint64_t, std::weak_ptr<CapturedFile>> pending;  // created and not yet placed or discarded
@@ -214,9 +222,20 @@ struct WriteCapture::Impl {
 
   // capture_committer.cc
   std::string RelPath(const CapturedFile& f) const;
+  // The directory `f` is to be placed in, re-resolved beneath SRC's root (never through a
+  // symlink or out of SRC) and checked to be the one it was created in; sets f.last_rel.
+  // Errors: kIo (EIO) naming the file when that directory was removed or left SRC.
+  Result<int> OpenPlace(CapturedFile& f, std::string* rel);
+  // Makes what is written of every file queued behind a failed one durable in its part, so an
+  // unmount keeps it for the next mount.
+  void KeepQueued();
   Status FlushAll(const std::shared_ptr<CapturedFile>& f);
   void ForgetIfDone(const std::shared_ptr<CapturedFile>& f);
   Status CommitFile(const std::shared_ptr<CapturedFile>& f, IoEngine& engine);
+  // The owner, group, mode and times `f` must have, applied to its part before it is placed
+  // (Locked: f.mu held).
+  Status ApplyAttributes(CapturedFile& f);
+  Status ApplyAttributesLocked(CapturedFile& f);
   void CommitterLoop();
   uint64_t Enqueue(const std::shared_ptr<CapturedFile>& f);
   Status WaitFor(uint64_t ticket);

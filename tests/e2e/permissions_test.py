@@ -30,6 +30,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
 from e2e_common import Results, run, tmpdir, ucpfs_bin
 from mount_common import mounted
@@ -237,6 +238,44 @@ def exploit_probe(src):
     assert not leftovers, f"placeholders left: {leftovers}"
 
 
+def sticky_race(src, mnt):
+    """nobody saves a new name in the sticky directory; root makes that name from outside before
+    the save is closed: nobody could not have replaced root's file, so it is not replaced (the
+    save stays pending, `ucpfs sync` fails naming it) until nobody unlinks its own."""
+    go, ready = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([NOBODY[2][0]])
+            os.setresgid(NOBODY[1], NOBODY[1], NOBODY[1])
+            os.setresuid(NOBODY[0], NOBODY[0], NOBODY[0])
+            fd = os.open(os.path.join(mnt, "sticky/race"), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, b"nobody's")
+            os.write(ready[1], b"1")
+            os.read(go[0], 1)
+            os.close(fd)
+            code = 0
+        finally:
+            os._exit(code)
+    os.read(ready[0], 1)
+    with open(os.path.join(src, "sticky/race"), "wb") as f:
+        f.write(b"root's")
+    os.write(go[1], b"1")
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, f"nobody's save failed: {status}"
+    for _ in range(100):  # the kernel sends the release after close(2) returns
+        r = run([ucpfs_bin(), "sync", mnt], check=False)
+        if r.returncode != 0:
+            break
+        time.sleep(0.05)
+    assert r.returncode != 0 and "race" in r.stderr + r.stdout, f"sync: {r.returncode} {r.stderr}"
+    assert open(os.path.join(src, "sticky/race"), "rb").read() == b"root's", "root's file was replaced"
+    assert as_user(NOBODY, 0o022, lambda: os.unlink(os.path.join(mnt, "sticky/race"))) == ("ok", None)
+    run([ucpfs_bin(), "sync", mnt])
+    assert open(os.path.join(src, "sticky/race"), "rb").read() == b"root's"
+
+
 # ---- ordinary tools ----
 
 def tool_tree(base):
@@ -347,6 +386,8 @@ def main():
             res.check("owner, group, mode in SRC after sync equal the plain directory's",
                       lambda: compare_trees(plain, src, "src"))
             res.check("nobody's setuid copy of id is not root's; no placeholder left", lambda: exploit_probe(src))
+            res.check("a name root makes in the sticky directory while nobody's save is pending is kept",
+                      lambda: sticky_race(src, m))
             res.check("user.* xattrs pass through, others refused; writable MAP_SHARED is ENODEV",
                       lambda: xattrs_and_mmap(src, m))
             res.check("cp -a, tar x, rsync -a into the mount give the plain directory's tree",

@@ -7,6 +7,8 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/fsuid.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -442,6 +444,64 @@ TEST_F(PassthroughFixture, SavesAreCapturedAndLandWhenDurable) {
   Result<Entry> none = fs_->Lookup(old.ino, "gone.pt");
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(none->ino, 0u);
+}
+
+// As root: what `nobody` saves is nobody's, with the kernel's bits (setgid directory, umask,
+// S_ISUID dropped by its write), pending and once durable; the daemon's thread is root again after.
+TEST_F(PassthroughFixture, SavedAsTheCaller) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  constexpr gid_t kGroup = 4343;
+  std::filesystem::create_directories(dir_ / "pub");
+  std::filesystem::create_directories(dir_ / "sgid");
+  ASSERT_EQ(chmod(dir_.c_str(), 0755), 0);
+  ASSERT_EQ(chmod((dir_ / "pub").c_str(), 0777), 0);
+  ASSERT_EQ(chown((dir_ / "sgid").c_str(), 0, kGroup), 0);
+  ASSERT_EQ(chmod((dir_ / "sgid").c_str(), 02777), 0);
+  Caller nobody;
+  nobody.switch_creds = true;
+  nobody.uid = 65534;
+  nobody.gid = 65534;
+  nobody.groups = {65534};
+  nobody.umask = 022;
+  nobody.has_umask = true;
+  const Entry pub = *fs_->Lookup(kRootIno, "pub");
+  const Entry sgid = *fs_->Lookup(kRootIno, "sgid");
+
+  auto made = fs_->Create(pub.ino, "id", 04755, O_WRONLY | O_CREAT, nobody);
+  ASSERT_TRUE(made.ok()) << made.error().ToString();
+  EXPECT_EQ(made->first.attr.st_uid, 65534u);
+  EXPECT_EQ(made->first.attr.st_gid, 65534u);
+  EXPECT_EQ(made->first.attr.st_mode & 07777, 04755u);
+  ASSERT_TRUE(fs_->Write(made->second, 0, std::span(reinterpret_cast<const std::byte*>("abc"), 3)).ok());
+  EXPECT_EQ(fs_->GetAttr(made->first.ino)->st_mode & 07777, 0755u);  // an unprivileged write drops S_ISUID
+  ASSERT_TRUE(fs_->Release(made->second).ok());
+
+  auto in_sgid = fs_->Create(sgid.ino, "f", 02755, O_WRONLY | O_CREAT, nobody);
+  ASSERT_TRUE(in_sgid.ok()) << in_sgid.error().ToString();
+  EXPECT_EQ(in_sgid->first.attr.st_gid, kGroup);              // inherited
+  EXPECT_EQ(in_sgid->first.attr.st_mode & 07777, 0755u);      // S_ISGID: not a member
+  ASSERT_TRUE(fs_->Release(in_sgid->second).ok());
+  Result<Entry> dir = fs_->Mkdir(sgid.ino, "d", 0777, nobody);
+  ASSERT_TRUE(dir.ok());
+  EXPECT_EQ(dir->attr.st_uid, 65534u);
+  EXPECT_EQ(dir->attr.st_mode & 07777, 02755u);
+  // Not nobody's: refused by the kernel.
+  struct stat chmod_to = {};
+  chmod_to.st_mode = 0777;
+  EXPECT_EQ(ErrnoFromStatus(fs_->SetAttr(sgid.ino, chmod_to, Passthrough::kSetMode, nullptr, nobody).error()), EPERM);
+  EXPECT_EQ(ErrnoFromStatus(fs_->Create(kRootIno, "no", 0644, O_WRONLY | O_CREAT, nobody).error()), EACCES);
+
+  ASSERT_TRUE(capture_->Sync().ok());
+  struct stat st = {};
+  ASSERT_EQ(lstat((dir_ / "pub" / "id").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 65534u);
+  EXPECT_EQ(st.st_mode & 07777, 0755u);
+  ASSERT_EQ(lstat((dir_ / "sgid" / "f").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 65534u);
+  EXPECT_EQ(st.st_gid, kGroup);
+  // The serving thread is the daemon again.
+  EXPECT_EQ(setfsuid(static_cast<uid_t>(-1)), 0);
+  EXPECT_EQ(setfsgid(static_cast<gid_t>(-1)), 0);
 }
 
 }  // namespace

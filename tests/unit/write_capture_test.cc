@@ -538,6 +538,56 @@ TEST_F(WriteCaptureTest, RecoveryTakesOnlyTheStateOfMountsProvablyDead) {
   close(held);
 }
 
+// The owner, mode and times given while a file is pending are what it is placed with; the part
+// stays 0600 and the daemon's until then. Recovery applies the journal's owner and times, never
+// S_ISUID/S_ISGID (the journal is untrusted).
+TEST_F(WriteCaptureTest, PlacedWithItsOwnerModeAndTimesAlsoAfterACrash) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give files away";
+  Start(4);
+  auto f = Create("owned.bin");
+  ASSERT_NE(f, nullptr);
+  ASSERT_TRUE(capture_->SetOwner(*f, 4242, 4343).ok());
+  ASSERT_TRUE(capture_->SetMode(*f, 02750).ok());
+  WriteAll(*f, std::vector<std::byte>(1000, std::byte{7}), 300);
+  const struct timespec times[2] = {{1000000000, 5}, {1500000000, 7}};
+  ASSERT_TRUE(capture_->SetTimes(*f, times).ok());
+  EXPECT_EQ(capture_->Stat(*f).st_uid, 4242u);
+  EXPECT_EQ(capture_->Stat(*f).st_mtim.tv_sec, 1500000000);
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  struct stat st = {};
+  ASSERT_EQ(lstat((dir_ / "owned.bin").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 4242u);
+  EXPECT_EQ(st.st_gid, 4343u);
+  EXPECT_EQ(st.st_mode & 07777, 02750u);
+  EXPECT_EQ(st.st_mtim.tv_sec, 1500000000);
+  EXPECT_EQ(st.st_mtim.tv_nsec, 7);
+  EXPECT_EQ(st.st_atim.tv_sec, 1000000000);
+  capture_.reset();
+
+  // A crash after the commit record: the next mount places it with the journal's owner and times.
+  const stdfs::path cap = dir_ / ".ucpfs" / "capture";
+  for (const auto& e : stdfs::directory_iterator(cap)) stdfs::remove_all(e.path());
+  const std::vector<std::byte> data(3000, std::byte{9});
+  std::ofstream(cap / "1.part", std::ios::binary).write(reinterpret_cast<const char*>(data.data()), 3000);
+  JournalRecord commit = CommitRecord(1, data.size(), "recovered.bin");
+  commit.mode = 04755;
+  commit.attrs = {true, 4242, 4343, 1000000000000000000, 1600000000000000123};
+  WriteJournal(cap / "journal", {ChunkRecord(1, 0, data), commit});
+  auto parsed = ParseJournal(ReadFile((cap / "journal").string()));
+  ASSERT_TRUE(parsed.ok());
+  ASSERT_EQ(parsed->records.size(), 2u);
+  EXPECT_EQ(parsed->records[1].attrs.uid, 4242u);
+  EXPECT_EQ(parsed->records[1].attrs.mtime_ns, 1600000000000000123);
+  Start(4);
+  ASSERT_EQ(lstat((dir_ / "recovered.bin").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 4242u);
+  EXPECT_EQ(st.st_gid, 4343u);
+  EXPECT_EQ(st.st_mode & 07777, 0755u);  // no set-id bit from a journal
+  EXPECT_EQ(st.st_mtim.tv_sec, 1600000000);
+  EXPECT_EQ(st.st_mtim.tv_nsec, 123);
+}
+
 TEST(CaptureJournal, DamagedAndTornRecordsEndTheJournal) {
   std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(kJournalMagic),
                                reinterpret_cast<const std::byte*>(kJournalMagic) + sizeof(kJournalMagic));

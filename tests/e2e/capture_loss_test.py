@@ -1,0 +1,177 @@
+"""End-to-end: no accepted byte is lost without a loud error (write capture, issue 22 item 3).
+
+Plain bytes through a real FUSE mount (no torch needed):
+ 1. a file pending in MNT/step1 while SRC/step1 is removed from outside, then another save:
+    both close with 0 but `ucpfs sync`, `ucpfs status` and `ucpfs umount` name both, and the
+    umount exits non-zero; once the directory is made again, the next mount places both, whole
+    and in order;
+ 2. a source on a small tmpfs (8 MiB): a save that does not fit fails with ENOSPC, a small file
+    closed after it is held back (not dropped); `rm MNT/big` gives the space back at once, and
+    once room is made outside, the held-back saves place by themselves (no sync);
+ 3. a pwrite at 16 TiB (past ext4's file size limit) fails with EFBIG at write(), and later saves
+    are not held back by it.
+
+Run by hand: UCPFS_BIN=build/cli/ucpfs python3 tests/e2e/capture_loss_test.py
+"""
+import errno
+import os
+import shutil
+import subprocess
+import time
+
+from e2e_common import Results, run, tmpdir, ucpfs_bin
+from mount_common import capture_parts, is_mounted
+
+CACHE = ("--cache-size", "64M")
+
+
+def mount(src, mnt):
+    os.makedirs(mnt, exist_ok=True)
+    run([ucpfs_bin(), "mount", src, mnt, "--log", mnt + ".log", *CACHE], timeout=120)
+    assert is_mounted(mnt)
+
+
+def umount(mnt, expect_rc=0):
+    """`ucpfs umount`; waits until the daemon is gone; returns its stderr."""
+    pids = run(["pgrep", "-f", f"ucpfs mount .* {mnt} "], check=False).stdout.split()
+    r = run([ucpfs_bin(), "umount", mnt], check=False)
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert r.returncode == expect_rc, (r.returncode, r.stderr)
+    return r.stderr
+
+
+def force_umount(mnt):
+    if is_mounted(mnt):
+        subprocess.run(["umount", "-l", mnt])
+
+
+def wait_until(fn, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if fn():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def directory_removed(work):
+    src, mnt = os.path.join(work, "src1"), os.path.join(work, "mnt1")
+    os.makedirs(src)
+    a, b = os.urandom(3 << 20), os.urandom(100000)
+    mount(src, mnt)
+    try:
+        os.mkdir(os.path.join(mnt, "step1"))
+        f = open(os.path.join(mnt, "step1", "a.dat"), "wb")
+        f.write(a)
+        os.rmdir(os.path.join(src, "step1"))  # from outside, while a.dat is pending
+        f.close()  # accepted
+        with open(os.path.join(mnt, "b.dat"), "wb") as g:
+            g.write(b)
+        r = run([ucpfs_bin(), "sync", mnt, "--quiet"], check=False)
+        assert r.returncode != 0 and "step1/a.dat" in r.stderr and "b.dat" in r.stderr, r.stderr
+        out = run([ucpfs_bin(), "status", mnt]).stdout
+        assert "not placed:  step1/a.dat" in out and "not placed:  b.dat" in out, out
+        err = umount(mnt, expect_rc=1)
+        assert "step1/a.dat" in err and "b.dat" in err and "next mount" in err, err
+    finally:
+        force_umount(mnt)
+    assert not os.path.exists(os.path.join(src, "b.dat")), "b.dat placed ahead of a.dat"
+    os.mkdir(os.path.join(src, "step1"))
+    mount(src, mnt)
+    try:
+        assert open(os.path.join(src, "step1", "a.dat"), "rb").read() == a
+        assert open(os.path.join(src, "b.dat"), "rb").read() == b
+        umount(mnt)
+    finally:
+        force_umount(mnt)
+    assert not capture_parts(src), capture_parts(src)
+    return "both named by sync, status and umount (exit 1), placed by the next mount"
+
+
+def disk_full(work):
+    src, mnt = os.path.join(work, "small"), os.path.join(work, "mnt2")
+    os.makedirs(src)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", src], check=True)
+    try:
+        filler = os.path.join(src, "filler")
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (3 << 20))
+        mount(src, mnt)
+        try:
+            big, small = os.urandom(6 << 20), os.urandom(4096)
+            try:
+                with open(os.path.join(mnt, "big.dat"), "wb") as f:
+                    f.write(big)
+                    os.fsync(f.fileno())
+                raise AssertionError("a save larger than the free space was made durable")
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+            with open(os.path.join(mnt, "small.dat"), "wb") as f:
+                f.write(small)  # closes with 0: accepted, held back behind big.dat
+            r = run([ucpfs_bin(), "sync", mnt, "--quiet"], check=False)
+            assert r.returncode != 0 and "big.dat" in r.stderr and "small.dat" in r.stderr, r.stderr
+            # While bytes are only in memory, ucpfs umount refuses and keeps the mount.
+            r = run([ucpfs_bin(), "umount", mnt], check=False)
+            assert r.returncode != 0 and is_mounted(mnt) and "small.dat" in r.stderr, r.stderr
+            # Room made outside: the held-back saves place by themselves, in order.
+            os.unlink(filler)
+            assert wait_until(lambda: os.path.exists(os.path.join(src, "small.dat"))), "held-back saves not placed"
+            assert open(os.path.join(src, "big.dat"), "rb").read() == big
+            assert open(os.path.join(src, "small.dat"), "rb").read() == small
+            # `rm MNT/x` of a pending file gives its space back at once.
+            free0 = shutil.disk_usage(src).free
+            f = open(os.path.join(mnt, "x.dat"), "wb")
+            f.write(os.urandom(16 << 20))  # does not fit: its flushed chunks hold the disk
+            f.flush()
+            wait_until(lambda: shutil.disk_usage(src).free < free0 - (1 << 20), 10)
+            os.unlink(os.path.join(mnt, "x.dat"))
+            assert wait_until(lambda: shutil.disk_usage(src).free >= free0 - (64 << 10), 5), "space not given back"
+            try:
+                f.close()
+            except OSError:
+                pass
+            umount(mnt)
+        finally:
+            force_umount(mnt)
+    finally:
+        subprocess.run(["umount", "-l", src])
+    return "ENOSPC named, small file held back then placed after room was made; rm gave space back"
+
+
+def too_large(work):
+    src, mnt = os.path.join(work, "src3"), os.path.join(work, "mnt3")
+    os.makedirs(src)
+    mount(src, mnt)
+    try:
+        fd = os.open(os.path.join(mnt, "huge.dat"), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, b"x", 16 << 40)
+            raise AssertionError("a pwrite at 16 TiB was accepted")
+        except OSError as e:
+            assert e.errno == errno.EFBIG, e
+        os.close(fd)
+        with open(os.path.join(mnt, "after.dat"), "wb") as f:
+            f.write(b"after")
+        run([ucpfs_bin(), "sync", mnt, "--quiet"])
+        assert open(os.path.join(src, "after.dat"), "rb").read() == b"after"
+        umount(mnt)
+    finally:
+        force_umount(mnt)
+    return "EFBIG at write(); later saves placed"
+
+
+def main():
+    res = Results("capture_loss")
+    with tmpdir("ucpfs-capture-loss-") as work:
+        res.check("directory removed from outside: named by sync/status/umount, placed by the next mount",
+                  lambda: directory_removed(work))
+        res.check("disk full: ENOSPC named, nothing dropped, held-back saves place once room is made",
+                  lambda: disk_full(work))
+        res.check("pwrite past the file size limit: EFBIG at write()", lambda: too_large(work))
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()
