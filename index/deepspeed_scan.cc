@@ -94,13 +94,21 @@ Result<TagFiles> ListTag(const std::string& dir) {
 std::optional<int64_t> IntOf(const pickle::PickleGraph& g, pickle::NodeId n) {
   if (g.kind(n) == pickle::Kind::kInt) return g.int_value(n);
   if (g.kind(n) == pickle::Kind::kBool) return g.bool_value(n) ? 1 : 0;
-  // An int Enum (ZeroStageEnum) pickles as REDUCE(cls, (value,)).
-  if (g.kind(n) == pickle::Kind::kObject) {
-    const auto args = Items(g, g.object(n).args);
-    if (args.size() == 1 && g.kind(args[0]) == pickle::Kind::kInt) return g.int_value(args[0]);
-  }
   return std::nullopt;
 }
+
+}  // namespace
+
+std::optional<int64_t> DeepSpeedZeroStage(const pickle::PickleGraph& g, pickle::NodeId n) {
+  // max_stage is an alias of weights (Python pickles the canonical name, but an alias resolves too).
+  static constexpr pickle::IntEnumMember kMembers[] = {
+      {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}};
+  static constexpr pickle::IntEnumType kZeroStageEnum = {kZeroStageEnumModule, kZeroStageEnumClass, kMembers};
+  if (g.kind(n) == pickle::Kind::kInt) return g.int_value(n);
+  return pickle::IntEnumValue(g, n, kZeroStageEnum);
+}
+
+namespace {
 
 // torch.Size((a, b)) (REDUCE of torch.Size with a tuple), or a plain tuple/list of ints.
 std::optional<std::vector<int64_t>> ShapeOf(const pickle::PickleGraph& g, pickle::NodeId n) {
@@ -470,6 +478,7 @@ class DeepSpeedScanner {
         }
         UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(global, rec, id, key.second));
         if (!item) continue;
+        item->model_tensor = true;  // a layer's state_dict
         if (ordered.insert(global).second) layer_order_.push_back(global);
         layer_weights_[static_cast<size_t>(key.second)].try_emplace(global, std::move(*item));
       }
@@ -637,7 +646,7 @@ class DeepSpeedScanner {
         const pickle::NodeId z = Get(g, osd, "zero_stage");
         int s = 0;
         if (z != pickle::kNoNode) {
-          std::optional<int64_t> v = IntOf(g, z);
+          std::optional<int64_t> v = DeepSpeedZeroStage(g, z);
           if (!v || *v < 1 || *v > 3) return CorruptError(Where(m, d) + ": optimizer_state_dict.zero_stage is not 1, 2 or 3");
           s = static_cast<int>(*v);
         }
@@ -661,7 +670,9 @@ class DeepSpeedScanner {
     for (const format::TensorRecord& t : model.tensors()) {
       if (t.key.rfind(kPrefix, 0) != 0) continue;
       UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(t.key.substr(kPrefix.size()), t, model_id, tp_rank));
-      if (item) out.push_back(std::move(*item));
+      if (!item) continue;
+      item->model_tensor = true;  // module.state_dict(): parameters and persistent buffers by name
+      out.push_back(std::move(*item));
     }
     return out;
   }
