@@ -12,7 +12,8 @@
 //
 // Items (keys the built-in key rules map), each a GLOBAL tensor: every module tensor `<name>`,
 // marked Item::model_tensor so buffers and frozen parameters map by name too (ZeRO-1/2 and
-// BF16_Optimizer `module`; with pipelines the layer files' tensors, named
+// BF16_Optimizer `module`; ZeRO-3: buffers from dp rank 0's `module`, frozen parameters from
+// every dp rank's `frozen_param_fragments` partition, as flat ranges; with pipelines the layer files' tensors, named
 // "LL.<key>" or "tied_modules.<k>.<key>" as in param_shapes; ZeRO-3 stores only placeholders),
 // `optimizer.state.<name>.fp32_param`, `.exp_avg`, `.exp_avg_sq` as flat-range fragments of the
 // data-parallel partitions (the ZeRO arithmetic of core/layout/zero.h, cross-checked with the
