@@ -895,6 +895,11 @@ int RunStatus(const std::string& mountpoint, bool json) {
               << "; on lookup: " << mib(lookup.value("memory_bytes", uint64_t{0})) << " of "
               << mib(lookup.value("memory_limit_bytes", uint64_t{0}))
               << '\n';
+    // Layouts a lookup named but could not build (the lookup itself only answers ENOENT).
+    for (const auto& r : lookup.value("refused", nlohmann::json::array())) {
+      if (!r.is_object()) continue;
+      std::cout << "  refused:   " << r.value("layout", "?") << ": " << r.value("reason", "?") << '\n';
+    }
   }
   if (status.contains("index")) {
     const auto& ix = status["index"];

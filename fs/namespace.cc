@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -30,6 +31,13 @@ namespace {
 
 constexpr uint64_t kStatsJsonBytes = 16384;  // MountReport's messages fit
 constexpr size_t kMaxListedLookupLayouts = 32;
+// Layouts built on lookup have at most this many ranks (a rank costs about half a millisecond to
+// plan and add, so a lookup answers within a few seconds); larger ones are refused at once and
+// can be given with --layout.
+constexpr int kMaxLookupWorld = 4096;
+// The most recent lookup refusals kept for stats.json (each reason cut to kMaxRefusalBytes).
+constexpr size_t kMaxListedRefusals = 8;
+constexpr size_t kMaxRefusalBytes = 400;
 
 struct timespec Now() {
   struct timespec ts;
@@ -474,6 +482,16 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     uint64_t n_live = 0;  // layouts holding a reservation; guarded by mu
     // Their names (a name twice while a rebuilt layout races its evicted one); guarded by mu.
     std::multiset<std::string> names;
+    // The last layouts a lookup named but could not build, with why (newest last; a name once);
+    // guarded by mu. Shown in stats.json and `ucpfs status`: a refused lookup only says ENOENT.
+    std::deque<std::pair<std::string, std::string>> refused;
+    void Refused(const std::string& name, std::string why) {
+      if (why.size() > kMaxRefusalBytes) why = why.substr(0, kMaxRefusalBytes - 3) + "...";
+      std::lock_guard lock(mu);
+      std::erase_if(refused, [&](const auto& r) { return r.first == name; });
+      if (refused.size() == kMaxListedRefusals) refused.pop_front();
+      refused.emplace_back(name, std::move(why));
+    }
     void Release(const std::string& name, uint64_t n_bytes) {
       std::lock_guard lock(mu);
       used -= std::min(used, n_bytes);
@@ -496,16 +514,10 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   };
   auto budget = std::make_shared<LookupBudget>();
   budget->limit = targets.lookup_budget_bytes;
-  SubtreeResolver resolve_target = [snapshot, target_input, mtime, access, budget](
-                                       const std::string& name) -> Result<std::shared_ptr<const Tree>> {
-    UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
-    if (l.name != name) {
-      return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
-                                  l.name + "')");
-    }
-    // A stray lookup must not make the daemon build millions of rank directories; larger
+  auto build_layout = [snapshot, target_input, mtime, access, budget](
+                          const layout::Layout& l) -> Result<std::shared_ptr<const Tree>> {
+    // A stray lookup must not make the daemon build thousands of rank directories; larger
     // layouts can still be given explicitly with --layout.
-    constexpr int kMaxLookupWorld = 65536;
     if (l.World() > kMaxLookupWorld) {
       return InvalidArgumentError("layout " + l.name + " has " + std::to_string(l.World()) +
                                   " ranks; layouts built on lookup are limited to " +
@@ -537,6 +549,18 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     size_t n_files = 0;
     UCPFS_RETURN_IF_ERROR(AddLayoutRanks(sub->tree, kRootIno, std::move(plan), mtime, access, &n_files));
     return std::shared_ptr<const Tree>(sub, &sub->tree);
+  };
+  SubtreeResolver resolve_target = [build_layout, budget](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+    UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
+    if (l.name != name) {
+      return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
+                                  l.name + "')");
+    }
+    // A well-formed layout that cannot be built is remembered with its reason (names that are
+    // no layout are not: shells and file managers probe many).
+    Result<std::shared_ptr<const Tree>> made = build_layout(l);
+    if (!made.ok()) budget->Refused(l.name, made.error().message());
+    return made;
   };
 
   nlohmann::ordered_json status;
@@ -620,10 +644,14 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
       if (names.size() == kMaxListedLookupLayouts) break;
       names.push_back(name);
     }
+    nlohmann::ordered_json refused = nlohmann::ordered_json::array();
+    for (const auto& [name, why] : budget->refused) refused.push_back({{"layout", name}, {"reason", why}});
     j["lookup_layouts"] = {{"live", budget->n_live},
                            {"names", std::move(names)},
                            {"memory_bytes", budget->used},
-                           {"memory_limit_bytes", budget->limit}};
+                           {"memory_limit_bytes", budget->limit},
+                           {"max_ranks", kMaxLookupWorld},
+                           {"refused", std::move(refused)}};
   };
   UCPFS_RETURN_IF_ERROR(AddMeta(*tree, mtime, status_text, source_counters, hooks));
   if (info != nullptr) {

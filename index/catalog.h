@@ -29,8 +29,9 @@ namespace ucpfs::index {
 // 2: items of torch 2.x checkpoints in the saved state dict's order (planner_data), not the
 // metadata's. 3: source files record device, inode and ctime (checked before serving).
 // 4: meta format_info (Checkpoint::format_info). 5: Megatron-Core torch_dist layer-stacked
-// tensors indexed as one item per layer (and expert), and its args in format_info.
-inline constexpr uint32_t kCatalogSchemaVersion = 5;
+// tensors indexed as one item per layer (and expert), and its args in format_info. 6: tensor
+// items record Item::model_tensor.
+inline constexpr uint32_t kCatalogSchemaVersion = 6;
 
 // xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
 // under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not

@@ -142,6 +142,7 @@ std::string EncodeItem(const Item& item) {
   if (item.kind == ItemKind::kTensor) {
     const slice::TensorLayout& layout = item.layout;
     w.U8(static_cast<uint8_t>(item.dtype));
+    w.U8(item.model_tensor ? 1 : 0);
     w.Count(layout.shape.size());
     w.I64s(layout.shape);
     w.Count(layout.fragments.size());
@@ -193,6 +194,10 @@ Result<Item> DecodeItem(std::string_view record) {
   r.Str(&item.key, "key");
   if (r.ok() && item.kind == ItemKind::kTensor) {
     ReadDType(r, &item.dtype, "tensor dtype");
+    uint8_t model_tensor = 0;
+    r.U8(&model_tensor, "model_tensor");
+    if (r.ok() && model_tensor > 1) r.Fail("bad model_tensor flag " + std::to_string(model_tensor));
+    item.model_tensor = model_tensor == 1;
     uint32_t rank = 0;
     r.U32(&rank, "rank");
     r.I64s(rank, &item.layout.shape, "shape");

@@ -41,6 +41,10 @@ struct Item {
   uint32_t file_id = 0;
   uint64_t byte_offset = 0;
   uint64_t n_bytes = 0;
+  // kTensor: the scanner read it from the model's own state dict (a parameter or buffer, e.g.
+  // DeepSpeed's `module`), so its key is the model's name for it whatever that name looks like;
+  // the key mapper takes such a tensor that no rule maps as that name's weight.
+  bool model_tensor = false;
 };
 
 // A relative path that stays inside the checkpoint directory: not empty, not absolute, no NUL

@@ -94,13 +94,21 @@ Result<TagFiles> ListTag(const std::string& dir) {
 std::optional<int64_t> IntOf(const pickle::PickleGraph& g, pickle::NodeId n) {
   if (g.kind(n) == pickle::Kind::kInt) return g.int_value(n);
   if (g.kind(n) == pickle::Kind::kBool) return g.bool_value(n) ? 1 : 0;
-  // An int Enum (ZeroStageEnum) pickles as REDUCE(cls, (value,)).
-  if (g.kind(n) == pickle::Kind::kObject) {
-    const auto args = Items(g, g.object(n).args);
-    if (args.size() == 1 && g.kind(args[0]) == pickle::Kind::kInt) return g.int_value(args[0]);
-  }
   return std::nullopt;
 }
+
+}  // namespace
+
+std::optional<int64_t> DeepSpeedZeroStage(const pickle::PickleGraph& g, pickle::NodeId n) {
+  // max_stage is an alias of weights (Python pickles the canonical name, but an alias resolves too).
+  static constexpr pickle::IntEnumMember kMembers[] = {
+      {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}};
+  static constexpr pickle::IntEnumType kZeroStageEnum = {kZeroStageEnumModule, kZeroStageEnumClass, kMembers};
+  if (g.kind(n) == pickle::Kind::kInt) return g.int_value(n);
+  return pickle::IntEnumValue(g, n, kZeroStageEnum);
+}
+
+namespace {
 
 // torch.Size((a, b)) (REDUCE of torch.Size with a tuple), or a plain tuple/list of ints.
 std::optional<std::vector<int64_t>> ShapeOf(const pickle::PickleGraph& g, pickle::NodeId n) {
@@ -306,6 +314,10 @@ class DeepSpeedScanner {
         if (auto it = weight_of.find(name); it != weight_of.end()) UCPFS_RETURN_IF_ERROR(Merge(std::move(it->second), t));
       }
     }
+    if (zero3_) {
+      UCPFS_ASSIGN_OR_RETURN(std::vector<Item> module_only, Zero3ModuleOnly(model0, model0_id));
+      for (Item& item : module_only) UCPFS_RETURN_IF_ERROR(Merge(std::move(item), 0));
+    }
     for (int t = 0; t < tp_; ++t) {
       for (const std::string& name : layer_order_) {
         auto& left = layer_weights_[static_cast<size_t>(t)];
@@ -470,6 +482,7 @@ class DeepSpeedScanner {
         }
         UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(global, rec, id, key.second));
         if (!item) continue;
+        item->model_tensor = true;  // a layer's state_dict
         if (ordered.insert(global).second) layer_order_.push_back(global);
         layer_weights_[static_cast<size_t>(key.second)].try_emplace(global, std::move(*item));
       }
@@ -637,7 +650,7 @@ class DeepSpeedScanner {
         const pickle::NodeId z = Get(g, osd, "zero_stage");
         int s = 0;
         if (z != pickle::kNoNode) {
-          std::optional<int64_t> v = IntOf(g, z);
+          std::optional<int64_t> v = DeepSpeedZeroStage(g, z);
           if (!v || *v < 1 || *v > 3) return CorruptError(Where(m, d) + ": optimizer_state_dict.zero_stage is not 1, 2 or 3");
           s = static_cast<int>(*v);
         }
@@ -661,7 +674,9 @@ class DeepSpeedScanner {
     for (const format::TensorRecord& t : model.tensors()) {
       if (t.key.rfind(kPrefix, 0) != 0) continue;
       UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(t.key.substr(kPrefix.size()), t, model_id, tp_rank));
-      if (item) out.push_back(std::move(*item));
+      if (!item) continue;
+      item->model_tensor = true;  // module.state_dict(): parameters and persistent buffers by name
+      out.push_back(std::move(*item));
     }
     return out;
   }
@@ -848,6 +863,86 @@ class DeepSpeedScanner {
       }
       UCPFS_ASSIGN_OR_RETURN(std::vector<Item> items, ItemsOfParam(params[pi], 0, frags, parts));
       out.push_back(std::move(items));
+    }
+    return out;
+  }
+
+  // ZeRO-3's module tensors without optimizer state, in module order: buffers (whole in every dp
+  // rank's `module`; dp rank 0's are read) and frozen parameters (`frozen_param_shapes`, each dp
+  // rank holding its ceil(numel/dp) partition in `frozen_param_fragments`, as ZeRO-3 partitions
+  // any parameter). Trained parameters are placeholders there (their state is in the optimizer).
+  Result<std::vector<Item>> Zero3ModuleOnly(const format::TorchFile& model0, uint32_t model0_id) {
+    const std::string where0 = builder_.source(model0_id)->Name();
+    const pickle::PickleGraph& g = model0.graph();
+    std::map<std::string, std::vector<int64_t>> frozen;
+    for (const auto& [k, v] : Pairs(g, Get(g, g.root(), "frozen_param_shapes"))) {
+      const std::optional<std::vector<int64_t>> shape = ShapeOf(g, v);
+      if (g.kind(k) != pickle::Kind::kString || !shape) {
+        return CorruptError(where0 + ": frozen_param_shapes holds an entry that is not name -> shape");
+      }
+      frozen.emplace(std::string(g.text(k)), *shape);
+    }
+    // Each dp rank's model file: its frozen partitions by name.
+    std::vector<std::map<std::string, const format::TensorRecord*>> parts(static_cast<size_t>(dp_));
+    std::vector<uint32_t> ids(parts.size());
+    std::vector<format::TorchFile> files;
+    files.reserve(parts.size());
+    if (!frozen.empty()) {
+      for (int d = 0; d < dp_; ++d) {
+        const auto it = files_.zero3_model.find({d, 0});
+        if (it == files_.zero3_model.end()) return CorruptError(where0 + ": no ZeRO-3 model file of dp rank " + std::to_string(d));
+        UCPFS_ASSIGN_OR_RETURN(ids[static_cast<size_t>(d)], builder_.AddFile(Rel(it->second)));
+        UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, builder_.OpenTorchFile(ids[static_cast<size_t>(d)]));
+        files.push_back(std::move(tf));
+        constexpr std::string_view kPrefix = "frozen_param_fragments.";
+        for (const format::TensorRecord& t : files.back().tensors()) {
+          if (t.key.rfind(kPrefix, 0) == 0) parts[static_cast<size_t>(d)][t.key.substr(kPrefix.size())] = &t;
+        }
+      }
+    }
+    std::vector<Item> out;
+    constexpr std::string_view kModule = "module.";
+    for (const format::TensorRecord& t : model0.tensors()) {
+      if (t.key.rfind(kModule, 0) != 0) continue;
+      const std::string name = t.key.substr(kModule.size());
+      if (known_names_.count(name) != 0) continue;  // a trained parameter's placeholder
+      const auto f = frozen.find(name);
+      if (f == frozen.end()) {
+        if (t.n_elems == 0) continue;  // a placeholder of a parameter no list names
+        UCPFS_ASSIGN_OR_RETURN(std::optional<Item> item, PlacedTensor(name, t, model0_id, 0));
+        if (!item) continue;
+        item->model_tensor = true;
+        out.push_back(std::move(*item));
+        continue;
+      }
+      const std::optional<uint64_t> numel = NumelOf(f->second);
+      if (!numel) return CorruptError(where0 + ": frozen parameter '" + name + "' has too many elements");
+      Placement pl;
+      pl.global_shape = f->second;
+      Item item;
+      item.key = name;
+      item.kind = ItemKind::kTensor;
+      item.model_tensor = true;
+      item.layout.shape = f->second;
+      for (int d = 0; d < dp_; ++d) {
+        const layout::ZeroFragment z = layout::Zero3FragmentOf(*numel, dp_, d);
+        const auto p = parts[static_cast<size_t>(d)].find(name);
+        if (p == parts[static_cast<size_t>(d)].end()) {
+          return CorruptError(builder_.source(ids[static_cast<size_t>(d)])->Name() + ": no frozen_param_fragments entry for '" +
+                              name + "'");
+        }
+        const format::TensorRecord& rec = *p->second;
+        if (!rec.contiguous || rec.n_elems != layout::Zero3PartitionElems(*numel, dp_)) {
+          return CorruptError(builder_.source(ids[static_cast<size_t>(d)])->Name() + ": frozen_param_fragments." + name +
+                              " has " + std::to_string(rec.n_elems) + " elements; the partition needs " +
+                              std::to_string(layout::Zero3PartitionElems(*numel, dp_)));
+        }
+        item.dtype = rec.dtype;
+        if (z.n_elems == 0) continue;  // this rank holds only padding of it
+        PlaceRange(pl, z.param_elem_offset, z.param_elem_offset + z.n_elems, ids[static_cast<size_t>(d)],
+                   rec.data_offset + z.partition_elem_offset * ItemSize(rec.dtype), rec.dtype, &item.layout.fragments);
+      }
+      out.push_back(std::move(item));
     }
     return out;
   }

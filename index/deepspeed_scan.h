@@ -10,8 +10,10 @@
 // else (as ds_to_universal) tp = the tp ranks of the layer files and pp = mp ranks / tp, else
 // tp = mp ranks and pp = 1; dp = optimizer files per mp rank.
 //
-// Items (keys the built-in key rules map), each a GLOBAL tensor: every module tensor `<name>`
-// (ZeRO-1/2 and BF16_Optimizer `module`; with pipelines the layer files' tensors, named
+// Items (keys the built-in key rules map), each a GLOBAL tensor: every module tensor `<name>`,
+// marked Item::model_tensor so buffers and frozen parameters map by name too (ZeRO-1/2 and
+// BF16_Optimizer `module`; ZeRO-3: buffers from dp rank 0's `module`, frozen parameters from
+// every dp rank's `frozen_param_fragments` partition, as flat ranges; with pipelines the layer files' tensors, named
 // "LL.<key>" or "tied_modules.<k>.<key>" as in param_shapes; ZeRO-3 stores only placeholders),
 // `optimizer.state.<name>.fp32_param`, `.exp_avg`, `.exp_avg_sq` as flat-range fragments of the
 // data-parallel partitions (the ZeRO arithmetic of core/layout/zero.h, cross-checked with the
@@ -29,6 +31,8 @@
 // ds_to_universal copies (relative paths), "optimizer_file": (mp 0, dp 0)'s optimizer file,
 // "number_steps": per param group, its step when kept as a Python number, else null}.
 //
+// `zero_stage` is read in both pickled forms of ZeroStageEnum (DeepSpeedZeroStage).
+//
 // Not yet (kUnsupported naming the file or parameter): MoE expert files, tensor- or
 // pipeline-parallel ZeRO-3, averaged tensor-parallel slices (parameter_to_average_patterns),
 // sub-parameter shapes along a dim other than 0 or with version-0.4 shard widths, a tp > 1
@@ -37,8 +41,12 @@
 // make one tensor) is kCorrupt naming the file and the key.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
+#include "core/format/pickle.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
 #include "index/scanner.h"
@@ -50,5 +58,15 @@ bool IsDeepSpeedDirectory(const std::string& dir);
 
 // Errors: kNotFound (no tag, no model states), kCorrupt, kUnsupported (see above).
 Result<Checkpoint> ScanDeepSpeed(const std::string& dir, const ScanProgress& progress = nullptr);
+
+// DeepSpeed's deepspeed.runtime.zero.config.ZeroStageEnum, an (int, Enum) the optimizer files
+// pickle as `zero_stage`.
+inline constexpr std::string_view kZeroStageEnumModule = "deepspeed.runtime.zero.config";
+inline constexpr std::string_view kZeroStageEnumClass = "ZeroStageEnum";
+
+// A pickled zero_stage: a ZeroStageEnum by value (`ZeroStageEnum(1)`) or by name
+// (`getattr(ZeroStageEnum, 'optimizer_states')`, as Debian 12's Python 3.11.2 pickles it), or a
+// plain int. nullopt for anything else (nothing is resolved or called).
+std::optional<int64_t> DeepSpeedZeroStage(const pickle::PickleGraph& g, pickle::NodeId n);
 
 }  // namespace ucpfs::index

@@ -723,6 +723,9 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
     if (it != param_index.end() &&
         out.params[it->second].item[static_cast<size_t>(StateKind::kWeight)] < 0) {
       out.params[it->second].item[static_cast<size_t>(StateKind::kWeight)] = static_cast<int32_t>(i);
+    } else if (checkpoint.items[i].model_tensor && it == param_index.end()) {
+      // The scanner read it from the model's state dict: a buffer or frozen parameter by its own name.
+      UCPFS_RETURN_IF_ERROR(assign(key, StateKind::kWeight, i));
     } else {
       out.unmapped_keys.push_back(key);
     }

@@ -114,7 +114,9 @@ std::vector<KeyRule> BuiltinRules(std::string_view format = "");
 // Python int); every other non-tensor item goes to other_items whatever the rules say. A tensor key no rule matches that
 // is exactly the name of a parameter found through other keys (e.g. torchtitan's MoE
 // `layers.0.moe.experts.w1` next to `optimizer.state.layers.0.moe.experts.w1.exp_avg`) is
-// that parameter's weight. Optimizer state keyed by parameter position (torch.optim's own
+// that parameter's weight; one the scanner marked Item::model_tensor (read from the model's
+// own state dict: a buffer or frozen parameter such as DeepSpeed's `module.position_gain`) is
+// the weight of the parameter its key names. Optimizer state keyed by parameter position (torch.optim's own
 // state_dict) is matched to the i-th parameter when the model tensors are exactly as many as the
 // positions (KeyMapping::positional_names); otherwise it stays under the position's name and the
 // views report it. User rules are compiled here from their `pattern` (CompileRule),

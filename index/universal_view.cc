@@ -17,6 +17,7 @@
 #include "core/layout/patterns.h"
 #include "core/views/atomic.h"
 #include "index/deepspeed_patterns.h"
+#include "index/deepspeed_scan.h"
 
 namespace ucpfs::index {
 namespace {
@@ -201,6 +202,17 @@ Result<SaveValue> OptimizerState(const Checkpoint& c, const FileTable& files, co
     const bool str = g.kind(k) == pickle::Kind::kString;
     const std::string text = str ? std::string(g.text(k)) : std::to_string(g.int_value(k));
     if (!zero3 && str && sharded.count(text) > 0) continue;
+    if (str && text == "zero_stage" && g.kind(v) == pickle::Kind::kObject) {
+      // ZeroStageEnum as DeepSpeed loads it, re-emitted by value (ZeroStageEnum(n)): the same member
+      // whichever form the source's Python pickled (by name under Debian 12's 3.11.2).
+      const std::optional<int64_t> stage = DeepSpeedZeroStage(g, v);
+      if (!stage) return CorruptError(src->Name() + ": optimizer_state_dict.zero_stage is not a ZeroStageEnum");
+      put(SaveValue::Str(text),
+          SaveValue::Object(SaveValue::Global(std::string(kZeroStageEnumModule), std::string(kZeroStageEnumClass)),
+                            SaveValue::Tuple({SaveValue::Int(*stage)}), /*newobj=*/false),
+          "s:" + text);
+      continue;
+    }
     UCPFS_ASSIGN_OR_RETURN(SaveValue value, format::DecodeValueAt(tf, src, v, limits));
     put(str ? SaveValue::Str(text) : SaveValue::Int(g.int_value(k)), std::move(value), (str ? "s:" : "i:") + text);
   }

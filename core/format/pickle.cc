@@ -196,6 +196,31 @@ std::string_view PickleGraph::ClassName(NodeId id) const {
   return name(objects_[n->index].callable);
 }
 
+std::optional<int64_t> IntEnumValue(const PickleGraph& g, NodeId id, const IntEnumType& type) {
+  if (g.kind(id) != Kind::kObject) return std::nullopt;
+  const ObjectInfo o = g.object(id);
+  if (o.newobj || g.kind(o.args) != Kind::kTuple || o.state != kNoNode) return std::nullopt;
+  const std::span<const NodeId> args = g.items(o.args);
+  if (g.IsGlobal(o.callable, type.module, type.name)) {
+    // By value: Cls(value).
+    if (args.size() != 1 || g.kind(args[0]) != Kind::kInt) return std::nullopt;
+    for (const IntEnumMember& m : type.members) {
+      if (m.value == g.int_value(args[0])) return m.value;
+    }
+    return std::nullopt;
+  }
+  if (g.IsGlobal(o.callable, "builtins", "getattr")) {
+    // By name: getattr(Cls, 'NAME'); only the known class and its members, nothing is looked up.
+    if (args.size() != 2 || !g.IsGlobal(args[0], type.module, type.name) || g.kind(args[1]) != Kind::kString) {
+      return std::nullopt;
+    }
+    for (const IntEnumMember& m : type.members) {
+      if (m.name == g.text(args[1])) return m.value;
+    }
+  }
+  return std::nullopt;
+}
+
 size_t PickleGraph::MemoryBytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
   return sizeof(*this) + bytes(nodes_) + bytes(text_) + bytes(items_) + bytes(pairs_) +

@@ -30,7 +30,7 @@
 //   - Dict items keep every SETITEM in order, duplicate keys included; DictGet returns the value
 //     of the last one, as Python would.
 //   - Enums stay generic: pickled by name, Object{callable=builtins.getattr, args=(Cls, 'NAME')};
-//     by value, Object{callable=Cls, args=(value,)}.
+//     by value, Object{callable=Cls, args=(value,)}. IntEnumValue reads either form.
 //
 // Untrusted input: bounded node count, memo size, stack size, MARK nesting and string length
 // (PickleLimits); a malformed pickle returns kCorrupt naming the source, the byte offset of the
@@ -48,6 +48,7 @@
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -269,5 +270,23 @@ class PickleGraph {
   std::vector<TensorRecord> tensors_;
   NodeId root_ = kNoNode;
 };
+
+// A Python int Enum the caller knows: its class and members (aliases included).
+struct IntEnumMember {
+  std::string_view name;
+  int64_t value = 0;
+};
+struct IntEnumType {
+  std::string_view module;
+  std::string_view name;
+  std::span<const IntEnumMember> members;
+};
+
+// The value of node `id` as a member of `type`, in either form Python pickles an int Enum:
+// by value, REDUCE(Cls, (value,)) (newer Pythons), or by name, REDUCE(builtins.getattr,
+// (Cls, 'NAME')) (some 3.11 releases, Debian 12's 3.11.2 among them). Purely structural: the
+// name is matched against `type.members`, nothing is resolved or called. nullopt for anything
+// else: another class, a value or name that is no member, extra arguments or state.
+std::optional<int64_t> IntEnumValue(const PickleGraph& g, NodeId id, const IntEnumType& type);
 
 }  // namespace ucpfs::pickle

@@ -22,7 +22,8 @@
 - Names: parameter keys that cannot be file names (".", "..", NUL, over 255 bytes, not UTF-8),
   a source directory and a file whose names are not UTF-8: served under escaped names listed in
   status.json; every JSON output stays valid.
-- Memory: a lookup of a 65536-rank layout is refused (over --lookup-memory-mib) within 20 s,
+- Memory: a lookup of a 65536-rank layout is refused (over the 4096-rank cap of lookups), and one
+  of 4096 ranks over --lookup-memory-mib 1, each within 20 s,
   and the daemon does not grow; a layout that fits is still built on lookup; once the kernel
   forgets a layout's inodes (dentries dropped), it is evicted and its budget serves another.
 - A checkpoint with more data files than the open-file limit (hard limit 64, 128 files) indexes,
@@ -421,19 +422,21 @@ def rss_kib(pid):
 
 def huge_layout_lookup(work, src):
     mnt = os.path.join(work, "mnt-huge")
-    with mounted(src, mnt, "--lookup-memory-mib", "128") as (m, _):
+    with mounted(src, mnt, "--lookup-memory-mib", "1") as (m, _):
         pid = int(run(["pgrep", "-f", f"ucpfs mount {src} {mnt}"]).stdout.split()[0])
         before = rss_kib(pid)
-        t0 = time.monotonic()
-        p = subprocess.run(["ls", os.path.join(m, "target", "tp1_pp1_dp65536")], capture_output=True,
-                           text=True, timeout=60)
-        took = time.monotonic() - t0
-        assert p.returncode != 0 and "No such file" in p.stderr, p
-        assert took < 20, f"the refusal took {took:.1f} s"
+        # Over the rank cap of lookups (4096): refused before anything is planned; within the cap
+        # but over --lookup-memory-mib: refused from rank 0's estimate.
+        for layout, why in (("tp1_pp1_dp65536", "limited to 4096"), ("tp1_pp1_dp4096", "lookup-memory-mib")):
+            t0 = time.monotonic()
+            p = subprocess.run(["ls", os.path.join(m, "target", layout)], capture_output=True, text=True, timeout=60)
+            took = time.monotonic() - t0
+            assert p.returncode != 0 and "No such file" in p.stderr, p
+            assert took < 20, f"the refusal of {layout} took {took:.1f} s"
+            log = open(mnt + ".log").read()
+            assert layout in log and why in log, log
         grown = rss_kib(pid) - before
         assert grown < 64 * 1024, f"the daemon grew by {grown} KiB"
-        log = open(mnt + ".log").read()
-        assert "tp1_pp1_dp65536" in log and "lookup-memory-mib" in log, log
         # A layout that fits is still built on lookup and served.
         assert sorted(os.listdir(os.path.join(m, "target", "tp2_pp1_dp2"))) == ["rank_0", "rank_1", "rank_2", "rank_3"]
         assert status_ok(m)
@@ -465,7 +468,12 @@ def layouts_evicted_when_forgotten(work, src):
         deadline = time.monotonic() + 10
         while lookup_layouts(m)["live"] != 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert lookup_layouts(m) == {"live": 0, "memory_bytes": 0, "memory_limit_bytes": 1 << 20, "names": []}
+        after = lookup_layouts(m)
+        assert {k: after[k] for k in ("live", "memory_bytes", "memory_limit_bytes", "names")} == \
+            {"live": 0, "memory_bytes": 0, "memory_limit_bytes": 1 << 20, "names": []}, after
+        # The refusal stays listed with its reason (stats.json; `ucpfs status`).
+        assert after["max_ranks"] == 4096 and [r["layout"] for r in after["refused"]] == [second], after
+        assert "lookup-memory-mib" in after["refused"][0]["reason"], after
         assert first not in os.listdir(os.path.join(m, "target"))
         assert len(os.listdir(os.path.join(m, "target", second))) == 255
         assert lookup_layouts(m)["live"] == 1 and lookup_layouts(m)["names"] == [second]

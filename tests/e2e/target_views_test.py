@@ -461,8 +461,9 @@ def check_mount_loads(res, src, full, info, workdir):
 
 def check_mount_dynamic(src, out, workdir):
     """Layouts not given with --layout appear under target/ on first lookup, with convert's
-    bytes; invalid names are ENOENT plus a log line with the reason; concurrent first lookups
-    agree on the inodes."""
+    bytes; invalid names are ENOENT plus a log line with the reason; a layout over the lookup cap
+    (4096 ranks) is refused at once; refused well-formed layouts are listed with their reason in
+    stats.json and `ucpfs status`; concurrent first lookups agree on the inodes."""
     import threading  # noqa: PLC0415
     from mount_common import mounted  # noqa: PLC0415
     mnt = os.path.join(workdir, "mnt-target-dyn")
@@ -498,6 +499,17 @@ def check_mount_dynamic(src, out, workdir):
             assert lines and lines[-1].split(f"target/{bad}: ", 1)[1].strip(), f"no reason logged for {bad}"
             print(f"  target/{bad}: {lines[-1]}", flush=True)
         assert "bogus" not in os.listdir(target)
+        # An absurd layout is refused at once; refusals of well-formed layouts show with their
+        # reason in stats.json and `ucpfs status` (names that are no layout do not).
+        t0 = time.monotonic()
+        assert not os.path.exists(os.path.join(target, "tp1_pp1_dp65536"))
+        assert time.monotonic() - t0 < 5, time.monotonic() - t0
+        stats = json.load(open(os.path.join(m, ".ucpfs", "stats.json")))
+        refused = {r["layout"]: r["reason"] for r in stats["lookup_layouts"]["refused"]}
+        assert sorted(refused) == ["tp1_pp1_dp65536", "tp2_pp9_dp1"], refused
+        assert "4096" in refused["tp1_pp1_dp65536"] and "pp9" in refused["tp2_pp9_dp1"], refused
+        out_status = run([ucpfs_bin(), "status", m], timeout=60).stdout
+        assert "refused:   tp2_pp9_dp1: " in out_status and "refused:   tp1_pp1_dp65536: " in out_status, out_status
         # 8 threads looking up one new layout at once see the same inodes.
         new = "tp1_pp1_dp1"
         seen, errors = [], []

@@ -165,6 +165,7 @@ Checkpoint RichCheckpoint() {
     slice::Fragment b = Frag({0, 5}, {3, 5}, 1, 1558, DType::kBFloat16);
     b.strides = {1, 3};
     cp.items.push_back(Tensor("model.col", DType::kBFloat16, {3, 10}, {a, b}));
+    cp.items.back().model_tensor = true;
   }
   // Megatron flattened ranges over an ND-reformulated shape.
   {
@@ -209,6 +210,7 @@ void ExpectItemEq(const Item& a, const Item& b) {
   EXPECT_EQ(a.kind, b.kind) << a.key;
   if (a.kind == ItemKind::kTensor) {
     EXPECT_EQ(a.dtype, b.dtype) << a.key;
+    EXPECT_EQ(a.model_tensor, b.model_tensor) << a.key;
     EXPECT_EQ(a.layout.shape, b.layout.shape) << a.key;
     ASSERT_EQ(a.layout.fragments.size(), b.layout.fragments.size()) << a.key;
     for (size_t j = 0; j < a.layout.fragments.size(); ++j) {

@@ -271,6 +271,20 @@ TEST(KeyMap, UnmappedKeysAreListedInOrder) {
                                        std::string(5000, 'k') + ".weight"}));
 }
 
+// A tensor the scanner read from the model's state dict (Item::model_tensor: a buffer or a
+// frozen parameter) is the weight of its own name, whatever the name looks like; the same key
+// without the mark stays unmapped.
+TEST(KeyMap, ModelTensorsMapByTheirOwnName) {
+  Checkpoint cp = Keys({"enc.position_gain", "emb.frozen_shift", "w.weight", "stray_tensor"});
+  cp.items[0].model_tensor = true;
+  cp.items[1].model_tensor = true;
+  Result<KeyMapping> m = MapKeys(cp, {});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(Describe(cp, *m), (Strings{"enc.position_gain: weight=enc.position_gain",
+                                       "emb.frozen_shift: weight=emb.frozen_shift", "w.weight: weight=w.weight"}));
+  EXPECT_EQ(m->unmapped_keys, (Strings{"stray_tensor"}));
+}
+
 TEST(KeyMap, ParamOrderIsFirstAppearanceOfAnyKey) {
   Checkpoint cp = Keys({"optimizer.state.b.weight.exp_avg", "a.weight", "b.weight", "c.bias",
                         "optimizer.state.a.weight.exp_avg"});

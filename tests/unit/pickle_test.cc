@@ -690,6 +690,43 @@ TEST(PickleOpcodes, GenericObjects) {
             "Pid(('thing', 3))");
 }
 
+// IntEnumValue reads an int Enum in both pickled forms, and nothing else: the exact bytes
+// Debian 12's Python 3.11.2 writes for DeepSpeed's ZeroStageEnum.optimizer_states (by name,
+// protocol 2, Python 2 module name for getattr), and those of later Pythons (by value).
+TEST(PickleOpcodes, IntEnumValueBothForms) {
+  static constexpr IntEnumMember kMembers[] = {{"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2},
+                                               {"weights", 3}, {"max_stage", 3}};
+  const IntEnumType zero_stage = {"deepspeed.runtime.zero.config", "ZeroStageEnum", kMembers};
+  auto value = [&](const Asm& a) -> std::optional<int64_t> {
+    auto r = Parse(a);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    if (!r.ok()) return std::nullopt;
+    return IntEnumValue(*r, r->root(), zero_stage);
+  };
+  const auto by_name = [](std::string_view module, std::string_view cls, std::string_view member) {
+    return Asm().Proto(2).Global("__builtin__", "getattr").BinPut(0).Global(module, cls).BinPut(1)
+        .Str(member).BinPut(2).Tuple2().BinPut(3).Reduce().BinPut(4).Stop();
+  };
+  EXPECT_EQ(value(by_name("deepspeed.runtime.zero.config", "ZeroStageEnum", "optimizer_states")), 1);
+  EXPECT_EQ(value(by_name("deepspeed.runtime.zero.config", "ZeroStageEnum", "weights")), 3);
+  EXPECT_EQ(value(by_name("deepspeed.runtime.zero.config", "ZeroStageEnum", "max_stage")), 3);
+  EXPECT_EQ(value(Asm().Proto(2).Global("deepspeed.runtime.zero.config", "ZeroStageEnum").Int(2).Tuple1()
+                      .Reduce().Stop()), 2);
+  // Not a member, another class, another callable, extra arguments or state: no value.
+  EXPECT_EQ(value(by_name("deepspeed.runtime.zero.config", "ZeroStageEnum", "__class__")), std::nullopt);
+  EXPECT_EQ(value(by_name("deepspeed.runtime.zero.config", "OtherEnum", "gradients")), std::nullopt);
+  EXPECT_EQ(value(by_name("os", "ZeroStageEnum", "gradients")), std::nullopt);
+  EXPECT_EQ(value(Asm().Proto(2).Global("deepspeed.runtime.zero.config", "ZeroStageEnum").Int(7).Tuple1()
+                      .Reduce().Stop()), std::nullopt);
+  EXPECT_EQ(value(Asm().Proto(2).Global("builtins", "setattr").Global("deepspeed.runtime.zero.config", "ZeroStageEnum")
+                      .Str("gradients").Tuple2().Reduce().Stop()), std::nullopt);
+  EXPECT_EQ(value(Asm().Proto(2).Global("deepspeed.runtime.zero.config", "ZeroStageEnum").Int(1).Int(2).Tuple2()
+                      .Reduce().Stop()), std::nullopt);
+  EXPECT_EQ(value(Asm().Proto(2).Global("deepspeed.runtime.zero.config", "ZeroStageEnum").Int(1).Tuple1()
+                      .Reduce().EmptyDict().Build().Stop()), std::nullopt);
+  EXPECT_EQ(value(Asm().Int(1).Stop()), std::nullopt);
+}
+
 TEST(PickleOpcodes, DictGetLastWins) {
   auto r = Parse(Asm().EmptyDict().Mark().Str("k").Int(1).Int(5).Int(6).Str("k").Int(2)
                      .SetItems().Stop());
