@@ -4,7 +4,7 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config git ccache
       libfuse3-dev fuse3 liburing-dev liblmdb-dev libxxhash-dev zlib1g-dev
       nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libre2-dev libgtest-dev googletest
-      python3-torch python3-numpy clang libclang-rt-14-dev rsync)
+      python3-torch python3-numpy python3-venv clang libclang-rt-14-dev rsync)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -5,8 +5,8 @@ Debian's /usr/bin/python3 pickles an int Enum by name: DeepSpeed's `zero_stage` 
 `getattr(ZeroStageEnum, 'optimizer_states')` (GLOBAL builtins.getattr + REDUCE), where newer
 Pythons write `ZeroStageEnum(1)`. tests/install-python-debian.sh gives that interpreter the
 pinned torch 2.13 and DeepSpeed 0.19.8; fixtures/gen_deepspeed.py runs under it (2 gloo ranks,
---frozen: a frozen parameter in no param group and a persistent buffer) for zero1, zero2_bf16
-and zero3. For each:
+--frozen: a frozen parameter in no param group and a persistent buffer) for zero2_bf16 and
+zero3. For each:
  1. the optimizer files pickle zero_stage by name (pickletools), and `ucpfs index` reads the stage;
  2. atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt equal the live engine's, bit for bit, and
     atomic/<frozen or buffer>/fp32.pt the module's tensor as fp32 (ZeRO-3: the frozen parameter
@@ -34,7 +34,8 @@ from mount_common import mounted
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GEN = os.path.join(HERE, "fixtures", "gen_deepspeed.py")
-CASES = ("zero1", "zero2_bf16", "zero3")
+# ZeRO-1 decodes its stage through the same code as ZeRO-2 (CI time: two saves, not three).
+CASES = ("zero2_bf16", "zero3")
 MODULE_ONLY = ("language_model.embedding.frozen_shift", "language_model.encoder.position_gain")
 
 
