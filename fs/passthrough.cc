@@ -261,8 +261,8 @@ Result<struct stat> Passthrough::SetAttr(Ino ino, const struct stat& attr, int t
 
 Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::shared_ptr<Node>& dir,
                                                                      const std::string& name, mode_t mode,
-                                                                     std::shared_ptr<Node>* made) {
-  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<io::CapturedFile> file, capture_->Create(dir->fd, name, mode));
+                                                                     std::shared_ptr<Node>* made, bool exclusive) {
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<io::CapturedFile> file, capture_->Create(dir->fd, name, mode, exclusive));
   const struct stat st = capture_->Stat(*file);
   Result<int> path_fd = capture_->OpenPath(*file);
   if (!path_fd.ok()) {
@@ -393,7 +393,7 @@ Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::
   }
   if (capture_ != nullptr) {
     std::shared_ptr<Node> made;
-    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, mode, &made));
+    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, mode, &made, (flags & O_EXCL) != 0));
     made->n_lookups.fetch_add(1);
     UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*made));
     return std::make_pair(st, std::move(h));

@@ -132,8 +132,10 @@ class Passthrough {
   // The overlay entry (a pending captured file) of `name` in `dir`, or null; one whose file has
   // been placed is dropped first (the real entry now has its name).
   std::shared_ptr<Node> Pending(uint64_t dir_id, const std::string& name);
+  // `exclusive`: an O_EXCL create, never placed over a name made from outside meanwhile.
   Result<std::unique_ptr<PassthroughHandle>> StartCapture(const std::shared_ptr<Node>& dir, const std::string& name,
-                                                          mode_t mode, std::shared_ptr<Node>* made);
+                                                          mode_t mode, std::shared_ptr<Node>* made,
+                                                          bool exclusive = false);
 
   const int root_fd_;
   const std::string source_dir_;
