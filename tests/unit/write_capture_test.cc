@@ -281,6 +281,29 @@ TEST_F(WriteCaptureTest, RandomWritesHolesTruncateAndRewrites) {
   EXPECT_EQ(ReadFile((dir_ / "random.bin").string()), model);
 }
 
+TEST_F(WriteCaptureTest, SmallRandomWritesFlushTheirPagesNotWholeChunks) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 12);
+  Start(/*n_chunks=*/4);  // 64 KiB chunks: a file of 32 chunks does not fit
+  std::vector<std::byte> model = RandomBytes(rng, 32 * 65536);
+  auto f = Create("random.bin");
+  WriteAll(*f, model, 65536);
+  ASSERT_TRUE(capture_->Fsync(*f).ok());
+  const uint64_t flushed0 = capture_->Stats().bytes_flushed;
+  const int n_writes = 300;
+  for (int i = 0; i < n_writes; ++i) {
+    const uint64_t at = (rng() % (model.size() / 4096)) * 4096 + rng() % 100;
+    const std::vector<std::byte> d = RandomBytes(rng, 1000);
+    ASSERT_TRUE(capture_->Write(*f, at, d).ok());
+    std::memcpy(model.data() + at, d.data(), d.size());
+  }
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_EQ(ReadFile((dir_ / "random.bin").string()), model);
+  // At most two pages per write (one may straddle a page boundary), never a whole chunk each.
+  const uint64_t flushed = capture_->Stats().bytes_flushed - flushed0;
+  EXPECT_LE(flushed, uint64_t{n_writes} * 2 * 4096) << flushed;
+}
+
 TEST_F(WriteCaptureTest, FsyncOfAnOpenFilePlacesItAndLaterWritesFollow) {
   std::mt19937_64 rng(ucpfs::testing::TestSeed() + 3);
   Start(/*n_chunks=*/4);
