@@ -460,7 +460,9 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   auto changed = std::make_shared<ChangeSink>();
   auto served = std::make_shared<ServedSnapshot>();
   auto mount_report = std::make_shared<fs::MountReport>();
-  bool read_only = args.read_only;
+  // --read-only-index writes nothing into SRC or the index (a shared, prebuilt index: saves
+  // could never be indexed either): the mount is read-only, with no write capture.
+  bool read_only = args.read_only || args.source.read_only_index;
   if (!read_only) {
     io::PinnedCacheOptions co;
     auto size = io::ParseByteSize(args.cache_size);

@@ -171,17 +171,23 @@ void WriteCapture::Impl::FlusherLoop() {
         std::memset(slot.mem->data + slot.valid_bytes, 0, n_write - slot.valid_bytes);
         slot.valid_bytes = n_write;
       }
+      // Only the pages written since the last flush go out; the rest of the part already holds
+      // what mem holds.
+      const uint64_t lo = std::min(slot.dirty_lo / kDirectAlign * kDirectAlign, n_write);
+      const uint64_t hi = std::min((slot.dirty_hi + kDirectAlign - 1) / kDirectAlign * kDirectAlign, n_write);
+      const uint64_t from = hi > lo ? lo : 0;
+      const uint64_t to = hi > lo ? hi : n_write;
       slot.in_flight = true;
       // Hashed under the file's lock: a writer changing the chunk afterwards (while the kernel
       // reads it) bumps its generation, and then neither the record nor the release happens.
-      Flight fl{f, index, slot.generation, n_data, XXH64(slot.mem->data, static_cast<size_t>(n_data), 0)};
+      Flight fl{f, index, slot.generation, n_data, XXH64(slot.mem->data, static_cast<size_t>(n_data), 0), to - from};
       flights.push_back(fl);
       IoOp op;
       op.kind = OpKind::kWrite;
       op.fd = f->direct_fd;
-      op.byte_offset = start;
-      op.buffer = slot.mem->data;
-      op.n_bytes = static_cast<size_t>(n_write);
+      op.byte_offset = start + from;
+      op.buffer = slot.mem->data + from;
+      op.n_bytes = static_cast<size_t>(to - from);
       op.registered_buffer = -1;
       if (fixed && (registered[slot.mem->index] ||
                     engine->UpdateBuffer(slot.mem->index, regions[slot.mem->index]).ok())) {
@@ -227,10 +233,12 @@ void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
       Log("ucpfs: flushing " + PartPath(f) + " at byte " + std::to_string(fl.index * chunk_bytes) + ": " +
           c.status.ToString() + " (the data stays in the cache)");
     } else {
-      bytes_flushed.fetch_add(fl.n_data);
+      bytes_flushed.fetch_add(fl.n_written);
       slot.on_disk = true;
       if (slot.generation == fl.generation) {
         slot.dirty = false;
+        slot.dirty_lo = std::numeric_limits<uint64_t>::max();
+        slot.dirty_hi = 0;
         dirty_chunks.fetch_sub(1);
         Journal({JournalType::kChunk, f.seq, fl.index * chunk_bytes, fl.n_data, fl.hash, 0, 0, {}});
         if (slot.evict || f.closed || slot.filled.Covers(chunk_bytes)) {

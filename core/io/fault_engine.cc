@@ -6,6 +6,10 @@
 // engine's own short transfers are real ones).
 // Invariants: every op in pending_ has exactly one piece queued for or in the inner engine,
 // except between Advance's decisions; the inner engine's user_data is the op's id here.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <unordered_map>
@@ -61,6 +65,70 @@ bool FaultPlan::Claim(size_t index) {
   return true;
 }
 
+void FaultPlan::TrackUnsynced() {
+  std::lock_guard<std::mutex> lock(mu_);
+  track_unsynced_ = true;
+}
+
+void FaultPlan::CutPowerAfterOps(uint64_t n_ops) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cut_at_op_ = ops_submitted_.load() + n_ops;
+}
+
+bool FaultPlan::PowerIsOff() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ops_submitted_.load() >= cut_at_op_;
+}
+
+bool FaultPlan::TakeOp() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ops_submitted_.load() >= cut_at_op_) return false;
+  ops_submitted_.fetch_add(1);
+  return true;
+}
+
+void FaultPlan::Completed(const IoOp& op, size_t n_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!track_unsynced_) return;
+  struct stat st = {};
+  if (fstat(op.fd, &st) != 0) return;
+  const std::pair<uint64_t, uint64_t> key{st.st_dev, st.st_ino};
+  if (op.kind == OpKind::kFdatasync) {
+    const auto it = unsynced_.find(key);
+    if (it != unsynced_.end()) it->second.ranges.clear();
+    return;
+  }
+  if (op.kind != OpKind::kWrite || n_bytes == 0) return;
+  Unsynced& u = unsynced_[key];
+  if (u.fd < 0) {
+    // A descriptor of our own (not O_DIRECT, unlike a dup), that holds the inode through
+    // renames and unlinks.
+    const std::string proc = "/proc/self/fd/" + std::to_string(op.fd);
+    u.fd = open(proc.c_str(), O_WRONLY | O_CLOEXEC);
+  }
+  u.ranges.emplace_back(op.byte_offset, n_bytes);
+}
+
+uint64_t FaultPlan::DropUnsynced() {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t dropped = 0;
+  for (auto& [key, u] : unsynced_) {
+    for (const auto& [at, n] : u.ranges) {
+      const std::vector<unsigned char> garbage(n, 0xA5);
+      if (u.fd >= 0 && pwrite(u.fd, garbage.data(), n, static_cast<off_t>(at)) == static_cast<ssize_t>(n)) dropped += n;
+    }
+    u.ranges.clear();
+    if (u.fd >= 0) fsync(u.fd);
+  }
+  return dropped;
+}
+
+FaultPlan::~FaultPlan() {
+  for (auto& [key, u] : unsynced_) {
+    if (u.fd >= 0) close(u.fd);
+  }
+}
+
 class FaultEngine final : public IoEngine {
  public:
   FaultEngine(std::unique_ptr<IoEngine> inner, std::shared_ptr<FaultPlan> plan)
@@ -70,6 +138,10 @@ class FaultEngine final : public IoEngine {
 
   Status Submit(std::span<const IoOp> ops) override {
     for (const IoOp& op : ops) {
+      if (!plan_->TakeOp()) {  // the power is off: nothing moves
+        ready_.push_back(IoCompletion{op.user_data, 0, IoError(name_ + ": the power is off (simulated)", EIO)});
+        continue;
+      }
       const uint64_t id = next_id_++;
       Pending& p = pending_[id];
       p.progress = OpProgress(op);
@@ -187,7 +259,9 @@ class FaultEngine final : public IoEngine {
 
   void Finish(uint64_t id) {
     auto it = pending_.find(id);
-    ready_.push_back(it->second.progress.Completion());
+    IoCompletion c = it->second.progress.Completion();
+    if (c.status.ok()) plan_->Completed(it->second.progress.op(), c.n_bytes);
+    ready_.push_back(std::move(c));
     pending_.erase(it);
   }
 

@@ -63,6 +63,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -208,8 +209,24 @@ class FaultPlan {
   // Faults injected so far (an EINTR, a shortened transfer, an error each count 1).
   uint64_t InjectedCount() const { return injected_.load(std::memory_order_relaxed); }
 
+  // Simulated power loss, as RocksDB's FaultInjectionTestFS does it. Once TrackUnsynced() is
+  // called, every write that completes is remembered per file (by inode) until an fdatasync of
+  // that file completes. CutPowerAfterOps(n): after n more ops have been submitted, the power is
+  // off: every later op fails with EIO and moves nothing (ops already issued complete). Then
+  // DropUnsynced() overwrites every remembered range with garbage, as a cut may leave it, and
+  // returns how many bytes it dropped. OpsSubmitted() counts every op submitted so far.
+  void TrackUnsynced();
+  void CutPowerAfterOps(uint64_t n_ops);
+  bool PowerIsOff() const;
+  uint64_t OpsSubmitted() const { return ops_submitted_.load(std::memory_order_relaxed); }
+  uint64_t DropUnsynced();
+  ~FaultPlan();
+
  private:
   friend class FaultEngine;
+  // The op may go out (false: the power is off).
+  bool TakeOp();
+  void Completed(const IoOp& op, size_t n_bytes);
   struct Hit {
     size_t index = 0;
     Fault fault;
@@ -224,6 +241,15 @@ class FaultPlan {
   mutable std::mutex mu_;
   std::vector<Fault> faults_;  // times: what is left (guarded by mu_)
   std::atomic<uint64_t> injected_{0};
+  std::atomic<uint64_t> ops_submitted_{0};
+  // Power-cut state, guarded by mu_.
+  bool track_unsynced_ = false;
+  uint64_t cut_at_op_ = UINT64_MAX;  // ops_submitted_ value from which the power is off
+  struct Unsynced {
+    int fd = -1;  // our own descriptor of the inode (buffered), to drop through
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;  // (byte_offset, n_bytes) written since its last fdatasync
+  };
+  std::map<std::pair<uint64_t, uint64_t>, Unsynced> unsynced_;  // by (st_dev, st_ino)
 };
 
 // Wraps `inner`; the plan's InjectedCount() says what it injected. Name() "fault(<inner>)",

@@ -244,6 +244,7 @@ Status WriteCapture::Write(CapturedFile& file, uint64_t byte_offset, std::span<c
     std::memcpy(slot.mem->data + within, data.data() + done, n);
     slot.valid_bytes = std::max<uint64_t>(slot.valid_bytes, within + n);
     slot.filled.Add(within, within + n);
+    slot.MarkDirty(within, within + n);
     ++slot.generation;
     if (!slot.dirty) {
       slot.dirty = true;
@@ -317,6 +318,7 @@ Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
         const uint64_t keep = n_bytes - start;
         if (slot.valid_bytes > keep) slot.valid_bytes = keep;
         slot.filled.Clip(keep);
+        slot.MarkDirty(0, m.chunk_bytes);  // rare: the whole chunk is written again
         ++slot.generation;
         if (!slot.dirty) {
           slot.dirty = true;

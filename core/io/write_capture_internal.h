@@ -105,6 +105,15 @@ struct ChunkSlot {
   bool evict = false;       // release after the flush even if not full
   bool on_disk = false;     // the part holds bytes of this chunk
   uint64_t generation = 0;  // bumped by every change of mem
+  // [dirty_lo, dirty_hi): the bytes of mem written since its last flush. Only they are written
+  // to the part (4096-aligned): outside them mem holds what the part holds (read back, or zeros
+  // where the part has a hole), so a small write to a resident chunk flushes a page, not 8 MiB.
+  uint64_t dirty_lo = std::numeric_limits<uint64_t>::max();
+  uint64_t dirty_hi = 0;
+  void MarkDirty(uint64_t lo, uint64_t hi) {
+    dirty_lo = std::min(dirty_lo, lo);
+    dirty_hi = std::max(dirty_hi, hi);
+  }
 };
 
 class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
@@ -212,7 +221,8 @@ struct WriteCapture::Impl {
     uint64_t index = 0;
     uint64_t generation = 0;
     uint64_t n_data = 0;  // file bytes in this chunk
-    uint64_t hash = 0;
+    uint64_t hash = 0;    // of those n_data bytes (all of them, whichever part of them is written)
+    uint64_t n_written = 0;
   };
   void QueueChunk(const std::shared_ptr<CapturedFile>& f, uint64_t index, ChunkSlot& slot);
   void RelieveMemory();

@@ -1,6 +1,6 @@
 """End-to-end: no accepted byte is lost without a loud error (write capture, issue 22 item 3).
 
-Plain bytes through a real FUSE mount (no torch needed):
+Plain bytes through a real FUSE mount (torch only to make a source for 4):
  1. a file pending in MNT/step1 while SRC/step1 is removed from outside, then another save:
     both close with 0 but `ucpfs sync`, `ucpfs status` and `ucpfs umount` name both, and the
     umount exits non-zero; once the directory is made again, the next mount places both, whole
@@ -9,7 +9,8 @@ Plain bytes through a real FUSE mount (no torch needed):
     closed after it is held back (not dropped); `rm MNT/big` gives the space back at once, and
     once room is made outside, the held-back saves place by themselves (no sync);
  3. a pwrite at 16 TiB (past ext4's file size limit) fails with EFBIG at write(), and later saves
-    are not held back by it.
+    are not held back by it;
+ 4. a --read-only-index mount is read-only and creates nothing in SRC (no .ucpfs/capture).
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs python3 tests/e2e/capture_loss_test.py
 """
@@ -162,6 +163,27 @@ def too_large(work):
     return "EFBIG at write(); later saves placed"
 
 
+def read_only_index(work):
+    import torch
+    src, mnt, shared = os.path.join(work, "src4"), os.path.join(work, "mnt4"), os.path.join(work, "index4")
+    os.makedirs(src)
+    torch.save({"w": torch.arange(8.0)}, os.path.join(src, "model.pt"))
+    run([ucpfs_bin(), "index", src, "--index-dir", shared])
+    os.makedirs(mnt)
+    run([ucpfs_bin(), "mount", src, mnt, "--index-dir", shared, "--read-only-index", "--log", mnt + ".log"], timeout=120)
+    try:
+        try:
+            open(os.path.join(mnt, "new.dat"), "wb").close()
+            raise AssertionError("a --read-only-index mount took a save")
+        except OSError as e:
+            assert e.errno == errno.EROFS, e
+        assert not os.path.exists(os.path.join(src, ".ucpfs")), os.listdir(src)
+        umount(mnt)
+    finally:
+        force_umount(mnt)
+    return "read-only, nothing made in SRC"
+
+
 def main():
     res = Results("capture_loss")
     with tmpdir("ucpfs-capture-loss-") as work:
@@ -170,6 +192,7 @@ def main():
         res.check("disk full: ENOSPC named, nothing dropped, held-back saves place once room is made",
                   lambda: disk_full(work))
         res.check("pwrite past the file size limit: EFBIG at write()", lambda: too_large(work))
+        res.check("--read-only-index: no write capture, nothing created in SRC", lambda: read_only_index(work))
     res.finish()
 
 

@@ -281,6 +281,29 @@ TEST_F(WriteCaptureTest, RandomWritesHolesTruncateAndRewrites) {
   EXPECT_EQ(ReadFile((dir_ / "random.bin").string()), model);
 }
 
+TEST_F(WriteCaptureTest, SmallRandomWritesFlushTheirPagesNotWholeChunks) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 12);
+  Start(/*n_chunks=*/4);  // 64 KiB chunks: a file of 32 chunks does not fit
+  std::vector<std::byte> model = RandomBytes(rng, 32 * 65536);
+  auto f = Create("random.bin");
+  WriteAll(*f, model, 65536);
+  ASSERT_TRUE(capture_->Fsync(*f).ok());
+  const uint64_t flushed0 = capture_->Stats().bytes_flushed;
+  const int n_writes = 300;
+  for (int i = 0; i < n_writes; ++i) {
+    const uint64_t at = (rng() % (model.size() / 4096)) * 4096 + rng() % 100;
+    const std::vector<std::byte> d = RandomBytes(rng, 1000);
+    ASSERT_TRUE(capture_->Write(*f, at, d).ok());
+    std::memcpy(model.data() + at, d.data(), d.size());
+  }
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_EQ(ReadFile((dir_ / "random.bin").string()), model);
+  // At most two pages per write (one may straddle a page boundary), never a whole chunk each.
+  const uint64_t flushed = capture_->Stats().bytes_flushed - flushed0;
+  EXPECT_LE(flushed, uint64_t{n_writes} * 2 * 4096) << flushed;
+}
+
 TEST_F(WriteCaptureTest, FsyncOfAnOpenFilePlacesItAndLaterWritesFollow) {
   std::mt19937_64 rng(ucpfs::testing::TestSeed() + 3);
   Start(/*n_chunks=*/4);
@@ -586,6 +609,89 @@ TEST_F(WriteCaptureTest, PlacedWithItsOwnerModeAndTimesAlsoAfterACrash) {
   EXPECT_EQ(st.st_mode & 07777, 0755u);  // no set-id bit from a journal
   EXPECT_EQ(st.st_mtim.tv_sec, 1600000000);
   EXPECT_EQ(st.st_mtim.tv_nsec, 123);
+}
+
+// ---- the capture directory is untrusted ----
+
+TEST_F(WriteCaptureTest, HardLinksPlantedInADeadStateNeverTouchAnOutsideFile) {
+  const stdfs::path cap = dir_ / ".ucpfs" / "capture";
+  const stdfs::path dead = cap / "planted";
+  stdfs::create_directories(dead);
+  stdfs::permissions(dead, stdfs::perms::owner_all);
+  std::ofstream(dead / "lock").put('\0');  // free: the mount that made it is dead
+  std::ofstream(dead / "lease") << "host h\nboot " << BootId() << "\npid 1\n";
+  const stdfs::path outside = dir_.string() + "-outside";
+  stdfs::create_directories(outside);
+  const std::vector<std::byte> victim_bytes(8192, std::byte{'v'});
+  std::ofstream(outside / "victim", std::ios::binary).write(reinterpret_cast<const char*>(victim_bytes.data()), 8192);
+  std::ofstream(outside / "victim2", std::ios::binary).write("keep", 4);
+  stdfs::permissions(outside / "victim", static_cast<stdfs::perms>(0644));
+  // The part is a hard link to the victim, and the journal says it is a whole file of 100 bytes
+  // to be made 06777: recovery would truncate and chmod the victim through it.
+  stdfs::create_hard_link(outside / "victim", dead / "1.part");
+  // journal.new is a hard link to another outside file; a valid file whose directory is gone is
+  // kept, which rewrites the journal through journal.new.
+  stdfs::create_hard_link(outside / "victim2", dead / "journal.new");
+  const std::vector<std::byte> d(100, std::byte{3});
+  std::ofstream(dead / "2.part", std::ios::binary).write(reinterpret_cast<const char*>(d.data()), 100);
+  JournalRecord commit = CommitRecord(1, 100, "x");
+  commit.mode = 06777;
+  const std::vector<std::byte> first(victim_bytes.begin(), victim_bytes.begin() + 100);
+  WriteJournal(dead / "journal", {ChunkRecord(1, 0, first), commit, ChunkRecord(2, 0, d), CommitRecord(2, 100, "gone/y")});
+  Start(4);
+  EXPECT_EQ(ReadFile((outside / "victim").string()), victim_bytes);
+  EXPECT_EQ(stdfs::status(outside / "victim").permissions(), static_cast<stdfs::perms>(0644));
+  EXPECT_EQ(stdfs::hard_link_count(outside / "victim"), 1u);  // the planted link is dropped, not placed
+  EXPECT_FALSE(stdfs::exists(dir_ / "x"));
+  EXPECT_EQ(ReadFile((outside / "victim2").string()).size(), 4u);
+  std::string all;
+  for (const auto& l : log_) all += l + "\n";
+  EXPECT_NE(all.find("hard links"), std::string::npos) << all;
+  stdfs::remove_all(outside);
+}
+
+TEST_F(WriteCaptureTest, ADirectoryMovedOutOfTheSourceIsNeverWrittenInto) {
+  Start(4);
+  auto f = Create("shard.bin", sub_fd_);
+  WriteAll(*f, std::vector<std::byte>(5000, std::byte{1}), 5000);
+  const stdfs::path outside = dir_.string() + "-moved";
+  stdfs::rename(dir_ / "sub", outside);  // from outside, while shard.bin is pending
+  EXPECT_TRUE(capture_->Close(*f).ok());
+  const Status s = capture_->Sync();
+  EXPECT_FALSE(s.ok());
+  EXPECT_FALSE(stdfs::exists(outside / "shard.bin"));
+  CaptureStats st = capture_->Stats();
+  for (int i = 0; i < 200 && (st.unplaced.empty() || st.unplaced[0].kept_in.empty()); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // made durable in its part meanwhile
+    st = capture_->Stats();
+  }
+  ASSERT_EQ(st.unplaced.size(), 1u);
+  EXPECT_EQ(st.unplaced[0].path, "sub/shard.bin");
+  EXPECT_FALSE(st.unplaced[0].kept_in.empty());
+  capture_.reset();  // unmount: kept for the next mount
+  EXPECT_FALSE(stdfs::exists(outside / "shard.bin"));
+  stdfs::rename(outside, dir_ / "sub");
+  Start(4);  // the next mount places it where it belongs
+  EXPECT_EQ(ReadFile((dir_ / "sub" / "shard.bin").string()), std::vector<std::byte>(5000, std::byte{1}));
+}
+
+TEST_F(WriteCaptureTest, AnExclusiveCreateNeverReplacesANameTakenMeanwhile) {
+  Start(4);
+  auto f = capture_->Create(src_fd_, "e.bin", 0644, /*exclusive=*/true);
+  ASSERT_TRUE(f.ok());
+  WriteAll(**f, std::vector<std::byte>(100, std::byte{1}), 100);
+  std::ofstream(dir_ / "e.bin") << "theirs";
+  EXPECT_TRUE(capture_->Close(**f).ok());
+  const Status s = capture_->Sync();
+  EXPECT_EQ(s.sys_errno(), EEXIST) << s.ToString();
+  EXPECT_EQ(ReadFile((dir_ / "e.bin").string()).size(), 6u);
+  // Unlinking it through the mount lets the queue go on.
+  EXPECT_TRUE(capture_->Discard(**f));
+  auto g = Create("after.bin");
+  WriteAll(*g, std::vector<std::byte>(10, std::byte{2}), 10);
+  EXPECT_TRUE(capture_->Close(*g).ok());
+  EXPECT_TRUE(capture_->Sync().ok());
+  EXPECT_TRUE(stdfs::exists(dir_ / "after.bin"));
 }
 
 TEST(CaptureJournal, DamagedAndTornRecordsEndTheJournal) {
