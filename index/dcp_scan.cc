@@ -26,12 +26,15 @@
 
 #include "core/byte_source.h"
 #include "core/checked.h"
+#include "core/format/plain_value.h"
 #include "core/format/torch_file.h"
 #include "core/io/file_source.h"
 #include "core/io/lazy_file_source.h"
 #include "index/checkpoint_builder.h"
 #include "index/dcp_metadata.h"
 #include "index/mcore_unstack.h"
+#include "index/megatron_scan.h"
+#include "index/pickle_walk.h"
 
 namespace ucpfs::index {
 bool SafeRelativePath(const std::string& p) {
@@ -619,6 +622,129 @@ std::vector<std::string> DcpCompositeParts(const std::string& dir) { return Comp
 
 Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress) {
   return DcpScan(dir).Run(progress);
+}
+
+MegatronCoreOptimizerFacts MegatronCoreOptimizerFactsOf(const Checkpoint& c, const KeyMapping& mapping,
+                                                        const FileTable& files) {
+  using pickle::Kind;
+  using pickle::NodeId;
+  MegatronCoreOptimizerFacts out;
+  if (c.flavor != "megatron-torch_dist" || !files) return out;
+  const Item* common = nullptr;
+  for (const Item& it : c.items) {
+    if (it.kind == ItemKind::kBytes && it.key == "common.pt") common = &it;
+  }
+  if (common == nullptr || common->file_id >= files->size()) return out;
+  auto slice = SliceSource::Make((*files)[common->file_id], common->byte_offset, common->n_bytes);
+  auto tf = slice.ok() ? format::TorchFile::Open(*slice) : Result<format::TorchFile>(slice.error());
+  if (!tf.ok()) {
+    out.not_served.push_back({"common.pt: optimizer.param_groups", tf.error().message()});
+    return out;
+  }
+  const pickle::PickleGraph& g = tf->graph();
+  const NodeId opt = Get(g, g.root(), "optimizer");
+  std::string where = "common.pt: optimizer.optimizer.param_groups";
+  NodeId groups = Get(g, Get(g, opt, "optimizer"), "param_groups");
+  if (g.kind(groups) != Kind::kList) {
+    where = "common.pt: optimizer.param_groups";
+    groups = Get(g, opt, "param_groups");
+  }
+  if (g.kind(groups) != Kind::kList) return out;  // dp_reshardable keeps them in its own objects
+  auto number = [&](NodeId n) -> std::optional<double> {
+    if (g.kind(n) == Kind::kFloat) return g.float_value(n);
+    if (g.kind(n) == Kind::kInt) return static_cast<double>(g.int_value(n));
+    return std::nullopt;
+  };
+  auto truthy = [&](NodeId n) {
+    return (g.kind(n) == Kind::kBool && g.bool_value(n)) || (g.kind(n) == Kind::kInt && g.int_value(n) != 0);
+  };
+  const std::span<const NodeId> list = Items(g, groups);
+
+  // The step: one for all groups (DistributedOptimizer.state_dict writes the same in each).
+  for (const NodeId group : list) {
+    const std::optional<double> v = number(Get(g, group, "step"));
+    if (!v) continue;
+    if (out.step && *out.step != *v) {
+      out.not_served.push_back({where, "the param groups record different steps; no step served"});
+      out.step.reset();
+      break;
+    }
+    out.step = v;
+  }
+
+  // Each group's class under Megatron's rule: weight decay off (wd_mult 0) or on.
+  std::string refused;
+  std::optional<size_t> group_of[2];  // [no weight decay]
+  for (size_t gi = 0; gi < list.size() && refused.empty(); ++gi) {
+    const NodeId group = list[gi];
+    const std::string gw = "param_groups[" + std::to_string(gi) + "]";
+    const std::optional<double> wd_mult = number(Get(g, group, "wd_mult"));
+    const std::optional<double> lr_mult = number(Get(g, group, "lr_mult"));
+    if (!wd_mult) {
+      refused = gw + " has no wd_mult";
+    } else if (truthy(Get(g, group, "is_expert_parallel")) || truthy(Get(g, group, "is_decoupled_lr")) ||
+               (lr_mult && *lr_mult != 1.0)) {
+      refused = gw + " differs from the others by more than weight decay (expert-parallel, lr_mult or decoupled lr)";
+    } else if (group_of[*wd_mult == 0.0]) {
+      refused = gw + " and param_groups[" + std::to_string(*group_of[*wd_mult == 0.0]) + "] are both " +
+                (*wd_mult == 0.0 ? "without" : "with") + " weight decay";
+    } else {
+      group_of[*wd_mult == 0.0] = gi;
+    }
+  }
+  // The parameters of each class, in mapping order.
+  const bool wd_on_qk_layernorm = truthy(Get(g, Get(g, g.root(), "args"), "apply_wd_to_qk_layernorm"));
+  std::vector<std::string> members[2];
+  for (const ParamEntry& p : mapping.params) {
+    int32_t primary = p.item[static_cast<int>(StateKind::kWeight)];
+    if (primary < 0) primary = p.item[static_cast<int>(StateKind::kFp32)];
+    if (primary < 0 || c.items[static_cast<size_t>(primary)].kind != ItemKind::kTensor) continue;
+    const size_t n_dims = c.items[static_cast<size_t>(primary)].layout.shape.size();
+    members[MegatronNoWeightDecay(p.name, n_dims, wd_on_qk_layernorm)].push_back(p.name);
+  }
+  for (int cls = 0; cls < 2 && refused.empty(); ++cls) {
+    if (members[cls].empty()) continue;
+    if (!group_of[cls]) {
+      refused = "no group " + std::string(cls ? "without" : "with") + " weight decay (wd_mult " +
+                (cls ? "0" : "not 0") + ") for the " + std::to_string(members[cls].size()) + " parameters " +
+                "Megatron's rule puts there (first '" + members[cls].front() + "')";
+      break;
+    }
+    // Saves that keep the groups' parameter lists: as many as the rule gives.
+    const NodeId params = Get(g, list[*group_of[cls]], "params");
+    if ((g.kind(params) == Kind::kList || g.kind(params) == Kind::kTuple) &&
+        Items(g, params).size() != members[cls].size()) {
+      refused = "param_groups[" + std::to_string(*group_of[cls]) + "] lists " +
+                std::to_string(Items(g, params).size()) + " parameters; Megatron's rule gives it " +
+                std::to_string(members[cls].size());
+    }
+  }
+  if (!refused.empty()) {
+    out.not_served.push_back({where, "hyper-parameters left out of optim.pt: " + refused +
+                                         "; parameters cannot be matched to their groups"});
+    return out;
+  }
+  for (int cls = 0; cls < 2; ++cls) {
+    if (members[cls].empty()) continue;
+    const size_t gi = *group_of[cls];
+    MegatronCoreParamGroup group;
+    group.params = std::move(members[cls]);
+    for (const auto& [k, v] : Pairs(g, list[gi])) {
+      // step is each parameter's state in torch's form, not a group field.
+      if (g.kind(k) != Kind::kString || g.text(k) == "params" || g.text(k) == "param_names" || g.text(k) == "step") {
+        continue;
+      }
+      auto value = format::DecodeValueAt(*tf, *slice, v);
+      if (!value.ok()) {
+        out.not_served.push_back({where + "[" + std::to_string(gi) + "]." + std::string(g.text(k)),
+                                  value.error().message()});
+        continue;
+      }
+      group.fields.emplace_back(std::string(g.text(k)), std::move(*value));
+    }
+    out.groups.push_back(std::move(group));
+  }
+  return out;
 }
 
 }  // namespace ucpfs::index
