@@ -235,7 +235,7 @@ TEST(MakeTargetInput, MegatronCoreParamGroupsFromCommonPt) {
     }
     bool reported = false;
     for (const auto& n : (*in)->not_served) {
-      reported |= n.key == "common.pt: optimizer.optimizer.param_groups" &&
+      reported |= n.key == "common.pt: optimizer param_groups" &&
                   n.reason.find("more than weight decay") != std::string::npos;
     }
     EXPECT_EQ(reported, !matchable);
