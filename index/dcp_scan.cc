@@ -26,12 +26,15 @@
 
 #include "core/byte_source.h"
 #include "core/checked.h"
+#include "core/format/plain_value.h"
 #include "core/format/torch_file.h"
 #include "core/io/file_source.h"
 #include "core/io/lazy_file_source.h"
 #include "index/checkpoint_builder.h"
 #include "index/dcp_metadata.h"
 #include "index/mcore_unstack.h"
+#include "index/megatron_scan.h"
+#include "index/pickle_walk.h"
 
 namespace ucpfs::index {
 bool SafeRelativePath(const std::string& p) {
@@ -619,6 +622,152 @@ std::vector<std::string> DcpCompositeParts(const std::string& dir) { return Comp
 
 Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress) {
   return DcpScan(dir).Run(progress);
+}
+
+MegatronCoreOptimizerFacts MegatronCoreOptimizerFactsOf(const Checkpoint& c, const KeyMapping& mapping,
+                                                        const FileTable& files) {
+  using pickle::Kind;
+  using pickle::NodeId;
+  MegatronCoreOptimizerFacts out;
+  if (c.flavor != "megatron-torch_dist" || !files) return out;
+  const Item* common = nullptr;
+  for (const Item& it : c.items) {
+    if (it.kind == ItemKind::kBytes && it.key == "common.pt") common = &it;
+  }
+  if (common == nullptr || common->file_id >= files->size()) return out;
+  auto slice = SliceSource::Make((*files)[common->file_id], common->byte_offset, common->n_bytes);
+  auto tf = slice.ok() ? format::TorchFile::Open(*slice) : Result<format::TorchFile>(slice.error());
+  if (!tf.ok()) {
+    out.not_served.push_back({"common.pt: optimizer.param_groups", tf.error().message()});
+    return out;
+  }
+  const pickle::PickleGraph& g = tf->graph();
+  auto number = [&](NodeId n) -> std::optional<double> {
+    if (g.kind(n) == Kind::kFloat) return g.float_value(n);
+    if (g.kind(n) == Kind::kInt) return static_cast<double>(g.int_value(n));
+    return std::nullopt;
+  };
+  auto truthy = [&](NodeId n) {
+    return (g.kind(n) == Kind::kBool && g.bool_value(n)) || (g.kind(n) == Kind::kInt && g.int_value(n) != 0);
+  };
+  // The groups, each with its path: one optimizer's (`optimizer.optimizer.param_groups` or
+  // `optimizer.param_groups`), or a ChainedOptimizer's, keyed 0, 1, ... (MoE: the dense
+  // parameters' optimizer, then the expert-parallel ones').
+  struct Group {
+    std::string where;
+    NodeId node;
+  };
+  std::vector<Group> list;
+  auto add_groups = [&](NodeId o, const std::string& where) {
+    NodeId groups = Get(g, Get(g, o, "optimizer"), "param_groups");
+    std::string path = where + ".optimizer.param_groups";
+    if (g.kind(groups) != Kind::kList) {
+      groups = Get(g, o, "param_groups");
+      path = where + ".param_groups";
+    }
+    const std::span<const NodeId> items = Items(g, groups);
+    for (size_t i = 0; i < items.size(); ++i) list.push_back({path + "[" + std::to_string(i) + "]", items[i]});
+  };
+  const NodeId opt = Get(g, g.root(), "optimizer");
+  add_groups(opt, "common.pt: optimizer");
+  if (list.empty() && g.kind(opt) == Kind::kDict) {
+    for (const auto& [k, v] : g.dict_items(opt)) {
+      if (g.kind(k) == Kind::kInt) add_groups(v, "common.pt: optimizer." + std::to_string(g.int_value(k)));
+    }
+  }
+  if (list.empty()) return out;  // dp_reshardable keeps them in its own objects
+  const std::string where = "common.pt: optimizer param_groups";
+
+  // The step: one for all groups (DistributedOptimizer.state_dict writes the same in each).
+  for (const Group& group : list) {
+    const std::optional<double> v = number(Get(g, group.node, "step"));
+    if (!v) continue;
+    if (out.step && *out.step != *v) {
+      out.not_served.push_back({where, "the param groups record different steps; no step served"});
+      out.step.reset();
+      break;
+    }
+    out.step = v;
+  }
+
+  // Each group's class under Megatron's rule: expert-parallel or not, weight decay off (wd_mult
+  // 0) or on; class = 2 * expert + no_wd.
+  std::string refused;
+  std::optional<size_t> group_of[4];
+  bool expert_groups = false;
+  for (size_t gi = 0; gi < list.size() && refused.empty(); ++gi) {
+    const NodeId group = list[gi].node;
+    const std::optional<double> wd_mult = number(Get(g, group, "wd_mult"));
+    const std::optional<double> lr_mult = number(Get(g, group, "lr_mult"));
+    const bool expert = truthy(Get(g, group, "is_expert_parallel"));
+    expert_groups |= expert;
+    const int cls = 2 * expert + (wd_mult && *wd_mult == 0.0);
+    if (!wd_mult) {
+      refused = list[gi].where + " has no wd_mult";
+    } else if (truthy(Get(g, group, "is_decoupled_lr")) || (lr_mult && *lr_mult != 1.0)) {
+      refused = list[gi].where + " differs from the others by more than weight decay (lr_mult or decoupled lr)";
+    } else if (group_of[cls]) {
+      refused = list[gi].where + " and " + list[*group_of[cls]].where + " are of one class";
+    } else {
+      group_of[cls] = gi;
+    }
+  }
+  // The parameters of each class, in mapping order. Expert parameters (`.experts.`: SequentialMLP's
+  // local_experts, TEGroupedMLP's experts) are expert-parallel when the optimizer has such groups
+  // (Megatron-Core marks them so only with expert_model_parallel_size > 1).
+  const bool wd_on_qk_layernorm = truthy(Get(g, Get(g, g.root(), "args"), "apply_wd_to_qk_layernorm"));
+  std::vector<std::string> members[4];
+  for (const ParamEntry& p : mapping.params) {
+    int32_t primary = p.item[static_cast<int>(StateKind::kWeight)];
+    if (primary < 0) primary = p.item[static_cast<int>(StateKind::kFp32)];
+    if (primary < 0 || c.items[static_cast<size_t>(primary)].kind != ItemKind::kTensor) continue;
+    const size_t n_dims = c.items[static_cast<size_t>(primary)].layout.shape.size();
+    const bool expert = expert_groups && p.name.find(".experts.") != std::string::npos;
+    members[2 * expert + MegatronNoWeightDecay(p.name, n_dims, wd_on_qk_layernorm)].push_back(p.name);
+  }
+  for (int cls = 0; cls < 4 && refused.empty(); ++cls) {
+    if (members[cls].empty()) continue;
+    if (!group_of[cls]) {
+      refused = "no " + std::string(cls >= 2 ? "expert-parallel " : "") + "group " +
+                std::string(cls % 2 ? "without" : "with") + " weight decay for the " +
+                std::to_string(members[cls].size()) + " parameters Megatron's rule puts there (first '" +
+                members[cls].front() + "')";
+      break;
+    }
+    // Saves that keep the groups' parameter lists: as many as the rule gives.
+    const NodeId params = Get(g, list[*group_of[cls]].node, "params");
+    if ((g.kind(params) == Kind::kList || g.kind(params) == Kind::kTuple) &&
+        Items(g, params).size() != members[cls].size()) {
+      refused = list[*group_of[cls]].where + " lists " + std::to_string(Items(g, params).size()) +
+                " parameters; Megatron's rule gives it " + std::to_string(members[cls].size());
+    }
+  }
+  if (!refused.empty()) {
+    out.not_served.push_back({where, "hyper-parameters left out of optim.pt: " + refused +
+                                         "; parameters cannot be matched to their groups"});
+    return out;
+  }
+  for (int cls = 0; cls < 4; ++cls) {
+    if (members[cls].empty()) continue;
+    const Group& source = list[*group_of[cls]];
+    MegatronCoreParamGroup group;
+    group.params = std::move(members[cls]);
+    for (const auto& [k, v] : Pairs(g, source.node)) {
+      // step is each parameter's state in torch's form, not a group field.
+      if (g.kind(k) != Kind::kString || g.text(k) == "params" || g.text(k) == "param_names" || g.text(k) == "step") {
+        continue;
+      }
+      auto value = format::DecodeValueAt(*tf, *slice, v);
+      if (!value.ok()) {
+        out.not_served.push_back({source.where + "." + std::string(g.text(k)),
+                                  value.error().message()});
+        continue;
+      }
+      group.fields.emplace_back(std::string(g.text(k)), std::move(*value));
+    }
+    out.groups.push_back(std::move(group));
+  }
+  return out;
 }
 
 }  // namespace ucpfs::index

@@ -10,12 +10,16 @@
 // kUnsupported naming the item rather than producing wrong data. Errors name the file.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/status.h"
+#include "core/views/target.h"
 #include "index/checkpoint.h"
+#include "index/key_map.h"
 #include "index/scanner.h"
+#include "index/view_inputs.h"
 
 namespace ucpfs::index {
 
@@ -35,5 +39,33 @@ std::vector<std::string> DcpCompositeParts(const std::string& dir);
 // Scans `dir`. Errors: kNotFound (no metadata), kCorrupt (metadata or blob malformed, a chunk
 // whose stored shape disagrees with the metadata, coverage gaps/overlaps), kUnsupported.
 Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress = nullptr);
+
+// What the target views need from a Megatron-Core torch_dist checkpoint beyond its items: the
+// optimizer's param groups and step, which Megatron-LM's save keeps in common.pt
+// (`optimizer.optimizer.param_groups`: DistributedOptimizer.state_dict() and Float16Optimizer;
+// `optimizer.param_groups`: FP32Optimizer; a ChainedOptimizer's under `optimizer.<i>`, MoE's
+// expert-parallel groups among them), every field as saved (torch's own: lr, betas, eps,
+// weight_decay, amsgrad, ...; Megatron's: wd_mult, lr_mult, max_lr, ...; the distributed
+// optimizer's step) but without their parameters (`params` is not persisted). Each mapped
+// parameter is put in its group by Megatron's grouping rule (MegatronNoWeightDecay over its name
+// and dimensions: the group with wd_mult 0, else the one with another wd_mult; among the
+// expert-parallel groups when there are such and its name has an `.experts.` part); a group that
+// still lists `params` must list as many as the rule gives it. `step` is the groups' step (one
+// for all; the distributed optimizer keeps no per-parameter step). Never guessed: groups that
+// differ by more than weight decay and expert parallelism (lr_mult, decoupled lr), two groups of
+// one class, a parameter whose class has no group, a count that
+// does not fit: their hyper-parameters are left out and the reason is in not_served (the step is
+// kept). Empty for other checkpoints and when common.pt holds no param groups (dp_reshardable).
+struct MegatronCoreParamGroup {
+  std::vector<std::string> params;  // parameter names, in mapping order
+  std::vector<views::HyperParam> fields;
+};
+struct MegatronCoreOptimizerFacts {
+  std::optional<double> step;
+  std::vector<MegatronCoreParamGroup> groups;
+  std::vector<views::NotServed> not_served;
+};
+MegatronCoreOptimizerFacts MegatronCoreOptimizerFactsOf(const Checkpoint& checkpoint, const KeyMapping& mapping,
+                                                        const FileTable& files);
 
 }  // namespace ucpfs::index

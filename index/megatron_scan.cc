@@ -514,11 +514,8 @@ class MegatronScanner {
       // The group's parameters, in model order, as Megatron's _get_param_groups picks them.
       std::vector<size_t> members;
       for (size_t pi = 0; pi < params.size(); ++pi) {
-        const std::string& name = params[pi].first;
-        const bool bias_or_1d = (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) ||
-                                params[pi].second->shape.size() == 1;
-        const bool qk_norm = name.find("q_layernorm.") != std::string::npos || name.find("k_layernorm.") != std::string::npos;
-        if ((bias_or_1d && !(args_.wd_on_qk_layernorm && qk_norm)) == no_wd) members.push_back(pi);
+        const bool off = MegatronNoWeightDecay(params[pi].first, params[pi].second->shape.size(), args_.wd_on_qk_layernorm);
+        if (off == no_wd) members.push_back(pi);
       }
       if (members.size() != g.items(positions).size()) {
         return UnsupportedError(where + ": optimizer param_groups[" + gk + "] holds " +
@@ -871,6 +868,12 @@ Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& c) {
   facts.vocab_size = std::max<int64_t>(number("vocab_size"), 0);
   facts.vocab_pad_multiple = std::max<int64_t>(number("make_vocab_size_divisible_by"), 0);
   return facts;
+}
+
+bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk_layernorm) {
+  const bool bias_or_1d = name.ends_with(".bias") || n_dims == 1;
+  const bool qk_norm = name.find("q_layernorm.") != std::string::npos || name.find("k_layernorm.") != std::string::npos;
+  return bias_or_1d && !(wd_on_qk_layernorm && qk_norm);
 }
 
 std::optional<double> MegatronOptimizerStep(const Checkpoint& c) {

@@ -80,6 +80,12 @@ Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress
 // other formats. Errors: kCorrupt when format_info is not what the scanner writes.
 Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
 
+// Megatron-Core's weight-decay rule (optimizer/__init__.py get_standard_config_overrides, as
+// _get_param_groups applies it to model_chunk.named_parameters()): no weight decay (wd_mult 0)
+// for biases (`*.bias`) and 1-D parameters (norms), except q/k layernorms when
+// apply_wd_to_qk_layernorm is set. Shared by this scanner and the torch_dist one (dcp_scan.h).
+bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk_layernorm);
+
 // The step of a "megatron" checkpoint saved with the distributed optimizer (its param groups'
 // step, which model_optim_rng.pt holds as a number and distrib_optim.pt does not hold);
 // nullopt for other checkpoints or when the groups record none.

@@ -15,6 +15,7 @@
 
 #include "core/format/plain_value.h"
 #include "core/views/atomic.h"
+#include "index/dcp_scan.h"
 #include "index/megatron_scan.h"
 #include "index/torch_state_scan.h"
 #include "index/universal_view.h"
@@ -303,8 +304,20 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     }
   }
 
-  // Megatron's distributed optimizer keeps its step in the param groups only (megatron_scan.h).
-  const std::optional<double> group_step = MegatronOptimizerStep(c);
+  // Megatron-Core torch_dist keeps its param groups, without their parameters, and its step in
+  // common.pt (dcp_scan.h).
+  MegatronCoreOptimizerFacts mcore = MegatronCoreOptimizerFactsOf(c, mapping, files);
+  for (const MegatronCoreParamGroup& g : mcore.groups) {
+    for (const std::string& name : g.params) {
+      auto& h = hyper[name];
+      if (h.empty()) h = g.fields;
+    }
+  }
+  for (const auto& n : mcore.not_served) report(n.key, n.reason);
+  // Megatron's distributed optimizer keeps its step in the param groups only (megatron_scan.h,
+  // dcp_scan.h).
+  std::optional<double> group_step = MegatronOptimizerStep(c);
+  if (!group_step) group_step = mcore.step;
   for (const auto& p : mapping.params) {
     views::TargetParam tp;
     tp.name = p.name;

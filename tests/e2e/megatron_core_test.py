@@ -19,7 +19,13 @@ For each checkpoint, mounted (real FUSE):
     pre_mlp_layernorm written as the checkpoint names them, `linear_qkv.layer_norm_*` and
     `linear_fc1.layer_norm_*`, through the spec's own sharded_state_dict_keys_map), shapes and
     bytes; vocabulary tensors: the real 37 rows equal, the rows past them (padding) zeros in the
-    view (Megatron's loader copies the source's padding rows instead).
+    view (Megatron's loader copies the source's padding rows instead);
+ 4. 'fully_reshardable' with one stage: target/tp1_pp1_dp1/rank_0/optim.pt loads into a
+    torch.optim.AdamW over a tp1 GPTModel grouped by megatron-core's own _get_param_groups
+    (load_state_dict): its groups hold the parameters the live job's groups held, each group's
+    fields (lr, betas, eps, weight_decay, wd_mult, ...) equal the live optimizer's, every
+    parameter's step is the live step (common.pt's param groups), its moments are the
+    consolidated ones, and the loaded optimizer steps.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/megatron_core_test.py [DIR]
 (DIR: reuse what `gen_megatron_core.py DIR` wrote instead of generating).
@@ -133,6 +139,55 @@ def check_target(mnt, truth, layout, ranks):
                 assert bits_equal(g, w), f"{what}: values differ"
 
 
+def optim_worker(_, optim_path, truth_path, store):
+    """In a process of its own (megatron's CPU shims patch torch): a tp1 GPTModel, an AdamW over
+    it grouped by megatron-core's own _get_param_groups, load_state_dict(optim.pt); the groups'
+    members, fields, every parameter's step and Adam moments are checked against the live job."""
+    import torch.distributed as dist  # noqa: PLC0415
+    sys.path.insert(0, os.path.dirname(GEN))
+    import gen_megatron_core as gen  # noqa: PLC0415
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+    gen.install_cpu_shims()
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups  # noqa: PLC0415
+    truth = torch.load(truth_path, weights_only=False)
+    live, keys_map, vocab = truth["optimizer"], truth["keys_map"], truth["case"]["vocab"]
+    gen.set_layout(1, 1, 1)
+    ddp, _, _ = gen.build_model(1, 1, truth["case"]["tied"], distributed_optimizer=False)
+    model = ddp.module
+    name_of = {p: megatron_name(n, keys_map) for n, p in model.named_parameters()}
+    groups = _get_param_groups([model], OptimizerConfig(optimizer="adam", lr=1.0), None)
+    opt = torch.optim.AdamW([{"params": g["params"]} for g in groups])
+    optim = torch.load(optim_path)
+    opt.load_state_dict(optim)
+    members = [[name_of[p] for p in g["params"]] for g in groups]
+    assert [g["param_names"] for g in optim["param_groups"]] == members, "optim.pt's groups are not megatron's"
+    assert [[megatron_name(n, keys_map) for n in names] for names in live["names"]] == members, \
+        "the live job grouped its parameters otherwise"
+    assert len(opt.param_groups) == len(live["param_groups"])
+    for got, want in zip(opt.param_groups, live["param_groups"]):
+        for k, v in want.items():
+            assert got.get(k) == v, f"param group field {k}: {got.get(k)!r}, the live job's {v!r}"
+    moments = expected_atomic(truth["plain"])
+    for p, name in name_of.items():
+        st = opt.state[p]
+        assert float(st["step"]) == live["step"], (name, st["step"], live["step"])
+        for m in ("exp_avg", "exp_avg_sq"):
+            want = moments[name][m + ".pt"]
+            rows = min(vocab, p.shape[0]) if name in VOCAB_PARAMS else p.shape[0]
+            assert st[m].shape == p.shape and bits_equal(st[m][:rows], want[:rows].float()), f"{name} {m}"
+    for p in name_of:  # the loaded optimizer steps
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    dist.destroy_process_group()
+
+
+def check_optim(mnt, work, name, truth_path):
+    optim_path = os.path.join(mnt, "target", "tp1_pp1_dp1", "rank_0", "optim.pt")
+    store = os.path.join(work, f"optim-store-{name}")
+    torch.multiprocessing.spawn(optim_worker, (optim_path, truth_path, store), nprocs=1, join=True)
+
+
 def check_checkpoint(work, name):
     src = os.path.join(work, name)
     truth = torch.load(src + "_truth.pt", weights_only=False)
@@ -142,6 +197,8 @@ def check_checkpoint(work, name):
         for layout, ranks in truth["targets"].items():
             if layout != saved:
                 check_target(mnt, truth, layout, ranks)
+        if "optimizer" in truth:
+            check_optim(mnt, work, name, src + "_truth.pt")
 
 
 def main():

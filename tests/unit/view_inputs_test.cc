@@ -34,16 +34,17 @@ struct Source {
     ASSERT_TRUE((*lazy)->ReadAt(0, std::span(bytes).subspan(it.byte_offset)).ok());
     ckpt.items.push_back(std::move(it));
   }
-  // A float32 tensor [n] whose element e is base + e, stored in this file.
-  void Tensor(const std::string& key, int n, float base) {
+  // A float32 tensor [n] (or of `shape`, n elements) whose element e is base + e, stored in this file.
+  void Tensor(const std::string& key, int n, float base, std::vector<int64_t> shape = {}) {
+    if (shape.empty()) shape = {n};
     Item it;
     it.key = key;
     it.kind = ItemKind::kTensor;
     it.dtype = DType::kFloat32;
-    it.layout.shape = {n};
+    it.layout.shape = shape;
     slice::Fragment f;
-    f.box.offsets = {0};
-    f.box.sizes = {n};
+    f.box.offsets.assign(shape.size(), 0);
+    f.box.sizes = shape;
     f.flat_hi = static_cast<uint64_t>(n);
     f.file_id = 0;
     f.byte_offset = bytes.size();
@@ -176,6 +177,68 @@ TEST(MakeTargetInput, NoItemIsDropped) {
       EXPECT_NE(text.find("\"lr_scheduler\""), std::string::npos);
       EXPECT_EQ(text.find("\"key\": \"dataloader.dp_rank_1\"") != std::string::npos, dp == 1) << text;
     }
+  }
+}
+
+// Megatron-Core torch_dist with the DistributedOptimizer: common.pt keeps the param groups
+// without their parameters, and the step in them; each parameter gets its group by Megatron's
+// weight-decay rule (1-D: wd_mult 0) and the step as its own. Groups that differ by more than
+// weight decay cannot be matched: reported, the step still served.
+TEST(MakeTargetInput, MegatronCoreParamGroupsFromCommonPt) {
+  for (const bool matchable : {true, false}) {
+    Source s;
+    s.ckpt.format = "dcp";
+    s.ckpt.flavor = "megatron-torch_dist";
+    s.Tensor("w.weight", 4, 1.0f, {2, 2});
+    s.Tensor("ln.weight", 2, 5.0f);
+    for (const char* k : {"exp_avg", "exp_avg_sq"}) {
+      s.Tensor(std::string("optimizer.state.") + k + ".w.weight", 4, 10.0f, {2, 2});
+      s.Tensor(std::string("optimizer.state.") + k + ".ln.weight", 2, 20.0f);
+    }
+    SaveValue groups = SaveValue::List();
+    for (const double wd_mult : {1.0, 0.0}) {
+      SaveValue g = SaveValue::Dict();
+      g.Set("wd_mult", SaveValue::Float(wd_mult));
+      g.Set("lr_mult", SaveValue::Float(matchable || wd_mult == 1.0 ? 1.0 : 2.0));
+      g.Set("lr", SaveValue::Float(0.01));
+      g.Set("betas", SaveValue::Tuple({SaveValue::Float(0.9), SaveValue::Float(0.95)}));
+      g.Set("weight_decay", SaveValue::Float(0.1));
+      g.Set("step", SaveValue::Float(2.0));
+      groups.Append(std::move(g));
+    }
+    SaveValue inner = SaveValue::Dict();
+    inner.Set("param_groups", std::move(groups));
+    SaveValue opt = SaveValue::Dict();
+    opt.Set("optimizer", std::move(inner));
+    SaveValue common = SaveValue::Dict();
+    common.Set("optimizer", std::move(opt));
+    s.Blob("common.pt", common);
+    s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
+    auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+    files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
+    auto mapping = MapKeys(s.ckpt, {});
+    ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
+    auto in = MakeTargetInput(s.ckpt, *mapping, files, nullptr);
+    ASSERT_TRUE(in.ok()) << in.error().ToString();
+    ASSERT_EQ((*in)->params.size(), 2u);
+    for (const auto& p : (*in)->params) {
+      ASSERT_TRUE(p.step_value.has_value()) << p.name;
+      EXPECT_EQ(*p.step_value, 2.0);
+      if (!matchable) {
+        EXPECT_TRUE(p.hyper.empty()) << p.name;
+        continue;
+      }
+      std::vector<std::string> fields;
+      for (const auto& [k, v] : p.hyper) fields.push_back(k);
+      EXPECT_EQ(fields, (std::vector<std::string>{"wd_mult", "lr_mult", "lr", "betas", "weight_decay"})) << p.name;
+      EXPECT_EQ(p.hyper[0].second.float_value(), p.name == "w.weight" ? 1.0 : 0.0) << p.name;
+    }
+    bool reported = false;
+    for (const auto& n : (*in)->not_served) {
+      reported |= n.key == "common.pt: optimizer param_groups" &&
+                  n.reason.find("more than weight decay") != std::string::npos;
+    }
+    EXPECT_EQ(reported, !matchable);
   }
 }
 
