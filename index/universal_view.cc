@@ -285,19 +285,22 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
   std::vector<DeepSpeedParamGroup> out;
   if (c.format != "deepspeed") return out;
   UCPFS_ASSIGN_OR_RETURN(const nlohmann::json info, DeepSpeedInfo(c));
-  if (info["zero_stage"].get<int>() == 3) {
-    return UnsupportedError("ZeRO-3 param_shapes list sub-groups, not the optimizer's param groups");
-  }
+  const bool zero3 = info["zero_stage"].get<int>() == 3;
   UCPFS_ASSIGN_OR_RETURN(auto optim, OpenCheckpointFile(c, files, info["optimizer_file"].get<std::string>()));
   const pickle::PickleGraph& g = optim.first.graph();
+  // ZeRO-1/2 and BF16_Optimizer keep the torch optimizer's state as base_optimizer_state; ZeRO-3
+  // as optimizer_state_dict, whose groups' `params` number the group's flat sub-groups.
+  const char* const base_key = zero3 ? "optimizer_state_dict" : "base_optimizer_state";
   const pickle::NodeId groups =
-      g.DictGet(g.DictGet(g.DictGet(g.root(), "optimizer_state_dict"), "base_optimizer_state"), "param_groups");
+      g.DictGet(g.DictGet(g.DictGet(g.root(), "optimizer_state_dict"), base_key), "param_groups");
   if (g.kind(groups) != pickle::Kind::kList) {
-    return CorruptError(optim.second->Name() + ": optimizer_state_dict.base_optimizer_state.param_groups is not a list");
+    return CorruptError(optim.second->Name() + ": optimizer_state_dict." + base_key + ".param_groups is not a list");
   }
   format::PlainValueLimits limits;
   limits.max_depth = 8;
   limits.max_nodes = 1 << 16;
+  // ZeRO-3: group i's sub-groups (indices into param_shapes), in order.
+  std::vector<std::vector<size_t>> sub_groups;
   for (pickle::NodeId group : g.items(groups)) {
     if (g.kind(group) != pickle::Kind::kDict) {
       return CorruptError(optim.second->Name() + ": a param group is not a dict");
@@ -308,6 +311,20 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
       auto value = format::DecodeValueAt(optim.first, optim.second, v, limits);
       if (value.ok()) pg.fields.emplace_back(std::string(g.text(k)), std::move(*value));  // plain values only
     }
+    if (zero3) {
+      const pickle::NodeId params = g.DictGet(group, "params");
+      if (g.kind(params) != pickle::Kind::kList) {
+        return CorruptError(optim.second->Name() + ": a ZeRO-3 param group's params is not a list");
+      }
+      std::vector<size_t>& subs = sub_groups.emplace_back();
+      for (pickle::NodeId id : g.items(params)) {
+        if (g.kind(id) != pickle::Kind::kInt || g.int_value(id) < 0 || g.int_value(id) > (int64_t{1} << 20)) {
+          return CorruptError(optim.second->Name() + ": a ZeRO-3 param group's params holds a value that is not a "
+                              "sub-group number");
+        }
+        subs.push_back(static_cast<size_t>(g.int_value(id)));
+      }
+    }
     out.push_back(std::move(pg));
   }
   for (const auto& m : info["model_files"]) {
@@ -315,16 +332,44 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
     UCPFS_ASSIGN_OR_RETURN(auto model, OpenCheckpointFile(c, files, m.get<std::string>()));
     const pickle::PickleGraph& mg = model.first.graph();
     const pickle::NodeId shapes = mg.DictGet(mg.root(), "param_shapes");
-    if (mg.kind(shapes) != pickle::Kind::kList || mg.items(shapes).size() != out.size()) {
-      return CorruptError(model.second->Name() + ": param_shapes does not list the optimizer's " +
-                          std::to_string(out.size()) + " param groups");
+    if (mg.kind(shapes) != pickle::Kind::kList) return CorruptError(model.second->Name() + ": param_shapes is not a list");
+    const auto shape_groups = mg.items(shapes);
+    // Each group's param_shapes entries: ZeRO-1/2 one per param group; ZeRO-3 one per sub-group,
+    // each sub-group in exactly one param group.
+    std::vector<std::vector<size_t>> entries_of(out.size());
+    if (zero3) {
+      std::vector<bool> seen(shape_groups.size());
+      for (size_t gi = 0; gi < out.size(); ++gi) {
+        for (size_t s : sub_groups[gi]) {
+          if (s >= shape_groups.size() || seen[s]) {
+            return CorruptError(optim.second->Name() + ": param group " + std::to_string(gi) + " names sub-group " +
+                                std::to_string(s) + ", which " + model.second->Name() + "'s param_shapes (" +
+                                std::to_string(shape_groups.size()) + " sub-groups) " +
+                                (s >= shape_groups.size() ? "lacks" : "gives another group too"));
+          }
+          seen[s] = true;
+          entries_of[gi].push_back(s);
+        }
+      }
+      if (std::find(seen.begin(), seen.end(), false) != seen.end()) {
+        return CorruptError(model.second->Name() + ": a param_shapes sub-group is in none of " + optim.second->Name() +
+                            "'s param groups");
+      }
+    } else {
+      if (shape_groups.size() != out.size()) {
+        return CorruptError(model.second->Name() + ": param_shapes does not list the optimizer's " +
+                            std::to_string(out.size()) + " param groups");
+      }
+      for (size_t gi = 0; gi < out.size(); ++gi) entries_of[gi].push_back(gi);
     }
     for (size_t gi = 0; gi < out.size(); ++gi) {
       std::vector<std::string>& names = out[gi].params;
-      for (const auto& [k, v] : mg.dict_items(mg.items(shapes)[gi])) {
-        if (mg.kind(k) != pickle::Kind::kString) continue;
-        std::string name(mg.text(k));
-        if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
+      for (size_t e : entries_of[gi]) {
+        for (const auto& [k, v] : mg.dict_items(shape_groups[e])) {
+          if (mg.kind(k) != pickle::Kind::kString) continue;
+          std::string name(mg.text(k));
+          if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
+        }
       }
     }
   }

@@ -70,10 +70,12 @@ Result<SourcePatterns> SourcePatternsOf(const Checkpoint& checkpoint);
 
 // The optimizer param groups of a "deepspeed" checkpoint, for target views' optim.pt: each
 // group's hyper-parameters (base_optimizer_state.param_groups of the (mp 0, dp 0) optimizer file,
-// 'params' left out, decoded as plain values) and the names of its parameters (the union, in
-// order, of group i of every model-states file's param_shapes). Empty for other formats.
-// Errors: kCorrupt naming the file (no param_groups, or param_shapes of another group count);
-// kUnsupported for ZeRO-3 (param_shapes lists sub-groups, not param groups).
+// ZeRO-3: its optimizer_state_dict.param_groups; 'params' left out, decoded as plain values) and
+// the names of its parameters (the union, in order, of group i of every model-states file's
+// param_shapes; ZeRO-3: of the sub-groups the group's 'params' number, as DeepSpeed's stage 3
+// saves each group's flat sub-group partitions). Empty for other formats.
+// Errors: kCorrupt naming the file (no param_groups, param_shapes of another group count, a
+// ZeRO-3 sub-group in no group, in two, or missing).
 struct DeepSpeedParamGroup {
   std::vector<std::string> params;
   std::vector<std::pair<std::string, format::SaveValue>> fields;

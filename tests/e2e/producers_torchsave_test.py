@@ -10,9 +10,15 @@ gen_lightning.py; each generated once here) and mounted at the folder a user wou
     `recipe_state/recipe_state.pt` with the optimizer): torchtune trains its own llama3 module,
     whose MLP order (w1, w2, w3) and rotary q/k row layout differ from LlamaForCausalLM's; the
     served moments follow the saved weights' layout, and the resumed LlamaForCausalLM (another
-    implementation of the same model) repeats the live losses to 1e-5.
+    implementation of the same model) repeats the live losses to 1e-5;
+  - hf_trainer_zero2 / hf_trainer_zero3: the Trainer with DeepSpeed ZeRO-2 / ZeRO-3
+    (gen_hf_trainer.py --deepspeed): `checkpoint-K/` with `latest` and `global_stepK/`, served by
+    the DeepSpeed scanner under the Hugging Face model's names; one param group (the Trainer hands
+    DeepSpeed's optimizer all parameters), format deepspeed, nothing of the param groups unserved;
+    DeepSpeed's engine clips the gradients, so the resume clips alike and repeats the losses to 1e-5.
 Checks per case, against the truth the live job gave:
- 1. status.json: format torch_state, no unmapped key, nothing ambiguous;
+ 1. status.json: format torch_state (deepspeed), no unmapped key, nothing ambiguous, the
+    optimizer's param groups served;
  2. atomic/<name>/{fp32,exp_avg,exp_avg_sq}.pt equal the live weights and moments bit for bit,
     step.pt the live step;
  3. target/tp1_pp1_dp1/rank_0/model.pt loads with load_state_dict(strict=True) into a fresh
@@ -29,11 +35,6 @@ optim.pt saved by Debian's torch 1.13 (when /usr/bin/python3 has torch) are serv
 And the empty-directory probe: a mount of an empty directory receives model.pt (a state dict) and
 optim.pt (an optimizer state dict) by torch.save; its remount serves them as weights + positional
 optimizer (atomic moments equal what was saved).
-
-Not checked here: the Trainer with DeepSpeed (gen_hf_trainer.py --deepspeed zero2|zero3) is served
-by the DeepSpeed scanner; its ZeRO-2 atomic moments and masters equal the truth, but the module
-weights' `model.` prefix is stripped by key mapping while the ZeRO state keeps it, so each
-parameter appears twice (a DeepSpeed scanner / key map fix).
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/producers_torchsave_test.py
 """
@@ -57,9 +58,11 @@ import gen_hf_trainer  # noqa: E402
 LAYOUTS = ("--layout", "tp1_pp1_dp1", "--layout", "tp2_pp1_dp1")
 
 
-def check_status(m):
+def check_status(m, fmt):
     s = status(m)
-    assert s["format"] == "torch_state", f"format: {s['format']}"
+    assert s["format"] == fmt, f"format: {s['format']}"
+    groups = [n for n in s.get("not_served", []) if "param_groups" in n.get("key", "")]
+    assert not groups, f"param groups not served: {groups}"
     assert not s.get("unmapped_keys"), f"unmapped: {s.get('unmapped_keys')}"
     amb = [n for n in s.get("not_served", []) if "ambiguous" in n["reason"] or "not matched" in n["reason"]]
     assert not amb, f"ambiguous: {amb}"
@@ -104,12 +107,14 @@ def check_resume(m, truth, groups_of, exact=True):
     for b in truth["batches"]:
         loss = model(**b).loss
         loss.backward()
+        if truth.get("clip"):  # DeepSpeed's engine.step() clips the gradients' global norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), truth["clip"])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    if exact:
+    if exact and not truth.get("clip"):
         assert losses == truth["losses"], f"resumed losses {losses} != {truth['losses']}"
-    else:  # another implementation of the same model: equal to float rounding
+    else:  # another implementation of the same model or of clipping: equal to float rounding
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, truth["losses"])), \
             f"resumed losses {losses} !~ {truth['losses']}"
 
@@ -132,13 +137,18 @@ def trainer_groups(model):
     return gen_hf_trainer.trainer_param_groups(model, 0.01, 1e-2)
 
 
+def deepspeed_groups(model):
+    # The Trainer hands DeepSpeed's optimizer every trainable parameter as one group.
+    return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+
+
 def one_group(model):
     return [{"params": list(model.parameters())}]
 
 
-def check_case(res, name, src, mnt, truth, groups_of, exact=True):
+def check_case(res, name, src, mnt, truth, groups_of, exact=True, fmt="torch_state"):
     with mounted(src, mnt, "--read-only", *LAYOUTS, "--index-dir", mnt + ".idx") as (m, _):
-        res.check(f"{name}: recognised, mapped, not ambiguous", lambda: check_status(m))
+        res.check(f"{name}: recognised, mapped, not ambiguous", lambda: check_status(m, fmt))
         res.check(f"{name}: atomic weights, moments, step = live job", lambda: check_atomic(m, truth))
         res.check(f"{name}: model.pt strict, optim.pt loads, resume = live losses",
                   lambda: check_resume(m, truth, groups_of, exact))
@@ -265,13 +275,16 @@ def has_torch113():
 def main():
     res = Results("producers_torchsave")
     with tmpdir("ucpfs-torchsave-") as work:
-        hf, lt, tt, gpt2 = (os.path.join(work, n) for n in ("hf", "lightning", "torchtune", "gpt2"))
-        # The three generators side by side: most of their time is importing their frameworks.
+        hf, lt, tt, gpt2, z2, z3 = (os.path.join(work, n) for n in ("hf", "lightning", "torchtune", "gpt2", "zero2",
+                                                                     "zero3"))
+        # The generators side by side: most of their time is importing their frameworks.
         procs = [subprocess.Popen([PY, os.path.join(FIXTURES, script), out, *extra], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
                  for script, out, extra in (("gen_hf_trainer.py", hf, []), ("gen_lightning.py", lt, []),
                                             ("gen_torchtune.py", tt, []),
-                                            ("gen_hf_trainer.py", gpt2, ["--model", "gpt2"]))]
+                                            ("gen_hf_trainer.py", gpt2, ["--model", "gpt2"]),
+                                            ("gen_hf_trainer.py", z2, ["--deepspeed", "zero2"]),
+                                            ("gen_hf_trainer.py", z3, ["--deepspeed", "zero3"]))]
         for p in procs:
             log, _ = p.communicate(timeout=300)
             assert p.returncode == 0, f"{p.args} exited {p.returncode}:\n{log[-4000:]}"
@@ -284,6 +297,10 @@ def main():
         for name, src, truth, groups_of in cases:
             # torchtune trained its own llama3 module; the served files load into LlamaForCausalLM.
             check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of, name != "torchtune")
+        # The Trainer with DeepSpeed: checkpoint-K/ holds `latest` and global_stepK/ (the DeepSpeed scanner).
+        for name, out in (("hf_trainer_zero2", z2), ("hf_trainer_zero3", z3)):
+            check_case(res, name, os.path.join(out, "checkpoint-3"), os.path.join(work, "mnt-" + name),
+                       torch.load(os.path.join(out, "truth.pt")), deepspeed_groups, fmt="deepspeed")
         res.check("hf_trainer, unknown module order: ambiguous in status.json, --rules settles it",
                   lambda: ambiguous_then_rules(work, cases[0][1], cases[0][2]))
         res.check("empty dir + torch.save model.pt, optim.pt: remount serves them", lambda: empty_dir_probe(work))
