@@ -740,22 +740,31 @@ Result<LocalView> TargetSlice(Preset preset, const std::string& name, const Para
   const int64_t base = whole.offsets[d];
 
   if (pattern.tp == TpKind::kVocab) {
-    // Rows past the real vocabulary (a source padded for its own T) are never read. With a
-    // pad multiple, every rank holds padded/T rows, the real ones first, zeros after (only
-    // the last ranks have zeros); without, the real rows are split like any other dim.
+    // Every stored row is served as stored, source padding included: a stored row past the real
+    // vocabulary may still be a live one (Megatron's NullTokenizer adds an EOD row past
+    // args.vocab_size), and Megatron's own loader copies the stored rows too. With a pad
+    // multiple, the target is padded from the real vocabulary the way Megatron pads it; every
+    // rank holds padded/T rows, the stored ones first, zeros after (only the last ranks have
+    // zeros), and stored rows past the target's padded size do not fit it. Without, the stored
+    // rows are split like any other dim.
     int64_t real = pattern.vocab_size > 0 ? std::min(pattern.vocab_size, n) : n;
     int64_t lo = 0;
     int64_t hi = 0;
-    if (pattern.vocab_pad_multiple > 0) {
-      int64_t multiple = pattern.vocab_pad_multiple * t;
+    // Stored rows T does not divide (a weights-only model's 97, GPT-2's 50257) are padded the
+    // way Megatron pads, to a multiple of 128 * T, instead of refused.
+    const bool odd = pattern.vocab_pad_multiple == 0 &&
+                     pattern.uneven == UnevenSplit::kRequireDivisible && n % t != 0;
+    const int64_t pad_multiple = odd ? kMegatronVocabMultiple : pattern.vocab_pad_multiple;
+    if (pad_multiple > 0) {
+      int64_t multiple = pad_multiple * t;
       int64_t padded = (real + multiple - 1) / multiple * multiple;
       int64_t per_rank = padded / t;
-      lo = std::min(real, per_rank * r);
-      hi = std::min(real, per_rank * (r + 1));
+      int64_t served = std::min(n, padded);
+      lo = std::min(served, per_rank * r);
+      hi = std::min(served, per_rank * (r + 1));
       view.local_shape[d] = per_rank;
     } else {
-      UCPFS_RETURN_IF_ERROR(
-          SplitRange(real, t, r, pattern.uneven, name, "vocabulary rows", &lo, &hi));
+      UCPFS_RETURN_IF_ERROR(SplitRange(n, t, r, pattern.uneven, name, "vocabulary rows", &lo, &hi));
       view.local_shape[d] = hi - lo;
     }
     if (hi > lo) {

@@ -83,8 +83,9 @@ struct ParamPattern {
   bool qkv_group_interleaved = false;
   int64_t qkv_groups = 0;  // 0 = unknown
   // kVocab: the padded vocabulary is a multiple of vocab_pad_multiple * T (Megatron's
-  // make_vocab_size_divisible_by = 128); 0 = no padding. vocab_size = real rows (0 = the
-  // global rows); rows of the global tensor beyond it are source padding and never read.
+  // make_vocab_size_divisible_by = 128), computed from vocab_size = real rows (0 = the global
+  // rows); 0 = no padding, except for stored rows T does not divide (then 128, as Megatron).
+  // Every stored row up to the padded size is served as stored, source padding included.
   int64_t vocab_pad_multiple = 0;
   int64_t vocab_size = 0;
   UnevenSplit uneven = UnevenSplit::kRequireDivisible;

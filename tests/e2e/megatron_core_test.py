@@ -18,8 +18,9 @@ For each checkpoint, mounted (real FUSE):
     of a GPTModel of that layout: the same names (the local spec's input_layernorm /
     pre_mlp_layernorm written as the checkpoint names them, `linear_qkv.layer_norm_*` and
     `linear_fc1.layer_norm_*`, through the spec's own sharded_state_dict_keys_map), shapes and
-    bytes; vocabulary tensors: the real 37 rows equal, the rows past them (padding) zeros in the
-    view (Megatron's loader copies the source's padding rows instead);
+    bytes; vocabulary tensors: the real 37 rows equal, and every row the source stores (its
+    padding included) is served as stored (checked against the consolidated tensor); only rows
+    past the source's stored ones are zeros.
  4. 'fully_reshardable' with one stage: target/tp1_pp1_dp1/rank_0/optim.pt loads into a
     torch.optim.AdamW over a tp1 GPTModel grouped by megatron-core's own _get_param_groups
     (load_state_dict): its groups hold the parameters the live job's groups held, each group's
@@ -122,6 +123,7 @@ def megatron_name(key, keys_map):
 def check_target(mnt, truth, layout, ranks):
     t, p = (int(x) for x in re.fullmatch(r"tp(\d+)_pp(\d+)", layout).groups())
     vocab = truth["case"]["vocab"]
+    plain = truth["plain"]
     for r, sd in sorted(ranks.items()):
         path = os.path.join(mnt, "target", f"{layout}_dp1", f"rank_{r}", "model.pt")
         got = torch.load(path)
@@ -132,9 +134,15 @@ def check_target(mnt, truth, layout, ranks):
             what = f"{layout} rank {r} {name}"
             assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape, g.dtype, w.dtype)
             if name in VOCAB_PARAMS:
-                rows = max(0, min(w.shape[0], vocab - (r % t) * w.shape[0]))
+                first = (r % t) * w.shape[0]
+                rows = max(0, min(w.shape[0], vocab - first))
                 assert bits_equal(g[:rows], w[:rows]), f"{what}: vocabulary rows differ"
-                assert not g[rows:].any(), f"{what}: padding rows are not zero"
+                # The source's global rows, padding included (a tied last stage's output_layer is
+                # the word embeddings).
+                src = plain.get("module." + name, plain.get("module.embedding.word_embeddings.weight"))
+                stored = src[first:first + w.shape[0]]
+                assert bits_equal(g[:stored.shape[0]], stored.to(g.dtype)), f"{what}: stored rows are not served as stored"
+                assert not g[stored.shape[0]:].any(), f"{what}: rows past the source's are not zero"
             else:
                 assert bits_equal(g, w), f"{what}: values differ"
 

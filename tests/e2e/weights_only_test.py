@@ -9,12 +9,15 @@ the real producers:
     storage saved once under both names);
   - torch/pth: `consolidated.00.pth`, a bf16 state dict;
   - torch/wrapped: `model.pt` = {"model": fp16 state dict, "step": 7, "optimizer": {...}}, as
-    training scripts save (the state dict under "model" is served, the rest is not).
+    training scripts save (the state dict under "model" is served, the rest is not);
+  - torch/odd: a `pytorch_model.bin` whose vocabulary has 97 rows (odd, as GPT-2's 50257).
 Each is mounted at its directory and checked:
  1. atomic/<name>/fp32.pt holds the tensor upcast to fp32, bit for bit;
  2. target/tp1_pp1_dp1/rank_0/model.pt equals the state dict (names, order-free, dtypes, bits);
  3. target/tp2_pp1_dp1/rank_r/model.pt splits column parameters (q/k/v/gate/up) along dim 0, row
     parameters (o/down) along dim 1, embeddings and head by vocabulary rows, and replicates norms;
+    an odd vocabulary is padded the way Megatron pads (to a multiple of 128 * tp): each rank holds
+    its slice of the padded table, zeros only past row 97;
  4. (safetensors library present) each rank's model.safetensors is byte-identical to
     safetensors.torch.save_file(model.pt's tensors, metadata={"format": "pt"});
  5. (library present) safetensors/ holds the weights consolidated: every shard byte-identical to
@@ -51,14 +54,14 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 
 
-def llama_state_dict(dtype, seed, tied=False):
+def llama_state_dict(dtype, seed, tied=False, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed)
     sd = {}
 
     def t(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    sd["model.embed_tokens.weight"] = t(VOCAB, HIDDEN)
+    sd["model.embed_tokens.weight"] = t(vocab, HIDDEN)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         sd[p + "self_attn.q_proj.weight"] = t(HEADS * HEAD_DIM, HIDDEN)
@@ -71,7 +74,7 @@ def llama_state_dict(dtype, seed, tied=False):
         sd[p + "input_layernorm.weight"] = t(HIDDEN)
         sd[p + "post_attention_layernorm.weight"] = t(HIDDEN)
     sd["model.norm.weight"] = t(HIDDEN)
-    sd["lm_head.weight"] = sd["model.embed_tokens.weight"] if tied else t(VOCAB, HIDDEN)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"] if tied else t(vocab, HIDDEN)
     return sd
 
 
@@ -136,6 +139,10 @@ def tp_piece(name, t, tp, r):
     if tp == 1:
         return t
     kind = name.split(".")[-2]
+    if name in ("model.embed_tokens.weight", "lm_head.weight") and t.shape[0] % tp:
+        # Megatron's _vocab_size_with_padding: a multiple of make_vocab_size_divisible_by (128) * tp.
+        padded = -(-t.shape[0] // (128 * tp)) * 128 * tp
+        t = torch.cat([t, torch.zeros((padded - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)])
     if kind in COLUMN or name in ("model.embed_tokens.weight", "lm_head.weight"):
         return t.chunk(tp, 0)[r]
     if kind in ROW:
@@ -246,12 +253,13 @@ def main():
             sources["st_fp32"] = os.path.join(work, "st_fp32")
         else:
             print("weights_only: no python with safetensors: the safetensors sources are skipped", flush=True)
-        for name, fname, dtype, tied in (("pt_bin", "pytorch_model.bin", torch.float32, True),
-                                         ("pt_pth", "consolidated.00.pth", torch.bfloat16, False),
-                                         ("pt_wrapped", "model.pt", torch.float16, False)):
+        for name, fname, dtype, tied, vocab in (("pt_bin", "pytorch_model.bin", torch.float32, True, VOCAB),
+                                                ("pt_pth", "consolidated.00.pth", torch.bfloat16, False, VOCAB),
+                                                ("pt_wrapped", "model.pt", torch.float16, False, VOCAB),
+                                                ("pt_odd", "pytorch_model.bin", torch.float32, False, 97)):
             d = os.path.join(work, name)
             os.makedirs(d)
-            sd = llama_state_dict(dtype, 3, tied=tied)
+            sd = llama_state_dict(dtype, 3, tied=tied, vocab=vocab)
             if name == "pt_wrapped":  # a training script's file: the state dict under "model"
                 sd = {"model": sd, "step": 7, "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}
             torch.save(sd, os.path.join(d, fname))

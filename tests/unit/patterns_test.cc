@@ -577,22 +577,46 @@ TEST(TargetSlice, MegatronSwigluAndLocalNames) {
   EXPECT_EQ(Slice(Preset::kMegatron, "embedding.word_embeddings.weight", {1000, 64}, info, "tp2_pp1_dp1", 1)
                 .local_name,
             "embedding.word_embeddings.weight");
-  // Vocab padding applies at tp1 too (multiple of 128), and a source padded beyond the real
-  // vocabulary reads only the real rows.
+  // Vocab padding applies at tp1 too (multiple of 128), and the stored rows past the real
+  // vocabulary are served as stored (NullTokenizer's EOD row lies there).
   info.vocab_size = 1000;
   LocalView tp1 = Slice(Preset::kMegatron, "output_layer.weight", {1024, 64}, info,
                         "tp1_pp1_dp1", 0);
   EXPECT_EQ(tp1.local_shape, (Shape{1024, 64}));
-  EXPECT_EQ(tp1.pieces, (std::vector<slice::Box>{B({0, 0}, {1000, 64})}));
+  EXPECT_EQ(tp1.pieces, (std::vector<slice::Box>{B({0, 0}, {1024, 64})}));
+  // A source stored with fewer rows than the target's padded size: the rest are zeros.
+  LocalView fewer = Slice(Preset::kMegatron, "output_layer.weight", {1001, 64}, info, "tp2_pp1_dp1", 1);
+  EXPECT_EQ(fewer.local_shape, (Shape{512, 64}));
+  EXPECT_EQ(fewer.pieces, (std::vector<slice::Box>{B({512, 0}, {489, 64})}));
   // The checkpoint's make_vocab_size_divisible_by (Megatron's args) replaces the default 128:
-  // 37 real rows of a tp2 source padded to 256 give 40 rows at tp1 with a multiple of 8.
+  // 37 real rows of a tp2 source padded to 256 give 40 rows at tp1 with a multiple of 8; the
+  // stored rows 37..39 are served, those past 40 do not fit.
   info.vocab_size = 37;
   ModelInfo facts;
   facts.vocab_pad_multiple = 8;
   ApplyModelFacts(facts, &info);
   LocalView small = Slice(Preset::kMegatron, "output_layer.weight", {256, 16}, info, "tp1_pp1_dp1", 0);
   EXPECT_EQ(small.local_shape, (Shape{40, 16}));
-  EXPECT_EQ(small.pieces, (std::vector<slice::Box>{B({0, 0}, {37, 16})}));
+  EXPECT_EQ(small.pieces, (std::vector<slice::Box>{B({0, 0}, {40, 16})}));
+}
+
+TEST(TargetSlice, OddVocabularyIsPaddedTheMegatronWay) {
+  // 97 rows at tp2 (a weights-only model; GPT-2's 50257 alike): padded to a multiple of
+  // 128 * 2 = 256, 128 rows per rank, the stored rows first, zeros after; at tp1 unpadded.
+  ModelInfo info;
+  LocalView r0 = Slice(Preset::kHuggingFace, "model.embed_tokens.weight", {97, 8}, info, "tp2_pp1_dp1", 0);
+  EXPECT_EQ(r0.local_shape, (Shape{128, 8}));
+  EXPECT_EQ(r0.pieces, (std::vector<slice::Box>{B({0, 0}, {97, 8})}));
+  LocalView r1 = Slice(Preset::kHuggingFace, "lm_head.weight", {97, 8}, info, "tp2_pp1_dp1", 1);
+  EXPECT_EQ(r1.local_shape, (Shape{128, 8}));
+  EXPECT_TRUE(r1.pieces.empty());
+  LocalView tp1 = Slice(Preset::kHuggingFace, "lm_head.weight", {97, 8}, info, "tp1_pp1_dp1", 0);
+  EXPECT_EQ(tp1.local_shape, (Shape{97, 8}));
+  EXPECT_EQ(tp1.pieces, (std::vector<slice::Box>{B({0, 0}, {97, 8})}));
+  // An even count splits as it is.
+  LocalView even = Slice(Preset::kHuggingFace, "lm_head.weight", {96, 8}, info, "tp2_pp1_dp1", 1);
+  EXPECT_EQ(even.local_shape, (Shape{48, 8}));
+  EXPECT_EQ(even.pieces, (std::vector<slice::Box>{B({48, 0}, {48, 8})}));
 }
 
 TEST(ApplyModelFacts, RecordedValuesOverrideDetectedOnes) {
@@ -881,8 +905,13 @@ TEST(TargetSliceProperty, CoverExactlyOnceAndRebuild) {
       for (const Arr& l : locals) EXPECT_EQ(l.data, global.data);
       continue;
     }
+    // Rows served: every stored row up to the padded size (a pad multiple), else all of them.
     int64_t real = shape[d];
-    if (kind == 2 && p.vocab_size > 0) real = p.vocab_size;
+    if (kind == 2 && p.vocab_pad_multiple > 0) {
+      const int64_t vocab = p.vocab_size > 0 ? p.vocab_size : shape[d];
+      const int64_t multiple = p.vocab_pad_multiple * t;
+      real = std::min(shape[d], (vocab + multiple - 1) / multiple * multiple);
+    }
     for (size_t e = 0; e < coverage.size(); ++e) {
       Shape idx(rank);
       int64_t rest = static_cast<int64_t>(e);
