@@ -1,4 +1,5 @@
-// `ucpfs index`, `ucpfs inspect DIR`, `ucpfs mount`, `ucpfs umount`: the checkpoint commands.
+// `ucpfs index`, `ucpfs inspect DIR`, `ucpfs mount`: the checkpoint commands (sync, status and
+// umount of a live mount: mount_control.h).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,11 @@ struct SourceArgs {
 
 // `p` with symlinks resolved and made absolute (realpath); `p` itself when that fails.
 std::string AbsPath(const std::string& p);
+// AbsPath, or, where realpath fails (a dead FUSE mount point answers ENOTCONN), the path made
+// absolute against the working directory, without trailing slashes.
+std::string AbsPathOrJoined(const std::string& p);
+// Prints "ucpfs CMD: <status>" to stderr; returns the exit code 1.
+int Fail(const char* cmd, const Status& s);
 
 // The Snapshot of SRC as the mount opens it: its index built or reused (progress on stderr
 // unless `progress` is false or SRC.quiet), --rules applied. Errors: kNotFound (no SRC),
@@ -71,18 +77,4 @@ Result<uint64_t> ParseShardSize(const std::string& text);
 
 // Returns once the mount is live (the daemon keeps serving), or serves in the foreground.
 int RunMount(const MountArgs& args);
-// Makes everything captured durable first (as `ucpfs sync`), then unmounts.
-int RunUmount(const std::string& mountpoint);
-// Returns once everything saved into the mount before the call is durable; non-zero with the
-// reason when a flush failed (the data stays in the daemon's cache).
-// Progress (bytes flushed, still dirty, from MNT/.ucpfs/stats.json) on stderr while it waits.
-struct SyncArgs {
-  std::string mountpoint;
-  bool json = false;   // --json: {"mount", "bytes_flushed", "dirty_bytes", "seconds"} on stdout
-  bool quiet = false;  // -q, --quiet: no progress
-};
-int RunSync(const SyncArgs& args);
-// Prints what the mount serves (status.json) and its counters (stats.json).
-int RunStatus(const std::string& mountpoint, bool json);
-
 }  // namespace ucpfs::cli

@@ -8,6 +8,7 @@
 
 #include "core/io/lazy_file_source.h"
 #include "cli/checkpoint_cmds.h"
+#include "cli/mount_control.h"
 #include "cli/convert_cmd.h"
 #include "cli/inspect.h"
 #include "cli/mount_helper.h"

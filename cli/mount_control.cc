@@ -1,0 +1,269 @@
+// `ucpfs sync`, `ucpfs status`, `ucpfs umount`: the commands that act on a live mount through
+// its `.ucpfs/` files (sync, status.json, stats.json), never on its source directly.
+#include "cli/mount_control.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "cli/checkpoint_cmds.h"
+#include "cli/progress.h"
+#include "cli/text.h"
+#include "core/json_text.h"
+#include "fs/mounts.h"
+
+namespace ucpfs::cli {
+
+namespace {
+
+// Opens MNT/.ucpfs/sync: the daemon answers the open once everything captured before it is
+// durable. Errors: kNotFound when MNT is not a writable ucpfs mount; kIo with the errno the
+// daemon returned (EIO, ENOSPC) when a flush failed.
+Status SyncMount(const std::string& mnt) {
+  const std::string path = mnt + "/.ucpfs/sync";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st = {};
+    if (err == ENOENT && ::stat(path.c_str(), &st) != 0) {
+      return NotFoundError(mnt + " is not a writable ucpfs mount (no .ucpfs/sync)");
+    }
+    return IoError("sync " + mnt + " (see the daemon's log for the file)", err);
+  }
+  ::close(fd);
+  return Status::Ok();
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream text;
+  text << f.rdbuf();
+  return text.str();
+}
+
+// The files of MNT whose save was accepted but that are not placed (stats.json's
+// capture.unplaced). After a failed sync the daemon is still making the held-back files durable
+// in their parts: waits up to 5 s for that. Prints one line per file to stderr, prefixed by
+// `who`; returns how many there are, and in *in_memory how many have bytes only in memory.
+size_t ReportUnplaced(const std::string& mnt, const std::string& who, size_t* in_memory) {
+  nlohmann::json list = nlohmann::json::array();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
+    list = stats.is_object() && stats.contains("capture") ? stats["capture"].value("unplaced", nlohmann::json::array())
+                                                          : nlohmann::json::array();
+    *in_memory = 0;
+    for (const auto& u : list) *in_memory += u.value("kept_in", std::string()).empty() ? 1 : 0;
+    if (*in_memory == 0 || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  for (const auto& u : list) {
+    const std::string kept = u.value("kept_in", std::string());
+    std::cerr << who << ": not placed: " << u.value("path", std::string("?")) << " (" << u.value("reason", std::string())
+              << "; " << (kept.empty() ? std::string("its bytes are only in the daemon's memory") : "kept in " + kept) << ")\n";
+  }
+  return list.size();
+}
+
+}  // namespace
+
+int RunSync(const SyncArgs& args) {
+  const std::string mnt = AbsPathOrJoined(args.mountpoint);
+  // The capture counters of MNT/.ucpfs/stats.json: {bytes_flushed, dirty_bytes}; zeros when the
+  // mount has no write capture (read-only) or the file cannot be read.
+  auto counters = [&mnt]() -> std::pair<uint64_t, uint64_t> {
+    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
+    if (stats.is_discarded() || !stats.contains("capture")) return {0, 0};
+    const auto& c = stats["capture"];
+    return {c.value("bytes_flushed", uint64_t{0}), c.value("dirty_bytes", uint64_t{0})};
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto [flushed0, dirty0] = counters();
+  // The open of MNT/.ucpfs/sync blocks until everything is durable; meanwhile the counters are
+  // shown: bytes flushed since the call, of those plus the bytes still dirty.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status s;
+  std::thread syncer([&] {
+    Status r = SyncMount(mnt);
+    std::lock_guard lock(mu);
+    s = std::move(r);
+    done = true;
+    cv.notify_all();
+  });
+  Progress progress(StderrProgressOptions("ucpfs sync:", ProgressUnit::kBytes, args.quiet));
+  uint64_t flushed = 0, dirty = dirty0;
+  auto draw = [&](bool final) {
+    const auto [f, d] = counters();
+    flushed = f >= flushed0 ? f - flushed0 : 0;
+    dirty = d;
+    const std::string note = "flushed, " + HumanBytes(static_cast<double>(d)) + " still dirty";
+    if (final) {
+      progress.Finish(flushed, flushed + dirty, note);
+    } else {
+      progress.Update(flushed, flushed + dirty, note);
+    }
+  };
+  {
+    std::unique_lock lock(mu);
+    while (!cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return done; })) {
+      lock.unlock();
+      draw(false);
+      lock.lock();
+    }
+  }
+  syncer.join();
+  if (!s.ok()) {
+    size_t in_memory = 0;
+    ReportUnplaced(mnt, "ucpfs sync", &in_memory);
+    return Fail("sync", s);
+  }
+  // Only a sync that had to wait draws its final line; the counters are read once more for it
+  // and for --json.
+  draw(/*final=*/std::chrono::steady_clock::now() - t0 >= Progress::kTtyDelay);
+  if (args.json) {
+    nlohmann::ordered_json out;
+    out["mount"] = mnt;
+    out["bytes_flushed"] = flushed;
+    out["dirty_bytes"] = dirty;
+    out["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::cout << JsonText(out) << '\n';
+  }
+  return 0;
+}
+
+int RunStatus(const std::string& mountpoint, bool json) {
+  const std::string mnt = AbsPathOrJoined(mountpoint);
+  const std::string status_text = ReadText(mnt + "/.ucpfs/status.json");
+  const std::string stats_text = ReadText(mnt + "/.ucpfs/stats.json");
+  const auto status = nlohmann::json::parse(status_text, nullptr, false);
+  const auto stats = nlohmann::json::parse(stats_text, nullptr, false);
+  if (status.is_discarded() || stats.is_discarded()) {
+    return Fail("status", NotFoundError(mnt + " is not a ucpfs mount (no readable .ucpfs/status.json)"));
+  }
+  if (json) {
+    std::cout << JsonText(nlohmann::ordered_json{{"status", status}, {"stats", stats}}) << '\n';
+    return 0;
+  }
+  auto mib = [](const nlohmann::json& v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", v.is_number() ? v.get<double>() / (1 << 20) : 0.0);
+    return std::string(buf);
+  };
+  auto num = [](const nlohmann::json& j, const char* key) {
+    return j.is_object() && j.contains(key) && j[key].is_number() ? j[key].get<uint64_t>() : uint64_t{0};
+  };
+  std::cout << "mount:       " << mnt << '\n' << "source:      " << status.value("source", "?") << '\n';
+  if (status.contains("no_checkpoint")) {
+    std::cout << "checkpoint:  none yet (" << status["no_checkpoint"].get<std::string>() << ")\n";
+  } else {
+    std::cout << "checkpoint:  " << status.value("format", "?") << " (" << status.value("flavor", "") << "), "
+              << num(status["counts"], "params") << " parameters\n";
+  }
+  if (status.contains("run") && status["run"].is_object()) {
+    const auto& run = status["run"];
+    std::cout << "checkpoints: newest " << run.value("newest", "?") << " (served at the root)\n";
+    for (const auto& c : run.value("checkpoints", nlohmann::json::array())) {
+      std::cout << "  " << c.value("name", "?") << ": "
+                << (c.contains("error") ? "not served: " + c["error"].get<std::string>() : std::string("served"))
+                << '\n';
+    }
+    if (num(run, "left_out") > 0) std::cout << "  (" << num(run, "left_out") << " more left out)\n";
+  }
+  std::string layouts;
+  for (const auto& l : status.value("target_layouts", nlohmann::json::array())) {
+    layouts += (layouts.empty() ? "" : ", ") + l.get<std::string>() + " (given)";
+  }
+  const auto lookup = stats.value("lookup_layouts", nlohmann::json::object());
+  for (const auto& l : lookup.value("names", nlohmann::json::array())) {
+    layouts += (layouts.empty() ? "" : ", ") + l.get<std::string>() + " (built on lookup)";
+  }
+  if (!status.contains("no_checkpoint")) {
+    std::cout << "layouts:     " << (layouts.empty() ? "none yet (any appears when target/<layout> is looked up)" : layouts)
+              << "; on lookup: " << mib(lookup.value("memory_bytes", uint64_t{0})) << " of "
+              << mib(lookup.value("memory_limit_bytes", uint64_t{0}))
+              << '\n';
+    // Layouts a lookup named but could not build (the lookup itself only answers ENOENT).
+    for (const auto& r : lookup.value("refused", nlohmann::json::array())) {
+      if (!r.is_object()) continue;
+      std::cout << "  refused:   " << r.value("layout", "?") << ": " << r.value("reason", "?") << '\n';
+    }
+  }
+  if (status.contains("index")) {
+    const auto& ix = status["index"];
+    std::cout << "index:       " << ix.value("state", "?") << " (current for generation " << status.value("generation", 1)
+              << ") at " << ix.value("dir", "?") << ", schema " << num(ix, "schema") << ", fingerprint "
+              << num(ix, "fingerprint") << ", opened in " << ix.value("open_seconds", 0.0) << " s\n";
+  }
+  std::cout << "generation:  " << status.value("generation", 1) << '\n';
+  const auto views = stats.value("views", nlohmann::json::object());
+  std::cout << "view reads:  " << mib(views.value("bytes_read", uint64_t{0})) << " in " << num(views, "reads") << " reads\n";
+  std::cout << "source reads: " << mib(stats.value("source_bytes_read", uint64_t{0})) << " in " << stats.value("source_reads", uint64_t{0})
+            << " reads, " << stats.value("source_read_errors", uint64_t{0}) << " errors\n";
+  if (stats.contains("capture")) {
+    const auto& c = stats["capture"];
+    std::cout << "write cache: " << mib(c["cache_used_bytes"]) << " used, " << mib(c.value("cache_free_bytes", uint64_t{0}))
+              << " free of " << mib(c["cache_bytes"]) << " (" << c.value("memory", "?") << "), "
+              << mib(c["dirty_bytes"]) << " dirty\n"
+              << "captured:    " << mib(c["bytes_captured"]) << ", flushed " << mib(c["bytes_flushed"]) << " at "
+              << mib(c["flush_bytes_per_second"]) << "/s (" << c.value("engine", "?") << ")\n"
+              << "files:       " << c.value("files_pending", uint64_t{0}) << " pending, " << c.value("files_committed", uint64_t{0})
+              << " made durable, " << c.value("flush_errors", uint64_t{0}) << " flush errors\n"
+              << "writers blocked: " << c.value("writers_blocked_seconds", 0.0) << " s\n";
+    for (const auto& u : c.value("unplaced", nlohmann::json::array())) {
+      const std::string kept = u.value("kept_in", std::string());
+      std::cout << "not placed:  " << u.value("path", std::string("?")) << " (" << u.value("reason", std::string()) << "; "
+                << (kept.empty() ? std::string("bytes only in memory") : "kept in " + kept) << ")\n";
+    }
+  } else {
+    std::cout << "write cache: none (read-only mount)\n";
+  }
+  const auto errors = stats.value("errors", nlohmann::json::object());
+  std::cout << "errors:      " << num(errors, "count") << '\n';
+  for (const auto& m : errors.value("last", nlohmann::json::array())) std::cout << "  " << m.get<std::string>() << '\n';
+  return 0;
+}
+
+int RunUmount(const std::string& mountpoint) {
+  // Everything captured is made durable before the mount goes (the daemon drains on unmount
+  // too, but only after umount has returned). A read-only mount has nothing to sync.
+  // Files that cannot be placed (their directory removed from outside, the disk full) make it
+  // fail, naming each: those durable in their parts are placed by the next mount (the mount
+  // goes); while some file's bytes are only in memory, the mount stays, so nothing accepted is
+  // lost (free space, or unlink the file through the mount, and run it again).
+  const std::string mnt = AbsPathOrJoined(mountpoint);
+  size_t unplaced = 0;
+  if (Status synced = SyncMount(mnt); !synced.ok() && synced.code() != StatusCode::kNotFound) {
+    std::cerr << "ucpfs umount: " << synced.ToString() << '\n';
+    size_t in_memory = 0;
+    unplaced = ReportUnplaced(mnt, "ucpfs umount", &in_memory);
+    if (in_memory > 0) {
+      return Fail("umount", Status(StatusCode::kNoSpace,
+                                   "not unmounted: " + std::to_string(in_memory) +
+                                       " file(s) above have bytes only in memory (make room in the source, or unlink "
+                                       "them through the mount, and run it again)"));
+    }
+    if (unplaced == 0) unplaced = 1;  // the sync failed all the same
+  }
+  // Only ucpfs mounts: `ucpfs umount` of another filesystem is refused, naming its type.
+  Status s = fs::UnmountUcpfs(mnt);
+  if (!s.ok()) return Fail("umount", s);
+  if (unplaced > 0) {
+    std::cerr << "ucpfs umount: unmounted, but " << unplaced
+              << " file(s) above are not placed; the next mount of the source tries again\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace ucpfs::cli
