@@ -160,6 +160,7 @@ void WriteCapture::Impl::FlusherLoop() {
       const uint64_t n_data = f->size > start ? std::min<uint64_t>(chunk_bytes, f->size - start) : 0;
       if (n_data == 0) {  // truncated away
         slot.dirty = false;
+        slot.dirty_pages.clear();
         dirty_chunks.fetch_sub(1);
         ReleaseChunk(*cache, *slot.mem);
         slot.mem.reset();
@@ -171,31 +172,37 @@ void WriteCapture::Impl::FlusherLoop() {
         std::memset(slot.mem->data + slot.valid_bytes, 0, n_write - slot.valid_bytes);
         slot.valid_bytes = n_write;
       }
-      // Only the pages written since the last flush go out; the rest of the part already holds
-      // what mem holds.
-      const uint64_t lo = std::min(slot.dirty_lo / kDirectAlign * kDirectAlign, n_write);
-      const uint64_t hi = std::min((slot.dirty_hi + kDirectAlign - 1) / kDirectAlign * kDirectAlign, n_write);
-      const uint64_t from = hi > lo ? lo : 0;
-      const uint64_t to = hi > lo ? hi : n_write;
+      // Only the pages written since the last flush go out, one write per run of them; the
+      // rest of the part already holds what mem holds. No dirty page below the end (a truncate
+      // cut them off): the whole chunk, to be safe.
+      std::vector<uint64_t> pages = slot.TakeDirtyPages();
+      std::vector<std::pair<uint64_t, uint64_t>> runs = DirtyRuns(pages, n_write / kDirectAlign);
+      if (runs.empty()) runs.emplace_back(0, n_write);
+      uint64_t n_written = 0;
+      for (const auto& [from, to] : runs) n_written += to - from;
       slot.in_flight = true;
       // Hashed under the file's lock: a writer changing the chunk afterwards (while the kernel
       // reads it) bumps its generation, and then neither the record nor the release happens.
-      Flight fl{f, index, slot.generation, n_data, XXH64(slot.mem->data, static_cast<size_t>(n_data), 0), to - from};
-      flights.push_back(fl);
-      IoOp op;
-      op.kind = OpKind::kWrite;
-      op.fd = f->direct_fd;
-      op.byte_offset = start + from;
-      op.buffer = slot.mem->data + from;
-      op.n_bytes = static_cast<size_t>(to - from);
-      op.registered_buffer = -1;
+      Flight fl{f, index, slot.generation, n_data, XXH64(slot.mem->data, static_cast<size_t>(n_data), 0),
+                std::move(pages), n_written};
+      flights.push_back(std::move(fl));
+      int registered_buffer = -1;
       if (fixed && (registered[slot.mem->index] ||
                     engine->UpdateBuffer(slot.mem->index, regions[slot.mem->index]).ok())) {
         registered[slot.mem->index] = true;
-        op.registered_buffer = static_cast<int>(slot.mem->index);
+        registered_buffer = static_cast<int>(slot.mem->index);
       }
-      op.user_data = flights.size() - 1;
-      ops.push_back(op);
+      for (const auto& [from, to] : runs) {
+        IoOp op;
+        op.kind = OpKind::kWrite;
+        op.fd = f->direct_fd;
+        op.byte_offset = start + from;
+        op.buffer = slot.mem->data + from;
+        op.n_bytes = static_cast<size_t>(to - from);
+        op.registered_buffer = registered_buffer;
+        op.user_data = flights.size() - 1;
+        ops.push_back(op);
+      }
     }
     if (ops.empty()) continue;
     // Adjacent chunks of one file that are adjacent in memory too go out as one write (not
@@ -212,12 +219,16 @@ void WriteCapture::Impl::FlusherLoop() {
       if (--batches_in_flight == 0) flush_busy_ns.fetch_add(NowNs() - busy_since_ns);
     }
     ops_coalesced.fetch_add(ops.size() - sent.size());
+    // A flight (a chunk) may be several writes: it fails with the first of their errors.
+    std::vector<IoCompletion> outcome(flights.size());
+    for (const IoCompletion& r : results) {
+      for (const uint64_t k : members[r.user_data]) {
+        if (outcome[k].status.ok() && !r.status.ok()) outcome[k].status = r.status;
+      }
+    }
     // Completed last chunk first: the cache hands chunks out LIFO, so the next file's chunks
     // come out ascending in memory, and coalesce again.
-    for (size_t i = results.size(); i-- > 0;) {
-      const std::vector<uint64_t>& carried = members[results[i].user_data];
-      for (size_t k = carried.size(); k-- > 0;) Complete(flights[carried[k]], results[i]);
-    }
+    for (size_t k = flights.size(); k-- > 0;) Complete(flights[k], outcome[k]);
   }
 }
 
@@ -228,6 +239,7 @@ void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
     ChunkSlot& slot = f.chunks[fl.index];
     slot.in_flight = false;
     if (!c.status.ok()) {
+      slot.GiveBackDirtyPages(fl.pages);
       if (f.error.ok()) f.error = c.status;
       flush_errors.fetch_add(1);
       Log("ucpfs: flushing " + PartPath(f) + " at byte " + std::to_string(fl.index * chunk_bytes) + ": " +
@@ -237,8 +249,7 @@ void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
       slot.on_disk = true;
       if (slot.generation == fl.generation) {
         slot.dirty = false;
-        slot.dirty_lo = std::numeric_limits<uint64_t>::max();
-        slot.dirty_hi = 0;
+        slot.dirty_pages.clear();
         dirty_chunks.fetch_sub(1);
         Journal({JournalType::kChunk, f.seq, fl.index * chunk_bytes, fl.n_data, fl.hash, 0, 0, {}});
         if (slot.evict || f.closed || slot.filled.Covers(chunk_bytes)) {

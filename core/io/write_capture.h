@@ -5,9 +5,10 @@
 //   - its bytes, chunk by chunk, in the PinnedCache (write() returns once they are there; a full
 //     cache blocks the writer until flushers free chunks: back-pressure, never an error);
 //   - its backing file `SRC/.ucpfs/capture/<mount id>/<seq>.part` (each mount has its own state
-//     directory: capture_mount.h), which flushers fill with O_DIRECT writes
-//     of whole chunks (several in flight through an IoEngine, fixed buffers, out of order), a
-//     chunk being written as soon as it is full so files larger than the cache stream through.
+//     directory: capture_mount.h), which flushers fill with O_DIRECT writes of the 4 KiB
+//     pages of each chunk changed since its last flush (several in flight through an IoEngine,
+//     fixed buffers, out of order), a chunk being written as soon as it is full so files
+//     larger than the cache stream through.
 // It appears under its final name only once complete and durable: the committer truncates the
 // part to its exact size, gives it its owner, mode and times (SetOwner/SetMode/SetTimes: until
 // then the part is 0600 and the daemon's), fdatasyncs it, renames it over the final name

@@ -105,16 +105,42 @@ struct ChunkSlot {
   bool evict = false;       // release after the flush even if not full
   bool on_disk = false;     // the part holds bytes of this chunk
   uint64_t generation = 0;  // bumped by every change of mem
-  // [dirty_lo, dirty_hi): the bytes of mem written since its last flush. Only they are written
-  // to the part (4096-aligned): outside them mem holds what the part holds (read back, or zeros
-  // where the part has a hole), so a small write to a resident chunk flushes a page, not 8 MiB.
-  uint64_t dirty_lo = std::numeric_limits<uint64_t>::max();
-  uint64_t dirty_hi = 0;
+  // The 4096-byte pages of mem written since their last flush, one bit each. Only they are
+  // written to the part, one write per run of them: outside them mem holds what the part holds
+  // (read back, or zeros where the part has a hole), so a small write to a resident chunk flushes
+  // its page, and two writes far apart in one chunk flush two pages, not what lies between
+  // (a [lowest, highest) range did, and random writes flushed most of each 8 MiB chunk).
+  // A flush takes the bits it writes (TakeDirtyPages); a failed one gives them back.
+  std::vector<uint64_t> dirty_pages;
   void MarkDirty(uint64_t lo, uint64_t hi) {
-    dirty_lo = std::min(dirty_lo, lo);
-    dirty_hi = std::max(dirty_hi, hi);
+    if (hi <= lo) return;
+    const uint64_t first = lo / kDirectAlign, last = (hi - 1) / kDirectAlign;
+    if (dirty_pages.size() <= last / 64) dirty_pages.resize(last / 64 + 1, 0);
+    for (uint64_t p = first; p <= last; ++p) dirty_pages[p / 64] |= uint64_t{1} << (p % 64);
+  }
+  std::vector<uint64_t> TakeDirtyPages() { return std::exchange(dirty_pages, {}); }
+  void GiveBackDirtyPages(const std::vector<uint64_t>& pages) {
+    if (dirty_pages.size() < pages.size()) dirty_pages.resize(pages.size(), 0);
+    for (size_t i = 0; i < pages.size(); ++i) dirty_pages[i] |= pages[i];
   }
 };
+
+// The runs of set bits of a page bitmap below page n_pages, as byte ranges [first, second).
+inline std::vector<std::pair<uint64_t, uint64_t>> DirtyRuns(const std::vector<uint64_t>& pages, uint64_t n_pages) {
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  const uint64_t end = std::min<uint64_t>(n_pages, pages.size() * 64);
+  for (uint64_t p = 0; p < end;) {
+    if ((pages[p / 64] >> (p % 64) & 1) == 0) {
+      ++p;
+      continue;
+    }
+    uint64_t q = p + 1;
+    while (q < end && (pages[q / 64] >> (q % 64) & 1) != 0) ++q;
+    runs.emplace_back(p * kDirectAlign, q * kDirectAlign);
+    p = q;
+  }
+  return runs;
+}
 
 class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
  public:
@@ -222,6 +248,7 @@ struct WriteCapture::Impl {
     uint64_t generation = 0;
     uint64_t n_data = 0;  // file bytes in this chunk
     uint64_t hash = 0;    // of those n_data bytes (all of them, whichever part of them is written)
+    std::vector<uint64_t> pages;  // the dirty pages it writes, given back if it fails
     uint64_t n_written = 0;
   };
   void QueueChunk(const std::shared_ptr<CapturedFile>& f, uint64_t index, ChunkSlot& slot);

@@ -39,6 +39,17 @@ Before timing, the bytes a mount leaves in SRC (torch.save with both cache sizes
 each after `ucpfs sync`) are checked to equal what torch.save writes into a plain file of the same
 name, so nothing wrong is timed.
 
+--small-ops runs only two small-operation figures instead (no torch.save, no fio):
+  random writes  a fresh mount with --random-cache (default 16M); MNT/random.bin written whole
+                (--random-file-mib, default 64) and fsync'd, then --random-writes (default 3000)
+                4 KiB os.pwrite calls at random page-aligned offsets (seeded), closed, `ucpfs sync`:
+                writes/s of the pwrite calls alone, and bytes flushed (stats.json's bytes_flushed
+                from the fsync to after the sync) / bytes written at random;
+  creates        --creates (default 1000) files of 4 KiB made in one folder (open O_CREAT|O_EXCL,
+                one write, close) through a fresh mount, and the same into a plain folder of
+                SRC's filesystem, alternately, --repeat times: files/s of each and their ratio
+                (the mount's `ucpfs sync` afterwards is timed apart).
+
 Run as root (drop_caches, mlock of the cache) after `cmake --build build --target ucpfs`; needs
 fio (`apt-get install -y fio`). Not part of the test run. Prints a table and a one-line JSON
 summary.
@@ -46,8 +57,11 @@ summary.
 Usage: .venv/bin/python tests/bench/write_capture_bench.py [--ucpfs build/cli/ucpfs]
        [--workdir /tmp/ucpfs-wc-bench] [--tmpfs /dev/shm] [--repeat 3]
        [--tensors 384 --numel 1048576] [--cache-size 2G] [--small-cache 512M]
+       .venv/bin/python tests/bench/write_capture_bench.py --small-ops [--random-cache 16M]
+       [--random-file-mib 64] [--random-writes 3000] [--creates 1000] [--repeat 3]
 """
 import argparse
+import random
 import datetime
 import json
 import math
@@ -240,6 +254,92 @@ def check(sd, a, work, tmpfs_dir):
 
 # --- report -----------------------------------------------------------------------------------
 
+# --- small operations (--small-ops) -----------------------------------------------------------
+
+def random_writes(a, work):
+    """Random 4 KiB writes into a file larger than the cache (see the docstring)."""
+    src, mnt = os.path.join(work, "src"), os.path.join(work, "mnt")
+    rng = random.Random(1)
+    page = 4096
+    n_pages = (a.random_file_mib << 20) // page
+    with CaptureMount(a.ucpfs, src, mnt, a.random_cache, os.path.join(work, "mount.log")) as m:
+        path = os.path.join(mnt, "random.bin")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            block = os.urandom(CHUNK)
+            for at in range(0, n_pages * page, CHUNK):
+                os.pwrite(fd, block[:min(CHUNK, n_pages * page - at)], at)
+            os.fsync(fd)
+            flushed0 = m.capture()["bytes_flushed"]
+            data = os.urandom(page)
+            offsets = [rng.randrange(n_pages) * page for _ in range(a.random_writes)]
+            t0 = time.perf_counter()
+            for off in offsets:
+                os.pwrite(fd, data, off)
+            t_write = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        t0 = time.perf_counter()
+        m.sync()
+        t_sync = time.perf_counter() - t0
+        flushed = m.capture()["bytes_flushed"] - flushed0
+    written = a.random_writes * page
+    return {"cache": a.random_cache, "file_mib": a.random_file_mib, "writes": a.random_writes,
+            "writes_per_s": round(a.random_writes / t_write, 1), "t_sync": round(t_sync, 3),
+            "bytes_written": written, "bytes_flushed": flushed, "flushed_over_written": round(flushed / written, 3)}
+
+
+def make_files(d, n, data):
+    os.makedirs(d, exist_ok=True)
+    t0 = time.perf_counter()
+    for i in range(n):
+        fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, data)
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def creates(a, work):
+    """Files made through a mount vs into a plain folder of SRC's filesystem (see the docstring)."""
+    src, mnt, plain = os.path.join(work, "src"), os.path.join(work, "mnt"), os.path.join(work, "plain")
+    data = os.urandom(4096)
+    rows = {"mount": [], "plain": [], "sync": []}
+    for _ in range(a.repeat):
+        shutil.rmtree(plain, ignore_errors=True)
+        os.sync()
+        rows["plain"].append(make_files(os.path.join(plain, "d"), a.creates, data))
+        with CaptureMount(a.ucpfs, src, mnt, a.random_cache, os.path.join(work, "mount.log")) as m:
+            os.sync()
+            rows["mount"].append(make_files(os.path.join(mnt, "d"), a.creates, data))
+            t0 = time.perf_counter()
+            m.sync()
+            rows["sync"].append(time.perf_counter() - t0)
+        assert len(os.listdir(os.path.join(src, "d"))) == a.creates
+    shutil.rmtree(plain, ignore_errors=True)
+    mount_s, plain_s = statistics.median(rows["mount"]), statistics.median(rows["plain"])
+    return {"files": a.creates, "repeat": a.repeat, "mount_files_per_s": round(a.creates / mount_s, 1),
+            "plain_files_per_s": round(a.creates / plain_s, 1), "mount_over_plain": round(plain_s / mount_s, 3),
+            "t_sync_after": round(statistics.median(rows["sync"]), 3)}
+
+
+def small_ops(a):
+    work = os.path.abspath(a.workdir)
+    os.makedirs(work, exist_ok=True)
+    fs_type = subprocess.run(["stat", "-f", "-c", "%T", work], capture_output=True, text=True).stdout.strip()
+    load_start = os.getloadavg()
+    rw = random_writes(a, work)
+    log(f"random 4 KiB writes: {rw['writes_per_s']}/s through a {rw['cache']} cache into a {rw['file_mib']} MiB file; "
+        f"{rw['bytes_flushed']} bytes flushed for {rw['bytes_written']} written ({rw['flushed_over_written']}x); "
+        f"sync {rw['t_sync']} s")
+    cr = creates(a, work)
+    log(f"creates: {cr['mount_files_per_s']} files/s through the mount, {cr['plain_files_per_s']} files/s into a plain "
+        f"folder ({cr['mount_over_plain']}x); sync afterwards {cr['t_sync_after']} s")
+    summary = {"bench": "write_capture_small_ops", "date": str(datetime.date.today()), "cores": os.cpu_count(),
+               "fs": fs_type, "load_avg_1min": [round(load_start[0], 1), round(os.getloadavg()[0], 1)],
+               "random_writes": rw, "creates": cr}
+    print(json.dumps(summary, separators=(",", ":")), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ucpfs", default=os.path.join(ROOT, "build", "cli", "ucpfs"))
@@ -250,10 +350,19 @@ def main():
     ap.add_argument("--numel", type=int, default=1 << 20, help="fp32 values per tensor")
     ap.add_argument("--cache-size", default="2G", help="a cache that holds the file")
     ap.add_argument("--small-cache", default="512M", help="a cache smaller than the file")
+    ap.add_argument("--small-ops", action="store_true", help="only random 4 KiB writes and file creation")
+    ap.add_argument("--random-cache", default="16M")
+    ap.add_argument("--random-file-mib", type=int, default=64)
+    ap.add_argument("--random-writes", type=int, default=3000)
+    ap.add_argument("--creates", type=int, default=1000)
     a = ap.parse_args()
     a.ucpfs = os.path.abspath(a.ucpfs)
     if a.repeat < 1:
         ap.error("bad --repeat")
+    if a.small_ops:
+        if os.geteuid() != 0:
+            sys.exit("run as root: the cache is locked in memory")
+        return small_ops(a)
     if os.geteuid() != 0:
         sys.exit("run as root: the page cache is dropped before every measurement")
     if shutil.which("fio") is None:
