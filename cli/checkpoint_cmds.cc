@@ -479,6 +479,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     io::WriteCaptureOptions wo;
     wo.source_dir = source_dir;
     wo.cache_options = co;  // made when the first file is saved: a mount only read pins no memory
+    wo.write_stall_timeout_ms = args.write_stall_timeout_s * 1000;
     wo.log = [mount_report](const std::string& line) {
       std::cerr << line << std::endl;
       // Everything the capture logs is a failure (flush, journal) or a file recovery discarded,

@@ -55,6 +55,7 @@ struct MountArgs {
   std::string pp_split;                   // --pp-split a,b,...
   uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib, at most kMaxLookupMemoryMib
   std::string cache_size = "2G";          // --cache-size: the pinned write-capture cache
+  uint64_t write_stall_timeout_s = 30;    // --write-stall-timeout (WriteCaptureOptions)
   std::string safetensors_shard_size;     // --safetensors-shard-size (empty: Hugging Face's 5GB)
   std::string readahead;                  // --readahead (ParseReadAhead)
   std::string prefetch;                   // --prefetch (ParseReadAhead)

@@ -72,6 +72,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(uint64_t{0}, ucpfs::cli::kMaxLookupMemoryMib));
   mount_cmd->add_option("--cache-size", mount.cache_size,
                         "pinned host cache that captures saves into the mount (default 2G; e.g. 512M, 8G)");
+  mount_cmd->add_option("--write-stall-timeout", mount.write_stall_timeout_s,
+                        "seconds a write waits for a full cache while every flush fails (a dead or full "
+                        "disk) before it fails with the disk's error (default 30)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{86400}));
   mount_cmd->add_flag("--read-only", mount.read_only, "serve read-only: no writes, no write capture");
   mount_cmd->add_option("--readahead", mount.readahead,
                         "the mount's kernel readahead window (default 1M, the request size; e.g. 16M)");

@@ -75,9 +75,32 @@ Status WriteCapture::Impl::MakeResident(const std::shared_ptr<CapturedFile>& f, 
   while (!f->chunks[index].mem) {
     lock.unlock();
     std::optional<Chunk> chunk = cache->TryAcquire();
-    if (!chunk) {
+    // A full cache: evict, and wait. Every second the evicting flushes are asked for again
+    // (a failed one left its chunk dirty and resident); once the wait has lasted
+    // write_stall_timeout_ms with the flushers' writes failing, the writer gets their error
+    // rather than waiting for ever on a disk that is gone or full.
+    const auto since = std::chrono::steady_clock::now();
+    const auto stall = std::chrono::milliseconds(options.write_stall_timeout_ms);
+    while (!chunk && !cache->shut_down()) {
       RelieveMemory();
-      chunk = cache->Acquire();
+      const auto waited = std::chrono::steady_clock::now() - since;
+      if (waited >= stall && flush_failing.load()) {
+        Status last;
+        {
+          std::lock_guard guard(mu);
+          last = last_flush_error;
+        }
+        const int err = last.sys_errno() != 0 ? last.sys_errno() : EIO;
+        lock.lock();
+        char waited_s[32];
+        std::snprintf(waited_s, sizeof(waited_s), "%.1f", static_cast<double>(options.write_stall_timeout_ms) / 1000);
+        return Errno("write to " + f->last_rel + ": the cache is full and the flushers cannot write (" +
+                         last.message() + ") for " + waited_s + " s; what was written before stays in the cache",
+                     err);
+      }
+      std::chrono::nanoseconds next = std::chrono::seconds(1);
+      if (waited < stall) next = std::min<std::chrono::nanoseconds>(next, stall - waited);
+      chunk = cache->AcquireFor(next);
     }
     lock.lock();
     if (!chunk) return InternalError("write capture is shutting down");
@@ -239,12 +262,18 @@ void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
     ChunkSlot& slot = f.chunks[fl.index];
     slot.in_flight = false;
     if (!c.status.ok()) {
+      {
+        std::lock_guard guard(mu);
+        last_flush_error = c.status;
+      }
+      flush_failing.store(true);
       slot.GiveBackDirtyPages(fl.pages);
       if (f.error.ok()) f.error = c.status;
       flush_errors.fetch_add(1);
       Log("ucpfs: flushing " + PartPath(f) + " at byte " + std::to_string(fl.index * chunk_bytes) + ": " +
           c.status.ToString() + " (the data stays in the cache)");
     } else {
+      flush_failing.store(false);
       bytes_flushed.fetch_add(fl.n_written);
       slot.on_disk = true;
       if (slot.generation == fl.generation) {

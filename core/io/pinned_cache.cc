@@ -219,23 +219,35 @@ Result<std::unique_ptr<PinnedCache>> PinnedCache::Make(const PinnedCacheOptions&
 
 PinnedCache::~PinnedCache() = default;
 
-std::optional<Chunk> PinnedCache::Acquire() {
+std::optional<Chunk> PinnedCache::Acquire() { return AcquireFor(std::chrono::nanoseconds::max()); }
+
+std::optional<Chunk> PinnedCache::AcquireFor(std::chrono::nanoseconds wait) {
   Impl& m = *impl_;
   std::unique_lock lock(m.mu);
   if (m.free_list.empty() && !m.shut_down) {
     const auto start = std::chrono::steady_clock::now();
     ++m.stats.n_blocked;
     ++m.stats.n_waiting;
-    m.chunk_freed.wait(lock, [&m] { return m.shut_down || !m.free_list.empty(); });
+    const auto ready = [&m] { return m.shut_down || !m.free_list.empty(); };
+    if (wait == std::chrono::nanoseconds::max()) {
+      m.chunk_freed.wait(lock, ready);
+    } else {
+      m.chunk_freed.wait_for(lock, wait, ready);
+    }
     --m.stats.n_waiting;
     m.stats.blocked_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
   }
-  if (m.shut_down) return std::nullopt;
+  if (m.shut_down || m.free_list.empty()) return std::nullopt;
   const Chunk chunk = m.TakeLocked();
   const bool first = m.MarkTouched(chunk.index);
   lock.unlock();
   return m.FirstUse(chunk, first);
+}
+
+bool PinnedCache::shut_down() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->shut_down;
 }
 
 std::optional<Chunk> PinnedCache::TryAcquire() {

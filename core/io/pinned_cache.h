@@ -42,6 +42,7 @@
 
 #include <sys/uio.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -91,6 +92,10 @@ class PinnedCache {
 
   // A free chunk, waiting as long as every chunk is in use. nullopt only after Shutdown.
   std::optional<Chunk> Acquire();
+  // A free chunk, waiting at most `wait` while every chunk is in use; nullopt after that or
+  // after Shutdown (shut_down() tells which). Counted in Stats as Acquire is.
+  std::optional<Chunk> AcquireFor(std::chrono::nanoseconds wait);
+  bool shut_down() const;
   // A free chunk now, or nullopt (every chunk in use, or after Shutdown). Never waits.
   std::optional<Chunk> TryAcquire();
   // Gives a chunk back (its bytes are not cleared) and wakes one waiting Acquire. Errors:

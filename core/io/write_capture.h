@@ -3,7 +3,8 @@
 //
 // A captured file lives in two places until it is durable:
 //   - its bytes, chunk by chunk, in the PinnedCache (write() returns once they are there; a full
-//     cache blocks the writer until flushers free chunks: back-pressure, never an error);
+//     cache blocks the writer until flushers free chunks: back-pressure, an error only when the
+//     flushers cannot write at all, see below);
 //   - its backing file `SRC/.ucpfs/capture/<mount id>/<seq>.part` (each mount has its own state
 //     directory: capture_mount.h), which flushers fill with O_DIRECT writes of the 4 KiB
 //     pages of each chunk changed since its last flush (several in flight through an IoEngine,
@@ -28,6 +29,9 @@
 // later one, for the next mount. The journal is untrusted input (it lives in the checkpoint
 // directory): it is bounded, every record is checksummed and every path checked before use.
 //
+// A full cache whose flushers cannot write (a dead disk, a full one) fails a writer waiting for
+// a free chunk with the flushers' error after write_stall_timeout_ms (30 s unless set); the
+// flushers retry every second meanwhile, so a disk that comes back lets it go on.
 // Errors while flushing or placing (EIO, ENOSPC, the directory removed or moved out of SRC from
 // outside, an O_EXCL name taken): the chunks stay in the cache, the file stays pending, and the
 // error is returned by Fsync/Sync (and Close, if it happened before); later commits wait behind
@@ -81,6 +85,10 @@ struct WriteCaptureOptions {
   std::function<void(const std::string& rel_path)> before_replace;
   // Another host's mount whose lease was not renewed for this long is dead (capture_mount.h).
   uint64_t lease_timeout_s = 60;
+  // A writer that needs a free chunk of a full cache while the flushers cannot write (their
+  // last write failed: EIO, ENOSPC) gets that error after waiting this long, instead of waiting
+  // for ever; a cache full because the disk is merely slow still only makes it wait.
+  uint64_t write_stall_timeout_ms = 30000;
 };
 
 // A file whose save was accepted (close or fsync) but that is not under its final name.
@@ -144,7 +152,9 @@ class WriteCapture {
   struct stat Stat(const CapturedFile& file) const;
   // Copies `data` into the cache at byte_offset (blocking while the cache is full). Errors:
   // kIo when an earlier flush of this file failed and the chunk must be read back and cannot;
-  // kInvalidArgument after Close.
+  // kInvalidArgument after Close; the flushers' last error (kIo with EIO, kNoSpace with ENOSPC)
+  // when the cache stayed full for write_stall_timeout_ms while every flush failed (the bytes
+  // of this call before the chunk it waited for are kept; what was accepted before stays).
   Status Write(CapturedFile& file, uint64_t byte_offset, std::span<const std::byte> data);
   // What a reader sees: the bytes written so far (zeros in holes). Returns how many were read
   // (fewer at the end of the file).

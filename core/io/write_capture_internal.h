@@ -218,6 +218,10 @@ struct WriteCapture::Impl {
   std::map<uint64_t, std::weak_ptr<CapturedFile>> pending;  // created and not yet placed or discarded
   std::mutex journal_mu;
 
+  // The last flush write failed (cleared by one that succeeds), with this error (guarded by mu):
+  // what a writer stalled on a full cache gets after write_stall_timeout_ms.
+  std::atomic<bool> flush_failing{false};
+  Status last_flush_error;
   std::atomic<uint64_t> bytes_captured{0}, bytes_flushed{0}, files_committed{0}, flush_errors{0};
   std::atomic<uint64_t> dirty_chunks{0}, flush_busy_ns{0}, ops_coalesced{0};
   // flush_busy_ns counts the time with at least one flusher's batch in flight: the union of the

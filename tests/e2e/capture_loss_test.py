@@ -10,7 +10,10 @@ Plain bytes through a real FUSE mount (torch only to make a source for 4):
     once room is made outside, the held-back saves place by themselves (no sync);
  3. a pwrite at 16 TiB (past ext4's file size limit) fails with EFBIG at write(), and later saves
     are not held back by it;
- 4. a --read-only-index mount is read-only and creates nothing in SRC (no .ucpfs/capture).
+ 4. a --read-only-index mount is read-only and creates nothing in SRC (no .ucpfs/capture);
+ 5. a full cache over a full disk (a 16M cache, a source on an 8 MiB tmpfs, --write-stall-timeout 2):
+    a writer of a file larger than both gets ENOSPC from write() within seconds instead of
+    hanging, and an unlink through the mount frees everything (umount exits 0).
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs python3 tests/e2e/capture_loss_test.py
 """
@@ -18,6 +21,7 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 from e2e_common import Results, run, tmpdir, ucpfs_bin
@@ -26,9 +30,9 @@ from mount_common import capture_parts, is_mounted
 CACHE = ("--cache-size", "64M")
 
 
-def mount(src, mnt):
+def mount(src, mnt, options=CACHE):
     os.makedirs(mnt, exist_ok=True)
-    run([ucpfs_bin(), "mount", src, mnt, "--log", mnt + ".log", *CACHE], timeout=120)
+    run([ucpfs_bin(), "mount", src, mnt, "--log", mnt + ".log", *options], timeout=120)
     assert is_mounted(mnt)
 
 
@@ -184,6 +188,46 @@ def read_only_index(work):
     return "read-only, nothing made in SRC"
 
 
+def stalled_writer(work):
+    src, mnt = os.path.join(work, "small5"), os.path.join(work, "mnt5")
+    os.makedirs(src)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", src], check=True)
+    try:
+        mount(src, mnt, ("--cache-size", "16M", "--write-stall-timeout", "2"))
+        try:
+            outcome = {}
+            block = os.urandom(1 << 20)
+
+            def writer():
+                fd = os.open(os.path.join(mnt, "huge.dat"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                t0 = time.monotonic()
+                try:
+                    for i in range(64):
+                        os.pwrite(fd, block, i << 20)
+                    outcome["error"] = None
+                except OSError as e:
+                    outcome["error"] = e.errno
+                outcome["seconds"] = time.monotonic() - t0
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+            t = threading.Thread(target=writer, daemon=True)
+            t.start()
+            t.join(60)
+            assert not t.is_alive(), "a writer hung on a full cache over a full disk"
+            assert outcome["error"] == errno.ENOSPC, outcome
+            assert outcome["seconds"] < 30, outcome
+            os.unlink(os.path.join(mnt, "huge.dat"))  # discarded: its chunks and its part go
+            umount(mnt)
+        finally:
+            force_umount(mnt)
+    finally:
+        subprocess.run(["umount", "-l", src])
+    return f"ENOSPC at write() after {outcome['seconds']:.1f} s (stall timeout 2 s); umount 0 after the unlink"
+
+
 def main():
     res = Results("capture_loss")
     with tmpdir("ucpfs-capture-loss-") as work:
@@ -193,6 +237,8 @@ def main():
                   lambda: disk_full(work))
         res.check("pwrite past the file size limit: EFBIG at write()", lambda: too_large(work))
         res.check("--read-only-index: no write capture, nothing created in SRC", lambda: read_only_index(work))
+        res.check("full cache over a full disk: the writer gets ENOSPC after the stall timeout, never hangs",
+                  lambda: stalled_writer(work))
     res.finish()
 
 

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <fstream>
 #include <random>
 #include <set>
@@ -94,6 +95,7 @@ class WriteCaptureTest : public ::testing::Test {
       durable_.push_back(rel);
     };
     o.before_replace = before_replace_;
+    o.write_stall_timeout_ms = write_stall_timeout_ms_;
     auto wc = WriteCapture::Start(std::move(o));
     EXPECT_TRUE(wc.ok()) << wc.error().ToString();
     return wc.ok() ? std::move(*wc) : nullptr;
@@ -118,6 +120,7 @@ class WriteCaptureTest : public ::testing::Test {
   std::mutex durable_mu_;
   std::vector<std::string> durable_;
   std::function<void(const std::string&)> before_replace_;  // set before Start
+  uint64_t write_stall_timeout_ms_ = 30000;                 // set before Start
 };
 
 TEST_F(WriteCaptureTest, FilesLandByteExactInCloseOrderOnlyWhenComplete) {
@@ -443,6 +446,99 @@ TEST_F(WriteCaptureTest, FlushErrorIsReportedAndTheDataKeptUntilSyncRetries) {
   EXPECT_EQ(ReadFile((dir_ / "a.bin").string()), da);
   EXPECT_TRUE(stdfs::exists(dir_ / "b.bin"));
   EXPECT_GE(capture_->Stats().flush_errors, 1u);
+}
+
+// A disk that fails every write with ENOSPC while `dead` is set, and works again once it is
+// cleared (the switch happens between batches, never under ops in flight).
+class DeadDiskEngine final : public ForwardingEngine {
+ public:
+  explicit DeadDiskEngine(std::shared_ptr<std::atomic<bool>> dead) : dead_(std::move(dead)) {
+    std::vector<Fault> faults;  // every page of the first MiB of any file
+    for (uint64_t at = 0; at < (1u << 20); at += 4096) faults.push_back(Fault{OpKind::kWrite, at, Fault::Effect::kError, ENOSPC, -1});
+    failing_ = MakeFaultEngine(MakePreadEngine(), std::make_shared<FaultPlan>(std::move(faults)));
+  }
+  std::string Name() const override { return "dead-disk"; }
+  Status Submit(std::span<const IoOp> ops) override {
+    if (active_->InFlight() == 0) active_ = dead_->load() ? failing_.get() : inner_.get();
+    return active_->Submit(ops);
+  }
+  Result<size_t> Reap(std::span<IoCompletion> out, bool wait) override { return active_->Reap(out, wait); }
+  size_t InFlight() const override { return active_->InFlight(); }
+  Status RegisterBufferSlots(unsigned n) override {
+    UCPFS_RETURN_IF_ERROR(failing_->RegisterBufferSlots(n));
+    return inner_->RegisterBufferSlots(n);
+  }
+  Status UpdateBuffer(unsigned index, const iovec& region) override {
+    UCPFS_RETURN_IF_ERROR(failing_->UpdateBuffer(index, region));
+    return inner_->UpdateBuffer(index, region);
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> dead_;
+  std::unique_ptr<IoEngine> failing_;
+  IoEngine* active_ = inner_.get();
+};
+
+// A writer that needs cache space while the disk refuses every write is failed with the disk's
+// error after the stall timeout, never left waiting; what was accepted stays readable and is
+// listed as unplaced once closed; when the disk takes writes again, the next write goes on
+// and the file lands whole.
+TEST_F(WriteCaptureTest, AFullCacheOverADeadDiskFailsTheWriterAfterTheStallTimeout) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 14);
+  auto dead = std::make_shared<std::atomic<bool>>(true);
+  write_stall_timeout_ms_ = 300;
+  Start(/*n_chunks=*/2, 64 << 10, [dead] { return std::make_unique<DeadDiskEngine>(dead); });
+  auto f = Create("stalled.bin");
+  const std::vector<std::byte> data = RandomBytes(rng, 3 * 65536);
+  WriteAll(*f, std::vector<std::byte>(data.begin(), data.begin() + 2 * 65536), 65536);  // fills the cache
+  const auto t0 = std::chrono::steady_clock::now();
+  auto third = std::async(std::launch::async, [&] {
+    return capture_->Write(*f, 2 * 65536, std::span(data.data() + 2 * 65536, 65536));
+  });
+  if (third.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    ADD_FAILURE() << "a writer waited 30 s on a full cache over a dead disk";
+    std::_Exit(1);  // the waiting thread cannot be joined
+  }
+  const Status s = third.get();
+  const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kNoSpace) << s.ToString();
+  EXPECT_EQ(s.sys_errno(), ENOSPC);
+  EXPECT_NE(s.message().find("stalled.bin"), std::string::npos) << s.ToString();
+  EXPECT_GE(waited_s, 0.3);
+  // What was accepted is still there for readers.
+  std::vector<std::byte> back(2 * 65536);
+  ASSERT_TRUE(capture_->Read(*f, 0, back).ok());
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), data.begin()));
+  // Closed, it is listed as not placed, with the disk's error.
+  EXPECT_FALSE(capture_->Close(*f).ok());
+  bool listed = false;
+  for (int i = 0; i < 100 && !listed; ++i) {
+    for (const UnplacedFile& u : capture_->Stats().unplaced) listed = listed || u.path == "stalled.bin";
+    if (!listed) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(listed);
+  EXPECT_FALSE(stdfs::exists(dir_ / "stalled.bin"));
+  // The disk is back: the file lands as accepted (its third chunk was refused, so a hole).
+  dead->store(false);
+  const Status synced = capture_->Sync();
+  ASSERT_TRUE(synced.ok()) << synced.ToString();
+  EXPECT_EQ(ReadFile((dir_ / "stalled.bin").string()), std::vector<std::byte>(data.begin(), data.begin() + 2 * 65536));
+  EXPECT_TRUE(capture_->Stats().unplaced.empty());
+}
+
+// A slow disk is not a dead one: writers wait on a full cache as long as it takes, past the
+// stall timeout, while the flushers' writes succeed.
+TEST_F(WriteCaptureTest, AFullCacheOverASlowDiskOnlyMakesWritersWait) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 15);
+  write_stall_timeout_ms_ = 50;
+  Start(/*n_chunks=*/2, 64 << 10, [] { return std::make_unique<SlowWriteEngine>(std::chrono::milliseconds(150)); });
+  auto f = Create("slow.bin");
+  const std::vector<std::byte> data = RandomBytes(rng, 8 * 65536);
+  WriteAll(*f, data, 65536);
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_EQ(ReadFile((dir_ / "slow.bin").string()), data);
 }
 
 // ---- recovery ----
