@@ -221,6 +221,30 @@ TEST(PinnedCacheTest, BlockedAcquireIsReleasedByAnotherThreadsRelease) {
   EXPECT_TRUE(cache->Release(*got).ok());
 }
 
+TEST(PinnedCacheTest, AcquireForGivesUpAfterItsWaitAndTakesAChunkFreedMeanwhile) {
+  auto cache = MakeOrDie(SmallOptions(2));
+  ASSERT_NE(cache, nullptr);
+  const Chunk a = *cache->TryAcquire();
+  const Chunk b = *cache->TryAcquire();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(cache->AcquireFor(std::chrono::milliseconds(30)).has_value());
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(30));
+  EXPECT_FALSE(cache->shut_down());
+  EXPECT_EQ(cache->stats().n_waiting, 0u);
+  std::optional<Chunk> got;
+  std::thread waiter([&] { got = cache->AcquireFor(std::chrono::seconds(30)); });
+  ASSERT_TRUE(WaitForWaiters(*cache, 1));
+  ASSERT_TRUE(cache->Release(b).ok());
+  waiter.join();
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->index, b.index);
+  cache->Shutdown();
+  EXPECT_TRUE(cache->shut_down());
+  EXPECT_FALSE(cache->AcquireFor(std::chrono::seconds(30)).has_value());  // at once
+  EXPECT_TRUE(cache->Release(a).ok());
+  EXPECT_TRUE(cache->Release(*got).ok());
+}
+
 TEST(PinnedCacheTest, ShutdownWakesBlockedAcquires) {
   auto cache = MakeOrDie(SmallOptions(2));
   ASSERT_NE(cache, nullptr);
