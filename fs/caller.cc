@@ -46,6 +46,13 @@ int SetThreadGroups(const std::vector<gid_t>& groups) {
   return static_cast<int>(syscall(SYS_setgroups, groups.size(), groups.empty() ? nullptr : groups.data()));
 }
 
+// This thread's umask as AsCaller last set it (-1: not known yet). Nothing else in the daemon
+// changes a thread's umask.
+int& ThreadUmask() {
+  thread_local int mask = -1;
+  return mask;
+}
+
 }  // namespace
 
 bool Caller::Privileged() const { return (switch_creds ? uid : Daemon().uid) == 0; }
@@ -75,8 +82,14 @@ AsCaller::AsCaller(const Caller& caller) {
       }
       own_fs_struct = true;
     }
-    old_umask_ = umask(caller.umask & 0777);
-    switched_umask_ = true;
+    // Most callers' umask is the one this thread has already: then the two umask calls (set,
+    // restore) of every create are skipped.
+    const auto want = static_cast<mode_t>(caller.umask & 0777);
+    if (ThreadUmask() != static_cast<int>(want)) {
+      old_umask_ = umask(want);
+      ThreadUmask() = static_cast<int>(want);
+      switched_umask_ = true;
+    }
   }
   if (!caller.switch_creds || (caller.uid == d.uid && caller.gid == d.gid && caller.groups == d.groups)) return;
   if (SetThreadGroups(caller.groups) != 0) {
@@ -101,7 +114,10 @@ AsCaller::~AsCaller() {
     setfsgid(d.gid);
   }
   if (switched_groups_) (void)SetThreadGroups(d.groups);
-  if (switched_umask_) umask(old_umask_);
+  if (switched_umask_) {
+    umask(old_umask_);
+    ThreadUmask() = static_cast<int>(old_umask_);
+  }
 }
 
 }  // namespace ucpfs::fs

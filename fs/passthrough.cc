@@ -339,11 +339,11 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
 
 Result<struct stat> Passthrough::ProbeCreate(const Caller& caller, const Node& dir, mode_t mode) {
   static std::atomic<uint64_t> next_probe{0};
+  static const std::string prefix = ".ucpfs-create." + std::to_string(getpid()) + ".";
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
   for (int attempt = 0; attempt < 16; ++attempt) {
-    const std::string probe =
-        ".ucpfs-create." + std::to_string(getpid()) + "." + std::to_string(next_probe.fetch_add(1));
+    const std::string probe = prefix + std::to_string(next_probe.fetch_add(1));
     const int fd = openat(dir.fd, probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 07777);
     if (fd < 0 && errno == EEXIST) continue;
     if (fd < 0) return Sys(errno, "create in " + (dir.name.empty() ? std::string("/") : dir.name));
@@ -541,12 +541,15 @@ Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::
   if (capture_ != nullptr) {
     UCPFS_ASSIGN_OR_RETURN(const struct stat attr, ProbeCreate(caller, *dir, mode));
     // The name was free. An O_EXCL create keeps it so; so does one in a sticky directory, where
-    // a name another user makes meanwhile is one this caller could not replace.
-    struct stat dst = {};
-    const bool sticky = fstatat(dir->fd, "", &dst, AT_EMPTY_PATH) == 0 && (dst.st_mode & S_ISVTX) != 0;
+    // a name another user makes meanwhile is one this caller could not replace (the directory
+    // is looked at only when that decides it).
+    bool exclusive = (flags & O_EXCL) != 0;
+    if (!exclusive && !caller.Privileged()) {
+      struct stat dst = {};
+      exclusive = fstatat(dir->fd, "", &dst, AT_EMPTY_PATH) == 0 && (dst.st_mode & S_ISVTX) != 0;
+    }
     std::shared_ptr<Node> made;
-    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made,
-                                                (flags & O_EXCL) != 0 || (sticky && !caller.Privileged())));
+    UCPFS_ASSIGN_OR_RETURN(auto h, StartCapture(dir, name, attr, &made, exclusive));
     h->caller = caller;
     h->kill_privs = !caller.Privileged();
     made->n_lookups.fetch_add(1);

@@ -165,7 +165,7 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
     f->placed = true;
     // Again: a chmod/chown/utimens may have come since ApplyAttributes (from now on they go to
     // the placed file directly).
-    late_attrs = ApplyAttributesLocked(*f);
+    late_attrs = ApplyAttributesLocked(*f, /*only_changed=*/true);
   }
   {
     const int rc = fsync(dir);
@@ -267,15 +267,38 @@ void WriteCapture::Impl::CommitterLoop() {
 // S_ISGID, which the mode then sets again where the caller's own file would have them.
 Status WriteCapture::Impl::ApplyAttributes(CapturedFile& f) {
   std::lock_guard lock(f.mu);
-  return ApplyAttributesLocked(f);
+  return ApplyAttributesLocked(f, /*only_changed=*/false);
 }
 
-Status WriteCapture::Impl::ApplyAttributesLocked(CapturedFile& f) {
-  if ((f.uid != static_cast<uid_t>(-1) || f.gid != static_cast<gid_t>(-1)) && fchown(f.fd, f.uid, f.gid) != 0) {
-    return Errno("chown " + PartPath(f), errno);
+namespace {
+bool SameTime(const struct timespec& a, const struct timespec& b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; }
+}  // namespace
+
+// The owner only when the inode has another (a root caller's file is the daemon's already).
+// Mode and times always, unless `only_changed` (the re-apply right after the rename, when
+// nothing but a chmod, chown or utimens since the first apply can have changed them): a
+// truncate or a write of the part since an earlier commit moved its mtime, and may have
+// cleared S_ISUID/S_ISGID.
+Status WriteCapture::Impl::ApplyAttributesLocked(CapturedFile& f, bool only_changed) {
+  const uid_t uid = f.uid != static_cast<uid_t>(-1) ? f.uid : f.inode_uid;
+  const gid_t gid = f.gid != static_cast<gid_t>(-1) ? f.gid : f.inode_gid;
+  const bool chown_it = uid != f.inode_uid || gid != f.inode_gid;
+  if (chown_it) {
+    if (fchown(f.fd, f.uid, f.gid) != 0) return Errno("chown " + PartPath(f), errno);
+    f.inode_uid = uid;
+    f.inode_gid = gid;
   }
-  const struct timespec times[2] = {f.atime, f.mtime};
-  if (fchmod(f.fd, f.mode) != 0 || futimens(f.fd, times) != 0) return Errno("set the mode and times of " + PartPath(f), errno);
+  // A chown clears S_ISUID/S_ISGID: the mode goes again after one.
+  if (chown_it || !only_changed || f.applied_mode != f.mode) {
+    if (fchmod(f.fd, f.mode) != 0) return Errno("set the mode of " + PartPath(f), errno);
+  }
+  if (!only_changed || !SameTime(f.applied_atime, f.atime) || !SameTime(f.applied_mtime, f.mtime)) {
+    const struct timespec times[2] = {f.atime, f.mtime};
+    if (futimens(f.fd, times) != 0) return Errno("set the times of " + PartPath(f), errno);
+  }
+  f.applied_mode = f.mode;
+  f.applied_atime = f.atime;
+  f.applied_mtime = f.mtime;
   return Status::Ok();
 }
 
@@ -294,11 +317,15 @@ uint64_t WriteCapture::Impl::Enqueue(const std::shared_ptr<CapturedFile>& f) {
     r.attrs.atime_ns = static_cast<int64_t>(f->atime.tv_sec) * 1000000000 + f->atime.tv_nsec;
     r.attrs.mtime_ns = static_cast<int64_t>(f->mtime.tv_sec) * 1000000000 + f->mtime.tv_nsec;
   }
-  std::string rel;
-  Result<int> place = OpenPlace(*f, &rel);
-  if (place.ok()) close(*place);
+  // Where its directory is now (on close(2)'s path: a readlink and an fstat, not OpenPlace's
+  // full check, which the commit does before it places the file, as recovery checks every
+  // journal path again before use).
+  std::string now = RelPath(*f);
+  struct stat dir_st = {};
+  if (!now.empty() && (fstat(f->parent_fd, &dir_st) != 0 || dir_st.st_nlink == 0)) now.clear();  // removed
   {
     std::lock_guard lock(f->mu);
+    if (!now.empty()) f->last_rel = now;
     r.path = f->last_rel;  // where it was last seen beneath SRC, if its directory is gone now
     f->kept = false;
   }

@@ -186,6 +186,8 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
     unlinkat(m.capture_fd, f->part_name.c_str(), 0);
     return Errno("set up " + m.PartPath(*f), err);
   }
+  f->inode_uid = f->part_stat.st_uid;
+  f->inode_gid = f->part_stat.st_gid;
   f->direct_fd = openat(m.capture_fd, f->part_name.c_str(), O_WRONLY | O_DIRECT | O_NOFOLLOW | O_CLOEXEC);
   if (f->direct_fd < 0) f->direct_fd = f->fd;  // a filesystem without O_DIRECT: buffered writes
   f->parent_fd = fcntl(parent_dirfd, F_DUPFD_CLOEXEC, 0);
@@ -438,8 +440,10 @@ Status WriteCapture::SetOwner(CapturedFile& f, uid_t uid, gid_t gid) {
   std::lock_guard lock(f.mu);
   if (uid != static_cast<uid_t>(-1)) f.uid = uid;
   if (gid != static_cast<gid_t>(-1)) f.gid = gid;
-  if (f.placed && (fchown(f.fd, f.uid, f.gid) != 0 || fchmod(f.fd, f.mode) != 0)) {
-    return Errno("chown " + f.last_rel, errno);
+  if (f.placed) {
+    if (fchown(f.fd, f.uid, f.gid) != 0 || fchmod(f.fd, f.mode) != 0) return Errno("chown " + f.last_rel, errno);
+    if (f.uid != static_cast<uid_t>(-1)) f.inode_uid = f.uid;
+    if (f.gid != static_cast<gid_t>(-1)) f.inode_gid = f.gid;
   }
   return Status::Ok();
 }

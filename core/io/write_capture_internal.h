@@ -169,6 +169,12 @@ class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
   PinnedCache* cache = nullptr;
   bool exclusive = false;   // created O_EXCL: placed only where no name is (RENAME_NOREPLACE)
   std::string last_rel;     // where it goes, relative to SRC, as last resolved (for messages, the journal)
+  // The owner the part's inode has (the daemon's when made; what the last fchown gave it), and
+  // the mode and times ApplyAttributes last applied (ApplyAttributesLocked says when they count).
+  uid_t inode_uid = static_cast<uid_t>(-1);
+  gid_t inode_gid = static_cast<gid_t>(-1);
+  mode_t applied_mode = 0;
+  struct timespec applied_atime = {}, applied_mtime = {};
   bool kept = false;        // everything written is durable in its part (a commit failed after)
 
   ~CapturedFile() {
@@ -276,7 +282,7 @@ struct WriteCapture::Impl {
   // The owner, group, mode and times `f` must have, applied to its part before it is placed
   // (Locked: f.mu held).
   Status ApplyAttributes(CapturedFile& f);
-  Status ApplyAttributesLocked(CapturedFile& f);
+  Status ApplyAttributesLocked(CapturedFile& f, bool only_changed);
   void CommitterLoop();
   uint64_t Enqueue(const std::shared_ptr<CapturedFile>& f);
   Status WaitFor(uint64_t ticket);
