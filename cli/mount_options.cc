@@ -78,6 +78,11 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
     a->pp_split = commas;
   } else if (name == "lookup_memory_mib") {
     UCPFS_ASSIGN_OR_RETURN(a->lookup_memory_mib, ParseCount(option, value));
+  } else if (name == "write_stall_timeout") {
+    UCPFS_ASSIGN_OR_RETURN(a->write_stall_timeout_s, ParseCount(option, value));
+    if (a->write_stall_timeout_s < 1 || a->write_stall_timeout_s > 86400) {
+      return Bad(option, "the timeout is 1 to 86400 seconds");
+    }
   } else if (name == "cache_size") {
     UCPFS_RETURN_IF_ERROR(CheckSize(option, value));
     a->cache_size = value;
@@ -106,9 +111,9 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
 bool OwnKind(std::string_view name, Kind* kind) {
   static constexpr std::array<std::string_view, 5> kFlags = {"ro", "rw", "read_only", "read_only_index",
                                                              "foreground"};
-  static constexpr std::array<std::string_view, 12> kValued = {
+  static constexpr std::array<std::string_view, 13> kValued = {
       "layout",    "preset",   "pp_split",  "lookup_memory_mib", "cache_size", "readahead", "prefetch",
-      "safetensors_shard_size", "pattern_rules", "index_dir", "rules", "log"};
+      "safetensors_shard_size", "pattern_rules", "index_dir", "rules", "log", "write_stall_timeout"};
   if (In(kFlags, name)) {
     *kind = Kind::kFlag;
     return true;

@@ -30,13 +30,14 @@ TEST(MountOptions, EveryUcpfsOption) {
   const MountArgs a = Apply(
       "layout=tp2_pp2_dp4,preset=megatron,pattern_rules=/r/p.json,pp_split=5:6:6:5,lookup_memory_mib=512,"
       "cache_size=8G,read_only,readahead=16M,prefetch=0,safetensors_shard_size=2G,index_dir=/idx,rules=/r/k.toml,"
-      "read_only_index,log=/var/log/u.log,foreground");
+      "read_only_index,log=/var/log/u.log,foreground,write_stall_timeout=5");
   EXPECT_EQ(a.layouts, std::vector<std::string>{"tp2_pp2_dp4"});
   EXPECT_EQ(a.preset, "megatron");
   EXPECT_EQ(a.pattern_rules, "/r/p.json");
   EXPECT_EQ(a.pp_split, "5,6,6,5");  // ':' in -o, ',' as --pp-split takes it
   EXPECT_EQ(a.lookup_memory_mib, 512u);
   EXPECT_EQ(a.cache_size, "8G");
+  EXPECT_EQ(a.write_stall_timeout_s, 5u);
   EXPECT_TRUE(a.read_only);
   EXPECT_EQ(a.readahead, "16M");
   EXPECT_EQ(a.prefetch, "0");
