@@ -320,7 +320,9 @@ Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
         const uint64_t keep = n_bytes - start;
         if (slot.valid_bytes > keep) slot.valid_bytes = keep;
         slot.filled.Clip(keep);
-        slot.MarkDirty(0, m.chunk_bytes);  // rare: the whole chunk is written again
+        // Its last page is written again (the part's was cut by the ftruncate below, which
+        // zeroes past the end), and with it the chunk's new hash goes into the journal.
+        slot.MarkDirty(keep - 1, keep);
         ++slot.generation;
         if (!slot.dirty) {
           slot.dirty = true;
