@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "core/io/io_engine.h"
+#include "core/io/name_ops.h"
 #include "core/io/pinned_cache.h"
 #include "core/status.h"
 
@@ -71,6 +72,9 @@ struct WriteCaptureOptions {
   unsigned queue_depth = 8;  // ops in flight per flusher
   // One engine per flusher thread (and one for the committer); default MakeDefaultEngine.
   std::function<std::unique_ptr<IoEngine>()> make_engine;
+  // The namespace changes (parts created, renamed into place, unlinked) and directory fsyncs;
+  // default RealNameOps(). A test's MakeFaultNameOps sees them for its power cuts.
+  std::shared_ptr<NameOps> names;
   // One line per event worth a log (recovery, flush errors).
   std::function<void(const std::string&)> log;
   // Called on the committer thread after a file is durable under its final name.
