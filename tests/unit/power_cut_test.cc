@@ -4,7 +4,8 @@
 // since; at a seeded cut (after the n-th op of either) the power goes off: later ops fail, then
 // every unsynced byte is overwritten with garbage, every namespace change not made durable is
 // undone (the model: io_engine.h, FaultPlan), and the journal loses a random tail (it is never
-// fsync'd). The next start recovers. For a DCP-shaped save (shards each fsync'd, then .metadata)
+// fsync'd). The next start recovers (on a third of the cuts, the power goes again during that
+// recovery, and the start after it recovers). For a DCP-shaped save (shards each fsync'd, then .metadata)
 // and a DeepSpeed-shaped save (files closed without fsync, `latest` last, fsync'd or not, then
 // sync), over many cuts: no file is ever torn (each is absent or byte-exact, under its name or
 // kept in .ucpfs/capture/recovered/), no pointer (.metadata, latest) is there without every shard
@@ -184,7 +185,7 @@ TEST(PowerCut, NoTornFileNoPointerAheadNoLostFsyncAcrossSeededCuts) {
     ASSERT_GT(total_ops[dcp], 0u);
   }
   int n_torn = 0, n_ahead = 0, n_lost = 0, n_stray = 0;
-  uint64_t bytes_dropped = 0, names_undone = 0, files_present = 0, files_recovered = 0;
+  uint64_t bytes_dropped = 0, names_undone = 0, files_present = 0, files_recovered = 0, recoveries_cut = 0;
   for (int i = 0; i < n_cuts; ++i) {
     std::mt19937_64 rng(seed + 1000003ull * (i + 1));
     const bool dcp = i % 2 == 0;
@@ -204,6 +205,20 @@ TEST(PowerCut, NoTornFileNoPointerAheadNoLostFsyncAcrossSeededCuts) {
     bytes_dropped += plan->DropUnsynced();
     names_undone += plan->NamesUndone();
     pc.TearJournals(rng);
+    if (i % 3 == 1) {
+      // The power goes again while the next start recovers (placing, setting aside, discarding).
+      auto again = std::make_shared<FaultPlan>(std::vector<Fault>{});
+      again->TrackUnsynced();
+      again->CutPowerAfterOps(rng() % 16);
+      {
+        auto recovering = pc.Start(again);
+        ASSERT_NE(recovering, nullptr);
+        again->CutPowerAfterOps(0);
+      }
+      bytes_dropped += again->DropUnsynced();
+      names_undone += again->NamesUndone();
+      recoveries_cut += 1;
+    }
     {
       auto recovered = pc.Start(std::make_shared<FaultPlan>(std::vector<Fault>{}));
       ASSERT_NE(recovered, nullptr);
@@ -257,7 +272,7 @@ TEST(PowerCut, NoTornFileNoPointerAheadNoLostFsyncAcrossSeededCuts) {
     if (n_torn + n_ahead + n_lost + n_stray > 5) break;
   }
   std::cout << "[ power cuts ] " << n_cuts << " cuts, " << bytes_dropped << " unsynced bytes dropped, " << names_undone
-            << " namespace changes undone, " << files_present << " files present after recovery, " << files_recovered
+            << " namespace changes undone, " << recoveries_cut << " recoveries cut too, " << files_present << " files present after recovery, " << files_recovered
             << " kept in recovered/\n";
   EXPECT_EQ(n_torn, 0);
   EXPECT_EQ(n_ahead, 0);
