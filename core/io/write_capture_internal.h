@@ -6,7 +6,8 @@
 //   write_capture.cc      the public class, start/stop, the journal appender
 //   capture_flusher.cc    cache -> parts: chunks made resident, queued and written through an IoEngine
 //   capture_committer.cc  close-order placement: flush, truncate, fdatasync, rename, fsync the directory
-//   capture_recovery.cc   the next mount's replay of what a crashed daemon left in the capture directory
+//   capture_recovery.cc   the next mount's replay of what a crashed daemon left in the capture directory,
+//                         and what it set aside in recovered/
 #pragma once
 
 #include <fcntl.h>
