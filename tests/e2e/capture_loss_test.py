@@ -10,7 +10,11 @@ Plain bytes through a real FUSE mount (torch only to make a source for 4):
     once room is made outside, the held-back saves place by themselves (no sync);
  3. a pwrite at 16 TiB (past ext4's file size limit) fails with EFBIG at write(), and later saves
     are not held back by it;
- 4. a --read-only-index mount is read-only and creates nothing in SRC (no .ucpfs/capture).
+ 4. a --read-only-index mount is read-only and creates nothing in SRC (no .ucpfs/capture);
+ 5. a file a crash recovery set aside in SRC/.ucpfs/capture/recovered/ (whole, but closed after a
+    torn one: tests/unit/write_capture_test.cc makes such recoveries) is named by `ucpfs status`,
+    `ucpfs sync` and `ucpfs umount` (both exit non-zero) at every mount, never placed, until it
+    is moved or deleted.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs python3 tests/e2e/capture_loss_test.py
 """
@@ -184,6 +188,37 @@ def read_only_index(work):
     return "read-only, nothing made in SRC"
 
 
+def set_aside(work):
+    src, mnt = os.path.join(work, "src5"), os.path.join(work, "mnt5")
+    aside = os.path.join(src, ".ucpfs", "capture", "recovered", "node-1-0000abcd")
+    os.makedirs(os.path.join(aside, "step9"), mode=0o700)
+    data = os.urandom(5000)
+    with open(os.path.join(aside, "step9", "latest"), "wb") as f:
+        f.write(data)
+    with open(aside + ".why", "w") as f:
+        f.write("committed after 'step9/shard.pt', which could not be finished\n")
+    for _ in range(2):  # listed again by the next mount
+        mount(src, mnt)
+        try:
+            out = run([ucpfs_bin(), "status", mnt]).stdout
+            assert "not placed:  step9/latest" in out and "step9/shard.pt" in out and "recovered" in out, out
+            r = run([ucpfs_bin(), "sync", mnt, "--quiet"], check=False)
+            assert r.returncode != 0 and "step9/latest" in r.stderr, (r.returncode, r.stderr)
+            err = umount(mnt, expect_rc=1)
+            assert "step9/latest" in err, err
+        finally:
+            force_umount(mnt)
+        assert not os.path.exists(os.path.join(src, "step9", "latest")), "a file set aside was placed"
+    os.remove(os.path.join(aside, "step9", "latest"))  # someone decided
+    mount(src, mnt)
+    try:
+        run([ucpfs_bin(), "sync", mnt, "--quiet"])
+        umount(mnt)
+    finally:
+        force_umount(mnt)
+    return "named by status, sync and umount (exit 1) at every mount, never placed, until deleted"
+
+
 def main():
     res = Results("capture_loss")
     with tmpdir("ucpfs-capture-loss-") as work:
@@ -193,6 +228,8 @@ def main():
                   lambda: disk_full(work))
         res.check("pwrite past the file size limit: EFBIG at write()", lambda: too_large(work))
         res.check("--read-only-index: no write capture, nothing created in SRC", lambda: read_only_index(work))
+        res.check("a file set aside by a crash recovery: named until moved or deleted, never placed",
+                  lambda: set_aside(work))
     res.finish()
 
 
