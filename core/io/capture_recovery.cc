@@ -180,6 +180,7 @@ Status WriteCapture::Impl::Recover() {
       NoteKept(*kept, shown);
     }
   }
+  PruneRecovered();
   return Status::Ok();
 }
 
@@ -358,7 +359,43 @@ void ListFilesBeneath(int fd, const std::string& prefix, int depth, size_t* budg
   }
 }
 
+// Removes the empty directories beneath `fd` (never through a symlink); true when none other is left.
+bool RemoveEmptyDirsIn(int fd, int depth) {
+  Result<std::vector<std::pair<std::string, unsigned char>>> entries = ListDir(fd, "recovered");
+  if (!entries.ok() || depth >= 64) return false;
+  bool empty = true;
+  for (const auto& [name, type] : *entries) {
+    const int sub = openat(fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (sub < 0) {
+      empty = false;
+      continue;
+    }
+    const bool gone = RemoveEmptyDirsIn(sub, depth + 1) && unlinkat(fd, name.c_str(), AT_REMOVEDIR) == 0;
+    close(sub);
+    empty = empty && gone;
+  }
+  return empty;
+}
+
 }  // namespace
+
+void WriteCapture::Impl::PruneRecovered() {
+  const int top = openat(capture_root_fd, kRecoveredDir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (top < 0) return;
+  Result<std::vector<std::pair<std::string, unsigned char>>> entries = ListDir(top, kRecoveredDir);
+  if (entries.ok()) {
+    for (const auto& [state, type] : *entries) {
+      const int dir = openat(top, state.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (dir < 0) continue;
+      // Everything set aside there was moved or deleted: its directories and its .why go.
+      const bool empty = RemoveEmptyDirsIn(dir, 0);
+      close(dir);
+      if (empty && unlinkat(top, state.c_str(), AT_REMOVEDIR) == 0) unlinkat(top, (state + ".why").c_str(), 0);
+    }
+  }
+  close(top);
+  unlinkat(capture_root_fd, kRecoveredDir, AT_REMOVEDIR);  // when empty
+}
 
 std::vector<UnplacedFile> WriteCapture::Impl::ListRecovered() const {
   std::vector<UnplacedFile> out;

@@ -276,6 +276,9 @@ struct WriteCapture::Impl {
                        bool* verified);
   // What recovered/ holds now (listed as unplaced; bounded: the directory is untrusted).
   std::vector<UnplacedFile> ListRecovered() const;
+  // Removes what recovered/ holds of states whose files were all moved or deleted (their empty
+  // directories and their .why), and recovered/ itself when empty.
+  void PruneRecovered();
   // kIo (EIO) naming every file recovery kept unplaced or set aside, which a sync must not call
   // durable; OK when there is none.
   Status CheckNothingAside() const;

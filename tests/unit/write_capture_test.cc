@@ -477,6 +477,9 @@ TEST_F(WriteCaptureTest, RecoveryFinishesCompleteFilesInOrderAndSetsAsideWholeOn
   stdfs::rename(aside / "sub" / "after", dir_ / "sub" / "after");  // someone decided
   EXPECT_TRUE(capture_->Stats().unplaced.empty());
   EXPECT_TRUE(capture_->Sync().ok());
+  capture_.reset();
+  Start(4);  // what is left of it goes
+  EXPECT_FALSE(stdfs::exists(cap / "recovered")) << "empty directories and .why left";
 }
 
 // Recovery's own steps are ordered for a crash: a power cut after any of its namespace changes
