@@ -26,6 +26,7 @@ Result<std::vector<RecoveryStep>> WriteCapture::Impl::RecoverState(int dir_fd, c
   std::sort(parts.begin(), parts.end());
   ParsedJournal journal;
   const int jfd = openat(dir_fd, "journal", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (jfd < 0 && errno == ENOENT && parts.empty()) return std::vector<RecoveryStep>{};  // nothing left here
   if (jfd >= 0) {
     struct stat st = {};
     std::vector<std::byte> bytes;
