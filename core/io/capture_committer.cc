@@ -56,6 +56,7 @@ void WriteCapture::Impl::KeepQueued() {
     std::lock_guard lock(mu);
     for (const CommitItem& item : commit_queue) files.push_back(item.file);
   }
+  std::vector<std::shared_ptr<CapturedFile>> synced;
   for (const auto& f : files) {
     {
       std::lock_guard lock(f->mu);
@@ -67,7 +68,13 @@ void WriteCapture::Impl::KeepQueued() {
       std::lock_guard lock(f->mu);
       size = f->size;
     }
-    if (ftruncate(f->fd, static_cast<off_t>(size)) != 0 || fdatasync(f->fd) != 0) continue;
+    if (ftruncate(f->fd, static_cast<off_t>(size)) != 0 || names->Fsync(f->fd) != 0) continue;
+    synced.push_back(f);
+  }
+  // The parts' names are durable only once their directory is: until then a power cut may take
+  // a part, bytes and all.
+  if (synced.empty() || names->Fsync(capture_fd) != 0) return;
+  for (const auto& f : synced) {
     std::lock_guard lock(f->mu);
     f->kept = f->closed;  // a file still open may grow: kept only once closed
   }
@@ -155,7 +162,7 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
       return Status::Ok();
     }
     const unsigned flags = f->exclusive ? RENAME_NOREPLACE : 0;
-    if (renameat2(capture_fd, f->part_name.c_str(), dir, f->name.c_str(), flags) != 0) {
+    if (names->RenameAt(capture_fd, f->part_name.c_str(), dir, f->name.c_str(), flags) != 0) {
       const int err = errno;
       close(dir);
       return Errno("rename " + PartPath(*f) + " to " + options.source_dir + "/" + rel +
@@ -168,7 +175,9 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
     late_attrs = ApplyAttributesLocked(*f, /*only_changed=*/true);
   }
   {
-    const int rc = fsync(dir);
+    // Before the file counts as durable (Fsync returns, the journal says done, a later file is
+    // placed): a rename is durable only once its directory is.
+    const int rc = names->Fsync(dir);
     const int err = errno;
     close(dir);
     if (rc != 0) return Errno("fsync the directory of " + rel, err);

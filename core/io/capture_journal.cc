@@ -187,9 +187,7 @@ std::vector<RecoveryStep> PlanRecovery(const ParsedJournal& journal, const std::
     step.size = c.size;
     step.mode = c.mode;
     step.attrs = c.attrs;
-    if (stop) {
-      step.reason = stop_reason;
-    } else if (Status s = CheckPlacePath(c.path); !s.ok()) {
+    if (Status s = CheckPlacePath(c.path); !s.ok()) {
       step.reason = s.message();
     } else {
       // The latest chunk per offset must tile [0, size).
@@ -205,14 +203,16 @@ std::vector<RecoveryStep> PlanRecovery(const ParsedJournal& journal, const std::
         }
       }
       if (covered >= c.size) {
-        step.finish = true;
+        step.finish = !stop;
+        step.recover = stop;
+        if (stop) step.reason = stop_reason;
       } else {
         step.chunks.clear();
         step.reason = "incomplete: " + std::to_string(covered) + " of " + std::to_string(c.size) +
                       " bytes were flushed";
       }
     }
-    if (!step.finish && !stop) {
+    if (!step.finish && !step.recover && !stop) {
       stop = true;
       stop_reason = "committed after '" + c.path + "', which could not be finished";
     }
@@ -237,6 +237,7 @@ void MarkIncomplete(std::vector<RecoveryStep>& plan, size_t index, const std::st
   for (size_t i = index + 1; i < plan.size(); ++i) {
     if (plan[i].finish) {
       plan[i].finish = false;
+      plan[i].recover = true;
       plan[i].reason = "committed after '" + first + "', which could not be finished";
     }
   }

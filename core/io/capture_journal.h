@@ -69,7 +69,10 @@ Result<ParsedJournal> ParseJournal(std::span<const std::byte> bytes);
 // What recovery does with one captured file.
 struct RecoveryStep {
   uint64_t seq = 0;
-  bool finish = false;    // true: place it (complete); false: discard it
+  bool finish = false;    // true: place it (complete); false: discard it (unless `recover`)
+  // Complete, but committed after a file that cannot be finished: never placed (it would be
+  // ahead of that file), kept aside whole (capture_recovery.cc: .ucpfs/capture/recovered/).
+  bool recover = false;
   std::string path;       // its final path (relative), "" when never committed
   uint64_t size = 0;
   uint32_t mode = 0;
@@ -82,13 +85,14 @@ struct RecoveryStep {
 
 // The recovery plan for the parts present (`part_seqs`), from the journal: in commit order
 // (the position of each file's last kCommit), files whose recorded chunks cover their size are
-// finished until the first that is not; it and every later one are discarded; parts never
-// committed, and parts of files already done or discarded, are discarded. The verification of
-// each chunk's hash against the part's bytes is the caller's (a mismatch discards that file and
-// every later one: call MarkIncomplete).
+// finished until the first that is not; it is discarded, and every later one is recovered (kept
+// aside, never placed) when its chunks cover its size, else discarded; parts never committed,
+// and parts of files already done or discarded, are discarded. The verification of each chunk's
+// hash against the part's bytes is the caller's (a mismatch discards that file and turns every
+// later finish into a recover: call MarkIncomplete).
 std::vector<RecoveryStep> PlanRecovery(const ParsedJournal& journal, const std::vector<uint64_t>& part_seqs);
-// After a finish step at `index` fails verification: it and every later finish step become
-// discards with `reason`.
+// After a finish step at `index` fails verification: it becomes a discard with `reason`, and
+// every later finish step a recover (its chunks still to be verified).
 void MarkIncomplete(std::vector<RecoveryStep>& plan, size_t index, const std::string& reason);
 
 // A relative path that may be placed beneath SRC: not empty, not absolute, no "", "." or ".."

@@ -6,15 +6,21 @@
 // engine's own short transfers are real ones).
 // Invariants: every op in pending_ has exactly one piece queued for or in the inner engine,
 // except between Advance's decisions; the inner engine's user_data is the op's id here.
+// Also the fault NameOps (name_ops.h): namespace changes counted as ops of the plan and, while it
+// tracks unsynced state, remembered until a directory they changed is fsync'd (the model:
+// io_engine.h, FaultPlan).
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <unordered_map>
 
 #include "core/io/io_engine.h"
+#include "core/io/name_ops.h"
 #include "core/io/op_progress.h"
 
 namespace ucpfs::io {
@@ -109,6 +115,54 @@ void FaultPlan::Completed(const IoOp& op, size_t n_bytes) {
   u.ranges.emplace_back(op.byte_offset, n_bytes);
 }
 
+namespace {
+
+using NodeKey = std::pair<uint64_t, uint64_t>;
+
+NodeKey KeyOf(const struct stat& st) { return {st.st_dev, st.st_ino}; }
+
+// The inode `name` in `dir_fd` names now (not following a symlink), if any.
+std::optional<NodeKey> NodeAt(int dir_fd, const std::string& name) {
+  struct stat st = {};
+  if (fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return std::nullopt;
+  return KeyOf(st);
+}
+
+}  // namespace
+
+// Undoes one namespace change that a power cut loses, where the names still say it happened
+// (a later change kept may have moved things on: then it is left as it is).
+void FaultPlan::UndoNameChange(const NameChange& c) {
+  using Kind = NameChange::Kind;
+  switch (c.kind) {
+    case Kind::kCreate:
+      if (NodeAt(c.dir_fd, c.name) == c.node) unlinkat(c.dir_fd, c.name.c_str(), 0);
+      break;
+    case Kind::kMkdir:
+      if (NodeAt(c.dir_fd, c.name) == c.node && unlinkat(c.dir_fd, c.name.c_str(), AT_REMOVEDIR) != 0) {
+        // Not empty: what was made inside goes with it.
+        std::error_code ec;
+        std::filesystem::remove_all("/proc/self/fd/" + std::to_string(c.dir_fd) + "/" + c.name, ec);
+      }
+      break;
+    case Kind::kRename:
+      if (NodeAt(c.new_dir_fd, c.new_name) == c.node &&
+          renameat2(c.new_dir_fd, c.new_name.c_str(), c.dir_fd, c.name.c_str(), RENAME_NOREPLACE) == 0 &&
+          !c.stash.empty()) {
+        renameat2(c.new_dir_fd, c.stash.c_str(), c.new_dir_fd, c.new_name.c_str(), RENAME_NOREPLACE);
+      }
+      break;
+    case Kind::kUnlink:
+      if (!NodeAt(c.dir_fd, c.name) && !c.stash.empty()) {
+        renameat2(c.dir_fd, c.stash.c_str(), c.dir_fd, c.name.c_str(), RENAME_NOREPLACE);
+      }
+      break;
+    case Kind::kRmdir:
+      if (!NodeAt(c.dir_fd, c.name)) mkdirat(c.dir_fd, c.name.c_str(), c.mode);
+      break;
+  }
+}
+
 uint64_t FaultPlan::DropUnsynced() {
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t dropped = 0;
@@ -120,13 +174,184 @@ uint64_t FaultPlan::DropUnsynced() {
     u.ranges.clear();
     if (u.fd >= 0) fsync(u.fd);
   }
+  for (auto it = names_.rbegin(); it != names_.rend(); ++it) {
+    if (it->durable) continue;
+    UndoNameChange(*it);
+    ++names_undone_;
+  }
+  for (NameChange& c : names_) {
+    // What a kept unlink or rename removed is gone for good (an undone one's stash is back in
+    // place, and this finds nothing).
+    if (!c.stash.empty()) unlinkat(c.kind == NameChange::Kind::kRename ? c.new_dir_fd : c.dir_fd, c.stash.c_str(), 0);
+    if (c.dir_fd >= 0) close(c.dir_fd);
+    if (c.new_dir_fd >= 0) close(c.new_dir_fd);
+  }
+  names_.clear();
   return dropped;
+}
+
+uint64_t FaultPlan::NamesUndone() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return names_undone_;
 }
 
 FaultPlan::~FaultPlan() {
   for (auto& [key, u] : unsynced_) {
     if (u.fd >= 0) close(u.fd);
   }
+  for (NameChange& c : names_) {
+    if (c.dir_fd >= 0) close(c.dir_fd);
+    if (c.new_dir_fd >= 0) close(c.new_dir_fd);
+  }
+}
+
+// The system calls of NameOps under a FaultPlan: each takes an op (none while the power is off:
+// EIO), and while the plan tracks unsynced state, each change is remembered with what undoing it
+// needs (a hard link, in the same directory, to an inode the change takes a name from).
+class FaultNames final : public NameOps {
+ public:
+  explicit FaultNames(std::shared_ptr<FaultPlan> plan) : plan_(std::move(plan)) {}
+
+  int CreateAt(int dirfd, const char* name, int flags, mode_t mode) override {
+    if (!plan_->TakeOp()) return Off();
+    const bool existed = NodeAt(dirfd, name).has_value();
+    const int fd = openat(dirfd, name, flags | O_CREAT, mode);
+    struct stat st = {};
+    if (fd >= 0 && !existed && Tracking() && fstat(fd, &st) == 0) {
+      FaultPlan::NameChange c;
+      c.kind = FaultPlan::NameChange::Kind::kCreate;
+      c.name = name;
+      c.node = KeyOf(st);
+      Remember(std::move(c), dirfd, -1);
+    }
+    return fd;
+  }
+
+  int RenameAt(int old_dirfd, const char* old_name, int new_dirfd, const char* new_name, unsigned flags) override {
+    if (!plan_->TakeOp()) return Off();
+    const auto node = NodeAt(old_dirfd, old_name);
+    if (!Tracking() || !node) return renameat2(old_dirfd, old_name, new_dirfd, new_name, flags);
+    FaultPlan::NameChange c;
+    c.kind = FaultPlan::NameChange::Kind::kRename;
+    c.name = old_name;
+    c.new_name = new_name;
+    c.node = *node;
+    struct stat replaced = {};
+    if ((flags & RENAME_NOREPLACE) == 0 && fstatat(new_dirfd, new_name, &replaced, AT_SYMLINK_NOFOLLOW) == 0 &&
+        !S_ISDIR(replaced.st_mode) && KeyOf(replaced) != *node) {
+      c.stash = Stash(new_dirfd, new_name);
+    }
+    const int rc = renameat2(old_dirfd, old_name, new_dirfd, new_name, flags);
+    const int err = errno;
+    if (rc != 0) {
+      if (!c.stash.empty()) unlinkat(new_dirfd, c.stash.c_str(), 0);
+      errno = err;
+      return rc;
+    }
+    Remember(std::move(c), old_dirfd, new_dirfd);
+    return 0;
+  }
+
+  int UnlinkAt(int dirfd, const char* name, int flags) override {
+    if (!plan_->TakeOp()) return Off();
+    struct stat st = {};
+    if (!Tracking() || fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) return unlinkat(dirfd, name, flags);
+    FaultPlan::NameChange c;
+    c.name = name;
+    c.node = KeyOf(st);
+    if ((flags & AT_REMOVEDIR) != 0) {
+      c.kind = FaultPlan::NameChange::Kind::kRmdir;
+      c.mode = st.st_mode & 07777;
+    } else {
+      c.kind = FaultPlan::NameChange::Kind::kUnlink;
+      c.stash = Stash(dirfd, name);
+    }
+    const int rc = unlinkat(dirfd, name, flags);
+    const int err = errno;
+    if (rc != 0) {
+      if (!c.stash.empty()) unlinkat(dirfd, c.stash.c_str(), 0);
+      errno = err;
+      return rc;
+    }
+    Remember(std::move(c), dirfd, -1);
+    return 0;
+  }
+
+  int MkdirAt(int dirfd, const char* name, mode_t mode) override {
+    if (!plan_->TakeOp()) return Off();
+    const int rc = mkdirat(dirfd, name, mode);
+    if (rc != 0 || !Tracking()) return rc;
+    if (const auto node = NodeAt(dirfd, name)) {
+      FaultPlan::NameChange c;
+      c.kind = FaultPlan::NameChange::Kind::kMkdir;
+      c.name = name;
+      c.node = *node;
+      Remember(std::move(c), dirfd, -1);
+    }
+    return 0;
+  }
+
+  int Fsync(int fd) override {
+    if (!plan_->TakeOp()) return Off();
+    struct stat st = {};
+    if (fstat(fd, &st) != 0) return -1;
+    if (fsync(fd) != 0) return -1;
+    if (S_ISDIR(st.st_mode)) {
+      std::lock_guard<std::mutex> lock(plan_->mu_);
+      for (FaultPlan::NameChange& c : plan_->names_) {
+        if (c.dir == KeyOf(st) || (c.kind == FaultPlan::NameChange::Kind::kRename && c.new_dir == KeyOf(st))) {
+          c.durable = true;
+        }
+      }
+    } else {
+      IoOp sync;
+      sync.kind = OpKind::kFdatasync;
+      sync.fd = fd;
+      plan_->Completed(sync, 0);
+    }
+    return 0;
+  }
+
+ private:
+  static int Off() {
+    errno = EIO;  // the power is off (simulated)
+    return -1;
+  }
+
+  bool Tracking() const {
+    std::lock_guard<std::mutex> lock(plan_->mu_);
+    return plan_->track_unsynced_;
+  }
+
+  // A new hard link to what `name` in `dirfd` names, beside it; its name ("" if none was made).
+  std::string Stash(int dirfd, const char* name) {
+    uint64_t n = 0;
+    {
+      std::lock_guard<std::mutex> lock(plan_->mu_);
+      n = plan_->next_stash_++;
+    }
+    const std::string stash = ".fault-stash-" + std::to_string(getpid()) + "-" + std::to_string(n);
+    return linkat(dirfd, name, dirfd, stash.c_str(), 0) == 0 ? stash : std::string();
+  }
+
+  void Remember(FaultPlan::NameChange c, int dirfd, int new_dirfd) {
+    struct stat st = {};
+    c.dir_fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
+    if (fstat(dirfd, &st) == 0) c.dir = KeyOf(st);
+    if (new_dirfd >= 0) {
+      c.new_dir_fd = fcntl(new_dirfd, F_DUPFD_CLOEXEC, 0);
+      if (fstat(new_dirfd, &st) == 0) c.new_dir = KeyOf(st);
+    }
+    std::lock_guard<std::mutex> lock(plan_->mu_);
+    plan_->names_.push_back(std::move(c));
+  }
+
+  std::shared_ptr<FaultPlan> plan_;
+};
+
+std::shared_ptr<NameOps> MakeFaultNameOps(std::shared_ptr<FaultPlan> plan) {
+  if (!plan) plan = std::make_shared<FaultPlan>(std::vector<Fault>{});
+  return std::make_shared<FaultNames>(std::move(plan));
 }
 
 class FaultEngine final : public IoEngine {

@@ -69,6 +69,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -211,19 +212,32 @@ class FaultPlan {
 
   // Simulated power loss, as RocksDB's FaultInjectionTestFS does it. Once TrackUnsynced() is
   // called, every write that completes is remembered per file (by inode) until an fdatasync of
-  // that file completes. CutPowerAfterOps(n): after n more ops have been submitted, the power is
-  // off: every later op fails with EIO and moves nothing (ops already issued complete). Then
-  // DropUnsynced() overwrites every remembered range with garbage, as a cut may leave it, and
-  // returns how many bytes it dropped. OpsSubmitted() counts every op submitted so far.
+  // that file completes (through an engine, or a NameOps::Fsync of the file), and every namespace
+  // change made through MakeFaultNameOps (create, rename, unlink, mkdir) until a directory it
+  // changed is fsync'd through it. CutPowerAfterOps(n): after n more ops (engine ops and NameOps
+  // calls) have been submitted, the power is off: every later op fails with EIO and changes
+  // nothing (ops already issued complete). Then DropUnsynced() overwrites every remembered range
+  // with garbage, as a cut may leave it, undoes every remembered namespace change, latest first,
+  // and returns how many bytes it dropped (NamesUndone() tells how many changes it undid).
+  // OpsSubmitted() counts every op submitted so far.
+  //
+  // The namespace model: a change is atomic (a rename is never half done: ext4, XFS and btrfs
+  // journal it as one transaction) and durable only once a directory it changed was fsync'd after
+  // it (POSIX's rule, what FaultInjectionTestFS and ALICE assume). It is weaker than ext4's
+  // default, where an fsync of any file or directory commits every change before it: neither an
+  // fsync of the file itself nor a later durable change makes an earlier change durable here. So
+  // what keeps its invariants under this model keeps them on those filesystems.
   void TrackUnsynced();
   void CutPowerAfterOps(uint64_t n_ops);
   bool PowerIsOff() const;
   uint64_t OpsSubmitted() const { return ops_submitted_.load(std::memory_order_relaxed); }
   uint64_t DropUnsynced();
+  uint64_t NamesUndone() const;
   ~FaultPlan();
 
  private:
   friend class FaultEngine;
+  friend class FaultNames;
   // The op may go out (false: the power is off).
   bool TakeOp();
   void Completed(const IoOp& op, size_t n_bytes);
@@ -250,6 +264,23 @@ class FaultPlan {
     std::vector<std::pair<uint64_t, uint64_t>> ranges;  // (byte_offset, n_bytes) written since its last fdatasync
   };
   std::map<std::pair<uint64_t, uint64_t>, Unsynced> unsynced_;  // by (st_dev, st_ino)
+  // A namespace change not yet known durable, with what undoing it needs.
+  struct NameChange {
+    enum class Kind { kCreate, kMkdir, kRename, kUnlink, kRmdir } kind = Kind::kCreate;
+    int dir_fd = -1;      // our own O_PATH descriptors of the directories (closed by DropUnsynced)
+    int new_dir_fd = -1;  // kRename: the destination
+    std::pair<uint64_t, uint64_t> dir{}, new_dir{};  // their (st_dev, st_ino)
+    std::string name, new_name;
+    std::pair<uint64_t, uint64_t> node{};  // the inode created, renamed or unlinked
+    std::string stash;    // a hard link, in the directory of the name, to the inode an unlink or a
+                          // rename removed from that name ("" when none)
+    mode_t mode = 0;      // kRmdir
+    bool durable = false;
+  };
+  static void UndoNameChange(const NameChange& c);
+  std::vector<NameChange> names_;  // in the order they were made
+  uint64_t names_undone_ = 0;
+  uint64_t next_stash_ = 0;
 };
 
 // Wraps `inner`; the plan's InjectedCount() says what it injected. Name() "fault(<inner>)",

@@ -97,7 +97,7 @@ WriteCapture::WriteCapture(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 WriteCapture::~WriteCapture() {
   if (!impl_) return;
   Impl& m = *impl_;
-  const Status s = Sync();
+  const Status s = m.SyncQueued();  // what recovery set aside stays where it is, listed there
   if (!s.ok()) {
     m.Log("ucpfs: unmount: not everything captured could be placed: " + s.ToString());
     m.KeepQueued();  // while the flushers run
@@ -116,6 +116,10 @@ WriteCapture::~WriteCapture() {
     }
     if (left) {
       m.Log("ucpfs: unmount: what could not be placed stays in " + m.capture_dir + " for the next mount");
+    } else if (m.names->Fsync(m.capture_fd) != 0) {
+      // The state directory no longer takes a sync (the disk failed, or a test cut the power):
+      // nothing more is changed there; the next mount reads what is left.
+      m.Log("ucpfs: unmount: " + m.capture_dir + " cannot be synced (" + std::strerror(errno) + "): left as it is");
     } else {
       m.mount->Remove();  // nothing left: the state goes, and with it the lock
     }
@@ -130,6 +134,7 @@ Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions op
   impl->cache = options.cache;
   if (impl->cache != nullptr) impl->chunk_bytes = impl->cache->chunk_bytes();
   impl->options = std::move(options);
+  impl->names = impl->options.names ? impl->options.names : RealNameOps();
   const std::string src = impl->options.source_dir;
   char real[PATH_MAX];
   char link[64];
@@ -179,11 +184,11 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
   f->part_name = PartName(f->seq);
   f->name = name;
   f->mode = mode & 07777;
-  f->fd = openat(m.capture_fd, f->part_name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  f->fd = m.names->CreateAt(m.capture_fd, f->part_name.c_str(), O_RDWR | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (f->fd < 0) return Errno("create " + m.PartPath(*f), errno);
   if (fstat(f->fd, &f->part_stat) != 0) {
     const int err = errno;
-    unlinkat(m.capture_fd, f->part_name.c_str(), 0);
+    m.names->UnlinkAt(m.capture_fd, f->part_name.c_str(), 0);
     return Errno("set up " + m.PartPath(*f), err);
   }
   f->inode_uid = f->part_stat.st_uid;
@@ -193,7 +198,7 @@ Result<std::shared_ptr<CapturedFile>> WriteCapture::Create(int parent_dirfd, con
   f->parent_fd = fcntl(parent_dirfd, F_DUPFD_CLOEXEC, 0);
   if (f->parent_fd < 0) {
     const int err = errno;
-    unlinkat(m.capture_fd, f->part_name.c_str(), 0);
+    m.names->UnlinkAt(m.capture_fd, f->part_name.c_str(), 0);
     return Errno("dup the directory of " + name, err);
   }
   clock_gettime(CLOCK_REALTIME, &f->mtime);
@@ -361,7 +366,12 @@ Status WriteCapture::Fsync(CapturedFile& file) {
 }
 
 Status WriteCapture::Sync() {
-  Impl& m = *impl_;
+  UCPFS_RETURN_IF_ERROR(impl_->SyncQueued());
+  return impl_->CheckNothingAside();
+}
+
+Status WriteCapture::Impl::SyncQueued() {
+  Impl& m = *this;
   uint64_t ticket = 0;
   {
     std::lock_guard lock(m.mu);
@@ -395,7 +405,7 @@ bool WriteCapture::Discard(CapturedFile& f) {
   // Its space is given back now (a writer may still hold the file open), which may be what a
   // failed commit waits for.
   if (ftruncate(f.fd, 0) != 0) m.Log("ucpfs: capture: cannot free " + m.PartPath(f) + ": " + std::strerror(errno));
-  unlinkat(m.capture_fd, f.part_name.c_str(), 0);
+  m.names->UnlinkAt(m.capture_fd, f.part_name.c_str(), 0);
   m.Journal({JournalType::kDiscard, f.seq, 0, 0, 0, 0, 0, {}});
   {
     std::lock_guard lock(m.mu);
@@ -477,6 +487,7 @@ CaptureStats WriteCapture::Stats() const {
       for (const auto& item : m.commit_queue) held.push_back(item.file);
     }
   }
+  for (UnplacedFile& u : m.ListRecovered()) s.unplaced.push_back(std::move(u));
   std::string first;
   for (const auto& f : held) {
     std::lock_guard lock(f->mu);

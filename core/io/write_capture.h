@@ -22,11 +22,13 @@
 // as they were at close; a recovered file never gets S_ISUID/S_ISGID from it) in close
 // order. Start() reads back the journal of each dead mount (capture_mount.h says which), on its
 // own: in close order, a closed file whose part holds every chunk with its recorded hash is
-// finished (renamed into place, one log line); from the first one that is not, that file and
-// every later one are discarded (one log line each), so nothing is ever visible under a final
-// name torn or ahead of what was closed before it; parts never closed are discarded. A whole
+// finished (renamed into place, one log line); the first one that is not is discarded, and every
+// later one is set aside whole in SRC/.ucpfs/capture/recovered/<state>/<path> (or discarded when
+// it is not whole itself), so nothing is ever visible under a final name torn or ahead of what
+// was closed before it, and nothing whole is destroyed; parts never closed are discarded. A whole
 // file whose place cannot take it (its directory is gone, the disk is full) is kept, with every
-// later one, for the next mount. The journal is untrusted input (it lives in the checkpoint
+// later one, for the next mount. Namespace changes go through options.names (NameOps) and are
+// fsync'd in an order that keeps all this true across a power cut, during recovery too. The journal is untrusted input (it lives in the checkpoint
 // directory): it is bounded, every record is checksummed and every path checked before use.
 //
 // A full cache whose flushers cannot write (a dead disk, a full one) fails a writer waiting for
@@ -58,6 +60,7 @@
 #include <vector>
 
 #include "core/io/io_engine.h"
+#include "core/io/name_ops.h"
 #include "core/io/pinned_cache.h"
 #include "core/status.h"
 
@@ -76,6 +79,9 @@ struct WriteCaptureOptions {
   unsigned queue_depth = 8;  // ops in flight per flusher
   // One engine per flusher thread (and one for the committer); default MakeDefaultEngine.
   std::function<std::unique_ptr<IoEngine>()> make_engine;
+  // The namespace changes (parts created, renamed into place, unlinked) and directory fsyncs;
+  // default RealNameOps(). A test's MakeFaultNameOps sees them for its power cuts.
+  std::shared_ptr<NameOps> names;
   // One line per event worth a log (recovery, flush errors).
   std::function<void(const std::string&)> log;
   // Called on the committer thread after a file is durable under its final name.
@@ -95,7 +101,8 @@ struct WriteCaptureOptions {
 struct UnplacedFile {
   std::string path;     // relative to SRC
   std::string reason;   // why not (yet)
-  std::string kept_in;  // the state directory holding its bytes durably; "" while in memory only
+  std::string kept_in;  // the directory holding its bytes durably (a state directory, or
+                        // recovered/<state>: set aside, never placed); "" while in memory only
 };
 
 // One file being captured. Opaque; shared by every open handle of the file.
@@ -169,7 +176,8 @@ class WriteCapture {
   // commit error of those files (kIo, kNoSpace with sys_errno).
   Status Fsync(CapturedFile& file);
   // Returns once every file closed (or fsync'd) before the call is durable. Retries files whose
-  // flush failed. Errors: as Fsync.
+  // flush failed. Errors: as Fsync; kIo (EIO) naming each file a recovery kept unplaced or set
+  // aside in recovered/ (listed in Stats().unplaced), while there is any.
   Status Sync();
   // The pending file was unlinked: it is never placed, and its part is removed. Returns false
   // when it was placed already (then the caller removes it from its directory).

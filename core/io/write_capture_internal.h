@@ -6,7 +6,8 @@
 //   write_capture.cc      the public class, start/stop, the journal appender
 //   capture_flusher.cc    cache -> parts: chunks made resident, queued and written through an IoEngine
 //   capture_committer.cc  close-order placement: flush, truncate, fdatasync, rename, fsync the directory
-//   capture_recovery.cc   the next mount's replay of what a crashed daemon left in the capture directory
+//   capture_recovery.cc   the next mount's replay of what a crashed daemon left in the capture directory,
+//                         and what it set aside in recovered/
 #pragma once
 
 #include <fcntl.h>
@@ -60,6 +61,10 @@ inline int OpenBeneath(int root, const std::string& rel, uint64_t flags) {
 }
 
 inline std::string PartName(uint64_t seq) { return std::to_string(seq) + ".part"; }
+
+// In SRC/.ucpfs/capture: where recovery sets aside whole files it must not place (never a mount
+// id, which always holds a '-').
+inline constexpr char kRecoveredDir[] = "recovered";
 
 // Gives a chunk back; the cache refuses only a chunk it does not know or one given back twice,
 // which is a bug here: say so, loudly, rather than lose track of memory silently.
@@ -190,6 +195,7 @@ class CapturedFile : public std::enable_shared_from_this<CapturedFile> {
 struct WriteCapture::Impl {
   WriteCaptureOptions options;
   std::shared_ptr<PinnedCache> cache;
+  std::shared_ptr<NameOps> names;  // options.names, or the real system calls
   size_t chunk_bytes = 0;
   int capture_root_fd = -1;      // SRC/.ucpfs/capture
   std::string capture_root_dir;  // for messages
@@ -247,6 +253,9 @@ struct WriteCapture::Impl {
 
   // write_capture.cc
   void Journal(const JournalRecord& r);
+  // Returns once every file closed before the call is durable (WriteCapture::Sync without the
+  // check of what recovery left unplaced).
+  Status SyncQueued();
   Status EnsureStarted();
   void Stop();
   void LeaseLoop();
@@ -289,10 +298,27 @@ struct WriteCapture::Impl {
 
   // capture_recovery.cc
   Status Recover();
-  // Recovers the state in `dir_fd` (shown as `shown`); returns the steps kept, unplaced.
-  Result<std::vector<RecoveryStep>> RecoverState(int dir_fd, const std::string& shown);
+  // Recovers the state in `dir_fd` (shown as `shown`, named `state_name` in the capture
+  // directory); returns the steps kept, unplaced.
+  Result<std::vector<RecoveryStep>> RecoverState(int dir_fd, const std::string& shown, const std::string& state_name);
+  Status WriteKeptJournal(const std::vector<RecoveryStep>& kept, int dir_fd, const std::string& shown);
+  // The step's part, verified against its chunk records, with its size, mode, owner and times,
+  // fdatasync'd. Errors: kDataLoss when its bytes are not what was flushed; kIo.
+  Result<int> OpenVerified(const RecoveryStep& step, int dir_fd, const std::string& shown);
   // *placing_failed: the file is whole but its place cannot take it now (kept, not discarded).
   Status FinishRecovered(const RecoveryStep& step, int dir_fd, const std::string& shown, bool* placing_failed);
+  // Moves a whole file that must not be placed (RecoveryStep::recover) to
+  // recovered/<state_name>/<path>, durably. *verified false: its part is not whole (discard it).
+  Status KeepRecovered(const RecoveryStep& step, int dir_fd, const std::string& shown, const std::string& state_name,
+                       bool* verified);
+  // What recovered/ holds now (listed as unplaced; bounded: the directory is untrusted).
+  std::vector<UnplacedFile> ListRecovered() const;
+  // Removes what recovered/ holds of states whose files were all moved or deleted (their empty
+  // directories and their .why), and recovered/ itself when empty.
+  void PruneRecovered();
+  // kIo (EIO) naming every file recovery kept unplaced or set aside, which a sync must not call
+  // durable; OK when there is none.
+  Status CheckNothingAside() const;
   void NoteKept(const std::vector<RecoveryStep>& kept, const std::string& where);
 };
 

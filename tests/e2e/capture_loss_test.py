@@ -14,6 +14,10 @@ Plain bytes through a real FUSE mount (torch only to make a source for 4):
  5. a full cache over a full disk (a 16M cache, a source on an 8 MiB tmpfs, --write-stall-timeout 2):
     a writer of a file larger than both gets ENOSPC from write() within seconds instead of
     hanging, and an unlink through the mount frees everything (umount exits 0).
+ 6. a file a crash recovery set aside in SRC/.ucpfs/capture/recovered/ (whole, but closed after a
+    torn one: tests/unit/write_capture_test.cc makes such recoveries) is named by `ucpfs status`,
+    `ucpfs sync` and `ucpfs umount` (both exit non-zero) at every mount, never placed, until it
+    is moved or deleted.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs python3 tests/e2e/capture_loss_test.py
 """
@@ -226,6 +230,35 @@ def stalled_writer(work):
     finally:
         subprocess.run(["umount", "-l", src])
     return f"ENOSPC at write() after {outcome['seconds']:.1f} s (stall timeout 2 s); umount 0 after the unlink"
+def set_aside(work):
+    src, mnt = os.path.join(work, "src6"), os.path.join(work, "mnt6")
+    aside = os.path.join(src, ".ucpfs", "capture", "recovered", "node-1-0000abcd")
+    os.makedirs(os.path.join(aside, "step9"), mode=0o700)
+    data = os.urandom(5000)
+    with open(os.path.join(aside, "step9", "latest"), "wb") as f:
+        f.write(data)
+    with open(aside + ".why", "w") as f:
+        f.write("committed after 'step9/shard.pt', which could not be finished\n")
+    for _ in range(2):  # listed again by the next mount
+        mount(src, mnt)
+        try:
+            out = run([ucpfs_bin(), "status", mnt]).stdout
+            assert "not placed:  step9/latest" in out and "step9/shard.pt" in out and "recovered" in out, out
+            r = run([ucpfs_bin(), "sync", mnt, "--quiet"], check=False)
+            assert r.returncode != 0 and "step9/latest" in r.stderr, (r.returncode, r.stderr)
+            err = umount(mnt, expect_rc=1)
+            assert "step9/latest" in err, err
+        finally:
+            force_umount(mnt)
+        assert not os.path.exists(os.path.join(src, "step9", "latest")), "a file set aside was placed"
+    os.remove(os.path.join(aside, "step9", "latest"))  # someone decided
+    mount(src, mnt)
+    try:
+        run([ucpfs_bin(), "sync", mnt, "--quiet"])
+        umount(mnt)
+    finally:
+        force_umount(mnt)
+    return "named by status, sync and umount (exit 1) at every mount, never placed, until deleted"
 
 
 def main():
@@ -239,6 +272,8 @@ def main():
         res.check("--read-only-index: no write capture, nothing created in SRC", lambda: read_only_index(work))
         res.check("full cache over a full disk: the writer gets ENOSPC after the stall timeout, never hangs",
                   lambda: stalled_writer(work))
+        res.check("a file set aside by a crash recovery: named until moved or deleted, never placed",
+                  lambda: set_aside(work))
     res.finish()
 
 

@@ -2,7 +2,7 @@
 // in the checkpoint directory) must parse or give a clean error, never crash, hang or allocate
 // without bound; the recovery plan made from whatever parses must only ever finish files whose
 // recorded chunks tile their size, with paths that pass CheckPlacePath, and never finish a file
-// committed after one it discards.
+// committed after one it discards (those whole are set aside, `recover`, never finished).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -45,11 +45,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<RecoveryStep> plan = PlanRecovery(*parsed, parts);
   bool discarded = false;
   for (const RecoveryStep& step : plan) {
-    if (!step.finish) {
+    if (step.finish && step.recover) std::abort();
+    if (!step.finish && !step.recover) {
       if (!step.path.empty()) discarded = true;
       continue;
     }
-    if (discarded || !CheckPlacePath(step.path).ok()) std::abort();
+    // A file set aside (recover) only ever follows one that is not finished; a finished one never.
+    if (discarded != step.recover || !CheckPlacePath(step.path).ok()) std::abort();
     uint64_t covered = 0;
     for (const auto& c : step.chunks) {
       if (c.byte_offset != covered) std::abort();
