@@ -1461,5 +1461,26 @@ TEST(OpenOrBuild, UsesTheCacheWhenTheSourceIsReadOnly) {
   ::unsetenv("XDG_CACHE_HOME");
 }
 
+// The stored facts are untrusted like every other record: what no scanner writes is refused
+// (the catalog turns it into kDataLoss and rebuilds), never read as defaults.
+TEST(SourceFacts, DecodeRefusesWhatNoScannerWrites) {
+  Result<SourceFacts> none = DecodeSourceFacts("");
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(std::holds_alternative<std::monostate>(*none));
+  for (const char* bad : {"not json", "[]", "{}", R"({"dcp": {}, "weights": {}})", R"({"nope": {}})",
+                          R"({"deepspeed": {"tag": 1}})", R"({"deepspeed": {"tag": "t", "zero_stage": 4}})",
+                          R"({"megatron": {}})", R"({"dcp": {"megatron_args": {"vocab_size": -1}}})",
+                          R"({"dcp": {"megatron_args": []}})",
+                          R"({"weights": {"container": "safetensors", "files": [1], "skipped_values": 0}})",
+                          R"({"torch_state": {"optimizer_file": "o.pt", "optimizer_prefix": "", "optimizer_top_key": 3}})"}) {
+    Result<SourceFacts> r = DecodeSourceFacts(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) {
+      EXPECT_NE(r.error().message().find("index:"), std::string::npos) << r.error().message();
+    }
+  }
+  EXPECT_FALSE(DecodeSourceFacts(std::string(kMaxSourceFactsBytes + 1, ' ')).ok());
+}
+
 }  // namespace
 }  // namespace ucpfs::index
