@@ -1,6 +1,6 @@
 // The LMDB catalog (see catalog.h). The index is one file, `data.mdb`, an LMDB environment
 // opened with MDB_NOSUBDIR | MDB_NOLOCK:
-//   "meta"  : schema_version (u32 LE), fingerprint (u64 LE), format, flavor, format_info
+//   "meta"  : schema_version (u32 LE), fingerprint (u64 LE), format, flavor, facts (source_facts.h)
 //             (strings), n_files, n_items (u64 LE)
 //   "files" : u32 BE file_id  -> codec::EncodeSourceFile
 //   "items" : u64 BE item index -> codec::EncodeItem
@@ -643,7 +643,7 @@ Status WriteCatalog(const Fd& file, const std::string& index_dir, const Checkpoi
   }
   UCPFS_RETURN_IF_ERROR(put(meta, "format", checkpoint.format, 0, "meta"));
   UCPFS_RETURN_IF_ERROR(put(meta, "flavor", checkpoint.flavor, 0, "meta"));
-  UCPFS_RETURN_IF_ERROR(put(meta, "format_info", checkpoint.format_info, 0, "meta"));
+  UCPFS_RETURN_IF_ERROR(put(meta, "facts", EncodeSourceFacts(checkpoint.facts), 0, "meta"));
   UCPFS_RETURN_IF_ERROR(put(meta, "n_files", codec::EncodeU64Le(checkpoint.files.size()), 0, "meta"));
   UCPFS_RETURN_IF_ERROR(put(meta, "n_items", codec::EncodeU64Le(checkpoint.items.size()), 0, "meta"));
   UCPFS_RETURN_IF_ERROR(put(meta, "fingerprint", codec::EncodeU64Le(fingerprint), 0, "meta"));
@@ -672,6 +672,9 @@ Status CheckStorable(const std::string& index_dir, const Checkpoint& checkpoint)
                                 std::to_string(checkpoint.files.size()) + ")");
   }
   // An index that can never load would be rebuilt on every mount: refuse it up front.
+  if (EncodeSourceFacts(checkpoint.facts).size() > kMaxSourceFactsBytes) {
+    return InvalidArgumentError("index " + index_dir + ": the scanner's facts are too large to store");
+  }
   return CheckFileIds(checkpoint, "index " + index_dir, StatusCode::kInvalidArgument);
 }
 
@@ -704,11 +707,12 @@ Result<Checkpoint> ReadCatalog(const Fd& file, const std::string& index_dir, uin
   {
     UCPFS_ASSIGN_OR_RETURN(std::string_view format, GetMeta(txn.get(), meta, index_dir, "format"));
     UCPFS_ASSIGN_OR_RETURN(std::string_view flavor, GetMeta(txn.get(), meta, index_dir, "flavor"));
-    UCPFS_ASSIGN_OR_RETURN(std::string_view info, GetMeta(txn.get(), meta, index_dir, "format_info"));
-    if (info.size() > kMaxFormatInfoBytes) return DataLoss(index_dir, "meta format_info too large");
+    UCPFS_ASSIGN_OR_RETURN(std::string_view facts, GetMeta(txn.get(), meta, index_dir, "facts"));
+    Result<SourceFacts> decoded = DecodeSourceFacts(facts);
+    if (!decoded.ok()) return DataLoss(index_dir, "meta facts: " + decoded.error().message());
     cp.format = std::string(format);
     cp.flavor = std::string(flavor);
-    cp.format_info = std::string(info);
+    cp.facts = std::move(*decoded);
   }
 
   MDB_dbi files, items;
@@ -742,7 +746,7 @@ Result<Checkpoint> ReadCatalog(const Fd& file, const std::string& index_dir, uin
 }
 
 // The child's answer, as frames (u32 LE length, bytes): "ok", fingerprint (u64 LE), format,
-// flavor, format_info, n_files (u64 LE), one codec::EncodeSourceFile frame per file, n_items (u64 LE), one
+// flavor, facts (EncodeSourceFacts), n_files (u64 LE), one codec::EncodeSourceFile frame per file, n_items (u64 LE), one
 // codec::EncodeItem frame per item; or "error", code (u32 LE), errno (u32 LE), message.
 class FrameWriter {
  public:
@@ -790,7 +794,7 @@ std::string EncodeAnswer(const Result<Checkpoint>& r, uint64_t fingerprint) {
   w.Add(codec::EncodeU64Le(fingerprint));
   w.Add(r->format);
   w.Add(r->flavor);
-  w.Add(r->format_info);
+  w.Add(EncodeSourceFacts(r->facts));
   w.Add(codec::EncodeU64Le(r->files.size()));
   for (const SourceFile& f : r->files) w.Add(codec::EncodeSourceFile(f));
   w.Add(codec::EncodeU64Le(r->items.size()));
@@ -817,12 +821,14 @@ Result<Checkpoint> DecodeAnswer(std::string_view answer, const std::string& inde
   std::string_view format, flavor, info, rec;
   uint64_t stored = 0, n = 0;
   if (kind != "ok" || !r.NextU64(&stored) || !r.Next(&format) || !r.Next(&flavor) || !r.Next(&info) ||
-      info.size() > kMaxFormatInfoBytes || !r.NextU64(&n) || n > r.frames_left_at_most()) {
+      !r.NextU64(&n) || n > r.frames_left_at_most()) {
     return garbled;
   }
+  Result<SourceFacts> facts = DecodeSourceFacts(info);
+  if (!facts.ok()) return DataLoss(index_dir, "meta facts: " + facts.error().message());
   cp.format = std::string(format);
   cp.flavor = std::string(flavor);
-  cp.format_info = std::string(info);
+  cp.facts = std::move(*facts);
   cp.files.reserve(n);
   for (uint64_t i = 0; i < n; ++i) {
     if (!r.Next(&rec)) return garbled;

@@ -14,6 +14,7 @@
 #include "core/dtype.h"
 #include "core/io/file_source.h"
 #include "core/slice/slice.h"
+#include "index/source_facts.h"
 
 namespace ucpfs::index {
 
@@ -51,14 +52,13 @@ struct Item {
 // and no ".." component.
 bool SafeRelativePath(const std::string& p);
 
-inline constexpr size_t kMaxFormatInfoBytes = 1 << 20;
-
 struct Checkpoint {
-  std::string format;  // "dcp"
-  std::string flavor;  // "torch-1.13", "torch-2.x", "megatron-torch_dist"
-  // Format-specific facts the views need beyond files and items, as JSON text (empty: none).
-  // DeepSpeed: see deepspeed_scan.h. At most kMaxFormatInfoBytes.
-  std::string format_info;
+  // Display text only (status, inspect): the scanner's name, e.g. "dcp", and its variant, e.g.
+  // "torch-2.x". What the views need to know is in `facts`.
+  std::string format;
+  std::string flavor;
+  // What the scanner knows beyond files and items, typed (source_facts.h).
+  SourceFacts facts;
   std::vector<SourceFile> files;
   std::vector<Item> items;
   // Copies the scanner did not read because another tp rank's copy of the same tensor is used

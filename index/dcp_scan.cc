@@ -164,6 +164,7 @@ class DcpScan {
     UCPFS_RETURN_IF_ERROR(ReadMetadata());
     builder_.checkpoint().format = "dcp";
     if (megatron_) builder_.checkpoint().flavor = "megatron-torch_dist";
+    facts_.megatron_core = megatron_;
 
     const bool with_common = megatron_ && IsRegularFile(dir_ + "/common.pt");
     const uint64_t total = entries_.size() + (with_common ? 1 : 0);
@@ -192,6 +193,7 @@ class DcpScan {
       ReadMegatronArgs(id);
       if (progress) progress(++done, total);
     }
+    builder_.checkpoint().facts = facts_;
     Checkpoint out = builder_.Take();
     if (megatron_) {
       // Megatron-Core stacks a block's layers (and experts) under one key: one item per layer.
@@ -212,25 +214,37 @@ class DcpScan {
   // Megatron-LM records its arguments in the common state (`args`, an argparse.Namespace). The
   // vocabulary padding of another tensor-parallel size needs the real vocabulary (vocab_size,
   // None when a tokenizer gave it) and make_vocab_size_divisible_by; splitting the fused QKV
-  // needs the query groups (or heads and kv_channels). Kept in format_info; a common.pt that does not parse, or has no args, leaves it empty (the preset's
-  // defaults apply).
+  // needs the query groups (or heads and kv_channels); Megatron's weight-decay rule, which the
+  // optimizer's param groups are matched by (MegatronCoreOptimizerFactsOf), needs
+  // apply_wd_to_qk_layernorm. Decoded here once into the facts; a common.pt that does not parse,
+  // or has no args, leaves them unset (the preset's defaults apply).
   void ReadMegatronArgs(uint32_t common_id) {
     auto tf = builder_.OpenTorchFile(common_id);
     if (!tf.ok()) return;
     const pickle::PickleGraph& g = tf->graph();
     const pickle::NodeId args = g.DictGet(g.root(), "args");
+    MegatronCoreArgs known;
+    const pickle::NodeId wd = Get(g, args, "apply_wd_to_qk_layernorm");
+    known.apply_wd_to_qk_layernorm =
+        (g.kind(wd) == pickle::Kind::kBool && g.bool_value(wd)) || (g.kind(wd) == pickle::Kind::kInt && g.int_value(wd) != 0);
+    bool any = known.apply_wd_to_qk_layernorm;
     const pickle::NodeId fields = g.kind(args) == pickle::Kind::kObject ? g.state(args) : pickle::kNoNode;
-    if (g.kind(fields) != pickle::Kind::kDict) return;
-    nlohmann::json known = nlohmann::json::object();
-    for (const char* name : {"vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size",
-                             "num_attention_heads", "num_query_groups", "kv_channels"}) {
-      const pickle::NodeId v = g.DictGet(fields, name);
-      if (g.kind(v) == pickle::Kind::kInt && g.int_value(v) > 0) known[name] = g.int_value(v);
+    if (g.kind(fields) == pickle::Kind::kDict) {
+      auto positive = [&](const char* name, std::optional<int64_t>* into) {
+        const pickle::NodeId v = g.DictGet(fields, name);
+        if (g.kind(v) == pickle::Kind::kInt && g.int_value(v) > 0) *into = g.int_value(v);
+        any |= into->has_value();
+      };
+      positive("vocab_size", &known.vocab_size);
+      positive("make_vocab_size_divisible_by", &known.make_vocab_size_divisible_by);
+      positive("padded_vocab_size", &known.padded_vocab_size);
+      positive("num_attention_heads", &known.num_attention_heads);
+      positive("kv_channels", &known.kv_channels);
+      // Megatron-LM keeps num_query_groups from the command line even without GQA.
+      const pickle::NodeId gqa = g.DictGet(fields, "group_query_attention");
+      if (g.kind(gqa) == pickle::Kind::kBool && g.bool_value(gqa)) positive("num_query_groups", &known.num_query_groups);
     }
-    // Megatron-LM keeps num_query_groups from the command line even without GQA.
-    const pickle::NodeId gqa = g.DictGet(fields, "group_query_attention");
-    if (g.kind(gqa) != pickle::Kind::kBool || !g.bool_value(gqa)) known.erase("num_query_groups");
-    if (!known.empty()) builder_.checkpoint().format_info = nlohmann::json{{"megatron_args", known}}.dump();
+    if (any) facts_.args = known;
   }
 
   // ---- directory and metadata ------------------------------------------------------------
@@ -604,6 +618,7 @@ class DcpScan {
 
   std::string dir_;
   bool megatron_ = false;
+  DcpSourceFacts facts_;
   CheckpointBuilder builder_;
   std::vector<DcpMetadata> metas_;
   std::vector<std::string> meta_names_;
@@ -629,7 +644,8 @@ MegatronCoreOptimizerFacts MegatronCoreOptimizerFactsOf(const Checkpoint& c, con
   using pickle::Kind;
   using pickle::NodeId;
   MegatronCoreOptimizerFacts out;
-  if (c.flavor != "megatron-torch_dist" || !files) return out;
+  const DcpSourceFacts* dcp = std::get_if<DcpSourceFacts>(&c.facts);
+  if (dcp == nullptr || !dcp->megatron_core || !files) return out;
   const Item* common = nullptr;
   for (const Item& it : c.items) {
     if (it.kind == ItemKind::kBytes && it.key == "common.pt") common = &it;
@@ -715,7 +731,7 @@ MegatronCoreOptimizerFacts MegatronCoreOptimizerFactsOf(const Checkpoint& c, con
   // The parameters of each class, in mapping order. Expert parameters (`.experts.`: SequentialMLP's
   // local_experts, TEGroupedMLP's experts) are expert-parallel when the optimizer has such groups
   // (Megatron-Core marks them so only with expert_model_parallel_size > 1).
-  const bool wd_on_qk_layernorm = truthy(Get(g, Get(g, g.root(), "args"), "apply_wd_to_qk_layernorm"));
+  const bool wd_on_qk_layernorm = dcp->args && dcp->args->apply_wd_to_qk_layernorm;
   std::vector<std::string> members[4];
   for (const ParamEntry& p : mapping.params) {
     int32_t primary = p.item[static_cast<int>(StateKind::kWeight)];

@@ -329,7 +329,7 @@ class DeepSpeedScanner {
       if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
       builder_.AddItem(std::move(item));
     }
-    UCPFS_ASSIGN_OR_RETURN(cp.format_info, FormatInfo());
+    UCPFS_ASSIGN_OR_RETURN(cp.facts, Facts());
     return builder_.Take();
   }
 
@@ -506,29 +506,25 @@ class DeepSpeedScanner {
     return std::optional<Item>(std::move(item));
   }
 
-  // What the universal view needs beyond items (deepspeed_scan.h, "format_info").
-  Result<std::string> FormatInfo() const {
-    nlohmann::json info;
-    info["tag"] = tag_.empty() ? std::string() : tag_;
-    info["zero_stage"] = stage_;
-    info["dp"] = dp_;
-    info["tp"] = tp_;
-    info["pp"] = pp_;
-    info["universal_checkpoint_info"] = uc_json_;
+  // What the universal view needs beyond items (DeepSpeedSourceFacts).
+  Result<DeepSpeedSourceFacts> Facts() const {
+    DeepSpeedSourceFacts info;
+    info.tag = tag_;
+    info.zero_stage = stage_;
+    info.dp = dp_;
+    info.tp = tp_;
+    info.pp = pp_;
+    info.universal_checkpoint_info = uc_json_;
     // The files ds_to_universal copies next to zero/: mp_rank_* (ZeRO-1/2, BF16_Optimizer) or
     // every *model_states.pt (ZeRO-3).
-    nlohmann::json model_files = nlohmann::json::array();
     if (zero3_) {
-      for (const auto& [key, name] : files_.zero3_model) model_files.push_back(Rel(name));
+      for (const auto& [key, name] : files_.zero3_model) info.model_files.push_back(Rel(name));
     } else {
-      for (const auto& [mp, name] : files_.model) model_files.push_back(Rel(name));
+      for (const auto& [mp, name] : files_.model) info.model_files.push_back(Rel(name));
     }
-    info["model_files"] = model_files;
-    info["optimizer_file"] = Rel(files_.optim.begin()->second);
+    info.optimizer_file = Rel(files_.optim.begin()->second);
     // A param group's step when the optimizer keeps it as a Python number (a tensor step is
-    // the item optimizer.state.<name>.step): per group, the number or null.
-    nlohmann::json steps = nlohmann::json::array();
-    uint64_t budget = 100000;
+    // the item optimizer.state.<name>.step): per group, the number or nullopt.
     const pickle::PickleGraph& og = optim_[0][0].graph();
     const pickle::NodeId osd = Get(og, og.root(), "optimizer_state_dict");
     const pickle::NodeId state = Get(og, Get(og, osd, zero3_ ? "optimizer_state_dict" : "base_optimizer_state"), "state");
@@ -539,15 +535,14 @@ class DeepSpeedScanner {
       }
       const pickle::NodeId step = Get(og, group, "step");
       const pickle::Kind kind = og.kind(step);
-      steps.push_back(kind == pickle::Kind::kInt || kind == pickle::Kind::kFloat ? PlainJson(og, step, 0, &budget)
-                                                                                  : nlohmann::json(nullptr));
+      info.number_steps.push_back(kind == pickle::Kind::kInt     ? std::optional<double>(og.int_value(step))
+                                  : kind == pickle::Kind::kFloat ? std::optional<double>(og.float_value(step))
+                                                                 : std::nullopt);
     }
-    info["number_steps"] = steps;
-    std::string text = info.dump();
-    if (text.size() > kMaxFormatInfoBytes) {
+    if (EncodeSourceFacts(info).size() > kMaxSourceFactsBytes) {
       return CorruptError(Where(0, 0) + ": universal_checkpoint_info is too large");
     }
-    return text;
+    return info;
   }
 
   std::string Rel(const std::string& name) const { return tag_dir_.empty() ? name : tag_dir_ + "/" + name; }

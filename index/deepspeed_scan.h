@@ -24,12 +24,10 @@
 // along dim 0, vocabulary rows with their padding), through layout::TargetSlice. A parameter on
 // several pipeline stages (tied embeddings) is read from the first.
 //
-// Checkpoint::format_info (JSON), what the universal view (universal_view.h) needs beyond the
-// items: {"tag": the tag directory ("" when the directory is the tag), "zero_stage": 1, 2, 3 or
-// 0 (BF16_Optimizer), "dp", "tp", "pp": degrees, "universal_checkpoint_info": the model states'
-// dict as plain JSON (non-plain values null) or null, "model_files": the model-states files
-// ds_to_universal copies (relative paths), "optimizer_file": (mp 0, dp 0)'s optimizer file,
-// "number_steps": per param group, its step when kept as a Python number, else null}.
+// Checkpoint::facts: DeepSpeedSourceFacts (source_facts.h), what the universal view
+// (universal_view.h) needs beyond the items: the tag, the ZeRO stage, the degrees, the
+// universal_checkpoint_info dict as plain JSON, the model-states files ds_to_universal copies,
+// (mp 0, dp 0)'s optimizer file and each param group's step kept as a Python number.
 //
 // `zero_stage` is read in both pickled forms of ZeroStageEnum (DeepSpeedZeroStage).
 //

@@ -99,12 +99,9 @@ Result<std::vector<std::string>> ListDeepSpeedTags(const std::string& save_dir, 
 Result<DeepSpeedTags> BuildDeepSpeedTagViews(const std::string& save_dir, const Checkpoint& latest,
                                              std::shared_ptr<IoCounters> counters) {
   DeepSpeedTags out;
-  if (latest.format != "deepspeed") return out;
-  const nlohmann::json info = nlohmann::json::parse(latest.format_info, nullptr, /*allow_exceptions=*/false);
-  if (!info.is_object() || !info.contains("tag") || !info["tag"].is_string()) {
-    return CorruptError(save_dir + ": the index's DeepSpeed format_info names no tag");
-  }
-  const std::string latest_tag = info["tag"].get<std::string>();
+  const auto* info = std::get_if<DeepSpeedSourceFacts>(&latest.facts);
+  if (info == nullptr) return out;
+  const std::string& latest_tag = info->tag;
   if (latest_tag.empty()) return out;  // a tag directory by itself
   UCPFS_ASSIGN_OR_RETURN(const std::vector<std::string> names,
                          ListDeepSpeedTags(save_dir, latest_tag, kMaxDeepSpeedTags, &out.n_left_out));

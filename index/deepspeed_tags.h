@@ -60,10 +60,10 @@ Result<std::vector<std::string>> ListDeepSpeedTags(const std::string& save_dir, 
                                                    size_t max_tags, size_t* n_left_out);
 
 // The universal view of every other tag of `save_dir`, the directory `latest` was indexed from
-// (`latest`: its Checkpoint). Nothing when `latest` is not a "deepspeed" checkpoint or its
-// format_info names no tag (a tag directory mounted by itself). `counters` (may be null) counts
-// the reads of the tags' files. Errors: kIo when `save_dir` cannot be listed; kCorrupt when
-// `latest`'s format_info is not JSON. Each tag's own failure is in its DeepSpeedTag::error.
+// (`latest`: its Checkpoint). Nothing when `latest` is not a DeepSpeed checkpoint or its facts
+// name no tag (a tag directory mounted by itself). `counters` (may be null) counts the reads of
+// the tags' files. Errors: kIo when `save_dir` cannot be listed. Each tag's own failure is in its
+// DeepSpeedTag::error.
 Result<DeepSpeedTags> BuildDeepSpeedTagViews(const std::string& save_dir, const Checkpoint& latest,
                                              std::shared_ptr<IoCounters> counters);
 

@@ -128,10 +128,12 @@ struct MatcherRule {
   std::string label;  // "user rule 2 (pattern ...)" / "built-in rule 5 (...)"
 };
 
-const std::vector<KeyRule>& CompiledBuiltins(std::string_view format) {
+// The built-in rules of `checkpoint`: a weights-only source's (its scanner's facts say so), else
+// the training checkpoints'.
+const std::vector<KeyRule>& CompiledBuiltins(const Checkpoint& checkpoint) {
   static const std::vector<KeyRule> rules = BuiltinRules();
   static const std::vector<KeyRule> weights = BuiltinRules("weights");
-  return format == "weights" ? weights : rules;
+  return std::holds_alternative<WeightsSourceFacts>(checkpoint.facts) ? weights : rules;
 }
 
 Result<std::string> ReadWholeFile(const std::string& path) {
@@ -574,7 +576,7 @@ Result<KeyMapping> MapKeys(const Checkpoint& checkpoint, const std::vector<KeyRu
     if (!s.ok()) return s.WithContext("user rule " + std::to_string(i));
     user.push_back(std::move(r));
   }
-  const std::vector<KeyRule>& builtins = CompiledBuiltins(checkpoint.format);
+  const std::vector<KeyRule>& builtins = CompiledBuiltins(checkpoint);
   std::vector<MatcherRule> rules;
   rules.reserve(user.size() + builtins.size());
   for (size_t i = 0; i < user.size(); ++i) {

@@ -78,6 +78,21 @@ bool IsNone(const pickle::PickleGraph& g, pickle::NodeId n) {
   return n == pickle::kNoNode || g.kind(n) == pickle::Kind::kNone;
 }
 
+// The model facts the views take from the args (megatron_scan.h MegatronModelFacts); the
+// embedding's tying is left to the names.
+layout::ModelInfo ModelInfoOf(const MegatronSourceFacts& f) {
+  layout::ModelInfo info;
+  info.n_layers = static_cast<int>(std::min<int64_t>(f.num_layers, kMaxLayers));
+  info.gated_linear_unit = f.swiglu;
+  info.hidden_size = f.hidden_size;
+  info.num_attention_heads = f.num_attention_heads;
+  info.num_query_groups = f.num_query_groups;
+  info.head_dim = f.kv_channels;
+  info.vocab_size = f.vocab_size.value_or(0);
+  info.vocab_pad_multiple = f.make_vocab_size_divisible_by;
+  return info;
+}
+
 // The model facts of `args` (megatron_scan.h).
 struct Args {
   int tp = 1, pp = 1;
@@ -291,7 +306,7 @@ class MegatronScanner {
       if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, Abs(iter_dir_)));
       builder_.AddItem(std::move(item));
     }
-    cp.format_info = FormatInfo();
+    cp.facts = Facts();
     return builder_.Take();
   }
 
@@ -404,7 +419,7 @@ class MegatronScanner {
                           const std::string& where) const {
     Placement pl;
     pl.global_shape = local;
-    layout::ModelInfo info = Facts();
+    layout::ModelInfo info = ModelFacts();
     info.vocab_size = 0;  // the stored rows, padding included, are the global tensor
     auto pattern = layout::PatternFor(layout::Preset::kMegatron, name, local, info);
     if (!pattern.ok()) {
@@ -786,41 +801,34 @@ class MegatronScanner {
     return offsets;
   }
 
-  layout::ModelInfo Facts() const {
-    layout::ModelInfo info;
-    info.n_layers = static_cast<int>(args_.num_layers);
-    info.gated_linear_unit = args_.swiglu;
-    info.hidden_size = args_.hidden_size;
-    info.num_attention_heads = args_.heads;
-    info.num_query_groups = args_.query_groups;
-    info.head_dim = args_.kv_channels;
-    info.vocab_size = args_.vocab;
-    info.vocab_pad_multiple = args_.divisible_by;
+  layout::ModelInfo ModelFacts() const {
+    layout::ModelInfo info = ModelInfoOf(Facts());
     info.tied_embeddings = args_.tied;
     return info;
   }
 
-  std::string FormatInfo() const {
-    nlohmann::json info;
-    info["iteration"] = iteration_.empty() ? nlohmann::json(nullptr) : nlohmann::json(iteration_);
-    info["dir"] = iter_dir_;
-    info["tp"] = args_.tp;
-    info["pp"] = args_.pp;
-    info["num_layers"] = args_.num_layers;
-    info["hidden_size"] = args_.hidden_size;
-    info["num_attention_heads"] = args_.heads;
-    info["num_query_groups"] = args_.query_groups;
-    info["kv_channels"] = args_.kv_channels;
-    info["swiglu"] = args_.swiglu;
-    info["tied_embeddings"] = args_.tied;
-    info["padded_vocab_size"] = args_.padded_vocab;
-    info["vocab_size"] = args_.vocab > 0 ? nlohmann::json(args_.vocab) : nlohmann::json(nullptr);
-    info["make_vocab_size_divisible_by"] = args_.divisible_by;
-    info["distributed_optimizer"] = args_.distributed_optimizer;
-    info["checkpoint_version"] = args_.version;
+  // What the views need beyond items (megatron_scan.h MegatronModelFacts, MegatronOptimizerStep).
+  MegatronSourceFacts Facts() const {
+    MegatronSourceFacts info;
+    if (!iteration_.empty()) info.iteration = iteration_;
+    info.dir = iter_dir_;
+    info.tp = args_.tp;
+    info.pp = args_.pp;
+    info.num_layers = args_.num_layers;
+    info.hidden_size = args_.hidden_size;
+    info.num_attention_heads = args_.heads;
+    info.num_query_groups = args_.query_groups;
+    info.kv_channels = args_.kv_channels;
+    info.swiglu = args_.swiglu;
+    info.tied_embeddings = args_.tied;
+    info.padded_vocab_size = args_.padded_vocab;
+    if (args_.vocab > 0) info.vocab_size = args_.vocab;
+    info.make_vocab_size_divisible_by = args_.divisible_by;
+    info.distributed_optimizer = args_.distributed_optimizer;
+    info.checkpoint_version = args_.version;
     // The distributed optimizer's step (its param groups'), which distrib_optim.pt does not hold.
-    info["optimizer_step"] = distopt_step_ ? nlohmann::json(*distopt_step_) : nlohmann::json(nullptr);
-    return info.dump();
+    info.optimizer_step = distopt_step_;
+    return info;
   }
 
   CheckpointBuilder builder_;
@@ -847,27 +855,8 @@ Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress
 }
 
 Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& c) {
-  layout::ModelInfo facts;
-  if (c.format != "megatron") return facts;
-  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, false);
-  auto number = [&](const char* key) -> int64_t {
-    const auto it = info.find(key);
-    return it != info.end() && it->is_number_integer() ? it->get<int64_t>() : -1;
-  };
-  if (!info.is_object() || number("num_layers") < 1 || number("num_attention_heads") < 1 ||
-      number("num_query_groups") < 1 || number("kv_channels") < 1 || number("hidden_size") < 1 ||
-      !info.value("swiglu", nlohmann::json()).is_boolean()) {
-    return CorruptError("index: the Megatron format_info is not what the scanner writes");
-  }
-  facts.n_layers = static_cast<int>(std::min<int64_t>(number("num_layers"), kMaxLayers));
-  facts.num_attention_heads = number("num_attention_heads");
-  facts.num_query_groups = number("num_query_groups");
-  facts.head_dim = number("kv_channels");
-  facts.hidden_size = number("hidden_size");
-  facts.gated_linear_unit = info["swiglu"].get<bool>();
-  facts.vocab_size = std::max<int64_t>(number("vocab_size"), 0);
-  facts.vocab_pad_multiple = std::max<int64_t>(number("make_vocab_size_divisible_by"), 0);
-  return facts;
+  const MegatronSourceFacts* info = std::get_if<MegatronSourceFacts>(&c.facts);
+  return info == nullptr ? layout::ModelInfo() : ModelInfoOf(*info);
 }
 
 bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk_layernorm) {
@@ -877,12 +866,8 @@ bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk
 }
 
 std::optional<double> MegatronOptimizerStep(const Checkpoint& c) {
-  if (c.format != "megatron") return std::nullopt;
-  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, false);
-  if (!info.is_object()) return std::nullopt;
-  const auto it = info.find("optimizer_step");
-  if (it == info.end() || !it->is_number()) return std::nullopt;
-  return it->get<double>();
+  const MegatronSourceFacts* info = std::get_if<MegatronSourceFacts>(&c.facts);
+  return info == nullptr ? std::nullopt : info->optimizer_step;
 }
 
 }  // namespace ucpfs::index

@@ -32,13 +32,10 @@
 // overlap_grad_reduce / ddp_bucket_size / the 40M default, none past the first stage, a tied
 // embedding's copy in its own bucket; bucket-end padding stripped), the total checked against
 // numel_unpadded and every vector's length. The step is the param groups' (a number in
-// model_optim_rng.pt): format_info "optimizer_step", served by MegatronOptimizerStep.
+// model_optim_rng.pt): MegatronSourceFacts::optimizer_step, served by MegatronOptimizerStep.
 //
-// Checkpoint::format_info (JSON): {"iteration": the tracker's text or null, "dir": the iteration
-// directory, "tp", "pp", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-// "kv_channels", "swiglu", "tied_embeddings", "padded_vocab_size", "vocab_size" (null when args
-// has none), "make_vocab_size_divisible_by", "distributed_optimizer", "checkpoint_version",
-// "optimizer_step" (the distributed optimizer's step, else null)}.
+// Checkpoint::facts: MegatronSourceFacts (source_facts.h), the iteration and the model facts of
+// the saved `args`.
 //
 // Supported: Megatron-LM checkpoint_version 3.0 files as Megatron-LM with Megatron-Core
 // >= 0.5 writes them (param groups with wd_mult). Refused with kUnsupported naming the file:
@@ -75,9 +72,9 @@ bool IsMegatronLegacyDirectory(const std::string& dir);
 // Errors: kNotFound, kCorrupt, kUnsupported (see above), naming the file.
 Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress& progress = nullptr);
 
-// The model facts a "megatron" checkpoint's format_info records (heads, query groups, head
-// dim, hidden size, SwiGLU, layers, unpadded vocabulary, vocabulary pad multiple); all zero for
-// other formats. Errors: kCorrupt when format_info is not what the scanner writes.
+// The model facts a Megatron-LM legacy checkpoint's MegatronSourceFacts record (heads, query
+// groups, head dim, hidden size, SwiGLU, layers, unpadded vocabulary, vocabulary pad multiple);
+// all zero for other checkpoints. Errors: none today (the facts were checked when decoded).
 Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
 
 // Megatron-Core's weight-decay rule (optimizer/__init__.py get_standard_config_overrides, as
@@ -86,7 +83,7 @@ Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
 // apply_wd_to_qk_layernorm is set. Shared by this scanner and the torch_dist one (dcp_scan.h).
 bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk_layernorm);
 
-// The step of a "megatron" checkpoint saved with the distributed optimizer (its param groups'
+// The step of a Megatron-LM legacy checkpoint saved with the distributed optimizer (its param groups'
 // step, which model_optim_rng.pt holds as a number and distrib_optim.pt does not hold);
 // nullopt for other checkpoints or when the groups record none.
 std::optional<double> MegatronOptimizerStep(const Checkpoint& checkpoint);

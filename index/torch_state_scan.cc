@@ -264,13 +264,13 @@ class TorchStateScan {
     }
     const FoundOptimizer opt = has_optimizer ? found[0] : FoundOptimizer{pickle::kNoNode, "", "optimizer_states"};
 
-    nlohmann::json info;
-    info["has_optimizer"] = has_optimizer;
-    info["optimizer_file"] = holder;
-    info["optimizer_prefix"] = opt.prefix;
-    info["optimizer_top_key"] = opt.top_key;
+    TorchStateSourceFacts info;
+    info.has_optimizer = has_optimizer;
+    info.optimizer_file = holder;
+    info.optimizer_prefix = opt.prefix;
+    info.optimizer_top_key = opt.top_key;
     if (lightning) {
-      info["framework"] = "lightning";
+      info.framework = "lightning";
       UCPFS_RETURN_IF_ERROR(AddLightningWeights(tf, hid, where, &info));
     } else {
       WeightsOptions wo;
@@ -278,8 +278,8 @@ class TorchStateScan {
       wo.key_prefix = "model.";
       wo.exclude = not_weights;
       UCPFS_ASSIGN_OR_RETURN(WeightsFound w, AddWeights(builder_, wo, nullptr));
-      info["weights_container"] = w.container;
-      if (!w.state_dict_key.empty()) info["weights_wrapper"] = w.state_dict_key;
+      info.weights_container = w.container;
+      info.weights_wrapper = w.state_dict_key;
     }
     std::vector<NamedShape> params;
     for (const Item& it : builder_.checkpoint().items) params.push_back({it.key.substr(6), it.layout.shape});
@@ -292,15 +292,15 @@ class TorchStateScan {
                                        GroupingRule::kTrainerDecayLayerNorm};
     if (!epoch_dir.empty()) {
       // torchtune's recipes: one group over model.parameters() (torchtune's own module order).
-      info["framework"] = "torchtune";
+      info.framework = "torchtune";
       rules = {GroupingRule::kInOrder};
       config = Config(epoch_dir + "/config.json");
     } else if (!lightning && IsRealFile(dir + "/trainer_state.json")) {
       // The Trainer's decay / no-decay groups.
-      info["framework"] = "hf_trainer";
+      info.framework = "hf_trainer";
       rules = {GroupingRule::kTrainerDecay, GroupingRule::kTrainerDecayLayerNorm};
     }
-    if (info.value("weights_container", std::string()) == "safetensors") {
+    if (info.weights_container == "safetensors") {
       if (epoch_dir.empty()) config = Config("config.json");
       const std::string model_type = config.value("model_type", std::string());
       const std::optional<ModuleOrder> known = HfModuleOrder(model_type);
@@ -310,7 +310,7 @@ class TorchStateScan {
       const ModuleOrder order = epoch_dir.empty() ? hf : ModuleOrder::kTorchtuneLlama;
       served_order = params;
       if (has_order && SortModuleOrder(&params, order) && SortModuleOrder(&served_order, hf)) {
-        info["param_order"] = ModuleOrderName(order);
+        info.param_order = ModuleOrderName(order);
         std::map<std::string, size_t> at;
         for (size_t i = 0; i < served_order.size(); ++i) at["model." + served_order[i].name] = i;
         std::vector<Item>& items = builder_.checkpoint().items;
@@ -322,7 +322,7 @@ class TorchStateScan {
                         "(llama, mistral, qwen2, qwen3, gpt2 with their own module names; torchtune: llama)";
       }
     } else {
-      info["param_order"] = "state_dict";
+      info.param_order = "state_dict";
     }
     if (!has_optimizer) return Finish(info, lightning, where, {}, progress);
     PositionalOptimizer po;
@@ -348,9 +348,9 @@ class TorchStateScan {
     }
     std::map<int64_t, std::string> name_of(match.names.begin(), match.names.end());
     if (match.rule) {
-      info["grouping"] = GroupingRuleName(*match.rule);
+      info.grouping = GroupingRuleName(*match.rule);
     } else {
-      info["ambiguous"] = match.why_not;
+      info.ambiguous = match.why_not;
     }
     std::set<std::string> seen;
     for (const format::TensorRecord& rec : tf.tensors()) {
@@ -377,13 +377,13 @@ class TorchStateScan {
       UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
       builder_.AddItem(std::move(item));
     }
-    if (found.size() > 1) info["other_optimizers"] = found.size() - 1;
+    if (found.size() > 1) info.other_optimizers = static_cast<int64_t>(found.size() - 1);
     return Finish(info, lightning, where, schedulers, progress);
   }
 
  private:
   // The scheduler files as whole-file items, and the checkpoint's format facts.
-  Result<Checkpoint> Finish(const nlohmann::json& info, bool lightning, const std::string& where,
+  Result<Checkpoint> Finish(const TorchStateSourceFacts& info, bool lightning, const std::string& where,
                             const std::vector<std::string>& schedulers, const ScanProgress& progress) {
     for (const std::string& s : schedulers) {
       UCPFS_ASSIGN_OR_RETURN(const uint32_t sid, builder_.AddFile(s));
@@ -397,15 +397,15 @@ class TorchStateScan {
     if (progress) progress(1, 1);
     Checkpoint& c = builder_.checkpoint();
     c.format = std::string(kFormat);
-    c.flavor = lightning ? "lightning" : info.value("framework", std::string("torch"));
-    c.format_info = info.dump();
-    if (c.format_info.size() > kMaxFormatInfoBytes) return ResourceExhaustedError(where + ": too much to record");
+    c.flavor = lightning ? "lightning" : info.framework.empty() ? "torch" : info.framework;
+    c.facts = info;
+    if (EncodeSourceFacts(c.facts).size() > kMaxSourceFactsBytes) return ResourceExhaustedError(where + ": too much to record");
     return builder_.Take();
   }
 
   // Lightning's `state_dict.<name>` tensors as `model.<name>`, less the one attribute every name
   // starts with (the LightningModule's wrapped model), if any.
-  Status AddLightningWeights(const format::TorchFile& tf, uint32_t id, const std::string& where, nlohmann::json* info) {
+  Status AddLightningWeights(const format::TorchFile& tf, uint32_t id, const std::string& where, TorchStateSourceFacts* info) {
     const std::string prefix = "state_dict.";
     std::vector<const format::TensorRecord*> recs;
     std::set<std::string> firsts;
@@ -420,7 +420,7 @@ class TorchStateScan {
     }
     std::string strip;
     if (nested && firsts.size() == 1) strip = *firsts.begin() + ".";
-    (*info)["module_prefix"] = strip;
+    info->module_prefix = strip;
     std::set<std::string> seen;
     for (const format::TensorRecord* rec : recs) {
       const std::string name = rec->key.substr(prefix.size() + strip.size());
@@ -482,24 +482,13 @@ NodeId NodeAt(const PickleGraph& g, const std::string& prefix) {
   return n;
 }
 
-// format_info's fields, as the scanner wrote them; an index is untrusted, so a field of another
-// type reads as empty (then nothing matches and the views report it).
-std::string Text(const nlohmann::json& info, const char* key) {
-  auto it = info.find(key);
-  return it != info.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
-bool Flag(const nlohmann::json& info, const char* key) {
-  auto it = info.find(key);
-  return it == info.end() || !it->is_boolean() || it->get<bool>();
-}
-
 // The optimizer's param groups: hyper-parameters as saved, positions named (TorchStateFactsOf).
-void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::json& info, const format::TorchFile& tf,
+void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const TorchStateSourceFacts& info, const format::TorchFile& tf,
                const std::shared_ptr<const ByteSource>& src, const format::PlainValueLimits& limits,
                TorchStateFacts* out) {
   const PickleGraph& g = tf.graph();
-  const std::string file = Text(info, "optimizer_file");
-  const std::string prefix = Text(info, "optimizer_prefix");
+  const std::string& file = info.optimizer_file;
+  const std::string& prefix = info.optimizer_prefix;
   const NodeId opt = NodeAt(g, prefix);
   if (!IsOptimizerStateDict(g, opt)) {
     out->not_served.push_back({file + ": param_groups", src->Name() + ": no optimizer state dict at '" + prefix +
@@ -511,13 +500,13 @@ void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::j
   // Position -> name: the scanner's rule over the weights, or the user's rules for the
   // ambiguous positions' keys.
   std::map<int64_t, std::string> name_of;
-  if (auto rule = ParseGroupingRule(Text(info, "grouping"))) {
+  if (auto rule = ParseGroupingRule(info.grouping)) {
     std::vector<NamedShape> params;
     for (const Item& it : c.items) {
       if (it.kind == ItemKind::kTensor && it.key.starts_with("model.")) params.push_back({it.key.substr(6), it.layout.shape});
     }
     // The items are in the served model's order; the optimizer's may differ (torchtune's).
-    if (auto order = ParseModuleOrder(Text(info, "param_order"))) SortModuleOrder(&params, *order);
+    if (auto order = ParseModuleOrder(info.param_order)) SortModuleOrder(&params, *order);
     if (auto assigned = AssignPositions(params, groups, *rule)) {
       name_of.insert(assigned->begin(), assigned->end());
     } else {
@@ -541,7 +530,7 @@ void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::j
     if (name_of.size() != n_positions) {  // not settled by the user's rules
       out->not_served.push_back({file + ": " + prefix + "state",
                                 "positional optimizer state not matched to parameter names: " +
-                                    Text(info, "ambiguous") +
+                                    info.ambiguous +
                                     "; its keys are optimizer.state.ambiguous.<position>.<field>: pass --rules "
                                     "mapping them to parameter names (state \"$1\")"});
     }
@@ -576,12 +565,12 @@ void AddGroups(const Checkpoint& c, const KeyMapping& mapping, const nlohmann::j
 }
 
 // What a nesting file keeps beside the optimizer and the weights: non-parameter state.
-void AddExtras(const nlohmann::json& info, const format::TorchFile& tf, const std::shared_ptr<const ByteSource>& src,
+void AddExtras(const TorchStateSourceFacts& info, const format::TorchFile& tf, const std::shared_ptr<const ByteSource>& src,
                const format::PlainValueLimits& limits, TorchStateFacts* out) {
   const PickleGraph& g = tf.graph();
-  const std::string prefix = Text(info, "optimizer_prefix");
+  const std::string& prefix = info.optimizer_prefix;
   // Lightning's epoch, global_step, lr_schedulers, loops; torchtune's seed, epochs_run.
-  const std::string top = Text(info, "optimizer_top_key");
+  const std::string& top = info.optimizer_top_key;
   if (!top.empty()) {
     for (const auto& [k, v] : Pairs(g, g.root())) {
       if (g.kind(k) != Kind::kString) continue;
@@ -632,13 +621,10 @@ Result<Checkpoint> ScanTorchState(const std::string& dir, const ScanProgress& pr
 
 TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping, const FileTable& files) {
   TorchStateFacts out;
-  if (c.format != kFormat) return out;
-  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, /*allow_exceptions=*/false);
-  if (!info.is_object()) {
-    out.not_served.push_back({"optimizer", "index: the scanner's facts (format_info) are not a JSON object"});
-    return out;
-  }
-  const std::string file = Text(info, "optimizer_file");
+  const TorchStateSourceFacts* facts = std::get_if<TorchStateSourceFacts>(&c.facts);
+  if (facts == nullptr) return out;
+  const TorchStateSourceFacts& info = *facts;
+  const std::string& file = info.optimizer_file;
   auto fail = [&](const std::string& why) {
     out.not_served.push_back({file + ": param_groups", why});
     return out;
@@ -654,7 +640,7 @@ TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping
   format::PlainValueLimits limits;
   limits.max_depth = 16;
   limits.max_nodes = 1 << 20;
-  if (Flag(info, "has_optimizer")) AddGroups(c, mapping, info, *tf, src, limits, &out);
+  if (info.has_optimizer) AddGroups(c, mapping, info, *tf, src, limits, &out);
   AddExtras(info, *tf, src, limits, &out);
   return out;
 }

@@ -34,7 +34,7 @@ Result<std::pair<format::TorchFile, std::shared_ptr<const ByteSource>>> OpenChec
     UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf, format::TorchFile::Open(src));
     return std::make_pair(std::move(tf), src);
   }
-  return CorruptError("index: format_info names file '" + rel + "', not in the file table");
+  return CorruptError("index: the DeepSpeed facts name file '" + rel + "', not in the file table");
 }
 
 // DeepSpeed's SubparamShape objects, as ds_to_universal saves them under 'sub_param_shape':
@@ -224,43 +224,15 @@ Result<SaveValue> OptimizerState(const Checkpoint& c, const FileTable& files, co
   return SaveValue::Dict(std::move(out));
 }
 
-Result<nlohmann::json> DeepSpeedInfo(const Checkpoint& c) {
-  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, /*allow_exceptions=*/false);
-  if (!info.is_object() || !info.contains("zero_stage") || !info["zero_stage"].is_number_integer() ||
-      !info.contains("optimizer_file") || !info["optimizer_file"].is_string() || !info.contains("model_files") ||
-      !info["model_files"].is_array() || !info.contains("tag") || !info["tag"].is_string()) {
-    return CorruptError("index: the DeepSpeed format_info is incomplete");
-  }
-  return info;
-}
-
 // Megatron-Core torch_dist: the vocabulary facts the scanner read from common.pt's args
-// (dcp_scan.cc: format_info {"megatron_args": {"vocab_size", "make_vocab_size_divisible_by",
-// "num_attention_heads", "num_query_groups", "kv_channels"}}).
-Result<SourcePatterns> MegatronSourcePatterns(const Checkpoint& c) {
+// (dcp_scan.cc ReadMegatronArgs).
+SourcePatterns MegatronSourcePatterns(const MegatronCoreArgs& args) {
   SourcePatterns out;
-  if (c.format_info.empty()) return out;
-  const nlohmann::json info = nlohmann::json::parse(c.format_info, nullptr, false);
-  if (!info.is_object() || !info.contains("megatron_args") || !info["megatron_args"].is_object()) {
-    return CorruptError("index: the Megatron format_info is not an object with megatron_args");
-  }
-  const nlohmann::json& args = info["megatron_args"];
-  auto positive = [&](const char* name, int64_t* into) -> Status {
-    if (!args.contains(name)) return Status::Ok();
-    if (!args[name].is_number_integer() || args[name].get<int64_t>() <= 0 ||
-        args[name].get<int64_t>() > (int64_t{1} << 40)) {
-      return CorruptError(std::string("index: megatron_args.") + name + " is not a positive integer");
-    }
-    *into = args[name].get<int64_t>();
-    return Status::Ok();
-  };
-  int64_t vocab = 0;
-  UCPFS_RETURN_IF_ERROR(positive("vocab_size", &vocab));
-  if (vocab > 0) out.vocab_size = vocab;
-  UCPFS_RETURN_IF_ERROR(positive("make_vocab_size_divisible_by", &out.model_facts.vocab_pad_multiple));
-  UCPFS_RETURN_IF_ERROR(positive("num_attention_heads", &out.model_facts.num_attention_heads));
-  UCPFS_RETURN_IF_ERROR(positive("num_query_groups", &out.model_facts.num_query_groups));
-  UCPFS_RETURN_IF_ERROR(positive("kv_channels", &out.model_facts.head_dim));
+  if (args.vocab_size) out.vocab_size = *args.vocab_size;
+  out.model_facts.vocab_pad_multiple = args.make_vocab_size_divisible_by.value_or(0);
+  out.model_facts.num_attention_heads = args.num_attention_heads.value_or(0);
+  out.model_facts.num_query_groups = args.num_query_groups.value_or(0);
+  out.model_facts.head_dim = args.kv_channels.value_or(0);
   return out;
 }
 
@@ -268,12 +240,13 @@ Result<SourcePatterns> MegatronSourcePatterns(const Checkpoint& c) {
 
 Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
   SourcePatterns out;
-  if (c.flavor == "megatron-torch_dist") return MegatronSourcePatterns(c);
-  if (c.format != "deepspeed") return out;
-  UCPFS_ASSIGN_OR_RETURN(nlohmann::json info, DeepSpeedInfo(c));
+  if (const auto* dcp = std::get_if<DcpSourceFacts>(&c.facts); dcp != nullptr && dcp->megatron_core) {
+    return dcp->args ? MegatronSourcePatterns(*dcp->args) : out;
+  }
+  const auto* info = std::get_if<DeepSpeedSourceFacts>(&c.facts);
+  if (info == nullptr) return out;
   UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc,
-                         ParseDeepSpeedPatterns(info.value("universal_checkpoint_info", nlohmann::json()),
-                                                info["optimizer_file"].get<std::string>()));
+                         ParseDeepSpeedPatterns(info->universal_checkpoint_info, info->optimizer_file));
   for (auto* list : {&uc.replicated, &uc.average, &uc.vocab, &uc.row}) {
     for (auto& r : *list) out.rules.push_back(std::move(r));
   }
@@ -283,10 +256,10 @@ Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
 
 Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& c, const FileTable& files) {
   std::vector<DeepSpeedParamGroup> out;
-  if (c.format != "deepspeed") return out;
-  UCPFS_ASSIGN_OR_RETURN(const nlohmann::json info, DeepSpeedInfo(c));
-  const bool zero3 = info["zero_stage"].get<int>() == 3;
-  UCPFS_ASSIGN_OR_RETURN(auto optim, OpenCheckpointFile(c, files, info["optimizer_file"].get<std::string>()));
+  const auto* info = std::get_if<DeepSpeedSourceFacts>(&c.facts);
+  if (info == nullptr) return out;
+  const bool zero3 = info->zero_stage == 3;
+  UCPFS_ASSIGN_OR_RETURN(auto optim, OpenCheckpointFile(c, files, info->optimizer_file));
   const pickle::PickleGraph& g = optim.first.graph();
   // ZeRO-1/2 and BF16_Optimizer keep the torch optimizer's state as base_optimizer_state; ZeRO-3
   // as optimizer_state_dict, whose groups' `params` number the group's flat sub-groups.
@@ -327,9 +300,8 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
     }
     out.push_back(std::move(pg));
   }
-  for (const auto& m : info["model_files"]) {
-    if (!m.is_string()) return CorruptError("index: the DeepSpeed format_info lists a model file that is not a path");
-    UCPFS_ASSIGN_OR_RETURN(auto model, OpenCheckpointFile(c, files, m.get<std::string>()));
+  for (const std::string& m : info->model_files) {
+    UCPFS_ASSIGN_OR_RETURN(auto model, OpenCheckpointFile(c, files, m));
     const pickle::PickleGraph& mg = model.first.graph();
     const pickle::NodeId shapes = mg.DictGet(mg.root(), "param_shapes");
     if (mg.kind(shapes) != pickle::Kind::kList) return CorruptError(model.second->Name() + ": param_shapes is not a list");
@@ -378,21 +350,19 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
 
 Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, const KeyMapping& mapping,
                                                         const FileTable& files, const std::string& source_name) {
-  if (c.format != "deepspeed") return std::optional<UniversalView>();
-  UCPFS_ASSIGN_OR_RETURN(const nlohmann::json info, DeepSpeedInfo(c));
-  const bool zero3 = info["zero_stage"].get<int>() == 3;
-  const std::string tag = info["tag"].get<std::string>();
+  const auto* info = std::get_if<DeepSpeedSourceFacts>(&c.facts);
+  if (info == nullptr) return std::optional<UniversalView>();
+  const bool zero3 = info->zero_stage == 3;
+  const std::string& tag = info->tag;
   UniversalView view;
   view.dir = (tag.empty() ? source_name : tag) + "_universal";
   if (!tag.empty()) view.latest_universal = view.dir;
-  const std::string optim_rel = info["optimizer_file"].get<std::string>();
-  UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc,
-                         ParseDeepSpeedPatterns(info.value("universal_checkpoint_info", nlohmann::json()), optim_rel));
+  const std::string& optim_rel = info->optimizer_file;
+  UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc, ParseDeepSpeedPatterns(info->universal_checkpoint_info, optim_rel));
 
   // universal_checkpoint_info was read from the first model-states file (mp rank 0).
-  const nlohmann::json& model_files = info["model_files"];
-  SubParamShapes sub_shapes(c, files, !model_files.empty() && model_files[0].is_string() ? model_files[0].get<std::string>()
-                                                                                          : std::string());
+  const std::vector<std::string>& model_files = info->model_files;
+  SubParamShapes sub_shapes(c, files, model_files.empty() ? std::string() : model_files[0]);
   const char* kFiles[] = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"};
   const StateKind kKinds[] = {StateKind::kFp32, StateKind::kExpAvg, StateKind::kExpAvgSq};
   for (const ParamEntry& p : mapping.params) {
@@ -443,10 +413,8 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
   UCPFS_ASSIGN_OR_RETURN(auto optim_src, Build(optim, view.dir, "zero/optimizer_state.pt", "optimizer_state.pt"));
   view.files.push_back({"zero/optimizer_state.pt", std::move(optim_src), {}});
 
-  for (const auto& m : info["model_files"]) {
-    if (!m.is_string()) return CorruptError("index: the DeepSpeed format_info lists a model file that is not a path");
-    const std::string rel = m.get<std::string>();
-    if (!SafeRelativePath(rel)) return CorruptError("index: the DeepSpeed format_info names model file '" + rel + "'");
+  for (const std::string& rel : model_files) {
+    if (!SafeRelativePath(rel)) return CorruptError("index: the DeepSpeed facts name model file '" + rel + "'");
     view.files.push_back({rel.substr(rel.rfind('/') + 1), nullptr, rel});
   }
   return std::optional<UniversalView>(std::move(view));

@@ -84,7 +84,7 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
 
 // The universal view of a "deepspeed" checkpoint; nullopt for other formats. `source_name` is
 // the mounted directory's name, used as the tag when the directory is itself the tag.
-// Errors: kUnsupported (see above), kCorrupt (format_info or rank 0's optimizer file is not what
+// Errors: kUnsupported (see above), kCorrupt (the facts or rank 0's optimizer file are not what
 // the scanner saw), each naming the file or parameter.
 Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& checkpoint, const KeyMapping& mapping,
                                                         const FileTable& files, const std::string& source_name);

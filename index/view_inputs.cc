@@ -192,9 +192,11 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     if (warn) warn(key + ": not served: " + reason);
   };
 
+  const auto* dcp = std::get_if<DcpSourceFacts>(&c.facts);
+  const bool megatron_core = dcp != nullptr && dcp->megatron_core;
   for (int32_t idx : mapping.other_items) {
     const Item& it = c.items[static_cast<size_t>(idx)];
-    if (c.flavor == "megatron-torch_dist" && it.kind == ItemKind::kTensor &&
+    if (megatron_core && it.kind == ItemKind::kTensor &&
         it.key.find("optimizer.distributed.") != std::string::npos && it.key.find(".gbuf_idx_") != std::string::npos) {
       // Copied whole into every rank's extra_state.pt it would be the whole optimizer state, of
       // the source's layout, on each rank.
@@ -263,7 +265,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     in->extras.push_back(std::move(e));
   }
   // DeepSpeed keeps its param groups inside the optimizer files, not as items.
-  if (c.format == "deepspeed") {
+  if (std::holds_alternative<DeepSpeedSourceFacts>(c.facts)) {
     auto ds_groups = DeepSpeedParamGroups(c, files);
     if (!ds_groups.ok()) {
       in->not_served.push_back({"optimizer_state_dict.base_optimizer_state.param_groups", ds_groups.error().message()});
@@ -371,7 +373,7 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
   for (auto& r : own.rules) o.rules.push_back(std::move(r));
   o.vocab_size = own.vocab_size;
   o.model_facts = own.model_facts;
-  if (checkpoint.format == "megatron") {
+  if (std::holds_alternative<MegatronSourceFacts>(checkpoint.facts)) {
     UCPFS_ASSIGN_OR_RETURN(o.model_facts, MegatronModelFacts(checkpoint));
     if (o.model_facts.vocab_size > 0) o.vocab_size = o.model_facts.vocab_size;
   }

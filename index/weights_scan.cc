@@ -305,15 +305,13 @@ Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progr
   Checkpoint& c = builder.checkpoint();
   c.format = "weights";
   c.flavor = found.container;
-  nlohmann::json info;
-  info["container"] = found.container;
-  nlohmann::json files = nlohmann::json::array();
-  for (const SourceFile& f : c.files) files.push_back(f.rel_path);
-  info["files"] = std::move(files);
-  info["skipped_values"] = found.skipped_values;
-  if (!found.state_dict_key.empty()) info["state_dict_key"] = found.state_dict_key;
-  c.format_info = info.dump();
-  if (c.format_info.size() > kMaxFormatInfoBytes) {
+  WeightsSourceFacts info;
+  info.container = found.container;
+  for (const SourceFile& f : c.files) info.files.push_back(f.rel_path);
+  info.skipped_values = static_cast<int64_t>(found.skipped_values);
+  info.state_dict_key = found.state_dict_key;
+  c.facts = std::move(info);
+  if (EncodeSourceFacts(c.facts).size() > kMaxSourceFactsBytes) {
     return ResourceExhaustedError(dir + ": too many weight files to record");
   }
   return builder.Take();

@@ -12,10 +12,10 @@
 // key_map.h). A torch file whose top level holds no tensor but a dict under "state_dict",
 // "model_state_dict", "model" or "module" (the first present) is that dict's state dict
 // (Lightning, training scripts); tensors elsewhere in it (an optimizer's) and non-tensor values
-// are not served (counted in format_info).
+// are not served (counted in WeightsSourceFacts::skipped_values).
 //
-// Checkpoint::format_info (JSON): {"container": "safetensors" | "torch", "files": [...],
-// "skipped_values": N (torch: values not served), "state_dict_key": the wrapper key, if any}.
+// Checkpoint::facts: WeightsSourceFacts (source_facts.h): the container, the files, the values
+// not served and the wrapper key.
 //
 // Untrusted input: the safetensors reader distrusts every header (core/format/safetensors.h),
 // an index must name files inside the directory (never through a symlink) and agree with them

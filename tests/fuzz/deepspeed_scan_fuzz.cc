@@ -1,7 +1,7 @@
 // libFuzzer target: a DeepSpeed save directory built from arbitrary bytes must scan into a
 // Checkpoint or give a clean error, never crash, hang or allocate without bound; what scans must
 // hold up: every fragment inside its file, every tensor covered exactly once
-// (ValidateIndexRecords), format_info JSON of bounded size, every record storable by the catalog
+// (ValidateIndexRecords), facts that round-trip in bounded size, every record storable by the catalog
 // codec, progress never past its total.
 //
 // Input: sections, each the marker kMarker, one role byte, then the file's bytes up to the next
@@ -101,8 +101,9 @@ void WriteFile(const std::string& path, std::string_view bytes) {
 void CheckScan(const std::string& dir, const ucpfs::index::Checkpoint& cp) {
   using namespace ucpfs::index;
   if (ucpfs::Status valid = ValidateIndexRecords(dir, "(fuzz scan)", cp); !valid.ok()) Fail(valid.message());
-  if (cp.format_info.size() > kMaxFormatInfoBytes || !nlohmann::json::accept(cp.format_info)) {
-    Fail("format_info is not JSON of at most kMaxFormatInfoBytes");
+  const std::string facts = EncodeSourceFacts(cp.facts);
+  if (facts.size() > kMaxSourceFactsBytes || !DecodeSourceFacts(facts).ok()) {
+    Fail("the scanner's facts do not round-trip in at most kMaxSourceFactsBytes");
   }
   for (const SourceFile& f : cp.files) {
     if (!codec::DecodeSourceFile(codec::EncodeSourceFile(f)).ok()) Fail("file " + f.rel_path + " does not round-trip");

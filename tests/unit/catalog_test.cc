@@ -149,6 +149,13 @@ Checkpoint RichCheckpoint() {
   Checkpoint cp;
   cp.format = "dcp";
   cp.flavor = "megatron-torch_dist";
+  DcpSourceFacts facts;
+  facts.megatron_core = true;
+  facts.args = MegatronCoreArgs{};
+  facts.args->vocab_size = 50257;
+  facts.args->num_query_groups = 8;
+  facts.args->apply_wd_to_qk_layernorm = true;
+  cp.facts = facts;
   cp.files = {{"__0_0.distcp", 5156, 1700000000123456789},
               {"__1_0.distcp", 2369, -5},  // pre-epoch mtimes exist (e.g. restored archives)
               {"sub dir/ünïcode.distcp", (uint64_t{1} << 40) + 7, 0},
@@ -226,6 +233,7 @@ void ExpectItemEq(const Item& a, const Item& b) {
 void ExpectCheckpointEq(const Checkpoint& a, const Checkpoint& b) {
   EXPECT_EQ(a.format, b.format);
   EXPECT_EQ(a.flavor, b.flavor);
+  EXPECT_EQ(EncodeSourceFacts(a.facts), EncodeSourceFacts(b.facts));
   ASSERT_EQ(a.files.size(), b.files.size());
   for (size_t i = 0; i < a.files.size(); ++i) {
     EXPECT_EQ(a.files[i].rel_path, b.files[i].rel_path);
@@ -1451,6 +1459,27 @@ TEST(OpenOrBuild, UsesTheCacheWhenTheSourceIsReadOnly) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->state, IndexState::kReused);
   ::unsetenv("XDG_CACHE_HOME");
+}
+
+// The stored facts are untrusted like every other record: what no scanner writes is refused
+// (the catalog turns it into kDataLoss and rebuilds), never read as defaults.
+TEST(SourceFacts, DecodeRefusesWhatNoScannerWrites) {
+  Result<SourceFacts> none = DecodeSourceFacts("");
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(std::holds_alternative<std::monostate>(*none));
+  for (const char* bad : {"not json", "[]", "{}", R"({"dcp": {}, "weights": {}})", R"({"nope": {}})",
+                          R"({"deepspeed": {"tag": 1}})", R"({"deepspeed": {"tag": "t", "zero_stage": 4}})",
+                          R"({"megatron": {}})", R"({"dcp": {"megatron_args": {"vocab_size": -1}}})",
+                          R"({"dcp": {"megatron_args": []}})",
+                          R"({"weights": {"container": "safetensors", "files": [1], "skipped_values": 0}})",
+                          R"({"torch_state": {"optimizer_file": "o.pt", "optimizer_prefix": "", "optimizer_top_key": 3}})"}) {
+    Result<SourceFacts> r = DecodeSourceFacts(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) {
+      EXPECT_NE(r.error().message().find("index:"), std::string::npos) << r.error().message();
+    }
+  }
+  EXPECT_FALSE(DecodeSourceFacts(std::string(kMaxSourceFactsBytes + 1, ' ')).ok());
 }
 
 }  // namespace

@@ -189,6 +189,9 @@ TEST(MakeTargetInput, MegatronCoreParamGroupsFromCommonPt) {
     Source s;
     s.ckpt.format = "dcp";
     s.ckpt.flavor = "megatron-torch_dist";
+    DcpSourceFacts facts;
+    facts.megatron_core = true;
+    s.ckpt.facts = facts;
     s.Tensor("w.weight", 4, 1.0f, {2, 2});
     s.Tensor("ln.weight", 2, 5.0f);
     for (const char* k : {"exp_avg", "exp_avg_sq"}) {

@@ -1,0 +1,420 @@
+// One contract for every registered scanner (index/scanner.h), run over one minimal sample of
+// each format (kSamples: one row per scanner):
+//  - its own sample is recognised, ScannerFor picks it, and every scanner tried before it
+//    declines it (scanners after it may recognise it: the weights scanner takes any directory
+//    with a state dict, so it is tried last);
+//  - the scan gives a checkpoint whose format is the scanner's name, whose item keys are unique,
+//    whose records match the real files (ValidateIndexRecords: paths inside the directory,
+//    every byte item and fragment inside its file, every tensor covered exactly once), and whose
+//    facts (index/source_facts.h) round-trip through their stored form;
+//  - a corrupt-file catalogue (each file of the sample truncated, bit-flipped, emptied, grown to
+//    a huge sparse size, replaced by a symlink) scans in a child process under a memory and time
+//    limit: it ends with an error naming the directory or the file, or with a checkpoint that
+//    still keeps the contract and never reads through the symlink.
+// Samples are written at test time by torch 1.13 (/usr/bin/python3: DCP, Megatron-LM legacy,
+// torch.save training state), unpacked from the DeepSpeed fuzz seed (a real DeepSpeed save,
+// tests/fuzz/seeds/deepspeed_zero1.bin) or copied from tests/data/safetensors.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "index/catalog.h"
+#include "index/scanner.h"
+#include "index/source_facts.h"
+
+namespace ucpfs::index {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kPython = "/usr/bin/python3";
+
+fs::path TestsDir() {
+  if (const char* env = std::getenv("UCPFS_TEST_DATA"); env != nullptr && *env != '\0') {
+    return fs::path(env).parent_path();
+  }
+  return fs::path(__FILE__).parent_path().parent_path();
+}
+
+std::string Quote(const std::string& s) {
+  std::string out = "'";
+  for (char ch : s) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+// Writes ROOT/dcp (torch 1.13 DCP), ROOT/megatron (a Megatron-LM legacy tp1 pp1 save with an
+// FP32Optimizer state dict) and ROOT/torch_state (a script's model.pt + optim.pt, one AdamW step).
+constexpr const char* kWriter = R"PY(
+import argparse, os, sys
+root = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+import torch113_compat  # noqa: F401 (must precede torch.distributed)
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.checkpoint import FileSystemWriter, save_state_dict
+torch.manual_seed(0)
+
+d = os.path.join(root, "dcp")
+os.makedirs(d)
+dist.init_process_group("gloo", init_method="file://" + os.path.join(root, "pg"), rank=0, world_size=1)
+save_state_dict({"model.w": torch.arange(12.).view(3, 4), "model.b": torch.ones(3), "step": 3},
+                storage_writer=FileSystemWriter(d))
+dist.destroy_process_group()
+
+H, FFN, VOCAB = 4, 8, 8
+model = {"embedding.word_embeddings.weight": torch.randn(VOCAB, H),
+         "decoder.layers.0.input_layernorm.weight": torch.ones(H),
+         "decoder.layers.0.self_attention.linear_qkv.weight": torch.randn(3 * H, H),
+         "decoder.layers.0.self_attention.linear_proj.weight": torch.randn(H, H),
+         "decoder.layers.0.mlp.linear_fc1.weight": torch.randn(FFN, H),
+         "decoder.layers.0.mlp.linear_fc2.weight": torch.randn(H, FFN),
+         "decoder.final_layernorm.weight": torch.ones(H)}
+state, groups = {}, [[], []]
+for i, (n, t) in enumerate(model.items()):
+    state[i] = {"exp_avg": t * 2, "exp_avg_sq": t * 3, "step": torch.tensor(3.0)}
+    groups[1 if t.dim() == 1 else 0].append(i)
+args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers=1,
+    hidden_size=H, num_attention_heads=2, group_query_attention=False, num_query_groups=None, kv_channels=2,
+    ffn_hidden_size=FFN, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=8, vocab_size=7, swiglu=False,
+    untie_embeddings_and_output_weights=False, use_distributed_optimizer=False, expert_model_parallel_size=1,
+    num_experts=None)
+opt = {"state": state, "param_groups": [
+    {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[0]},
+    {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[1]}]}
+d = os.path.join(root, "megatron", "iter_0000003", "mp_rank_00")
+os.makedirs(d)
+torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 3, "model": model, "optimizer": opt,
+            "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}, os.path.join(d, "model_optim_rng.pt"))
+open(os.path.join(root, "megatron", "latest_checkpointed_iteration.txt"), "w").write("3\n")
+
+d = os.path.join(root, "torch_state")
+os.makedirs(d)
+net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+o = torch.optim.AdamW(net.parameters(), lr=0.01)
+net(torch.randn(2, 4)).sum().backward()
+o.step()
+torch.save(net.state_dict(), os.path.join(d, "model.pt"))
+torch.save(o.state_dict(), os.path.join(d, "optim.pt"))
+)PY";
+
+// The DeepSpeed fuzz seed's packing (tests/fuzz/deepspeed_scan_fuzz.cc): sections of kMarker,
+// a role byte (the file's index in kNames; bit 0x80: in the directory itself, else in the tag
+// directory; `latest` always there) and the file's bytes.
+constexpr std::string_view kDsMarker = "#ucpfs-ds-file#";
+constexpr std::string_view kDsTag = "global_step1";
+const std::vector<std::string> kDsNames = {
+    "latest", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+    "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    "zero_pp_rank_2_mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+    "expp_rank_0_mp_rank_00_optim_states.pt", "layer_01-model_00-model_states.pt"};
+
+bool UnpackDeepSpeedSeed(const fs::path& seed, const fs::path& dir) {
+  std::ifstream in(seed, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  size_t at = bytes.find(kDsMarker);
+  if (at == std::string::npos) return false;
+  fs::create_directories(dir / kDsTag);
+  while (at != std::string::npos && at + kDsMarker.size() < bytes.size()) {
+    const auto role = static_cast<unsigned char>(bytes[at + kDsMarker.size()]);
+    const size_t begin = at + kDsMarker.size() + 1;
+    const size_t next = bytes.find(kDsMarker, begin);
+    const size_t end = next == std::string::npos ? bytes.size() : next;
+    const std::string& name = kDsNames[(role & 0x7f) % kDsNames.size()];
+    const fs::path where = (role & 0x80) || name == "latest" ? dir : dir / kDsTag;
+    std::ofstream(where / name, std::ios::binary).write(bytes.data() + begin, end - begin);
+    at = next;
+  }
+  return true;
+}
+
+// The matrix: one row per registered scanner, its name and how its sample is made under `root`
+// (false: the sample could not be made, reported as a failure).
+struct Sample {
+  const char* scanner;
+  std::function<bool(const fs::path& root, fs::path* dir)> make;
+};
+
+bool FromWriter(const fs::path& root, const char* name, fs::path* dir) {
+  *dir = root / name;
+  return fs::is_directory(*dir);
+}
+
+const std::vector<Sample>& Samples() {
+  static const std::vector<Sample> rows = {
+      {"dcp", [](const fs::path& r, fs::path* d) { return FromWriter(r, "dcp", d); }},
+      {"deepspeed",
+       [](const fs::path& r, fs::path* d) {
+         *d = r / "deepspeed";
+         return UnpackDeepSpeedSeed(TestsDir() / "fuzz" / "seeds" / "deepspeed_zero1.bin", *d);
+       }},
+      {"megatron", [](const fs::path& r, fs::path* d) { return FromWriter(r, "megatron", d); }},
+      {"torch_state", [](const fs::path& r, fs::path* d) { return FromWriter(r, "torch_state", d); }},
+      {"weights",
+       [](const fs::path& r, fs::path* d) {
+         *d = r / "weights";
+         fs::create_directories(*d);
+         std::error_code ec;
+         fs::copy_file(TestsDir() / "data" / "safetensors" / "mixed.safetensors", *d / "model.safetensors",
+                       fs::copy_options::overwrite_existing, ec);
+         return !ec;
+       }},
+  };
+  return rows;
+}
+
+class ScannerConformance : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::string tmpl = (fs::temp_directory_path() / "ucpfs-conformance-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) return;
+    root_ = new fs::path(tmpl);
+    if (std::system((std::string(kPython) + " -c 'import torch' >/dev/null 2>&1").c_str()) == 0) {
+      std::ofstream(*root_ / "writer.py") << kWriter;
+      const std::string cmd = std::string(kPython) + " " + Quote((*root_ / "writer.py").string()) + " " +
+                              Quote((*root_ / "samples").string()) + " " +
+                              Quote((TestsDir() / "e2e" / "fixtures").string()) + " >" +
+                              Quote((*root_ / "writer.log").string()) + " 2>&1";
+      torch_ = true;
+      writer_ok_ = std::system(cmd.c_str()) == 0;
+    }
+  }
+  static void TearDownTestSuite() {
+    if (root_ != nullptr && std::getenv("UCPFS_KEEP_FIXTURES") == nullptr) fs::remove_all(*root_);
+    delete root_;
+    root_ = nullptr;
+  }
+  void SetUp() override {
+    if (root_ == nullptr) GTEST_SKIP() << "no temporary directory";
+    if (!torch_) GTEST_SKIP() << "torch 1.13 at /usr/bin/python3 is needed to write the samples";
+    if (!writer_ok_) {
+      std::ifstream log(*root_ / "writer.log");
+      FAIL() << "the sample writer failed:\n" << std::string((std::istreambuf_iterator<char>(log)), {});
+    }
+  }
+  static const Scanner* ByName(std::string_view name) {
+    for (const Scanner* s : Scanners()) {
+      if (s->Name() == name) return s;
+    }
+    return nullptr;
+  }
+  static fs::path SampleDir(const Sample& row) {
+    fs::path dir;
+    EXPECT_TRUE(row.make(*root_ / "samples", &dir)) << row.scanner << ": its sample could not be made";
+    return dir;
+  }
+  static inline fs::path* root_ = nullptr;
+  static inline bool torch_ = false;
+  static inline bool writer_ok_ = false;
+};
+
+// What every scan that succeeds must give (the contract's invariants).
+void ExpectContract(const Scanner& scanner, const fs::path& dir, const Checkpoint& c, const std::string& what) {
+  EXPECT_EQ(c.format, scanner.Name()) << what;
+  EXPECT_FALSE(c.items.empty()) << what;
+  std::set<std::string> keys;
+  for (const Item& it : c.items) EXPECT_TRUE(keys.insert(it.key).second) << what << ": key '" << it.key << "' twice";
+  for (const SourceFile& f : c.files) EXPECT_TRUE(SafeRelativePath(f.rel_path)) << what << ": " << f.rel_path;
+  const Status valid = ValidateIndexRecords(dir.string(), "(conformance)", c);
+  EXPECT_TRUE(valid.ok()) << what << ": " << valid.message();
+  const std::string stored = EncodeSourceFacts(c.facts);
+  EXPECT_LE(stored.size(), kMaxSourceFactsBytes) << what;
+  Result<SourceFacts> decoded = DecodeSourceFacts(stored);
+  ASSERT_TRUE(decoded.ok()) << what << ": the facts do not decode: " << decoded.error().message();
+  EXPECT_EQ(EncodeSourceFacts(*decoded), stored) << what << ": the facts do not round-trip";
+  EXPECT_EQ(decoded->index(), c.facts.index()) << what;
+}
+
+TEST_F(ScannerConformance, EveryScannerHasARow) {
+  std::set<std::string> rows;
+  for (const Sample& row : Samples()) rows.insert(row.scanner);
+  for (const Scanner* s : Scanners()) {
+    EXPECT_EQ(rows.count(std::string(s->Name())), 1u)
+        << "scanner '" << s->Name() << "' has no row in this suite's matrix (Samples())";
+  }
+  EXPECT_EQ(rows.size(), Scanners().size());
+}
+
+TEST_F(ScannerConformance, RecognisesItsOwnAndEarlierScannersDeclineIt) {
+  for (const Sample& row : Samples()) {
+    const fs::path dir = SampleDir(row);
+    const Scanner* own = ByName(row.scanner);
+    ASSERT_NE(own, nullptr) << row.scanner;
+    EXPECT_TRUE(own->Recognizes(dir.string())) << row.scanner << " does not recognise its own sample";
+    for (const Scanner* s : Scanners()) {
+      if (s == own) break;
+      EXPECT_FALSE(s->Recognizes(dir.string())) << s->Name() << " recognises " << row.scanner << "'s sample";
+    }
+    Result<const Scanner*> picked = ScannerFor(dir.string());
+    ASSERT_TRUE(picked.ok()) << row.scanner << ": " << picked.error().message();
+    EXPECT_EQ((*picked)->Name(), own->Name()) << row.scanner << "'s sample";
+  }
+}
+
+TEST_F(ScannerConformance, ScansKeepTheContract) {
+  for (const Sample& row : Samples()) {
+    const fs::path dir = SampleDir(row);
+    const Scanner* own = ByName(row.scanner);
+    ASSERT_NE(own, nullptr);
+    Result<Checkpoint> c = own->Scan(dir.string(), nullptr);
+    ASSERT_TRUE(c.ok()) << row.scanner << ": " << c.error().message();
+    EXPECT_FALSE(std::holds_alternative<std::monostate>(c->facts)) << row.scanner << " hands over no facts";
+    ExpectContract(*own, dir, *c, row.scanner);
+  }
+}
+
+// ---- the corrupt-file catalogue -------------------------------------------------------------
+
+enum class Damage { kTruncate, kBitFlip, kEmpty, kHuge, kSymlink };
+constexpr Damage kDamages[] = {Damage::kTruncate, Damage::kBitFlip, Damage::kEmpty, Damage::kHuge, Damage::kSymlink};
+const char* DamageName(Damage d) {
+  switch (d) {
+    case Damage::kTruncate: return "truncated";
+    case Damage::kBitFlip: return "bit-flipped";
+    case Damage::kEmpty: return "empty";
+    case Damage::kHuge: return "huge";
+    case Damage::kSymlink: return "symlink";
+  }
+  return "?";
+}
+
+constexpr uint64_t kHugeBytes = uint64_t{1} << 36;  // 64 GiB, sparse
+constexpr rlim_t kChildMemoryBytes = rlim_t{1} << 31;
+constexpr unsigned kChildSeconds = 60;
+
+void ApplyDamage(const fs::path& file, Damage d, const fs::path& outside) {
+  const uint64_t size = fs::file_size(file);
+  switch (d) {
+    case Damage::kTruncate: fs::resize_file(file, size / 2); break;
+    case Damage::kEmpty: fs::resize_file(file, 0); break;
+    case Damage::kHuge: fs::resize_file(file, kHugeBytes); break;
+    case Damage::kBitFlip: {
+      std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+      // Bits spread over the file: headers, the middle, the tail (zip directory, metadata).
+      for (const uint64_t at : {uint64_t{0}, uint64_t{9}, size / 3, size / 2, size - size / 5, size - 23, size - 1}) {
+        if (at >= size) continue;
+        char c = 0;
+        f.seekg(static_cast<std::streamoff>(at));
+        f.get(c);
+        f.seekp(static_cast<std::streamoff>(at));
+        f.put(static_cast<char>(c ^ 0x5a));
+      }
+      break;
+    }
+    case Damage::kSymlink: {
+      fs::copy_file(file, outside, fs::copy_options::overwrite_existing);
+      fs::remove(file);
+      fs::create_symlink(outside, file);
+      break;
+    }
+  }
+}
+
+// The scan of `dir` in a child process with bounded memory and time: "ok" + the stored
+// checkpoint's checks done in the child, or "error" + the message. A child killed by a signal
+// (a crash, the memory or time limit) returns its description.
+struct ChildScan {
+  bool exited = false;
+  std::string outcome;  // "ok", "error: <message>", or "contract: <what failed>"
+};
+
+ChildScan ScanInChild(const Scanner& scanner, const fs::path& dir, const std::string& damaged_rel, bool symlink) {
+  int fds[2];
+  if (::pipe(fds) != 0) return {false, "pipe failed"};
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    rlimit mem{kChildMemoryBytes, kChildMemoryBytes};
+    ::setrlimit(RLIMIT_AS, &mem);
+    ::alarm(kChildSeconds);
+    std::string out;
+    Result<Checkpoint> c = scanner.Scan(dir.string(), nullptr);
+    if (!c.ok()) {
+      out = "error: " + c.error().message();
+    } else {
+      out = "ok";
+      std::set<std::string> keys;
+      for (const Item& it : c->items) {
+        if (!keys.insert(it.key).second) out = "contract: key '" + it.key + "' twice";
+      }
+      const Status valid = ValidateIndexRecords(dir.string(), "(conformance)", *c);
+      if (!valid.ok()) out = "contract: " + valid.message();
+      if (!DecodeSourceFacts(EncodeSourceFacts(c->facts)).ok()) out = "contract: the facts do not round-trip";
+      for (const SourceFile& f : c->files) {
+        if (symlink && f.rel_path == damaged_rel) out = "contract: the symlinked file is in the file table";
+      }
+    }
+    (void)!::write(fds[1], out.data(), out.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (WIFSIGNALED(status)) {
+    return {false, std::string("killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
+                       strsignal(WTERMSIG(status)) + ")"};
+  }
+  return {WIFEXITED(status) && WEXITSTATUS(status) == 0, out};
+}
+
+TEST_F(ScannerConformance, CorruptFilesGiveClearErrorsInBoundedMemory) {
+  for (const Sample& row : Samples()) {
+    const fs::path sample = SampleDir(row);
+    const Scanner* own = ByName(row.scanner);
+    ASSERT_NE(own, nullptr);
+    std::vector<fs::path> rels;
+    for (const auto& e : fs::recursive_directory_iterator(sample)) {
+      if (e.is_regular_file() && e.file_size() > 0) rels.push_back(fs::relative(e.path(), sample));
+    }
+    ASSERT_FALSE(rels.empty()) << row.scanner;
+    int n_ok = 0, n_error = 0;
+    for (const fs::path& rel : rels) {
+      for (const Damage d : kDamages) {
+        const std::string what = std::string(row.scanner) + ": " + rel.string() + " " + DamageName(d);
+        const fs::path dir = *root_ / "damaged" / row.scanner;
+        fs::remove_all(dir);
+        fs::create_directories(dir.parent_path());
+        fs::copy(sample, dir, fs::copy_options::recursive);
+        ApplyDamage(dir / rel, d, *root_ / "outside.bin");
+        const ChildScan r = ScanInChild(*own, dir, rel.string(), d == Damage::kSymlink);
+        if (std::getenv("UCPFS_CONFORMANCE_VERBOSE") != nullptr) std::cout << what << ": " << r.outcome << "\n";
+        ++(r.outcome == "ok" ? n_ok : n_error);
+        ASSERT_TRUE(r.exited) << what << ": the scan did not end cleanly: " << r.outcome;
+        EXPECT_EQ(r.outcome.rfind("contract:", 0), std::string::npos) << what << ": " << r.outcome;
+        if (r.outcome.rfind("error: ", 0) == 0) {
+          // A clear error names where it failed: the directory or the file.
+          const bool named = r.outcome.find(dir.string()) != std::string::npos ||
+                             r.outcome.find(rel.filename().string()) != std::string::npos;
+          EXPECT_TRUE(named) << what << ": the error names neither the directory nor the file: " << r.outcome;
+        }
+      }
+    }
+    fs::remove_all(*root_ / "damaged" / row.scanner);
+    std::cout << row.scanner << ": " << rels.size() << " files x " << std::size(kDamages) << " damages: " << n_error
+              << " refused, " << n_ok << " scanned\n";
+  }
+}
+
+}  // namespace
+}  // namespace ucpfs::index
