@@ -21,6 +21,7 @@ import torch
 from deepspeed_sources_test import GEN, atomic_equals_truth, ds_to_universal, universal_equals
 from e2e_common import Results, run, tmpdir
 from mount_common import mounted
+from shared_fixtures import fixture
 
 
 def wait_for(path, timeout_s=20):
@@ -37,9 +38,7 @@ def files_under(d):
                   if "/.ucpfs" not in "/" + os.path.relpath(r, d) + "/")
 
 
-def copied_in(work):
-    plain = os.path.join(work, "plain")
-    run([sys.executable, GEN, "save", plain, "--case", "zero2", "--ranks", "2"], timeout=600)
+def copied_in(work, plain):
     truth = torch.load(plain + "_truth.pt")
     want = ds_to_universal(work, "zero2", plain)
     src = os.path.join(work, "empty")
@@ -55,9 +54,7 @@ def copied_in(work):
     return f"{n} universal files equal ds_to_universal's; views {t1 - t0:.2f} s after cp started"
 
 
-def saved_into(work):
-    plain = os.path.join(work, "plain-save")
-    run([sys.executable, GEN, "save", plain, "--case", "zero2", "--ranks", "2"], timeout=600)
+def saved_into(work, plain):
     src = os.path.join(work, "mounted-save")
     os.makedirs(src)
     mnt = os.path.join(work, "mnt-save")
@@ -80,10 +77,13 @@ def saved_into(work):
 def main():
     res = Results("deepspeed_save_into_mount")
     with tmpdir("ucpfs-ds-into-mount-") as work:
+        # One plain save (shared_fixtures.py: once per CTest run): copied in, and what a save into
+        # the mount must equal byte for byte (the same generator and arguments as the save below).
+        plain = fixture("ds_zero2", work)
         res.check("cp -r of a DeepSpeed save into an empty mount: <tag>_universal appears, equal to ds_to_universal",
-                  lambda: copied_in(work))
+                  lambda: copied_in(work, plain))
         res.check("DeepSpeed save_checkpoint into the mount: SRC byte-identical, views without a remount",
-                  lambda: saved_into(work))
+                  lambda: saved_into(work, plain))
     res.finish()
 
 

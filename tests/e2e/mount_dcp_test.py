@@ -25,8 +25,9 @@ import subprocess
 import torch
 
 from e2e_common import TORCH_VERSION, Results, bits_equal, run, served_loads, tmpdir, ucpfs_bin
-from mount_common import (FIXTURES, PY, expected_atomic, gen_fixture, is_mounted, mounted, param_state, step_equal,
-                          stats, status)
+from mount_common import (expected_atomic, gen_fixture, is_mounted, mounted, param_state, step_equal, stats,
+                          status)
+from shared_fixtures import fixture
 
 
 def check_atomic_files(mnt, expected):
@@ -259,8 +260,7 @@ def main():
 
         # Corrupt or unsupported checkpoints: the mount fails with a clear error naming the
         # problem, and nothing is left mounted.
-        bad = os.path.join(d, "bad")
-        run([PY, os.path.join(FIXTURES, "gen_dcp2x.py"), bad, "--variant", "corrupt"], timeout=300)
+        bad = fixture(f"dcp2x_corrupt_torch{TORCH_VERSION[0]}{TORCH_VERSION[1]}", d)
         mnt = os.path.join(d, "mnt-bad")
         os.makedirs(mnt, exist_ok=True)
         for kind in sorted(os.listdir(bad)):

@@ -1,7 +1,8 @@
 """End-to-end: training state that frameworks save with torch.save / safetensors (issue 23).
 
 Each checkpoint is saved by the framework's own recipe (tests/e2e/fixtures/gen_hf_trainer.py,
-gen_lightning.py; each generated once here) and mounted at the folder a user would pick:
+gen_lightning.py, gen_torchtune.py; shared fixtures, generated once per CTest run by
+shared_fixtures.py, or here when run alone) and mounted at the folder a user would pick:
   - hf_trainer: the Trainer's `checkpoint-K/` (model.safetensors, optimizer.pt with positions in
     the Trainer's decay / no-decay groups, scheduler.pt, trainer_state.json); hf_trainer_gpt2 the
     same for a GPT-2 (its nn.LayerNorm weights are kept out of decay by type; no tp2 check);
@@ -30,8 +31,17 @@ And: the Trainer's checkpoint with config.json naming a model family whose modul
 known is named ambiguous in status.json (nothing guessed), and --rules mapping the
 `optimizer.state.ambiguous.<i>.*` keys settles it (atomic moments = truth).
 Several .ckpt files without last.ckpt, or two optimizer files, are refused naming them.
-A Lightning .ckpt renamed to model.pt is still recognised by structure; a script's model.pt +
-optim.pt saved by Debian's torch 1.13 (when /usr/bin/python3 has torch) are served alike.
+A Lightning .ckpt renamed to model.pt is still recognised by structure.
+Pickled under both interpreters we ship: the Trainer, Lightning and torchtune cases also run under
+Debian 12's Python 3.11.2 (tests/install-python-debian.sh, the venv's torch 2.13), checked the
+same way (debian_*); a script's model.pt + optim.pt saved under the venv's torch 2.13 and under
+Debian's Python with its torch 1.13 (when /usr/bin/python3 has torch): atomic = live job, strict
+load, optim load. pickletools shows where Debian's pickles differ: the Trainer's
+training_args.bin (its enums by name, getattr(IntervalStrategy, 'NO'), not by value) and torch
+1.13's optim.pt (its Adam groups lack decoupled_weight_decay). Lightning's .ckpt, torchtune's
+recipe_state.pt and the Trainer's optimizer.pt, scheduler.pt and rng_state.pth hold no enum or
+class pickled by value or name that differs: the same opcodes under both Pythons (both torches
+pickle with protocol 2), which the test prints rather than asserts.
 And the empty-directory probe: a mount of an empty directory receives model.pt (a state dict) and
 optim.pt (an optimizer state dict) by torch.save; its remount serves them as weights + positional
 optimizer (atomic moments equal what was saved).
@@ -40,9 +50,10 @@ Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/producers_torc
 """
 import json
 import os
+import pickletools
 import shutil
-import subprocess
 import sys
+import zipfile
 
 import torch
 
@@ -50,7 +61,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
 sys.path.insert(0, HERE)
 from e2e_common import Results, bits_equal, run, tmpdir  # noqa: E402
-from mount_common import FIXTURES, PY, mounted, status  # noqa: E402
+from mount_common import PY, mounted, status  # noqa: E402
+from shared_fixtures import fixtures  # noqa: E402
 from weights_only_test import mount_fails, tp_piece  # noqa: E402
 
 import gen_hf_trainer  # noqa: E402
@@ -221,7 +233,8 @@ def renamed_ckpt(work, ckpt_dir, truth):
         check_atomic(m, truth)
 
 
-TORCH113_PRODUCER = r"""
+# A script's own torch.save of its model and optimizer (no framework), with the truth of the live job.
+SCRIPT_PRODUCER = r"""
 import sys, torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
@@ -232,22 +245,69 @@ for _ in range(2):
     opt.zero_grad()
 torch.save(model.state_dict(), sys.argv[1] + "/model.pt")
 torch.save(opt.state_dict(), sys.argv[1] + "/optim.pt")
-names = dict(zip(range(len(list(model.parameters()))), [n for n, _ in model.named_parameters()]))
-torch.save({names[i]: s["exp_avg"] for i, s in opt.state_dict()["state"].items()}, sys.argv[1] + "_truth.pt")
+names = {p: n for n, p in model.named_parameters()}
+truth = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "lr": 1e-3}
+for k in ("exp_avg", "exp_avg_sq", "step"):
+    truth[k] = {names[p]: s[k].clone() for p, s in opt.state.items()}
+torch.save(truth, sys.argv[1] + "_truth.pt")
 """
 
 
-def torch113_script_files(work):
-    """model.pt + optim.pt saved by Debian's torch 1.13 (another pickler): served the same way."""
-    src = os.path.join(work, "t113")
+def script_files(work, python, name):
+    """model.pt + optim.pt saved by a plain script under `python`: atomic = the live job, model.pt
+    loads strictly into the script's model, optim.pt into its optimizer."""
+    src = os.path.join(work, name)
     os.makedirs(src)
-    run(["/usr/bin/python3", "-c", TORCH113_PRODUCER, src], timeout=120)
+    run([python, "-c", SCRIPT_PRODUCER, src], timeout=120)
     truth = torch.load(src + "_truth.pt")
-    mnt = os.path.join(work, "mnt-t113")
+    mnt = os.path.join(work, "mnt-" + name)
     with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
         assert status(m)["format"] == "torch_state", status(m)["format"]
-        for n, t in truth.items():
-            assert bits_equal(torch.load(os.path.join(m, "atomic", n, "exp_avg.pt"))["param"], t), n
+        check_atomic(m, truth)
+        d = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0")
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+        model.load_state_dict(torch.load(os.path.join(d, "model.pt")), strict=True)
+        opt = torch.optim.Adam(model.parameters())
+        opt.load_state_dict(torch.load(os.path.join(d, "optim.pt"), weights_only=False))
+        assert opt.param_groups[0]["lr"] == truth["lr"], opt.param_groups[0]
+        names = {p: n for n, p in model.named_parameters()}
+        for p, st in opt.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert bits_equal(st[k], truth[k][names[p]]), f"optim.pt {names[p]} {k}"
+    return src
+
+
+def pickle_ops(path):
+    """The opcodes (name, argument) of the pickle in a torch.save file (data.pkl) or a plain pickle."""
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    else:
+        data = open(path, "rb").read()
+    return [(op.name, arg) for op, arg, _ in pickletools.genops(data)]
+
+
+def by_name(ops):
+    """Enum members pickled by name (`getattr(Enum, 'NAME')`, CPython 3.11.2's Enum.__reduce_ex__)
+    rather than by value (`Enum(value)`, later CPython 3.11 releases)."""
+    return sum(1 for op, arg in ops if op == "GLOBAL" and arg in ("__builtin__ getattr", "builtins getattr"))
+
+
+def pickles_compared(pairs, differ):
+    """Each (label, Debian's file, the venv's file) compared by pickletools: where `differ` names
+    the label, the two pickles must differ, and Debian's must hold what makes it differ."""
+    lines = []
+    for label, debian, venv in pairs:
+        # Pickled paths (the Trainer's output_dir, ModelCheckpoint's) name the fixture's folder,
+        # debian_<producer>/ beside <producer>/: compared without that prefix.
+        ops_d = [(op, arg.replace("/debian_", "/") if isinstance(arg, str) else arg) for op, arg in pickle_ops(debian)]
+        ops_v = pickle_ops(venv)
+        lines.append(f"{label}: {'differs' if ops_d != ops_v else 'same opcodes'} "
+                     f"({len(ops_d)} / {len(ops_v)} ops, enums by name {by_name(ops_d)} / {by_name(ops_v)})")
+        if label in differ:
+            assert ops_d != ops_v, f"{label}: Debian's pickle is the venv's, op for op"
+            assert differ[label](ops_d, ops_v), f"{label}: {lines[-1]}"
+    print("producers_torchsave: pickles, Debian's Python / the venv's:\n  " + "\n  ".join(lines), flush=True)
 
 
 def refusals(work, ckpt_dir):
@@ -272,31 +332,39 @@ def has_torch113():
     return run(["/usr/bin/python3", "-c", "import torch"], check=False).returncode == 0
 
 
+def torch_param_group_keys(ops):
+    """The keys a pickled optimizer state dict's param groups carry (the short strings pickled)."""
+    return {arg for op, arg in ops if op in ("BINUNICODE", "SHORT_BINUNICODE") and isinstance(arg, str)}
+
+
+# The torch.save producers' fixtures (shared_fixtures.py: generated once per CTest run, else here).
+VENV = ("hf_trainer", "lightning", "torchtune", "hf_trainer_gpt2", "hf_trainer_zero2", "hf_trainer_zero3")
+DEBIAN = ("debian_hf_trainer", "debian_lightning", "debian_torchtune")
+
+
 def main():
     res = Results("producers_torchsave")
     with tmpdir("ucpfs-torchsave-") as work:
-        hf, lt, tt, gpt2, z2, z3 = (os.path.join(work, n) for n in ("hf", "lightning", "torchtune", "gpt2", "zero2",
-                                                                     "zero3"))
-        # The generators side by side: most of their time is importing their frameworks.
-        procs = [subprocess.Popen([PY, os.path.join(FIXTURES, script), out, *extra], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-                 for script, out, extra in (("gen_hf_trainer.py", hf, []), ("gen_lightning.py", lt, []),
-                                            ("gen_torchtune.py", tt, []),
-                                            ("gen_hf_trainer.py", gpt2, ["--model", "gpt2"]),
-                                            ("gen_hf_trainer.py", z2, ["--deepspeed", "zero2"]),
-                                            ("gen_hf_trainer.py", z3, ["--deepspeed", "zero3"]))]
-        for p in procs:
-            log, _ = p.communicate(timeout=300)
-            assert p.returncode == 0, f"{p.args} exited {p.returncode}:\n{log[-4000:]}"
+        fx = fixtures(VENV + DEBIAN, work)
+        hf, lt, tt, gpt2, z2, z3 = (fx[n] for n in VENV)
         cases = [("hf_trainer", os.path.join(hf, "checkpoint-3"), torch.load(os.path.join(hf, "truth.pt")),
                   trainer_groups),
                  ("lightning", os.path.join(lt, "ckpt"), torch.load(os.path.join(lt, "truth.pt")), one_group),
                  ("torchtune", os.path.join(tt, "out"), torch.load(os.path.join(tt, "truth.pt")), one_group),
                  ("hf_trainer_gpt2", os.path.join(gpt2, "checkpoint-3"), torch.load(os.path.join(gpt2, "truth.pt")),
                   trainer_groups)]
+        # The same producers under Debian 12's Python 3.11.2 (tests/install-python-debian.sh), whose
+        # pickler writes enums by name: served alike.
+        d_hf, d_lt, d_tt = (fx[n] for n in DEBIAN)
+        cases += [("debian_hf_trainer", os.path.join(d_hf, "checkpoint-3"),
+                   torch.load(os.path.join(d_hf, "truth.pt")), trainer_groups),
+                  ("debian_lightning", os.path.join(d_lt, "ckpt"), torch.load(os.path.join(d_lt, "truth.pt")),
+                   one_group),
+                  ("debian_torchtune", os.path.join(d_tt, "out"), torch.load(os.path.join(d_tt, "truth.pt")),
+                   one_group)]
         for name, src, truth, groups_of in cases:
             # torchtune trained its own llama3 module; the served files load into LlamaForCausalLM.
-            check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of, name != "torchtune")
+            check_case(res, name, src, os.path.join(work, "mnt-" + name), truth, groups_of, "torchtune" not in name)
         # The Trainer with DeepSpeed: checkpoint-K/ holds `latest` and global_stepK/ (the DeepSpeed scanner).
         for name, out in (("hf_trainer_zero2", z2), ("hf_trainer_zero3", z3)):
             check_case(res, name, os.path.join(out, "checkpoint-3"), os.path.join(work, "mnt-" + name),
@@ -307,8 +375,32 @@ def main():
         res.check("lightning .ckpt renamed to model.pt: optimizer served", lambda: renamed_ckpt(work, lt + "/ckpt",
                                                                                               cases[1][2]))
         res.check("several .ckpt or optimizer files: refused, naming them", lambda: refusals(work, lt + "/ckpt"))
+        scripts = {}
+
+        def script(python, name):
+            scripts[name] = script_files(work, python, name)
+        res.check("a script's model.pt + optim.pt (torch 2.13): atomic = live job, strict load, optim load",
+                  lambda: script(PY, "script"))
         if has_torch113():
-            res.check("model.pt + optim.pt saved by torch 1.13: served", lambda: torch113_script_files(work))
+            res.check("the same script under Debian's Python 3.11.2 and torch 1.13: served alike",
+                      lambda: script("/usr/bin/python3", "script_torch113"))
+
+        def compared():
+            ckpt = {d: os.path.join(d, "ckpt", os.listdir(os.path.join(d, "ckpt"))[0]) for d in (lt, d_lt)}
+            pairs = [(f"hf_trainer {f}", os.path.join(d_hf, "checkpoint-3", f), os.path.join(hf, "checkpoint-3", f))
+                     for f in ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth")]
+            pairs += [("lightning .ckpt", ckpt[d_lt], ckpt[lt]),
+                      ("torchtune recipe_state.pt", os.path.join(d_tt, "out", "recipe_state", "recipe_state.pt"),
+                       os.path.join(tt, "out", "recipe_state", "recipe_state.pt"))]
+            differ = {"hf_trainer training_args.bin": lambda d, v: by_name(d) > 0 and by_name(v) == 0}
+            if "script_torch113" in scripts:
+                pairs.append(("script optim.pt (torch 1.13 / 2.13)", os.path.join(scripts["script_torch113"], "optim.pt"),
+                              os.path.join(scripts["script"], "optim.pt")))
+                # torch 2.13's Adam param groups carry one key torch 1.13's do not.
+                differ["script optim.pt (torch 1.13 / 2.13)"] = \
+                    lambda d, v: torch_param_group_keys(v) - torch_param_group_keys(d) == {"decoupled_weight_decay"}
+            pickles_compared(pairs, differ)
+        res.check("pickletools: Debian's pickles differ where they should (enums by name)", compared)
     res.finish()
 
 

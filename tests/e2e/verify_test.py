@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_common import Results, run, tmpdir, ucpfs_bin  # noqa: E402
+from shared_fixtures import fixture  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 LAYOUT = "tp2_pp1_dp1"
@@ -129,8 +130,7 @@ def main():
         # Rank-local DCP: every rank stores its replica of the replicated tensors.
         local = os.path.join(tmp, "ranklocal")
         run([sys.executable, os.path.join(FIXTURES, "gen_dcp2x.py"), local, "--variant", "ranklocal"])
-        corrupt = os.path.join(tmp, "corrupt")
-        run([sys.executable, os.path.join(FIXTURES, "gen_dcp2x.py"), corrupt, "--variant", "corrupt"])
+        corrupt = fixture("dcp2x_corrupt_torch113", tmp)
 
         def replicas():
             rc, out = verify(local)
