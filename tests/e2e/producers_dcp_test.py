@@ -13,7 +13,8 @@ truth from the live job: producers_common.py):
                   its checkpoint/step-K/: weights saved split (qkv_linear.wq|wk|wv), optimizer state
                   fused (qkv_linear.wqkv), served each under its own names (status fused_params);
                   resumed with its LR scheduler's last_epoch from extra_state.pt; second layout tp2
-                  (its TP plan: colwise chunks of wqkv and wq/wk/wv, rowwise wo/w2).
+                  (its TP plan: colwise chunks of wqkv and wq/wk/wv, rowwise wo/w2);
+  torchtitan_run  the same save mounted at its run folder checkpoint/ (the newest step-K served).
 Per case:
  1. .ucpfs/status.json: no unmapped keys, no ambiguity; the model prefix it names is stripped;
  2. atomic/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt equal the live job's full weights and moments;
@@ -72,6 +73,7 @@ CASES = [
     Case("lightning_model_parallel", "gen_lightning_fsdp.py", ["--strategy", "model_parallel"], "tp1_pp1_dp2",
          dp_replica),
     Case("torchtitan", "gen_torchtitan.py", [], "tp2_pp1_dp1", titan_tp2),
+    Case("torchtitan_run", "gen_torchtitan.py", [], "tp1_pp1_dp2", dp_replica, mount="checkpoint"),
 ]
 
 
