@@ -60,6 +60,15 @@ struct Source {
   }
 };
 
+// The source's one file, its key mapping and its target input (warnings not collected).
+Result<std::shared_ptr<views::TargetInput>> InputOf(Source& s) {
+  s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
+  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+  files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
+  UCPFS_ASSIGN_OR_RETURN(KeyMapping mapping, MapKeys(s.ckpt, {}));
+  return MakeTargetInput(s.ckpt, mapping, files, nullptr);
+}
+
 std::vector<std::string> Keys(const views::TargetInput& in) {
   std::vector<std::string> out;
   for (const auto& e : in.extras) out.push_back(e.key);
@@ -214,12 +223,7 @@ TEST(MakeTargetInput, MegatronCoreParamGroupsFromCommonPt) {
     SaveValue common = SaveValue::Dict();
     common.Set("optimizer", std::move(opt));
     s.Blob("common.pt", common);
-    s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
-    auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-    files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
-    auto mapping = MapKeys(s.ckpt, {});
-    ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
-    auto in = MakeTargetInput(s.ckpt, *mapping, files, nullptr);
+    auto in = InputOf(s);
     ASSERT_TRUE(in.ok()) << in.error().ToString();
     ASSERT_EQ((*in)->params.size(), 2u);
     for (const auto& p : (*in)->params) {
@@ -267,12 +271,7 @@ TEST(MakeTargetInput, FusedOptimizerStateOfSplitWeights) {
     s.Tensor("optimizer.state." + p + ".exp_avg_sq", n, 20.0f, {rows, 2});
     s.Blob("optimizer.param_groups." + p + ".lr", SaveValue::Float(0.01));
   }
-  s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
-  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-  files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
-  auto mapping = MapKeys(s.ckpt, {});
-  ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
-  auto in = MakeTargetInput(s.ckpt, *mapping, files, nullptr);
+  auto in = InputOf(s);
   ASSERT_TRUE(in.ok()) << in.error().ToString();
 
   ASSERT_EQ((*in)->fused.size(), 1u);
