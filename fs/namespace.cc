@@ -615,7 +615,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   // Parameters the optimizer holds fused and the model saves split (views::FusedParam).
   status["fused_params"] = nlohmann::ordered_json::array();
   for (const auto& f : target_input->fused) {
-    status["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}});
+    status["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", views::FusedParam::kNote}});
   }
   status["extra_state"] = nlohmann::ordered_json::array();
   for (const auto& e : target_input->extras) {

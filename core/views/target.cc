@@ -231,8 +231,7 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
       if (s != S(TargetState::kWeight)) plan.has_optim_ = true;
     }
     if ((!p.in_model || !p.in_optimizer) && plan.layout_.zero != 0) {
-      return InvalidArgumentError("layout " + plan.layout_.name + ": parameter '" + p.name +
-                                  "' is held fused by the optimizer and stored split by the model; a ZeRO "
+      return InvalidArgumentError("parameter '" + p.name + "' is held fused by the optimizer and stored split by the model; a ZeRO "
                                   "flat buffer of it is not built (serve it without zero)");
     }
   }

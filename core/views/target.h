@@ -90,6 +90,11 @@ struct TargetParam {
 struct FusedParam {
   std::string param;                   // the optimizer's name (moments and step)
   std::vector<std::string> stored_as;  // the model's names (weights), in source order
+  // What status.json and inspect say about it: each side is served under its own names only.
+  static constexpr const char* kNote =
+      "weights served under the model's split names, moments and step under the optimizer's fused name; "
+      "no fused weight or split moments: how the fused rows interleave the split ones (per kv head group) "
+      "needs the head dimension, which the checkpoint does not store";
 };
 
 // A non-parameter item of the source, decoded (format::DecodePlainValue or a tensor layout).
