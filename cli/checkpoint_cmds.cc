@@ -186,6 +186,10 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   for (const auto& n : (*input)->not_served) not_served.push_back({{"key", n.key}, {"reason", n.reason}});
   out["extra_state"] = std::move(extra);
   out["not_served"] = std::move(not_served);
+  out["fused_params"] = nlohmann::ordered_json::array();
+  for (const auto& f : (*input)->fused) {
+    out["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", views::FusedParam::kNote}});
+  }
   if (json) {
     std::cout << JsonText(out) << '\n';
     return 0;
@@ -208,6 +212,12 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
     }
   }
   for (const auto& a : (*l)->mapping.ambiguities) std::cout << "ambiguous: " << a << '\n';
+  for (const auto& f : (*input)->fused) {
+    std::cout << "fused: " << f.param << " (optimizer state; optim.pt) is stored split as";
+    for (const auto& n : f.stored_as) std::cout << ' ' << n;
+    std::cout << " (weights; model.pt)\n";
+  }
+  if (!(*input)->fused.empty()) std::cout << "  note: " << views::FusedParam::kNote << '\n';
   if (!(*l)->mapping.unmapped_keys.empty()) {
     std::cout << "unmapped keys (" << (*l)->mapping.unmapped_keys.size() << "):\n";
     for (const auto& k : (*l)->mapping.unmapped_keys) std::cout << "  " << k << '\n';

@@ -612,6 +612,11 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   status["key_structure"] = {{"model_prefix", mapping.model_prefix},
                              {"optimizer_prefixes", mapping.optimizer_prefixes},
                              {"ambiguities", mapping.ambiguities}};
+  // Parameters the optimizer holds fused and the model saves split (views::FusedParam).
+  status["fused_params"] = nlohmann::ordered_json::array();
+  for (const auto& f : target_input->fused) {
+    status["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", views::FusedParam::kNote}});
+  }
   status["extra_state"] = nlohmann::ordered_json::array();
   for (const auto& e : target_input->extras) {
     nlohmann::ordered_json j = {{"key", e.key}};

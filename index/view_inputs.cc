@@ -122,6 +122,67 @@ Result<std::vector<std::string>> GroupParams(const SaveValue& params,
   return names;
 }
 
+// The tensor layout of state `k` of `p`, or null.
+const slice::TensorLayout* TensorState(const Checkpoint& c, const ParamEntry& p, StateKind k) {
+  const int32_t i = p.item[static_cast<int>(k)];
+  if (i < 0 || c.items[static_cast<size_t>(i)].kind != ItemKind::kTensor) return nullptr;
+  return &c.items[static_cast<size_t>(i)].layout;
+}
+
+// Parameters the optimizer holds fused while the model saves the weight split, found by
+// structure: optimizer state `<m>.<a>.<s>` with no weight, and weights with no optimizer state
+// `<m>.<b>.<s>`, `<m>.<c>.<s>`, ... (the same module `<m>`, the same last component `<s>`: at
+// least two, all of them) whose dim-0 sizes add up to the state's, other dims equal. torchtitan's
+// FusedQKVLinear: `qkv_linear.wqkv.weight` state [768, 256], `qkv_linear.wq|wk|wv.weight`
+// weights [256, 256] each. Per fused parameter: the indices (into mapping.params) of its split
+// weights, in source order. How the fused rows interleave the split ones (per kv head group:
+// [q heads; k; v]) needs the head dimension, which the checkpoint does not store: each part is
+// served under its own names, and nothing is fused or split.
+std::map<size_t, std::vector<size_t>> FusedParams(const Checkpoint& c, const KeyMapping& mapping) {
+  auto module_and_last = [](const std::string& name) -> std::optional<std::pair<std::string, std::string>> {
+    const size_t last = name.rfind('.');
+    if (last == std::string::npos || last == 0) return std::nullopt;
+    const size_t leaf = name.rfind('.', last - 1);
+    if (leaf == std::string::npos) return std::nullopt;
+    return std::make_pair(name.substr(0, leaf), name.substr(last + 1));
+  };
+  std::map<std::pair<std::string, std::string>, std::vector<size_t>> weight_only;  // (m, s) -> params
+  for (size_t i = 0; i < mapping.params.size(); ++i) {
+    const auto& p = mapping.params[i];
+    const bool weight = TensorState(c, p, StateKind::kWeight) != nullptr;
+    const bool optimizer = p.item[static_cast<int>(StateKind::kFp32)] >= 0 ||
+                           p.item[static_cast<int>(StateKind::kExpAvg)] >= 0 ||
+                           p.item[static_cast<int>(StateKind::kExpAvgSq)] >= 0 ||
+                           p.item[static_cast<int>(StateKind::kStep)] >= 0;
+    if (!weight || optimizer) continue;
+    if (auto ms = module_and_last(p.name)) weight_only[*ms].push_back(i);
+  }
+  std::map<size_t, std::vector<size_t>> out;
+  for (size_t i = 0; i < mapping.params.size(); ++i) {
+    const auto& p = mapping.params[i];
+    if (TensorState(c, p, StateKind::kWeight) || TensorState(c, p, StateKind::kFp32)) continue;
+    const slice::TensorLayout* moment = TensorState(c, p, StateKind::kExpAvg);
+    if (!moment) moment = TensorState(c, p, StateKind::kExpAvgSq);
+    if (!moment || moment->shape.empty()) continue;
+    auto ms = module_and_last(p.name);
+    if (!ms) continue;
+    auto it = weight_only.find(*ms);
+    if (it == weight_only.end() || it->second.size() < 2) continue;
+    int64_t rows = 0;
+    bool fits = true;
+    for (size_t w : it->second) {
+      const auto& shape = TensorState(c, mapping.params[w], StateKind::kWeight)->shape;
+      fits = fits && shape.size() == moment->shape.size() &&
+             std::equal(shape.begin() + 1, shape.end(), moment->shape.begin() + 1);
+      if (fits) rows += shape[0];
+    }
+    if (!fits || rows != moment->shape[0]) continue;
+    out[i] = it->second;
+    weight_only.erase(it);  // a split weight belongs to one fused parameter
+  }
+  return out;
+}
+
 }  // namespace
 
 FileTable OpenFileTable(const std::string& source_dir, const Checkpoint& checkpoint,
@@ -320,9 +381,30 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
   // dcp_scan.h).
   std::optional<double> group_step = MegatronOptimizerStep(c);
   if (!group_step) group_step = mcore.step;
-  for (const auto& p : mapping.params) {
+  // A fused parameter's split weights are listed right after it (as the model's state_dict
+  // lists them where the fused one would be).
+  const std::map<size_t, std::vector<size_t>> fused = FusedParams(c, mapping);
+  std::vector<size_t> order;
+  std::vector<char> split_weight(mapping.params.size(), 0);
+  for (const auto& [f, parts] : fused) {
+    views::FusedParam fp{mapping.params[f].name, {}};
+    for (size_t w : parts) {
+      split_weight[w] = 1;
+      fp.stored_as.push_back(mapping.params[w].name);
+    }
+    in->fused.push_back(std::move(fp));
+  }
+  for (size_t i = 0; i < mapping.params.size(); ++i) {
+    if (split_weight[i]) continue;
+    order.push_back(i);
+    if (auto f = fused.find(i); f != fused.end()) order.insert(order.end(), f->second.begin(), f->second.end());
+  }
+  for (size_t pi : order) {
+    const auto& p = mapping.params[pi];
     views::TargetParam tp;
     tp.name = p.name;
+    tp.in_model = fused.count(pi) == 0;
+    tp.in_optimizer = split_weight[pi] == 0;
     if (group_step && p.item[static_cast<int>(StateKind::kStep)] < 0 &&
         p.item[static_cast<int>(StateKind::kExpAvg)] >= 0) {
       tp.step_value = group_step;
@@ -348,7 +430,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
                                   : value.error().message());
       }
     }
-    if (!tp.states[0] && !tp.states[1]) {
+    if (!tp.states[0] && !tp.states[1] && tp.in_model) {
       // Optimizer-only leftovers: state for a parameter with no model tensor.
       for (int k = 0; k < kNumStateKinds; ++k) {
         if (p.item[k] >= 0) {
@@ -389,6 +471,7 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
     const auto& p = mapping.params[i];
     int32_t primary = p.item[static_cast<int>(StateKind::kWeight)];
     if (primary < 0) primary = p.item[static_cast<int>(StateKind::kFp32)];
+    if (primary < 0) primary = p.item[static_cast<int>(StateKind::kExpAvg)];  // a fused parameter's moments (FusedParams)
     if (primary < 0 || c.items[static_cast<size_t>(primary)].kind != ItemKind::kTensor) continue;
     const auto& layout = c.items[static_cast<size_t>(primary)].layout;
     pattern_of[i] = pattern_params.size();

@@ -79,10 +79,12 @@ int DefaultTpDim(TpKind kind, size_t n_dims) {
 const std::vector<BuiltIn>& TorchtitanRules() {
   static const std::vector<BuiltIn> rules = {
       {R"(^tok_embeddings\.weight$)", TpKind::kVocab, PpPlacement::kFirst, Special::kNone, true},
-      {R"(^output\.weight$)", TpKind::kVocab, PpPlacement::kLast},
+      {R"(^(output|lm_head)\.weight$)", TpKind::kVocab, PpPlacement::kLast},
       {R"(^norm\.weight$)", TpKind::kReplicate, PpPlacement::kLast},
       {R"(^freqs_cis$)", TpKind::kReplicate, PpPlacement::kAll},
-      {R"(\.attention\.w[qkv]\.(weight|bias)$)", TpKind::kColumn, std::nullopt},
+      // 0.3 names them qkv_linear.w[qkv] (stored split) and qkv_linear.wqkv (the fused
+      // parameter, ColwiseParallel: a chunk of whole kv head groups when tp divides them).
+      {R"(\.attention\.(qkv_linear\.)?(w[qkv]|wqkv)\.(weight|bias)$)", TpKind::kColumn, std::nullopt},
       {R"(\.attention\.wo\.weight$)", TpKind::kRow, std::nullopt},
       {R"(\.attention\.wo\.bias$)", TpKind::kReplicate, std::nullopt},
       {R"(\.attention\.[qk]_norm\.weight$)", TpKind::kReplicate, std::nullopt},
@@ -443,7 +445,7 @@ Result<Preset> ParsePreset(std::string_view name) {
 
 Preset DetectPreset(const std::vector<std::string>& names) {
   static const std::unique_ptr<const RE2> torchtitan = CompileRegex(
-      R"(^(tok_embeddings\.weight|layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123]|moe\.|attention_norm|ffn_norm)))");
+      R"(^(tok_embeddings\.weight|layers\.\d+\.(attention\.w[qkvo]|attention\.qkv_linear\.|feed_forward\.w[123]|moe\.|attention_norm|ffn_norm)))");
   static const std::unique_ptr<const RE2> megatron = CompileRegex(
       R"((^|\.)(embedding\.word_embeddings\.|(decoder|encoder)\.layers\.\d+\.(self_attention|mlp)\.|output_layer\.weight))");
   static const std::unique_ptr<const RE2> hf = CompileRegex(

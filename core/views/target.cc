@@ -129,6 +129,16 @@ struct Held {
 
 constexpr int S(TargetState s) { return static_cast<int>(s); }
 
+// The layout that decides a parameter's shape and split: its weight, else its fp32 master, else
+// (a fused parameter served in optim.pt only) its first moment; null when it has none of them.
+const std::shared_ptr<const slice::TensorLayout>& PrimaryOf(const TargetParam& p) {
+  for (TargetState s : {TargetState::kWeight, TargetState::kFp32}) {
+    if (p.states[S(s)]) return p.states[S(s)];
+  }
+  return p.in_model ? p.states[S(TargetState::kWeight)]
+                    : p.states[S(p.states[S(TargetState::kExpAvg)] ? TargetState::kExpAvg : TargetState::kExpAvgSq)];
+}
+
 bool SameHyper(const std::vector<HyperParam>& a, const std::vector<HyperParam>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -139,11 +149,12 @@ bool SameHyper(const std::vector<HyperParam>& a, const std::vector<HyperParam>& 
 
 // param_groups: parameters with identical hyper-parameters share a group, groups in order of
 // their first parameter (model.pt order).
-SaveValue ParamGroups(const TargetInput& in, const std::vector<Held>& held) {
+// `optimizer`: the held entries in optim.pt, in its position order.
+SaveValue ParamGroups(const TargetInput& in, const std::vector<const Held*>& optimizer) {
   std::vector<const std::vector<HyperParam>*> keys;
   std::vector<std::vector<size_t>> members;
-  for (size_t i = 0; i < held.size(); ++i) {
-    const auto& h = in.params[held[i].param].hyper;
+  for (size_t i = 0; i < optimizer.size(); ++i) {
+    const auto& h = in.params[optimizer[i]->param].hyper;
     size_t g = 0;
     while (g < keys.size() && !SameHyper(*keys[g], h)) ++g;
     if (g == keys.size()) {
@@ -159,7 +170,7 @@ SaveValue ParamGroups(const TargetInput& in, const std::vector<Held>& held) {
     SaveValue names = SaveValue::List();
     for (size_t i : members[g]) {
       params.Append(SaveValue::Int(static_cast<int64_t>(i)));
-      names.Append(SaveValue::Str(held[i].view.local_name));
+      names.Append(SaveValue::Str(optimizer[i]->view.local_name));
     }
     group.Set("params", std::move(params));
     group.Set("param_names", std::move(names));
@@ -206,8 +217,7 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
   TargetPlan plan;
   plan.layout_ = std::move(layout);
   for (const auto& p : input->params) {
-    const auto& primary = p.states[S(TargetState::kWeight)] ? p.states[S(TargetState::kWeight)]
-                                                            : p.states[S(TargetState::kFp32)];
+    const auto& primary = PrimaryOf(p);
     if (!primary) {
       return InvalidArgumentError("parameter '" + p.name + "': no weight and no fp32 master");
     }
@@ -220,11 +230,14 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
       }
       if (s != S(TargetState::kWeight)) plan.has_optim_ = true;
     }
+    if ((!p.in_model || !p.in_optimizer) && plan.layout_.zero != 0) {
+      return InvalidArgumentError("parameter '" + p.name + "' is held fused by the optimizer and stored split by the model; a ZeRO "
+                                  "flat buffer of it is not built (serve it without zero)");
+    }
   }
   std::vector<PatternParam> pattern_params;
   for (const auto& p : input->params) {
-    const auto& primary = p.states[S(TargetState::kWeight)] ? *p.states[S(TargetState::kWeight)]
-                                                            : *p.states[S(TargetState::kFp32)];
+    const auto& primary = *PrimaryOf(p);
     pattern_params.push_back({p.name, primary.shape, ShardDim(primary)});
   }
   UCPFS_ASSIGN_OR_RETURN(ModelPatterns mp, PatternsOf(pattern_params, input->preset, input->rules, input->vocab_size,
@@ -284,8 +297,7 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   std::vector<Held> held;
   for (size_t i = 0; i < in.params.size(); ++i) {
     const auto& p = in.params[i];
-    const auto& primary = p.states[S(TargetState::kWeight)] ? p.states[S(TargetState::kWeight)]
-                                                            : p.states[S(TargetState::kFp32)];
+    const auto& primary = PrimaryOf(p);
     UCPFS_ASSIGN_OR_RETURN(auto view, layout::TargetSlice(preset_, p.name, patterns_[i], primary->shape,
                                                           layout_, stage_bounds_, coords));
     if (!view.held) continue;
@@ -348,6 +360,7 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   bool safetensors_dtypes = true;
   for (const auto& h : held) {
     const auto& p = in.params[h.param];
+    if (!p.in_model) continue;
     const int s = p.states[S(TargetState::kWeight)] ? S(TargetState::kWeight) : S(TargetState::kFp32);
     const DType dtype = p.dtypes[s];
     UCPFS_RETURN_IF_ERROR(CheckConvertible(*h.local[s], dtype, p.keys[s]));
@@ -370,14 +383,19 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
 
   // optim.pt
   if (has_optim_) {
+    // optim.pt's positions: the held parameters the optimizer holds, in order.
+    std::vector<const Held*> optimizer;
+    for (const auto& h : held) {
+      if (in.params[h.param].in_optimizer) optimizer.push_back(&h);
+    }
     SaveValue optim = SaveValue::Dict();
     const TargetState kMoments[] = {TargetState::kExpAvg, TargetState::kExpAvgSq};
     if (layout_.zero == 0) {
       SaveValue state = SaveValue::Dict();
       SaveValue fp32 = SaveValue::OrderedDict();
       bool any_fp32 = false;
-      for (size_t i = 0; i < held.size(); ++i) {
-        const Held& h = held[i];
+      for (size_t i = 0; i < optimizer.size(); ++i) {
+        const Held& h = *optimizer[i];
         const auto& p = in.params[h.param];
         SaveValue entry = SaveValue::Dict();
         bool any = false;
@@ -411,7 +429,7 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
         }
       }
       optim.Set("state", std::move(state));
-      optim.Set("param_groups", ParamGroups(in, held));
+      optim.Set("param_groups", ParamGroups(in, optimizer));
       if (any_fp32) optim.Set("fp32", std::move(fp32));
     } else {
       // ZeRO-1 (layout/zero.h): flat = concat of the local tensors in model.pt order, padded to
@@ -462,7 +480,7 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
         add_info(h, TargetState::kStep, "optim.pt", "step", DType::kFloat32, nullptr);
         break;
       }
-      optim.Set("param_groups", ParamGroups(in, held));
+      optim.Set("param_groups", ParamGroups(in, optimizer));
     }
     if (want.optim) {
       UCPFS_ASSIGN_OR_RETURN(auto optim_file, format::LazyTorchFile::Build(optim, dir + "optim.pt"));

@@ -77,6 +77,24 @@ struct TargetParam {
   std::vector<HyperParam> hyper;  // the param group's hyper-parameters, in source field order
   // The step when the source stored it as a Python int or float (states[kStep] is then null).
   std::optional<double> step_value;
+  // A fused parameter whose weight the source stores split under other names (FusedParam):
+  // the fused one (moments and step, no weight) is in optim.pt only, each split weight in
+  // model.pt only. Everything else is in both.
+  bool in_model = true;
+  bool in_optimizer = true;
+};
+
+// A parameter the optimizer holds fused while the model's state_dict saves its weight split
+// (torchtitan's FusedQKVLinear: optimizer state under `qkv_linear.wqkv.weight`, weights as
+// `qkv_linear.wq|wk|wv.weight`). Listed in status.json and inspect as `fused_params`.
+struct FusedParam {
+  std::string param;                   // the optimizer's name (moments and step)
+  std::vector<std::string> stored_as;  // the model's names (weights), in source order
+  // What status.json and inspect say about it: each side is served under its own names only.
+  static constexpr const char* kNote =
+      "weights served under the model's split names, moments and step under the optimizer's fused name; "
+      "no fused weight or split moments: how the fused rows interleave the split ones (per kv head group) "
+      "needs the head dimension, which the checkpoint does not store";
 };
 
 // A non-parameter item of the source, decoded (format::DecodePlainValue or a tensor layout).
@@ -125,6 +143,7 @@ struct TargetInput {
   std::optional<std::vector<int>> pp_split;       // --pp-split: layers per stage
   std::vector<ExtraItem> extras;       // served in extra_state.pt, in source order
   std::vector<NotServed> not_served;   // items no layout serves
+  std::vector<FusedParam> fused;       // see FusedParam
 };
 
 struct RankFiles {

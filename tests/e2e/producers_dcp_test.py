@@ -8,7 +8,13 @@ truth from the live job: producers_common.py):
   tutorial_async  the same state saved with dcp.async_save (same generator run);
   accelerate_fsdp Accelerate's FSDP save_state folder (pytorch_model_fsdp_0/ + optimizer_0/);
   lightning_fsdp, lightning_model_parallel  Lightning's sharded checkpoint directory (FSDPStrategy
-                  with state_dict_type="sharded"; ModelParallelStrategy with FSDP2).
+                  with state_dict_type="sharded"; ModelParallelStrategy with FSDP2);
+  torchtitan      torchtitan 0.3.0's CheckpointManager, llama3 debug model under FSDP2, mounted at
+                  its checkpoint/step-K/: weights saved split (qkv_linear.wq|wk|wv), optimizer state
+                  fused (qkv_linear.wqkv), served each under its own names (status fused_params);
+                  resumed with its LR scheduler's last_epoch from extra_state.pt; second layout tp2
+                  (its TP plan: colwise chunks of wqkv and wq/wk/wv, rowwise wo/w2);
+  torchtitan_run  the same save mounted at its run folder checkpoint/ (the newest step-K served).
 Per case:
  1. .ucpfs/status.json: no unmapped keys, no ambiguity; the model prefix it names is stripped;
  2. atomic/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt equal the live job's full weights and moments;
@@ -50,6 +56,15 @@ def dp_replica(t, fqn, rank):
     return t
 
 
+def titan_tp2(t, fqn, rank):
+    """torchtitan's llama3 TP plan at tp 2: norms replicated, wo/w2 rowwise (dim 1), the rest
+    (embeddings, lm_head, wqkv and its split wq/wk/wv, w1/w3) colwise (dim 0), torch.chunk."""
+    if t.dim() < 2:
+        return t
+    dim = 1 if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0
+    return t.chunk(2, dim=dim)[rank]
+
+
 CASES = [
     Case("tutorial", "gen_dcp_tutorial.py", [], "tp1_pp1_dp2", dp_replica),
     Case("tutorial_async", "gen_dcp_tutorial.py", [], "tp1_pp1_dp2", dp_replica, mount="checkpoint_async"),
@@ -57,6 +72,8 @@ CASES = [
     Case("lightning_fsdp", "gen_lightning_fsdp.py", ["--strategy", "fsdp"], "tp1_pp1_dp2", dp_replica),
     Case("lightning_model_parallel", "gen_lightning_fsdp.py", ["--strategy", "model_parallel"], "tp1_pp1_dp2",
          dp_replica),
+    Case("torchtitan", "gen_torchtitan.py", [], "tp2_pp1_dp1", titan_tp2),
+    Case("torchtitan_run", "gen_torchtitan.py", [], "tp1_pp1_dp2", dp_replica, mount="checkpoint"),
 ]
 
 
@@ -71,13 +88,21 @@ def check_status(mnt, truth):
     assert st["unmapped_keys"] == [], f"unmapped keys: {st['unmapped_keys']}"
     ks = st["key_structure"]
     assert ks["ambiguities"] == [], f"ambiguities: {ks['ambiguities']}"
-    assert st["counts"]["params"] == len(truth["model"]), (st["counts"], sorted(truth["model"]))
+    names = set(truth["model"]) | set(truth["optim"]["state"])
+    assert st["counts"]["params"] == len(names), (st["counts"], sorted(names))
+    # Optimizer state of no weight name: a parameter the model saves split (torchtitan's wqkv).
+    fused = sorted(set(truth["optim"]["state"]) - set(truth["model"]))
+    assert sorted(f["param"] for f in st["fused_params"]) == fused, st["fused_params"]
 
 
 def check_atomic(mnt, truth):
-    for fqn, w in truth["model"].items():
+    for fqn in dict.fromkeys([*truth["model"], *truth["optim"]["state"]]):
         d = os.path.join(mnt, "atomic", fqn.replace("/", "%2F"))
-        same(torch.load(os.path.join(d, "fp32.pt"))["param"], w.float(), f"atomic/{fqn}/fp32.pt")
+        w = truth["model"].get(fqn)
+        if w is None:  # held fused by the optimizer, stored split: no weight under this name
+            assert not os.path.exists(os.path.join(d, "fp32.pt")), f"atomic/{fqn}/fp32.pt exists"
+        else:
+            same(torch.load(os.path.join(d, "fp32.pt"))["param"], w.float(), f"atomic/{fqn}/fp32.pt")
         st = truth["optim"]["state"].get(fqn)
         if st is None:
             continue
@@ -98,17 +123,22 @@ def check_resume(mnt, truth, mod):
         same(sd[fqn], w, f"model.pt[{fqn}]")
     opt = mod.make_optimizer(model)
     names = [n for n, _ in model.named_parameters()]
-    opt.load_state_dict(torch.load(os.path.join(rank, "optim.pt")))
+    optim_sd = torch.load(os.path.join(rank, "optim.pt"))
+    if hasattr(mod, "load_optimizer"):  # the optimizer and what else the framework resumes
+        mod.load_optimizer(opt, optim_sd, torch.load(os.path.join(rank, "extra_state.pt"), weights_only=False))
+    else:
+        opt.load_state_dict(optim_sd)
+    torch_opt = getattr(mod, "torch_optimizer", lambda o: o)(opt)
     # The optimizer now holds exactly the live job's groups and state.
     want_groups = truth["optim"]["param_groups"]
-    got_groups = opt.state_dict()["param_groups"]
+    got_groups = torch_opt.state_dict()["param_groups"]
     assert len(got_groups) == len(want_groups), f"{len(got_groups)} param groups, want {len(want_groups)}"
     for i, (g, w) in enumerate(zip(got_groups, want_groups)):
         assert group_fields(g) == group_fields(w), f"param_groups[{i}]: {group_fields(g)} != {group_fields(w)}"
         assert [names[p] for p in g["params"]] == list(w["params"]), f"param_groups[{i}] params"
     params = dict(model.named_parameters())
     for fqn, st in truth["optim"]["state"].items():
-        got = opt.state[params[fqn]]
+        got = torch_opt.state[params[fqn]]
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 same(got[k], v, f"optim state {fqn}.{k}")
@@ -132,7 +162,9 @@ def check_second_layout(mnt, truth, case):
         for fqn, w in truth["model"].items():
             same(sd[fqn], case.slicer(w, fqn, rank), f"{layout}/{r}/model.pt[{fqn}]")
         optim = torch.load(os.path.join(base, r, "optim.pt"))
-        order = list(sd)
+        # Positions are the optimizer's parameters (named in each group), not model.pt's keys.
+        order = {i: n for g in optim["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+        assert sorted(order.values()) == sorted(truth["optim"]["state"]), f"{layout}/{r}/optim.pt param_names"
         for i, st in optim["state"].items():
             want = truth["optim"]["state"][order[i]]
             for k in ("exp_avg", "exp_avg_sq"):

@@ -1,6 +1,7 @@
 // The target input from an index: a step stored as a Python number, param_groups in DCP's
 // flattening of get_optimizer_state_dict, extra state (replicated and rank-local) and every
-// item no view serves reported with its reason; then what the rank files of two layouts hold.
+// item no view serves reported with its reason; then what the rank files of two layouts hold;
+// a fused optimizer parameter whose weight is stored split (torchtitan's wqkv / wq|wk|wv).
 #include "index/view_inputs.h"
 
 #include <gtest/gtest.h>
@@ -58,6 +59,15 @@ struct Source {
     ckpt.items.push_back(std::move(it));
   }
 };
+
+// The source's one file, its key mapping and its target input (warnings not collected).
+Result<std::shared_ptr<views::TargetInput>> InputOf(Source& s) {
+  s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
+  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+  files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
+  UCPFS_ASSIGN_OR_RETURN(KeyMapping mapping, MapKeys(s.ckpt, {}));
+  return MakeTargetInput(s.ckpt, mapping, files, nullptr);
+}
 
 std::vector<std::string> Keys(const views::TargetInput& in) {
   std::vector<std::string> out;
@@ -216,12 +226,7 @@ TEST(MakeTargetInput, MegatronCoreParamGroupsFromCommonPt) {
     SaveValue common = SaveValue::Dict();
     common.Set("optimizer", std::move(opt));
     s.Blob("common.pt", common);
-    s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
-    auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-    files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
-    auto mapping = MapKeys(s.ckpt, {});
-    ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
-    auto in = MakeTargetInput(s.ckpt, *mapping, files, nullptr);
+    auto in = InputOf(s);
     ASSERT_TRUE(in.ok()) << in.error().ToString();
     ASSERT_EQ((*in)->params.size(), 2u);
     for (const auto& p : (*in)->params) {
@@ -243,6 +248,65 @@ TEST(MakeTargetInput, MegatronCoreParamGroupsFromCommonPt) {
     }
     EXPECT_EQ(reported, !matchable);
   }
+}
+
+}  // namespace
+}  // namespace ucpfs::index
+
+namespace ucpfs::index {
+namespace {
+
+// torchtitan's FusedQKVLinear: weights saved split (wq/wk/wv, its state_dict hook), optimizer
+// state under the fused parameter (wqkv). Found by structure: the fused state goes to optim.pt
+// only, at the position of its split weights, which go to model.pt only; one param group.
+TEST(MakeTargetInput, FusedOptimizerStateOfSplitWeights) {
+  Source s;
+  s.Tensor("tok.weight", 8, 0.0f, {4, 2});
+  s.Tensor("attn.qkv.wq.weight", 4, 1.0f, {2, 2});
+  s.Tensor("attn.qkv.wk.weight", 2, 5.0f, {1, 2});
+  s.Tensor("attn.qkv.wv.weight", 2, 7.0f, {1, 2});
+  s.Tensor("other.a.weight", 4, 0.0f, {2, 2});  // weight-only siblings whose rows do not add up
+  s.Tensor("other.b.weight", 4, 0.0f, {2, 2});
+  const std::pair<std::string, int64_t> states[] = {{"tok.weight", 4}, {"attn.qkv.wqkv.weight", 4}, {"other.ab.weight", 5}};
+  for (const auto& [p, rows] : states) {
+    const int n = static_cast<int>(rows * 2);
+    s.Tensor("optimizer.state." + p + ".exp_avg", n, 10.0f, {rows, 2});
+    s.Tensor("optimizer.state." + p + ".exp_avg_sq", n, 20.0f, {rows, 2});
+    s.Blob("optimizer.param_groups." + p + ".lr", SaveValue::Float(0.01));
+  }
+  auto in = InputOf(s);
+  ASSERT_TRUE(in.ok()) << in.error().ToString();
+
+  ASSERT_EQ((*in)->fused.size(), 1u);
+  EXPECT_EQ((*in)->fused[0].param, "attn.qkv.wqkv.weight");
+  EXPECT_EQ((*in)->fused[0].stored_as,
+            (std::vector<std::string>{"attn.qkv.wq.weight", "attn.qkv.wk.weight", "attn.qkv.wv.weight"}));
+  std::vector<std::string> names;
+  for (const auto& p : (*in)->params) names.push_back(p.name + (p.in_model ? "" : " -model") + (p.in_optimizer ? "" : " -optim"));
+  // other.ab.weight's rows (5) are not other.a + other.b (4): not fused, its state reported.
+  // Source order (of each parameter's first key), the split weights right after the fused one.
+  EXPECT_EQ(names, (std::vector<std::string>{"tok.weight", "other.a.weight", "other.b.weight",
+                                             "attn.qkv.wqkv.weight -model", "attn.qkv.wq.weight -optim",
+                                             "attn.qkv.wk.weight -optim", "attn.qkv.wv.weight -optim"}));
+  ASSERT_FALSE((*in)->not_served.empty());
+  EXPECT_EQ((*in)->not_served[0].key, "optimizer.state.other.ab.weight.exp_avg");
+
+  auto layout = layout::ParseLayout("tp1_pp1_dp1");
+  ASSERT_TRUE(layout.ok());
+  auto rank = views::BuildRankFiles(*in, *layout, 0);
+  ASSERT_TRUE(rank.ok()) << rank.error().ToString();
+  auto model = format::TorchFile::Open(rank->model);
+  auto optim = format::TorchFile::Open(rank->optim);
+  ASSERT_TRUE(model.ok() && optim.ok());
+  std::vector<std::string> model_keys, optim_keys;
+  for (const auto& t : model->tensors()) model_keys.push_back(t.key);
+  for (const auto& t : optim->tensors()) optim_keys.push_back(t.key + (t.shape == std::vector<int64_t>{4, 2} ? "" : "?"));
+  EXPECT_EQ(model_keys, (std::vector<std::string>{"tok.weight", "other.a.weight", "other.b.weight",
+                                                  "attn.qkv.wq.weight", "attn.qkv.wk.weight", "attn.qkv.wv.weight"}));
+  // Positions: 0 tok, 1 other.a, 2 other.b (weights with no state), 3 the fused wqkv; its split
+  // weights take none.
+  EXPECT_EQ(optim_keys, (std::vector<std::string>{"state.0.exp_avg", "state.0.exp_avg_sq", "state.3.exp_avg",
+                                                  "state.3.exp_avg_sq"}));
 }
 
 }  // namespace
