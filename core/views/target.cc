@@ -539,6 +539,19 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   return out;
 }
 
+bool TargetPlan::ReplicasAlike() const {
+  return layout_.zero == 0 &&
+         std::none_of(input_->extras.begin(), input_->extras.end(), [](const ExtraItem& e) { return e.dp_rank >= 0; });
+}
+
+// Build writes "rank" and "dp" as plain decimal integers, and nothing else in ucp_info.json
+// depends on the DP coordinate when ReplicasAlike() (tensors' pieces come from (tp, pp, ep);
+// extra state and not_served are the same on every rank). target_test checks this against Build.
+uint64_t TargetPlan::ReplicaInfoBytes(uint64_t first_info_bytes, int first_rank, int first_dp, int rank, int dp) {
+  auto digits = [](int v) { return static_cast<uint64_t>(std::to_string(v).size()); };
+  return first_info_bytes - digits(first_rank) - digits(first_dp) + digits(rank) + digits(dp);
+}
+
 Result<RankFiles> BuildRankFiles(std::shared_ptr<const TargetInput> input, const layout::Layout& layout,
                                  int rank) {
   UCPFS_ASSIGN_OR_RETURN(auto plan, TargetPlan::Make(std::move(input), layout));

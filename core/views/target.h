@@ -165,6 +165,15 @@ class TargetPlan {
   // dtype; LazyTorchFile::Build's.
   Result<RankFiles> Build(int rank, const RankFileSet& want = {}) const;
 
+  // Whether the data-parallel replicas of one (tp, pp, ep) coordinate have the same files (the
+  // same bytes in model.pt, model.safetensors, optim.pt and extra_state.pt) and ucp_info.json
+  // files that differ only in "rank" and the "dp" coordinate: no ZeRO partitioning and no
+  // rank-local extra state. A mount then sizes a replica's files without building them.
+  bool ReplicasAlike() const;
+  // The size of replica (rank, dp)'s ucp_info.json, from that of replica (first_rank, first_dp)
+  // of the same (tp, pp, ep), when ReplicasAlike(): the two differ only in those numbers.
+  static uint64_t ReplicaInfoBytes(uint64_t first_info_bytes, int first_rank, int first_dp, int rank, int dp);
+
   const layout::Layout& layout() const { return layout_; }
   layout::Preset preset() const { return preset_; }
   const std::vector<layout::ParamPattern>& patterns() const { return patterns_; }
