@@ -197,6 +197,7 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetP
   const bool alike = plan->ReplicasAlike();
   struct Shared {
     Ino first = 0, second = 0, third = 0;  // model.pt, optim.pt, model.safetensors
+    Ino refused_safetensors = 0;           // model.safetensors.error, when it cannot be made
     int first_rank = -1, first_dp = 0;     // the group's first rank, built in full
     uint64_t info_bytes = 0, extra_bytes = 0;
     bool has_extra = false;
@@ -237,6 +238,17 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetP
     UCPFS_RETURN_IF_ERROR(add("model.pt", RankFile::kModel, &shared.first));
     if (files_of_rank.model_safetensors || shared.third != 0) {
       UCPFS_RETURN_IF_ERROR(add("model.safetensors", RankFile::kSafetensors, &shared.third));
+    } else if (shared.refused_safetensors != 0) {
+      UCPFS_RETURN_IF_ERROR(tree.AddLink(rdir, "model.safetensors.error", shared.refused_safetensors));
+    } else if (!files_of_rank.model_safetensors_refused.empty()) {
+      // Where safetensors cannot hold the rank's tensors the file is left out, and says why.
+      const std::string text = files_of_rank.model_safetensors_refused + "\n";
+      auto src = std::make_shared<MemorySource>(
+          "target/" + l.name + "/rank_" + std::to_string(rank) + "/model.safetensors.error",
+          std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+      UCPFS_ASSIGN_OR_RETURN(shared.refused_safetensors,
+                             tree.AddFile(rdir, "model.safetensors.error", src->Size(), mtime, FixedSource(src)));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(shared.refused_safetensors, access.mode, access.uid, access.gid));
     }
     if (files_of_rank.optim || (l.zero == 0 && shared.second != 0)) {
       UCPFS_RETURN_IF_ERROR(add("optim.pt", RankFile::kOptim, l.zero == 0 ? &shared.second : nullptr));

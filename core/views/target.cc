@@ -345,14 +345,17 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   // model.pt
   SaveValue model = SaveValue::OrderedDict();
   std::vector<std::pair<std::string, format::SaveTensor>> model_tensors;
-  bool safetensors_dtypes = true;
+  std::string safetensors_refused;  // the first tensor safetensors cannot hold, and why
   for (const auto& h : held) {
     const auto& p = in.params[h.param];
     const int s = p.states[S(TargetState::kWeight)] ? S(TargetState::kWeight) : S(TargetState::kFp32);
     const DType dtype = p.dtypes[s];
     UCPFS_RETURN_IF_ERROR(CheckConvertible(*h.local[s], dtype, p.keys[s]));
     format::SaveTensor t{dtype, h.view.local_shape, std::make_shared<LayoutProvider>(h.local[s], dtype, in.files)};
-    safetensors_dtypes = safetensors_dtypes && !format::SafetensorsDTypeName(dtype).empty();
+    if (safetensors_refused.empty() && format::SafetensorsDTypeName(dtype).empty()) {
+      safetensors_refused = "tensor '" + h.view.local_name + "' has dtype " + std::string(TorchName(dtype)) +
+                            ", which safetensors has no name for (model.pt has it)";
+    }
     model_tensors.emplace_back(h.view.local_name, t);
     model.Set(h.view.local_name, SaveValue::Tensor(std::move(t)));
     add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
@@ -362,11 +365,16 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
     UCPFS_ASSIGN_OR_RETURN(auto model_file, format::LazyTorchFile::Build(model, dir + "model.pt"));
     out.model = std::move(model_file);
   }
-  if (want.model_safetensors && safetensors_dtypes) {
+  if (want.model_safetensors && safetensors_refused.empty()) {
     // Names safetensors cannot hold (not UTF-8, "__metadata__") leave the rank without it.
     auto st = format::LazySafetensorsFile::Build(std::move(model_tensors), {{"format", "pt"}}, dir + "model.safetensors");
-    if (st.ok()) out.model_safetensors = std::move(*st);
+    if (st.ok()) {
+      out.model_safetensors = std::move(*st);
+    } else {
+      safetensors_refused = st.error().message() + " (model.pt has the same tensors)";
+    }
   }
+  if (want.model_safetensors && !out.model_safetensors) out.model_safetensors_refused = safetensors_refused;
 
   // optim.pt
   if (has_optim_) {

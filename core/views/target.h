@@ -133,6 +133,9 @@ struct RankFiles {
   // (metadata {"format": "pt"}); null when safetensors cannot hold one of them (a dtype with no
   // safetensors name, e.g. complex32; a name that is not UTF-8 or is "__metadata__").
   std::shared_ptr<const ByteSource> model_safetensors;
+  // Why model_safetensors is null when it was wanted and the rank has weights (served as
+  // rank_N/model.safetensors.error by a mount); empty otherwise.
+  std::string model_safetensors_refused;
   std::shared_ptr<const ByteSource> optim;  // optim.pt; null when the source has no optimizer state
   std::shared_ptr<const ByteSource> info;   // ucp_info.json
   std::shared_ptr<const ByteSource> extra;  // extra_state.pt; null when the rank gets no extra item
