@@ -650,7 +650,6 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     if (!made.ok()) budget->Refused(l.name, made.error().message());
     return made;
   };
-
   // target/ lists `<layout>.error` for each refusal still remembered.
   SubtreeLister list_target = [budget]() {
     std::vector<std::string> names;
