@@ -402,7 +402,7 @@ class Reindexer {
       }
       if (serving_checkpoint_ && !marker) continue;  // shards of a save not finished yet
       auto& [tree, info, snapshot] = *built;
-      const Status swapped = fs_->Swap(std::move(tree), info.target_dir, info.resolve_target);
+      const Status swapped = fs_->Swap(std::move(tree), info.target_dir, info.resolve_target, info.list_target);
       if (!swapped.ok()) {
         std::cerr << "ucpfs: views not updated: " << swapped.ToString() << std::endl;
         continue;
@@ -625,6 +625,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   // target/<layout>/ for layouts not given with --layout: built on first lookup.
   mo.dynamic_dir = info.target_dir;
   mo.resolve = info.resolve_target;
+  mo.list = info.list_target;
   auto passthrough = fs::Passthrough::Make(source_dir, capture);
   if (!passthrough.ok()) return report("source", passthrough.error());
   if (reindexer) (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });

@@ -116,10 +116,11 @@ Ino Filesystem::GlobalParent(const Found& f) const {
   return f.node->parent == kRootIno ? kRootIno : (f.base | f.node->parent);
 }
 
-bool Filesystem::IsDynamicDir(const Found& dir, SubtreeResolver* resolve) const {
+bool Filesystem::IsDynamicDir(const Found& dir, SubtreeResolver* resolve, SubtreeLister* list) const {
   if (dir.base == 0) {
     if (options_.dynamic_dir == 0 || dir.node->ino != options_.dynamic_dir) return false;
     if (resolve != nullptr) *resolve = options_.resolve;
+    if (list != nullptr) *list = options_.list;
     return true;
   }
   std::shared_lock lock(mu_);
@@ -129,6 +130,7 @@ bool Filesystem::IsDynamicDir(const Found& dir, SubtreeResolver* resolve) const 
     return false;
   }
   if (resolve != nullptr) *resolve = it->second->resolve;
+  if (list != nullptr) *list = it->second->list;
   return true;
 }
 
@@ -161,7 +163,8 @@ uint64_t Filesystem::Generation() const {
   return n_generations_;
 }
 
-Status Filesystem::Swap(std::shared_ptr<const Tree> tree, Ino dynamic_dir, SubtreeResolver resolve) {
+Status Filesystem::Swap(std::shared_ptr<const Tree> tree, Ino dynamic_dir, SubtreeResolver resolve,
+                        SubtreeLister list) {
   if (tree == nullptr || tree->size() > kLocalInoMask) return InvalidArgumentError("Filesystem::Swap: bad tree");
   if (dynamic_dir != 0) {
     const TreeNode* dir = tree->Get(dynamic_dir);
@@ -180,6 +183,7 @@ Status Filesystem::Swap(std::shared_ptr<const Tree> tree, Ino dynamic_dir, Subtr
   gen->current = true;
   gen->dynamic_dir = dynamic_dir;
   gen->resolve = std::move(resolve);
+  gen->list = std::move(list);
   const uint64_t slot = next_slot_++;
   subtrees_.emplace(slot, std::move(gen));
   const uint64_t old = current_slot_;
@@ -519,8 +523,10 @@ Result<DirListing> Filesystem::OpenDir(Ino ino) const {
     std::sort(listing.items.begin() + 2, listing.items.end(),
               [](const DirListing::Item& a, const DirListing::Item& b) { return a.name < b.name; });
   }
-  if (IsDynamicDir(found, nullptr)) {
+  SubtreeLister list;
+  if (IsDynamicDir(found, nullptr, &list)) {
     listing.cacheable = false;  // plus the subtrees built so far, merged in name order
+    std::set<std::string> listed;  // names already in the listing
     {
       const uint64_t generation_slot = found.base >> kSlotShift;
       std::shared_lock lock(mu_);
@@ -528,7 +534,13 @@ Result<DirListing> Filesystem::OpenDir(Ino ino) const {
         if (key.first != generation_slot) continue;
         if (node->children.contains(key.second)) continue;  // shadowed (never resolved, in fact)
         listing.items.push_back({key.second, slot << kSlotShift | kRootIno});
+        listed.insert(key.second);
       }
+    }
+    // The lister's names not resolved yet: files, looked up by name (outside the lock).
+    for (std::string& name : list ? list() : std::vector<std::string>()) {
+      if (node->children.contains(name) || listed.contains(name)) continue;
+      listing.items.push_back({std::move(name), 0, true, S_IFREG});
     }
     std::sort(listing.items.begin() + 2, listing.items.end(),
               [](const DirListing::Item& a, const DirListing::Item& b) { return a.name < b.name; });

@@ -60,6 +60,9 @@ struct FilesystemOptions {
   // of `dynamic_dir` shows the names resolved and not evicted; its nlink is 1 (unknown).
   Ino dynamic_dir = 0;
   SubtreeResolver resolve;
+  // Optional: names a listing of `dynamic_dir` shows besides the resolved ones (listed as
+  // files; readdirplus looks them up by name, through `resolve`).
+  SubtreeLister list;
   // The source served read-write beside the views (null: the tree alone, read-only). Names of
   // the tree's root shadow the source's; every other name at the root and below is the
   // source's (inodes with kPassthroughBit).
@@ -183,7 +186,8 @@ class Filesystem {
   // snapshot); a replaced generation is released once the kernel has forgotten all of them
   // (the first generation, uncounted, stays for the mount's life). Errors: kInvalidArgument as
   // Make; ENOSPC when the slots are used up.
-  Status Swap(std::shared_ptr<const Tree> tree, Ino dynamic_dir, SubtreeResolver resolve);
+  Status Swap(std::shared_ptr<const Tree> tree, Ino dynamic_dir, SubtreeResolver resolve,
+              SubtreeLister list = nullptr);
   // Generations built so far (1 + swaps).
   uint64_t Generation() const;
 
@@ -206,6 +210,7 @@ class Filesystem {
     bool current = false;                // the generation served at the root: never evicted
     Ino dynamic_dir = 0;                 // generation: local inode of its dynamic directory
     SubtreeResolver resolve;             // generation: its resolver
+    SubtreeLister list;                  // generation: its lister (may be empty)
     std::atomic<uint64_t> n_lookups{0};  // kernel references to its inodes
   };
   // A node found by its (global) inode number; `tree` keeps a subtree alive while in use.
@@ -234,7 +239,7 @@ class Filesystem {
   Result<Found> ResolveChild(uint64_t generation_slot, const std::string& name);
   Current CurrentGeneration() const;
   // The dynamic directory of the generation holding `dir` (local inode, resolver), if `dir` is it.
-  bool IsDynamicDir(const Found& dir, SubtreeResolver* resolve) const;
+  bool IsDynamicDir(const Found& dir, SubtreeResolver* resolve, SubtreeLister* list = nullptr) const;
   void Evict(uint64_t slot);  // mu_ held exclusively by the caller via the lock passed
   Ino DynamicDirOf(uint64_t generation_slot) const;  // global inode of a generation's dynamic dir
   // Whether `parent`/`name` goes to the passthrough (true) or is a view's (false; EROFS for

@@ -46,6 +46,7 @@ struct MountOptions {
   // lookup and evicted when the kernel forgets them. See FilesystemOptions (filesystem.h).
   Ino dynamic_dir = 0;
   SubtreeResolver resolve;
+  SubtreeLister list;  // names the dynamic directory lists before they are looked up (optional)
   // The source served read-write beside the tree (FilesystemOptions::passthrough); null: the
   // mount is read-only ("ro").
   std::shared_ptr<Passthrough> passthrough;

@@ -38,6 +38,11 @@ constexpr int kMaxLookupWorld = 4096;
 // The most recent lookup refusals kept for stats.json (each reason cut to kMaxRefusalBytes).
 constexpr size_t kMaxListedRefusals = 8;
 constexpr size_t kMaxRefusalBytes = 400;
+// target/<layout>.error: why a lookup of target/<layout> was refused (while it is remembered).
+constexpr std::string_view kRefusalSuffix = ".error";
+// status.json keeps room for the refusals (kMaxListedRefusals of at most kMaxRefusalBytes each,
+// their layout names and JSON escapes); refusals that do not fit are left out of it.
+constexpr uint64_t kStatusRefusalRoomBytes = 8192;
 
 struct timespec Now() {
   struct timespec ts;
@@ -100,6 +105,20 @@ ViewAccess AccessOfSources(const std::string& source_dir, const std::vector<inde
   if (same_uid && all_user) a.mode |= 0400;
   if (same_gid && all_group) a.mode |= 0040;
   return a;
+}
+
+// The file target/<layout>.error: `why` and a newline. kNotFound when no refusal of `layout`
+// is remembered (never refused, or pushed out by newer refusals).
+Result<std::shared_ptr<const Tree>> RefusalFile(const std::string& layout, const std::optional<std::string>& why,
+                                                struct timespec mtime, const ViewAccess& access) {
+  if (!why) return NotFoundError("no refusal of a layout '" + layout + "' is remembered");
+  const std::string text = *why + "\n";
+  auto src = std::make_shared<MemorySource>(
+      "target/" + layout + std::string(kRefusalSuffix),
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  auto tree = std::make_shared<Tree>(Tree::OneFile(src->Size(), mtime, FixedSource(src)));
+  UCPFS_RETURN_IF_ERROR(tree->SetAccess(kRootIno, access.mode, access.uid, access.gid));
+  return std::shared_ptr<const Tree>(std::move(tree));
 }
 
 // The files of one rank of a layout, built again (TargetPlan::Build) when one of them is opened,
@@ -172,24 +191,43 @@ uint64_t RankTreeBytes(const views::RankFiles& f) {
 Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetPlan> plan, struct timespec mtime,
                       const ViewAccess& access, size_t* n_files) {
   const layout::Layout& l = plan->layout();
+  // Replicas alike (TargetPlan::ReplicasAlike): a DP replica's files are sized from its group's
+  // first rank without building anything, so a layout of thousands of DP ranks is listed in the
+  // time of its distinct ranks plus its tree nodes.
+  const bool alike = plan->ReplicasAlike();
   struct Shared {
     Ino first = 0, second = 0, third = 0;  // model.pt, optim.pt, model.safetensors
+    Ino refused_safetensors = 0;           // model.safetensors.error, when it cannot be made
+    int first_rank = -1, first_dp = 0;     // the group's first rank, built in full
+    uint64_t info_bytes = 0, extra_bytes = 0;
+    bool has_extra = false;
   };
   std::map<std::tuple<int, int, int>, Shared> shared_files;  // (tp,pp,ep) -> the rank files DP replicas share
   for (int rank = 0; rank < l.World(); ++rank) {
     const auto c = layout::CoordsOf(l, rank);
     auto it = shared_files.try_emplace({c.tp, c.pp, c.ep}).first;
     Shared& shared = it->second;
+    const bool sized_from_first = alike && shared.first_rank >= 0;
     // A DP replica links to the files it shares: only its own are built to be sized.
     views::RankFileSet want;
     want.model = want.model_safetensors = shared.first == 0;
     want.optim = l.zero != 0 || shared.first == 0;
-    UCPFS_ASSIGN_OR_RETURN(auto files_of_rank, plan->Build(rank, want));
+    views::RankFiles files_of_rank;  // a replica sized from its first rank builds nothing
+    if (!sized_from_first) {
+      UCPFS_ASSIGN_OR_RETURN(files_of_rank, plan->Build(rank, want));
+    }
+    if (shared.first_rank < 0) {
+      shared.first_rank = rank;
+      shared.first_dp = c.dp;
+      shared.info_bytes = files_of_rank.info->Size();
+      shared.has_extra = files_of_rank.extra != nullptr;
+      if (shared.has_extra) shared.extra_bytes = files_of_rank.extra->Size();
+    }
     UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree.AddDir(ldir, "rank_" + std::to_string(rank), mtime));
     auto lazy = std::make_shared<const LazyRankFiles>(plan, rank);
-    auto add = [&](const char* name, RankFile which, Ino* share) -> Status {
+    auto add = [&](const char* name, RankFile which, Ino* share, std::optional<uint64_t> sized = {}) -> Status {
       if (share != nullptr && *share != 0) return tree.AddLink(rdir, name, *share);
-      const uint64_t n_bytes = FileOf(files_of_rank, which)->Size();
+      const uint64_t n_bytes = sized ? *sized : FileOf(files_of_rank, which)->Size();
       Opener open = [lazy, which, n_bytes]() { return lazy->Open(which, n_bytes); };
       UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(rdir, name, n_bytes, mtime, std::move(open)));
       UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
@@ -200,9 +238,27 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetP
     UCPFS_RETURN_IF_ERROR(add("model.pt", RankFile::kModel, &shared.first));
     if (files_of_rank.model_safetensors || shared.third != 0) {
       UCPFS_RETURN_IF_ERROR(add("model.safetensors", RankFile::kSafetensors, &shared.third));
+    } else if (shared.refused_safetensors != 0) {
+      UCPFS_RETURN_IF_ERROR(tree.AddLink(rdir, "model.safetensors.error", shared.refused_safetensors));
+    } else if (!files_of_rank.model_safetensors_refused.empty()) {
+      // Where safetensors cannot hold the rank's tensors the file is left out, and says why.
+      const std::string text = files_of_rank.model_safetensors_refused + "\n";
+      auto src = std::make_shared<MemorySource>(
+          "target/" + l.name + "/rank_" + std::to_string(rank) + "/model.safetensors.error",
+          std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+      UCPFS_ASSIGN_OR_RETURN(shared.refused_safetensors,
+                             tree.AddFile(rdir, "model.safetensors.error", src->Size(), mtime, FixedSource(src)));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(shared.refused_safetensors, access.mode, access.uid, access.gid));
     }
     if (files_of_rank.optim || (l.zero == 0 && shared.second != 0)) {
       UCPFS_RETURN_IF_ERROR(add("optim.pt", RankFile::kOptim, l.zero == 0 ? &shared.second : nullptr));
+    }
+    if (sized_from_first) {
+      if (shared.has_extra) UCPFS_RETURN_IF_ERROR(add("extra_state.pt", RankFile::kExtra, nullptr, shared.extra_bytes));
+      const uint64_t info_bytes =
+          views::TargetPlan::ReplicaInfoBytes(shared.info_bytes, shared.first_rank, shared.first_dp, rank, c.dp);
+      UCPFS_RETURN_IF_ERROR(add("ucp_info.json", RankFile::kInfo, nullptr, info_bytes));
+      continue;
     }
     if (files_of_rank.extra) UCPFS_RETURN_IF_ERROR(add("extra_state.pt", RankFile::kExtra, nullptr));
     UCPFS_RETURN_IF_ERROR(add("ucp_info.json", RankFile::kInfo, nullptr));
@@ -315,15 +371,34 @@ Status AddSafetensorsView(Tree& tree, Ino parent, const index::Snapshot& snap, c
 // the capture's, padded with spaces to a fixed size so the size is known before the content;
 // JSON allows trailing white space) and, with a capture, `sync` (its open(2) returns once
 // everything saved before it is durable).
+// With `status_live`, status.json is made again at each open (what happened since the mount,
+// e.g. refused layouts): status_live(n) returns the text in at most n - 1 bytes, padded with
+// spaces to a fixed size of status_text's plus kStatusRefusalRoomBytes.
 Status AddMeta(Tree& tree, struct timespec mtime, const std::string& status_text,
-               std::function<void(nlohmann::ordered_json&)> counters, const MountHooks& hooks) {
+               std::function<void(nlohmann::ordered_json&)> counters, const MountHooks& hooks,
+               std::function<std::string(uint64_t)> status_live = nullptr) {
   UCPFS_ASSIGN_OR_RETURN(Ino meta, tree.AddDir(kRootIno, ".ucpfs", mtime));
-  auto status_src = std::make_shared<MemorySource>(
-      ".ucpfs/status.json",
-      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(status_text.data()), status_text.size()));
-  const uint64_t status_n_bytes = status_src->Size();
-  UCPFS_RETURN_IF_ERROR(
-      tree.AddFile(meta, "status.json", status_n_bytes, Now(), FixedSource(std::move(status_src))).status());
+  if (status_live) {
+    const uint64_t n_bytes = status_text.size() + kStatusRefusalRoomBytes;
+    Opener open = [status_live, n_bytes]() -> Result<std::shared_ptr<const ByteSource>> {
+      std::string text = status_live(n_bytes);
+      if (text.size() >= n_bytes) return InternalError("status.json outgrew its " + std::to_string(n_bytes) + " bytes");
+      text.pop_back();  // the newline goes last, after the padding
+      text.resize(n_bytes - 1, ' ');
+      text.push_back('\n');
+      return std::shared_ptr<const ByteSource>(std::make_shared<MemorySource>(
+          ".ucpfs/status.json", std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size())));
+    };
+    UCPFS_ASSIGN_OR_RETURN(Ino status_ino, tree.AddFile(meta, "status.json", n_bytes, Now(), std::move(open)));
+    UCPFS_RETURN_IF_ERROR(tree.MarkVolatile(status_ino));
+  } else {
+    auto status_src = std::make_shared<MemorySource>(
+        ".ucpfs/status.json",
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(status_text.data()), status_text.size()));
+    const uint64_t status_n_bytes = status_src->Size();
+    UCPFS_RETURN_IF_ERROR(
+        tree.AddFile(meta, "status.json", status_n_bytes, Now(), FixedSource(std::move(status_src))).status());
+  }
   Opener stats_open = [counters, capture = hooks.capture_stats,
                        report = hooks.report]() -> Result<std::shared_ptr<const ByteSource>> {
     nlohmann::ordered_json j;
@@ -492,6 +567,14 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
       if (refused.size() == kMaxListedRefusals) refused.pop_front();
       refused.emplace_back(name, std::move(why));
     }
+    // The reason the layout `name` was last refused, if it is still listed.
+    std::optional<std::string> RefusalOf(const std::string& name) {
+      std::lock_guard lock(mu);
+      for (const auto& [layout_name, why] : refused) {
+        if (layout_name == name) return why;
+      }
+      return std::nullopt;
+    }
     void Release(const std::string& name, uint64_t n_bytes) {
       std::lock_guard lock(mu);
       used -= std::min(used, n_bytes);
@@ -550,7 +633,12 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     UCPFS_RETURN_IF_ERROR(AddLayoutRanks(sub->tree, kRootIno, std::move(plan), mtime, access, &n_files));
     return std::shared_ptr<const Tree>(sub, &sub->tree);
   };
-  SubtreeResolver resolve_target = [build_layout, budget](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+  SubtreeResolver resolve_target = [build_layout, budget, mtime, access](
+                                       const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+    if (name.ends_with(kRefusalSuffix)) {
+      return RefusalFile(name.substr(0, name.size() - kRefusalSuffix.size()),
+                         budget->RefusalOf(name.substr(0, name.size() - kRefusalSuffix.size())), mtime, access);
+    }
     UCPFS_ASSIGN_OR_RETURN(auto l, layout::ParseLayout(name));
     if (l.name != name) {
       return InvalidArgumentError("layout '" + name + "' is not spelled canonically (use '" +
@@ -561,6 +649,13 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     Result<std::shared_ptr<const Tree>> made = build_layout(l);
     if (!made.ok()) budget->Refused(l.name, made.error().message());
     return made;
+  };
+  // target/ lists `<layout>.error` for each refusal still remembered.
+  SubtreeLister list_target = [budget]() {
+    std::vector<std::string> names;
+    std::lock_guard lock(budget->mu);
+    for (const auto& refusal : budget->refused) names.push_back(refusal.first + std::string(kRefusalSuffix));
+    return names;
   };
 
   nlohmann::ordered_json status;
@@ -635,7 +730,24 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   }
   status["generation"] = snapshot->generation;
   for (const auto& [key, value] : hooks.status_extra.items()) status[key] = value;
+  // Layouts a lookup named and could not build, with why (newest last): filled in at each open
+  // of status.json (status_live below), as in stats.json's lookup_layouts.refused.
+  status["target_refused"] = nlohmann::ordered_json::array();
   const std::string status_text = JsonText(status) + "\n";
+  auto status_live = [status, budget](uint64_t n_bytes) {
+    nlohmann::ordered_json j = status;
+    {
+      std::lock_guard lock(budget->mu);
+      for (const auto& [name, why] : budget->refused) j["target_refused"].push_back({{"layout", name}, {"reason", why}});
+    }
+    std::string text = JsonText(j) + "\n";
+    // The oldest refusals give way when escapes make them outgrow the room (never in practice).
+    while (text.size() >= n_bytes && !j["target_refused"].empty()) {
+      j["target_refused"].erase(0);
+      text = JsonText(j) + "\n";
+    }
+    return text;
+  };
   auto source_counters = [counters, budget](nlohmann::ordered_json& j) {
     j["source_bytes_read"] = counters->source_bytes_read.load();
     j["source_reads"] = counters->source_reads.load();
@@ -658,7 +770,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
                            {"max_ranks", kMaxLookupWorld},
                            {"refused", std::move(refused)}};
   };
-  UCPFS_RETURN_IF_ERROR(AddMeta(*tree, mtime, status_text, source_counters, hooks));
+  UCPFS_RETURN_IF_ERROR(AddMeta(*tree, mtime, status_text, source_counters, hooks, status_live));
   if (info != nullptr) {
     info->source_dir = source_dir;
     info->n_atomic_files = n_atomic;
@@ -667,6 +779,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
     info->status_json = std::move(status_text);
     info->target_dir = target;
     info->resolve_target = std::move(resolve_target);
+    info->list_target = std::move(list_target);
   }
   return tree;
 }

@@ -38,6 +38,9 @@ struct NamespaceInfo {
   // `opened` index and `mapping` given to BuildNamespace, which must outlive it; thread-safe.
   Ino target_dir = 0;
   SubtreeResolver resolve_target;
+  // The names target/ lists before they are looked up: `<layout>.error` of each remembered
+  // refusal (the resolver serves them as files holding the reason). For MountOptions::list.
+  SubtreeLister list_target;
   std::string index_state;   // set by the caller, for its messages
   double index_seconds = 0;
 };

@@ -1,6 +1,7 @@
 // Tree: the immutable namespace a mount serves. See tree.h.
 //
-// Invariants: nodes_[ino - 1].ino == ino; the root (ino 1) is a directory and its own parent;
+// Invariants: nodes_[ino - 1].ino == ino; the root (ino 1) is a directory (or, in a OneFile
+// tree, the only node: a file) and its own parent;
 // every child name is a valid single path component; a directory's nlink is 2 + its
 // subdirectories; a file's nlink is the number of names it has.
 #include "fs/tree.h"
@@ -39,6 +40,17 @@ Tree::Tree(struct timespec root_mtime) {
   root.nlink = 2;
   root.parent = kRootIno;
   nodes_.push_back(std::move(root));
+}
+
+Tree Tree::OneFile(uint64_t size, struct timespec mtime, Opener open) {
+  Tree tree(mtime);
+  TreeNode& root = tree.nodes_[0];
+  root.is_dir = false;
+  root.mode = 0444;
+  root.nlink = 1;
+  root.size = size;
+  root.open = std::move(open);
+  return tree;
 }
 
 const TreeNode* Tree::Get(Ino ino) const {

@@ -50,10 +50,15 @@ struct TreeNode {
 class Tree;
 using SubtreeResolver =
     std::function<Result<std::shared_ptr<const Tree>>(const std::string& name)>;
+// Names a dynamic directory lists before they are looked up (see FilesystemOptions::list).
+using SubtreeLister = std::function<std::vector<std::string>()>;
 
 class Tree {
  public:
   explicit Tree(struct timespec root_mtime = {});  // creates the root directory (ino 1)
+  // A tree whose root (ino 1) is one read-only file, served as a dynamic directory's child that
+  // is a file (e.g. target/<layout>.error): its own name comes from the resolver.
+  static Tree OneFile(uint64_t size, struct timespec mtime, Opener open);
 
   // Adds a directory / file under `parent`. Errors: kInvalidArgument (parent not a
   // directory, empty name or one with '/'), kAlreadyExists-like kInvalidArgument on a clash.

@@ -357,7 +357,7 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   // model.pt
   SaveValue model = SaveValue::OrderedDict();
   std::vector<std::pair<std::string, format::SaveTensor>> model_tensors;
-  bool safetensors_dtypes = true;
+  std::string safetensors_refused;  // the first tensor safetensors cannot hold, and why
   for (const auto& h : held) {
     const auto& p = in.params[h.param];
     if (!p.in_model) continue;
@@ -365,7 +365,10 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
     const DType dtype = p.dtypes[s];
     UCPFS_RETURN_IF_ERROR(CheckConvertible(*h.local[s], dtype, p.keys[s]));
     format::SaveTensor t{dtype, h.view.local_shape, std::make_shared<LayoutProvider>(h.local[s], dtype, in.files)};
-    safetensors_dtypes = safetensors_dtypes && !format::SafetensorsDTypeName(dtype).empty();
+    if (safetensors_refused.empty() && format::SafetensorsDTypeName(dtype).empty()) {
+      safetensors_refused = "tensor '" + h.view.local_name + "' has dtype " + std::string(TorchName(dtype)) +
+                            ", which safetensors has no name for (model.pt has it)";
+    }
     model_tensors.emplace_back(h.view.local_name, t);
     model.Set(h.view.local_name, SaveValue::Tensor(std::move(t)));
     add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
@@ -375,11 +378,16 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
     UCPFS_ASSIGN_OR_RETURN(auto model_file, format::LazyTorchFile::Build(model, dir + "model.pt"));
     out.model = std::move(model_file);
   }
-  if (want.model_safetensors && safetensors_dtypes) {
+  if (want.model_safetensors && safetensors_refused.empty()) {
     // Names safetensors cannot hold (not UTF-8, "__metadata__") leave the rank without it.
     auto st = format::LazySafetensorsFile::Build(std::move(model_tensors), {{"format", "pt"}}, dir + "model.safetensors");
-    if (st.ok()) out.model_safetensors = std::move(*st);
+    if (st.ok()) {
+      out.model_safetensors = std::move(*st);
+    } else {
+      safetensors_refused = st.error().message() + " (model.pt has the same tensors)";
+    }
   }
+  if (want.model_safetensors && !out.model_safetensors) out.model_safetensors_refused = safetensors_refused;
 
   // optim.pt
   if (has_optim_) {
@@ -555,6 +563,19 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   std::memcpy(bytes.data(), text.data(), text.size());
   out.info = std::make_shared<MemorySource>(dir + "ucp_info.json", std::move(bytes));
   return out;
+}
+
+bool TargetPlan::ReplicasAlike() const {
+  return layout_.zero == 0 &&
+         std::none_of(input_->extras.begin(), input_->extras.end(), [](const ExtraItem& e) { return e.dp_rank >= 0; });
+}
+
+// Build writes "rank" and "dp" as plain decimal integers, and nothing else in ucp_info.json
+// depends on the DP coordinate when ReplicasAlike() (tensors' pieces come from (tp, pp, ep);
+// extra state and not_served are the same on every rank). target_test checks this against Build.
+uint64_t TargetPlan::ReplicaInfoBytes(uint64_t first_info_bytes, int first_rank, int first_dp, int rank, int dp) {
+  auto digits = [](int v) { return static_cast<uint64_t>(std::to_string(v).size()); };
+  return first_info_bytes - digits(first_rank) - digits(first_dp) + digits(rank) + digits(dp);
 }
 
 Result<RankFiles> BuildRankFiles(std::shared_ptr<const TargetInput> input, const layout::Layout& layout,

@@ -152,6 +152,9 @@ struct RankFiles {
   // (metadata {"format": "pt"}); null when safetensors cannot hold one of them (a dtype with no
   // safetensors name, e.g. complex32; a name that is not UTF-8 or is "__metadata__").
   std::shared_ptr<const ByteSource> model_safetensors;
+  // Why model_safetensors is null when it was wanted and the rank has weights (served as
+  // rank_N/model.safetensors.error by a mount); empty otherwise.
+  std::string model_safetensors_refused;
   std::shared_ptr<const ByteSource> optim;  // optim.pt; null when the source has no optimizer state
   std::shared_ptr<const ByteSource> info;   // ucp_info.json
   std::shared_ptr<const ByteSource> extra;  // extra_state.pt; null when the rank gets no extra item
@@ -183,6 +186,15 @@ class TargetPlan {
   // naming the parameter; kUnsupported when a stored dtype cannot be converted to the file's
   // dtype; LazyTorchFile::Build's.
   Result<RankFiles> Build(int rank, const RankFileSet& want = {}) const;
+
+  // Whether the data-parallel replicas of one (tp, pp, ep) coordinate have the same files (the
+  // same bytes in model.pt, model.safetensors, optim.pt and extra_state.pt) and ucp_info.json
+  // files that differ only in "rank" and the "dp" coordinate: no ZeRO partitioning and no
+  // rank-local extra state. A mount then sizes a replica's files without building them.
+  bool ReplicasAlike() const;
+  // The size of replica (rank, dp)'s ucp_info.json, from that of replica (first_rank, first_dp)
+  // of the same (tp, pp, ep), when ReplicasAlike(): the two differ only in those numbers.
+  static uint64_t ReplicaInfoBytes(uint64_t first_info_bytes, int first_rank, int first_dp, int rank, int dp);
 
   const layout::Layout& layout() const { return layout_; }
   layout::Preset preset() const { return preset_; }

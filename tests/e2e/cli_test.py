@@ -1,5 +1,6 @@
 """End-to-end: the ucpfs command line: --help, --version, inspect's table, and clean errors
-(exit code, message naming the file) on missing, directory, truncated and garbage inputs."""
+(exit code, message naming the file) on missing, directory, truncated and garbage inputs; a
+rank file the mount cannot make says why beside it (model.safetensors.error)."""
 import os
 
 import torch
@@ -65,6 +66,24 @@ def main():
         garbage = os.path.join(d, "garbage.pt")
         open(garbage, "wb").write(os.urandom(4096))
         res.check("garbage", lambda: expect_error(garbage, 1, garbage, "corrupt"))
+
+        def safetensors_refused():
+            # safetensors cannot name a tensor "__metadata__": each rank has model.pt and, in
+            # place of model.safetensors, model.safetensors.error saying why.
+            from mount_common import mounted  # noqa: PLC0415 - only this check mounts
+            src = os.path.join(d, "meta_src")
+            os.makedirs(src)
+            torch.save({"__metadata__": torch.ones(4, 4), "layer.weight": torch.zeros(4, 4)},
+                       os.path.join(src, "model.pt"))
+            with mounted(src, os.path.join(d, "meta_mnt")) as (m, _):
+                for rank in ("rank_0", "rank_1"):
+                    rdir = os.path.join(m, "target", "tp1_pp1_dp2", rank)
+                    names = sorted(os.listdir(rdir))
+                    assert "model.safetensors" not in names and "model.safetensors.error" in names, names
+                    why = open(os.path.join(rdir, "model.safetensors.error")).read()
+                    assert "__metadata__" in why and why.endswith("\n"), why
+                    assert torch.load(os.path.join(rdir, "model.pt"))["__metadata__"].eq(1).all()
+        res.check("a rank file that cannot be made: model.safetensors.error says why", safetensors_refused)
     res.finish()
 
 

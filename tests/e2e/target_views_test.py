@@ -459,6 +459,43 @@ def check_mount_loads(res, src, full, info, workdir):
         print(f"FAIL mount for the rank-file loads: {type(e).__name__}: {e}", flush=True)
 
 
+def check_lookup_concurrency(m):
+    """A large layout built on lookup does not hold up other lookups, in target/ or elsewhere;
+    DP replicas of a layout without ZeRO are sized without being built (fast)."""
+    import threading  # noqa: PLC0415
+    target = os.path.join(m, "target")
+    t0 = time.monotonic()
+    ranks = os.listdir(os.path.join(target, "tp1_pp1_dp4096"))
+    plain_s = time.monotonic() - t0
+    assert len(ranks) == 4096, len(ranks)
+    info = json.load(open(os.path.join(target, "tp1_pp1_dp4096", "rank_4095", "ucp_info.json")))
+    assert info["rank"] == 4095 and info["coords"]["dp"] == 4095, info
+    # Each ZeRO-1 rank has its own optim.pt, so this one is built rank by rank (seconds).
+    big = {}
+
+    def build_big():
+        t = time.monotonic()
+        big["n"] = len(os.listdir(os.path.join(target, "tp1_pp1_dp4096_zero1")))
+        big["end"], big["s"] = time.monotonic(), time.monotonic() - t
+    thread = threading.Thread(target=build_big)
+    thread.start()
+    time.sleep(0.1)
+    source_file = sorted(x for x in os.listdir(m) if x.endswith(".distcp"))[0]
+    small = {}
+    for name in ("target/tp1_pp2_dp1", "atomic", source_file):
+        t = time.monotonic()
+        os.stat(os.path.join(m, name))
+        small[name] = time.monotonic() - t
+    small_end = time.monotonic()
+    thread.join()
+    figures = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in small.items())
+    print(f"  lookups: tp1_pp1_dp4096 listed in {plain_s:.2f} s; during the {big['s']:.2f} s build of "
+          f"tp1_pp1_dp4096_zero1: {figures}", flush=True)
+    assert big["n"] == 4096, big
+    assert small_end < big["end"], f"the other lookups waited for the big build ({figures}; build {big['s']:.2f} s)"
+    assert max(small.values()) < 0.5, figures
+
+
 def check_mount_dynamic(src, out, workdir):
     """Layouts not given with --layout appear under target/ on first lookup, with convert's
     bytes; invalid names are ENOENT plus a log line with the reason; a layout over the lookup cap
@@ -510,6 +547,16 @@ def check_mount_dynamic(src, out, workdir):
         assert "4096" in refused["tp1_pp1_dp65536"] and "pp9" in refused["tp2_pp9_dp1"], refused
         out_status = run([ucpfs_bin(), "status", m], timeout=60).stdout
         assert "refused:   tp2_pp9_dp1: " in out_status and "refused:   tp1_pp1_dp65536: " in out_status, out_status
+        # ... and in status.json, and as target/<layout>.error beside the missing directory.
+        status = json.load(open(os.path.join(m, ".ucpfs", "status.json")))
+        assert {r["layout"]: r["reason"] for r in status["target_refused"]} == refused, status["target_refused"]
+        listing = os.listdir(target)
+        assert "tp2_pp9_dp1.error" in listing and "tp1_pp1_dp65536.error" in listing, listing
+        for name, why in refused.items():
+            assert open(os.path.join(target, name + ".error")).read() == why + "\n", name
+            assert not os.path.exists(os.path.join(target, name)), name
+        assert not os.path.exists(os.path.join(target, "tp1_pp1_dp2.error")), "a layout never refused has no .error"
+        check_lookup_concurrency(m)
         # 8 threads looking up one new layout at once see the same inodes.
         new = "tp1_pp1_dp1"
         seen, errors = [], []

@@ -347,6 +347,40 @@ std::string ReadAll(Filesystem& fs, Ino ino) {
   return std::string(reinterpret_cast<const char*>(buf.data()), n.ok() ? *n : 0);
 }
 
+// A lister's names show in the dynamic directory before they are looked up; a resolver may
+// answer one with a tree whose root is a file (target/<layout>.error).
+TEST(FilesystemTest, ListedNamesAndFileChildrenOfTheDynamicDirectory) {
+  auto tree = std::make_shared<Tree>(kMtime);
+  const Ino dynamic = *tree->AddDir(kRootIno, "target", kMtime);
+  FilesystemOptions options;
+  options.dynamic_dir = dynamic;
+  options.resolve = [](const std::string& name) -> Result<std::shared_ptr<const Tree>> {
+    if (name != "x.error") return NotFoundError("no " + name);
+    return std::make_shared<const Tree>(Tree::OneFile(4, kMtime, TextOpener("why\n")));
+  };
+  options.list = [] { return std::vector<std::string>{"x.error"}; };
+  auto fs = Filesystem::Make(tree, options);
+  ASSERT_TRUE(fs.ok()) << fs.error().ToString();
+  Result<DirListing> listing = (*fs)->OpenDir(dynamic);
+  ASSERT_TRUE(listing.ok());
+  ASSERT_EQ(listing->items.size(), 3u);  // ".", "..", x.error
+  EXPECT_EQ(listing->items[2].name, "x.error");
+  EXPECT_TRUE(listing->items[2].by_name);
+  EXPECT_EQ(listing->items[2].type, static_cast<mode_t>(S_IFREG));
+  Result<Entry> file = (*fs)->Lookup(dynamic, "x.error");
+  ASSERT_TRUE(file.ok());
+  EXPECT_TRUE(S_ISREG(file->attr.st_mode));
+  EXPECT_EQ(file->attr.st_size, 4);
+  EXPECT_EQ(ReadAll(**fs, file->ino), "why\n");
+  EXPECT_EQ((*fs)->Lookup(file->ino, "a").error().sys_errno(), ENOTDIR);
+  listing = (*fs)->OpenDir(dynamic);  // resolved now: listed once, by inode
+  ASSERT_TRUE(listing.ok());
+  ASSERT_EQ(listing->items.size(), 3u);
+  EXPECT_EQ(listing->items[2].ino, file->ino);
+  (*fs)->Forget(file->ino, 1);
+  EXPECT_EQ((*fs)->NumSubtrees(), 0u);
+}
+
 TEST(FilesystemTest, SwapServesTheNewGenerationAndKeepsTheOldUntilForgotten) {
   auto fs = std::move(Filesystem::Make(ViewTree("first"), {})).value();
   // The first generation is pinned: its inodes are served as they are.

@@ -435,5 +435,33 @@ TEST(TargetTest, BuildsOnlyTheChosenFilesWithTheSameBytes) {
   }
 }
 
+// A mount sizes a DP replica's ucp_info.json from its group's first rank (fs/namespace.cc,
+// AddLayoutRanks) when the replicas are alike: the size must be Build's, across digit counts.
+TEST(TargetTest, ReplicaInfoBytesEqualBuilt) {
+  auto fx = MakeModel();
+  auto l = layout::ParseLayout("tp2_pp1_dp12");
+  ASSERT_TRUE(l.ok());
+  auto plan = TargetPlan::Make(fx->input, *l);
+  ASSERT_TRUE(plan.ok()) << plan.error().ToString();
+  ASSERT_TRUE(plan->ReplicasAlike());
+  std::map<int, std::pair<int, uint64_t>> first;  // tp -> (rank, info bytes) of its first replica
+  for (int r = 0; r < l->World(); ++r) {
+    const auto c = layout::CoordsOf(*l, r);
+    auto built = plan->Build(r, RankFileSet{.model = false, .model_safetensors = false, .optim = false,
+                                            .extra = false, .info = true});
+    ASSERT_TRUE(built.ok()) << built.error().ToString();
+    const auto [it, is_first] = first.try_emplace(c.tp, r, built->info->Size());
+    if (is_first) continue;
+    const int first_dp = layout::CoordsOf(*l, it->second.first).dp;
+    EXPECT_EQ(TargetPlan::ReplicaInfoBytes(it->second.second, it->second.first, first_dp, r, c.dp),
+              built->info->Size()) << "rank " << r;
+  }
+  auto z = layout::ParseLayout("tp2_pp1_dp2_zero1");
+  ASSERT_TRUE(z.ok());
+  auto zplan = TargetPlan::Make(fx->input, *z);
+  ASSERT_TRUE(zplan.ok());
+  EXPECT_FALSE(zplan->ReplicasAlike());  // ZeRO partitions optim.pt over the DP ranks
+}
+
 }  // namespace
 }  // namespace ucpfs::views
