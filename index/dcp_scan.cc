@@ -211,7 +211,7 @@ class DcpScan {
 
   // Megatron-LM records its arguments in the common state (`args`, an argparse.Namespace). The
   // vocabulary padding of another tensor-parallel size needs the real vocabulary (vocab_size,
-  // None when a tokenizer gave it) and make_vocab_size_divisible_by; splitting the fused QKV
+  // None when a tokenizer gave it; one more with NullTokenizer: MegatronTokenizerVocab) and make_vocab_size_divisible_by; splitting the fused QKV
   // needs the query groups (or heads and kv_channels). Kept in format_info; a common.pt that does not parse, or has no args, leaves it empty (the preset's
   // defaults apply).
   void ReadMegatronArgs(uint32_t common_id) {
@@ -226,6 +226,10 @@ class DcpScan {
                              "num_attention_heads", "num_query_groups", "kv_channels"}) {
       const pickle::NodeId v = g.DictGet(fields, name);
       if (g.kind(v) == pickle::Kind::kInt && g.int_value(v) > 0) known[name] = g.int_value(v);
+    }
+    if (const pickle::NodeId t = g.DictGet(fields, "tokenizer_type"); known.contains("vocab_size") &&
+                                                                        g.kind(t) == pickle::Kind::kString) {
+      known["vocab_size"] = MegatronTokenizerVocab(known["vocab_size"].get<int64_t>(), g.text(t));
     }
     // Megatron-LM keeps num_query_groups from the command line even without GQA.
     const pickle::NodeId gqa = g.DictGet(fields, "group_query_attention");

@@ -18,11 +18,13 @@ For each checkpoint, mounted (real FUSE):
     of a GPTModel of that layout: the same names (the local spec's input_layernorm /
     pre_mlp_layernorm written as the checkpoint names them, `linear_qkv.layer_norm_*` and
     `linear_fc1.layer_norm_*`, through the spec's own sharded_state_dict_keys_map), shapes and
-    bytes; vocabulary tensors: the real 37 rows equal, and every row the source stores (its
+    bytes; vocabulary tensors: the tokenizer's 129 rows equal (args.vocab_size 128 and
+    NullTokenizer's EOD row, so the tp1 table has 256 rows), and every row the source stores (its
     padding included) is served as stored (checked against the consolidated tensor); only rows
     past the source's stored ones are zeros.
  4. 'fully_reshardable' with one stage: target/tp1_pp1_dp1/rank_0/optim.pt loads into a
-    torch.optim.AdamW over a tp1 GPTModel grouped by megatron-core's own _get_param_groups
+    torch.optim.AdamW over a tp1 GPTModel (which, loaded with the view's model.pt, gives the logits
+    of megatron's loader's tp1 model) grouped by megatron-core's own _get_param_groups
     (load_state_dict): its groups hold the parameters the live job's groups held, each group's
     fields (lr, betas, eps, weight_decay, wd_mult, ...) equal the live optimizer's, every
     parameter's step is the live step (common.pt's param groups), its moments are the
@@ -148,9 +150,11 @@ def check_target(mnt, truth, layout, ranks):
 
 
 def optim_worker(_, optim_path, truth_path, store):
-    """In a process of its own (megatron's CPU shims patch torch): a tp1 GPTModel, an AdamW over
-    it grouped by megatron-core's own _get_param_groups, load_state_dict(optim.pt); the groups'
-    members, fields, every parameter's step and Adam moments are checked against the live job."""
+    """In a process of its own (megatron's CPU shims patch torch): a tp1 GPTModel loads the view's
+    model.pt (strict) and gives the logits megatron's loader's tp1 model gave (NullTokenizer's EOD
+    row included); an AdamW over it grouped by megatron-core's own _get_param_groups,
+    load_state_dict(optim.pt); the groups' members, fields, every parameter's step and Adam moments
+    are checked against the live job."""
     import torch.distributed as dist  # noqa: PLC0415
     sys.path.insert(0, os.path.dirname(GEN))
     import gen_megatron_core as gen  # noqa: PLC0415
@@ -164,6 +168,12 @@ def optim_worker(_, optim_path, truth_path, store):
     ddp, _, _ = gen.build_model(1, 1, truth["case"]["tied"], distributed_optimizer=False)
     model = ddp.module
     name_of = {p: megatron_name(n, keys_map) for n, p in model.named_parameters()}
+    view = torch.load(os.path.join(os.path.dirname(optim_path), "model.pt"))
+    model.load_state_dict({k: view[megatron_name(k, keys_map)] if isinstance(v, torch.Tensor) else v
+                           for k, v in model.state_dict().items()}, strict=True)
+    _, logits = gen.logits_of(model)
+    assert torch.equal(truth["tokens"], _) and bits_equal(logits, truth["logits"]), \
+        f"logits of the view's tp1 model differ from megatron's loader's by {(logits - truth['logits']).abs().max()}"
     groups = _get_param_groups([model], OptimizerConfig(optimizer="adam", lr=1.0), None)
     opt = torch.optim.AdamW([{"params": g["params"]} for g in groups])
     optim = torch.load(optim_path)
