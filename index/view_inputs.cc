@@ -363,7 +363,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
 }
 
 Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
-                                         std::vector<layout::Rule> user_rules) {
+                                         std::vector<layout::Rule> user_rules, int64_t vocab_pad_multiple) {
   PatternOptions o;
   o.preset = preset;
   o.rules = std::move(user_rules);
@@ -375,6 +375,7 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
     UCPFS_ASSIGN_OR_RETURN(o.model_facts, MegatronModelFacts(checkpoint));
     if (o.model_facts.vocab_size > 0) o.vocab_size = o.model_facts.vocab_size;
   }
+  if (vocab_pad_multiple > 0) o.model_facts.vocab_pad_multiple = vocab_pad_multiple;  // the user's wins
   return o;
 }
 

@@ -29,6 +29,8 @@ For each checkpoint, mounted (real FUSE):
     fields (lr, betas, eps, weight_decay, wd_mult, ...) equal the live optimizer's, every
     parameter's step is the live step (common.pt's param groups), its moments are the
     consolidated ones, and the loaded optimizer steps.
+ 5. tp2_dp2_fr mounted with `-o make_vocab_size_divisible_by=48`: the vocabulary tensors of tp1 and
+    tp2 targets are padded to a multiple of 48*T (144 and 2 x 96 rows), each row the stored one.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/megatron_core_test.py [DIR]
 (DIR: reuse what `gen_megatron_core.py DIR` wrote instead of generating).
@@ -206,6 +208,23 @@ def check_optim(mnt, work, name, truth_path):
     torch.multiprocessing.spawn(optim_worker, (optim_path, truth_path, store), nprocs=1, join=True)
 
 
+def check_pad_option(work, name, plain):
+    """`-o make_vocab_size_divisible_by=48` over the saved args' 128: the vocabulary of 129 tokens
+    is padded to a multiple of 48*T (144 rows at tp1, 2 x 96 at tp2), its rows the stored ones."""
+    src = os.path.join(work, name)
+    stored = plain["module.embedding.word_embeddings.weight"]
+    with mounted(src, os.path.join(work, "mnt-pad-" + name), "-o", "make_vocab_size_divisible_by=48") as (mnt, _):
+        for layout, rank, rows in (("tp1_pp1_dp1", 0, 144), ("tp2_pp1_dp1", 1, 96)):
+            sd = torch.load(os.path.join(mnt, "target", layout, f"rank_{rank}", "model.pt"))
+            for vocab_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                if vocab_name not in sd:
+                    continue
+                w = sd[vocab_name]
+                first = rank * rows
+                assert w.shape == (rows, stored.shape[1]), (layout, vocab_name, w.shape)
+                assert bits_equal(w, stored[first:first + rows].to(w.dtype)), (layout, vocab_name, "rows differ")
+
+
 def check_checkpoint(work, name):
     src = os.path.join(work, name)
     truth = torch.load(src + "_truth.pt", weights_only=False)
@@ -217,6 +236,8 @@ def check_checkpoint(work, name):
                 check_target(mnt, truth, layout, ranks)
         if "optimizer" in truth:
             check_optim(mnt, work, name, src + "_truth.pt")
+    if name == "tp2_dp2_fr":
+        check_pad_option(work, name, truth["plain"])
 
 
 def main():
