@@ -28,7 +28,8 @@ For each checkpoint, mounted (real FUSE):
     (load_state_dict): its groups hold the parameters the live job's groups held, each group's
     fields (lr, betas, eps, weight_decay, wd_mult, ...) equal the live optimizer's, every
     parameter's step is the live step (common.pt's param groups), its moments are the
-    consolidated ones, and the loaded optimizer steps.
+    consolidated ones, and resuming trains the uninterrupted job's next 3 losses (within 1e-6
+    relative: the job ran at tp2 dp2, the resumed one at tp1 in one process).
  5. tp2_dp2_fr mounted with `-o make_vocab_size_divisible_by=48`: the vocabulary tensors of tp1 and
     tp2 targets are padded to a multiple of 48*T (144 and 2 x 96 rows), each row the stored one.
 
@@ -167,8 +168,7 @@ def optim_worker(_, optim_path, truth_path, store):
     truth = torch.load(truth_path, weights_only=False)
     live, keys_map, vocab = truth["optimizer"], truth["keys_map"], truth["case"]["vocab"]
     gen.set_layout(1, 1, 1)
-    ddp, _, _ = gen.build_model(1, 1, truth["case"]["tied"], distributed_optimizer=False)
-    model = ddp.module
+    model, _, _ = gen.build_model(1, 1, truth["case"]["tied"], distributed_optimizer=False, wrap=False)
     name_of = {p: megatron_name(n, keys_map) for n, p in model.named_parameters()}
     view = torch.load(os.path.join(os.path.dirname(optim_path), "model.pt"))
     model.load_state_dict({k: view[megatron_name(k, keys_map)] if isinstance(v, torch.Tensor) else v
@@ -196,9 +196,25 @@ def optim_worker(_, optim_path, truth_path, store):
             want = moments[name][m + ".pt"]
             rows = min(vocab, p.shape[0]) if name in VOCAB_PARAMS else p.shape[0]
             assert st[m].shape == p.shape and bits_equal(st[m][:rows], want[:rows].float()), f"{name} {m}"
-    for p in name_of:  # the loaded optimizer steps
-        p.grad = torch.zeros_like(p)
-    opt.step()
+    # Resume: the uninterrupted job's next steps (the same batches, every data-parallel rank's
+    # micro-batches averaged, megatron's default clip_grad 1.0) give its losses.
+    res = live["resume"]
+    losses = []
+    for step in range(res["first_step"], res["first_step"] + len(res["losses"])):
+        opt.zero_grad()
+        micro = [t for d in range(res["dp"]) for t in gen.batches(res["seed"], step, d)]
+        total = 0.0
+        for tokens in micro:
+            out, loss_of = gen.forward_step(iter([tokens]), model)
+            loss, _ = loss_of(out)
+            (loss / len(micro)).backward()
+            total += float(loss) / len(micro)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(total)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, res["losses"]))
+    print(f"resumed losses {losses}, the uninterrupted job's {res['losses']} (largest relative difference {worst:.2e})")
+    assert worst < 1e-6, f"resumed losses {losses} differ from the uninterrupted job's {res['losses']}"
     dist.destroy_process_group()
 
 
