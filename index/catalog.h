@@ -30,8 +30,9 @@ namespace ucpfs::index {
 // metadata's. 3: source files record device, inode and ctime (checked before serving).
 // 4: meta format_info (Checkpoint::format_info). 5: Megatron-Core torch_dist layer-stacked
 // tensors indexed as one item per layer (and expert), and its args in format_info. 6: tensor
-// items record Item::model_tensor.
-inline constexpr uint32_t kCatalogSchemaVersion = 6;
+// items record Item::model_tensor. 7: Megatron args' vocab_size in format_info counts
+// NullTokenizer's EOD row (MegatronTokenizerVocab).
+inline constexpr uint32_t kCatalogSchemaVersion = 7;
 
 // xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
 // under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not
