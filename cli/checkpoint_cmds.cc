@@ -270,12 +270,14 @@ namespace {
 // Parses the target-view options (before the daemon forks, so typos fail at once).
 Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
   UCPFS_ASSIGN_OR_RETURN(ViewSelection v, ParseViewArgs({args.layouts, false, false, args.safetensors_shard_size,
-                                                         args.preset, args.pattern_rules, args.pp_split}));
+                                                         args.preset, args.pattern_rules, args.pp_split,
+                                                         args.vocab_pad_multiple}));
   fs::TargetOptions t;
   t.layouts = std::move(v.layouts);
   t.preset = v.preset;
   t.rules = std::move(v.rules);
   t.pp_split = std::move(v.pp_split);
+  t.vocab_pad_multiple = v.vocab_pad_multiple;
   if (args.lookup_memory_mib > kMaxLookupMemoryMib) {
     return InvalidArgumentError("lookup memory " + std::to_string(args.lookup_memory_mib) + " MiB: at most " +
                                 std::to_string(kMaxLookupMemoryMib) + " (1 TiB)");

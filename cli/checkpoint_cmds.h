@@ -53,6 +53,7 @@ struct MountArgs {
   std::string preset = "auto";            // --preset
   std::string pattern_rules;              // --pattern-rules FILE
   std::string pp_split;                   // --pp-split a,b,...
+  int64_t vocab_pad_multiple = 0;         // --make-vocab-size-divisible-by (0: not given)
   uint64_t lookup_memory_mib = 256;       // --lookup-memory-mib, at most kMaxLookupMemoryMib
   std::string cache_size = "2G";          // --cache-size: the pinned write-capture cache
   uint64_t write_stall_timeout_s = 30;    // --write-stall-timeout (WriteCaptureOptions)

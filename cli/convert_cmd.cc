@@ -87,7 +87,7 @@ int RunConvert(const ConvertArgs& args) {
   }
   // Arguments first, so that a typo fails before the index is opened.
   auto selection = ParseViewArgs({args.layouts, args.atomic, args.safetensors, args.safetensors_shard_size,
-                                  args.preset, args.pattern_rules, args.pp_split});
+                                  args.preset, args.pattern_rules, args.pp_split, args.vocab_pad_multiple});
   if (!selection.ok()) return Fail(selection.error());
 
   // The same Snapshot the mount serves (index, key mapping, file table).

@@ -23,6 +23,7 @@ struct ConvertArgs {
   std::string preset = "auto";       // --preset
   std::string pattern_rules;         // --pattern-rules FILE (layout/patterns.h ParseRules format)
   std::string pp_split;              // --pp-split a,b,...
+  int64_t vocab_pad_multiple = 0;    // --make-vocab-size-divisible-by (0: not given)
   int threads = 0;                   // 0: hardware_concurrency
   bool json = false;                 // --json: the summary as one JSON object
 };

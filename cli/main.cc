@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--log", mount.log_file, "daemon log file (default: discarded)");
   mount_cmd->add_option("--layout", mount.layouts,
                         "serve target/<LAYOUT>/rank_N/ for this layout, e.g. tp2_pp2_dp4 (repeatable)");
-  ucpfs::cli::AddPatternOptions(mount_cmd, mount.preset, mount.pattern_rules, mount.pp_split);
+  ucpfs::cli::AddPatternOptions(mount_cmd, mount.preset, mount.pattern_rules, mount.pp_split,
+                                mount.vocab_pad_multiple);
   mount_cmd->add_option("--lookup-memory-mib", mount.lookup_memory_mib,
                         "memory for layouts built on lookup under target/, together (default 256); "
                         "a layout that would pass it is refused")
@@ -130,7 +131,8 @@ int main(int argc, char** argv) {
                     "also write safetensors/: the weights as sharded safetensors + model.safetensors.index.json");
   convert->add_option("--safetensors-shard-size", convert_args.safetensors_shard_size,
                       "largest safetensors shard (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
-  ucpfs::cli::AddPatternOptions(convert, convert_args.preset, convert_args.pattern_rules, convert_args.pp_split);
+  ucpfs::cli::AddPatternOptions(convert, convert_args.preset, convert_args.pattern_rules, convert_args.pp_split,
+                                convert_args.vocab_pad_multiple);
   convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)")
       ->check(CLI::Range(0, 4096));
   convert->add_flag("--json", convert_args.json, "print the summary as one JSON object");

@@ -76,6 +76,12 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
       return Bad(option, s.error().message() + " (write the layers per stage as a:b:c)");
     }
     a->pp_split = commas;
+  } else if (name == "make_vocab_size_divisible_by") {
+    UCPFS_ASSIGN_OR_RETURN(const uint64_t n, ParseCount(option, value));
+    if (n < 1 || n > static_cast<uint64_t>(layout::kMaxVocabPadMultiple)) {
+      return Bad(option, "not in [1, " + std::to_string(layout::kMaxVocabPadMultiple) + "]");
+    }
+    a->vocab_pad_multiple = static_cast<int64_t>(n);
   } else if (name == "lookup_memory_mib") {
     UCPFS_ASSIGN_OR_RETURN(a->lookup_memory_mib, ParseCount(option, value));
   } else if (name == "write_stall_timeout") {
@@ -111,9 +117,10 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
 bool OwnKind(std::string_view name, Kind* kind) {
   static constexpr std::array<std::string_view, 5> kFlags = {"ro", "rw", "read_only", "read_only_index",
                                                              "foreground"};
-  static constexpr std::array<std::string_view, 13> kValued = {
+  static constexpr std::array<std::string_view, 14> kValued = {
       "layout",    "preset",   "pp_split",  "lookup_memory_mib", "cache_size", "readahead", "prefetch",
-      "safetensors_shard_size", "pattern_rules", "index_dir", "rules", "log", "write_stall_timeout"};
+      "safetensors_shard_size", "pattern_rules", "index_dir", "rules", "log", "write_stall_timeout",
+      "make_vocab_size_divisible_by"};
   if (In(kFlags, name)) {
     *kind = Kind::kFlag;
     return true;

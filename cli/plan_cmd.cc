@@ -265,7 +265,7 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanArgs& args) {
   cmd->add_option("--layout", args.layout, "target layout tp<T>_pp<P>_dp<D>[_ep<E>][_zero1]")->required();
   cmd->add_flag("--json", args.json, "print the exact byte matrix as JSON instead of the table");
   cmd->add_option("--svg", args.svg, "also write a diagram (SVG 1.1) of the flows to FILE");
-  AddPatternOptions(cmd, args.preset, args.pattern_rules, args.pp_split);
+  AddPatternOptions(cmd, args.preset, args.pattern_rules, args.pp_split, args.vocab_pad_multiple);
   return cmd;
 }
 
@@ -275,6 +275,7 @@ int RunPlan(const PlanArgs& args) {
   view_args.preset = args.preset;
   view_args.pattern_rules = args.pattern_rules;
   view_args.pp_split = args.pp_split;
+  view_args.vocab_pad_multiple = args.vocab_pad_multiple;
   auto selection = ParseViewArgs(view_args);
   if (!selection.ok()) return Fail(selection.error());
   auto snapshot = OpenSourceSnapshot(args.source);

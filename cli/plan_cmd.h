@@ -23,6 +23,7 @@ struct PlanArgs {
   std::string preset = "auto";   // --preset
   std::string pattern_rules;     // --pattern-rules FILE
   std::string pp_split;          // --pp-split a,b,...
+  int64_t vocab_pad_multiple = 0;  // --make-vocab-size-divisible-by (0: not given)
 };
 
 // Registers `plan` on `app` with its own options (not the source options: the caller adds

@@ -269,7 +269,8 @@ CLI::App* AddVerifyCommand(CLI::App& app, VerifyArgs& args) {
   cmd->add_flag_callback("--no-atomic", [&args] { args.views.atomic = false; },
                          "do not read atomic/<param>/<state>.pt (read by default)");
   cmd->add_flag("--safetensors", args.views.safetensors, "also read safetensors/ (the weights as safetensors)");
-  AddPatternOptions(cmd, args.views.preset, args.views.pattern_rules, args.views.pp_split);
+  AddPatternOptions(cmd, args.views.preset, args.views.pattern_rules, args.views.pp_split,
+                    args.views.vocab_pad_multiple);
   cmd->add_flag("--json", args.json,
                 "print {\"ok\", \"checked\": {counts, bytes}, \"unchecked\", \"problems\": [{\"file\", \"what\"}]}");
   return cmd;

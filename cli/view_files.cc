@@ -12,10 +12,15 @@
 
 namespace ucpfs::cli {
 
-void AddPatternOptions(CLI::App* cmd, std::string& preset, std::string& pattern_rules, std::string& pp_split) {
+void AddPatternOptions(CLI::App* cmd, std::string& preset, std::string& pattern_rules, std::string& pp_split,
+                       int64_t& vocab_pad_multiple) {
   cmd->add_option("--preset", preset, "pattern preset: auto, torchtitan, megatron, hf");
   cmd->add_option("--pattern-rules", pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
   cmd->add_option("--pp-split", pp_split, "layers per pipeline stage, e.g. 5,6,6,5");
+  cmd->add_option("--make-vocab-size-divisible-by", vocab_pad_multiple,
+                  "pad vocabularies in target views to a multiple of N*tp, as Megatron-LM's option does "
+                  "(default: the source's args, else 128)")
+      ->check(CLI::Range(int64_t{1}, layout::kMaxVocabPadMultiple));
 }
 
 Result<ViewSelection> ParseViewArgs(const ViewArgs& args) {
@@ -41,6 +46,11 @@ Result<ViewSelection> ParseViewArgs(const ViewArgs& args) {
     UCPFS_ASSIGN_OR_RETURN(auto split, layout::ParsePpSplit(args.pp_split));
     out.pp_split = std::move(split);
   }
+  if (args.vocab_pad_multiple < 0 || args.vocab_pad_multiple > layout::kMaxVocabPadMultiple) {
+    return InvalidArgumentError("make_vocab_size_divisible_by " + std::to_string(args.vocab_pad_multiple) +
+                                ": not in [1, " + std::to_string(layout::kMaxVocabPadMultiple) + "]");
+  }
+  out.vocab_pad_multiple = args.vocab_pad_multiple;
   return out;
 }
 
@@ -48,7 +58,7 @@ Result<std::shared_ptr<const views::TargetInput>> MakeViewInput(const index::Sna
                                                                  const ViewSelection& selection,
                                                                  const std::function<void(const std::string&)>& warn) {
   const auto& ckpt = snapshot.checkpoint();
-  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules));
+  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules, selection.vocab_pad_multiple));
   UCPFS_ASSIGN_OR_RETURN(auto input, index::MakeTargetInput(ckpt, snapshot.mapping, snapshot.files, warn));
   index::ApplyPatterns(*input, patterns, selection.pp_split);
   return std::shared_ptr<const views::TargetInput>(std::move(input));
@@ -57,7 +67,7 @@ Result<std::shared_ptr<const views::TargetInput>> MakeViewInput(const index::Sna
 Result<std::vector<ViewFile>> ListViewFiles(const index::Snapshot& snapshot, const ViewSelection& selection,
                                             const std::function<void(const std::string&)>& warn) {
   const auto& ckpt = snapshot.checkpoint();
-  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules));
+  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules, selection.vocab_pad_multiple));
   std::vector<ViewFile> out;
   if (!selection.layouts.empty()) {
     UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const views::TargetInput> shared, MakeViewInput(snapshot, selection, warn));

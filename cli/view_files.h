@@ -33,11 +33,14 @@ struct ViewArgs {
   std::string preset = "auto";           // --preset
   std::string pattern_rules;             // --pattern-rules FILE
   std::string pp_split;                  // --pp-split a,b,...
+  int64_t vocab_pad_multiple = 0;        // --make-vocab-size-divisible-by (0: not given)
 };
 
-// Registers --preset, --pattern-rules and --pp-split (what decides how target views split
-// parameters) on `cmd`: mount, convert, verify and plan take them alike.
-void AddPatternOptions(CLI::App* cmd, std::string& preset, std::string& pattern_rules, std::string& pp_split);
+// Registers --preset, --pattern-rules, --pp-split and --make-vocab-size-divisible-by (what
+// decides how target views split parameters) on `cmd`: mount, convert, verify and plan take them
+// alike.
+void AddPatternOptions(CLI::App* cmd, std::string& preset, std::string& pattern_rules, std::string& pp_split,
+                       int64_t& vocab_pad_multiple);
 
 // ViewArgs parsed (before the index is opened, so a typo fails at once).
 struct ViewSelection {
@@ -48,6 +51,7 @@ struct ViewSelection {
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;
   std::optional<std::vector<int>> pp_split;
+  int64_t vocab_pad_multiple = 0;  // 0: the source's make_vocab_size_divisible_by, else 128
 };
 
 // Errors: kInvalidArgument for a bad layout, preset, split or shard size; kNotFound when the

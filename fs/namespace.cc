@@ -524,7 +524,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   size_t n_atomic = 0;
   uint64_t atomic_bytes = 0;
   UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
-                         index::PatternOptionsFor(ckpt, targets.preset, targets.rules));
+                         index::PatternOptionsFor(ckpt, targets.preset, targets.rules, targets.vocab_pad_multiple));
   UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, mapping, files, patterns));
   UCPFS_RETURN_IF_ERROR(AddAtomicFiles(*tree, atomic, std::move(atomic_views), mtime, access, &n_atomic, &atomic_bytes));
   size_t n_safetensors = 0;
@@ -800,7 +800,7 @@ Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>
     UCPFS_ASSIGN_OR_RETURN(Ino dir, tree->AddDir(all, named.name, mtime));
     UCPFS_ASSIGN_OR_RETURN(Ino atomic, tree->AddDir(dir, "atomic", mtime));
     UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
-                           index::PatternOptionsFor(ckpt, targets.preset, targets.rules));
+                           index::PatternOptionsFor(ckpt, targets.preset, targets.rules, targets.vocab_pad_multiple));
     UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(ckpt, snap.mapping, snap.files, patterns));
     size_t n_atomic = 0;
     uint64_t atomic_bytes = 0;

@@ -51,6 +51,7 @@ struct TargetOptions {
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;       // --pattern-rules
   std::optional<std::vector<int>> pp_split;
+  int64_t vocab_pad_multiple = 0;        // --make-vocab-size-divisible-by (0: the source's, else 128)
   // Memory that layouts built on lookup may take together (--lookup-memory-mib). A layout keeps
   // only its tree (rank files are sized when it is built and built again when opened); one
   // whose estimate (rank 0's tree bytes × ranks) would pass the budget is refused, not built.

@@ -32,7 +32,9 @@ namespace ucpfs::index {
 // tensors indexed as one item per layer (and expert), and its args in format_info. 6: tensor
 // items record Item::model_tensor. 7: meta facts (Checkpoint::facts, typed per scanner) in place
 // of format_info.
-inline constexpr uint32_t kCatalogSchemaVersion = 7;
+// 8: Megatron args' vocab_size in the facts counts NullTokenizer's EOD row
+// (MegatronTokenizerVocab).
+inline constexpr uint32_t kCatalogSchemaVersion = 8;
 
 // xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
 // under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not

@@ -213,7 +213,8 @@ class DcpScan {
 
   // Megatron-LM records its arguments in the common state (`args`, an argparse.Namespace). The
   // vocabulary padding of another tensor-parallel size needs the real vocabulary (vocab_size,
-  // None when a tokenizer gave it) and make_vocab_size_divisible_by; splitting the fused QKV
+  // None when a tokenizer gave it; one more with NullTokenizer: MegatronTokenizerVocab) and
+  // make_vocab_size_divisible_by; splitting the fused QKV
   // needs the query groups (or heads and kv_channels); Megatron's weight-decay rule, which the
   // optimizer's param groups are matched by (MegatronCoreOptimizerFactsOf), needs
   // apply_wd_to_qk_layernorm. Decoded here once into the facts; a common.pt that does not parse,
@@ -243,6 +244,11 @@ class DcpScan {
       // Megatron-LM keeps num_query_groups from the command line even without GQA.
       const pickle::NodeId gqa = g.DictGet(fields, "group_query_attention");
       if (g.kind(gqa) == pickle::Kind::kBool && g.bool_value(gqa)) positive("num_query_groups", &known.num_query_groups);
+    }
+    if (const pickle::NodeId t = g.kind(fields) == pickle::Kind::kDict ? g.DictGet(fields, "tokenizer_type")
+                                                                       : pickle::kNoNode;
+        known.vocab_size && g.kind(t) == pickle::Kind::kString) {
+      known.vocab_size = MegatronTokenizerVocab(*known.vocab_size, g.text(t));
     }
     if (any) facts_.args = known;
   }

@@ -141,6 +141,9 @@ Result<Args> ReadArgs(const format::TorchFile& tf, const std::string& where) {
   UCPFS_ASSIGN_OR_RETURN(a.padded_vocab, need("padded_vocab_size", 1, kMaxDim));
   UCPFS_ASSIGN_OR_RETURN(a.divisible_by, optional_int("make_vocab_size_divisible_by", 1, kMaxDim));
   UCPFS_ASSIGN_OR_RETURN(a.vocab, optional_int("vocab_size", 1, kMaxDim));
+  if (const pickle::NodeId t = Get(g, args, "tokenizer_type"); g.kind(t) == pickle::Kind::kString) {
+    a.vocab = MegatronTokenizerVocab(a.vocab, g.text(t));
+  }
   UCPFS_ASSIGN_OR_RETURN(a.kv_channels, optional_int("kv_channels", 1, kMaxDim));
   a.query_groups = a.heads;
   if (Truthy(g, Get(g, args, "group_query_attention"))) {
@@ -151,7 +154,7 @@ Result<Args> ReadArgs(const format::TorchFile& tf, const std::string& where) {
     a.kv_channels = a.hidden_size / a.heads;
   }
   if (a.vocab > a.padded_vocab) {
-    return CorruptError(where + ": args.vocab_size " + std::to_string(a.vocab) + " exceeds padded_vocab_size " +
+    return CorruptError(where + ": the vocabulary of args.vocab_size (and tokenizer_type) " + std::to_string(a.vocab) + " exceeds padded_vocab_size " +
                         std::to_string(a.padded_vocab));
   }
   a.swiglu = Truthy(g, Get(g, args, "swiglu"));
@@ -857,6 +860,10 @@ Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress
 Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& c) {
   const MegatronSourceFacts* info = std::get_if<MegatronSourceFacts>(&c.facts);
   return info == nullptr ? layout::ModelInfo() : ModelInfoOf(*info);
+}
+
+int64_t MegatronTokenizerVocab(int64_t args_vocab_size, std::string_view tokenizer_type) {
+  return args_vocab_size > 0 && tokenizer_type == "NullTokenizer" ? args_vocab_size + 1 : args_vocab_size;
 }
 
 bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk_layernorm) {

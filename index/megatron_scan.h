@@ -8,7 +8,8 @@
 // tensor_model_parallel_size, pipeline_model_parallel_size, num_layers (stages split evenly, or
 // decoder_first/last_pipeline_num_layers), num_attention_heads, num_query_groups
 // (group_query_attention), kv_channels, hidden_size, swiglu, padded_vocab_size,
-// make_vocab_size_divisible_by, vocab_size (when the run gave one), untie_embeddings_and_output_weights.
+// make_vocab_size_divisible_by, vocab_size (when the run gave one; plus one with
+// tokenizer_type NullTokenizer: MegatronTokenizerVocab), untie_embeddings_and_output_weights.
 // Every rank's file must agree with rank 0's args; checkpoint_version must be >= 3.0.
 //
 // Items (keys the built-in key rules map), each a GLOBAL tensor: every model tensor `<fqn>` of
@@ -57,6 +58,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "core/layout/patterns.h"
 #include "core/status.h"
@@ -76,6 +78,13 @@ Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress
 // groups, head dim, hidden size, SwiGLU, layers, unpadded vocabulary, vocabulary pad multiple);
 // all zero for other checkpoints. Errors: none today (the facts were checked when decoded).
 Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
+
+// The vocabulary of a Megatron-LM run's tokenizer from its args: `vocab_size`, plus the EOD row
+// Megatron-LM's NullTokenizer appends (its eod id is vocab_size; its vocab_size property is
+// vocab_size + 1, which _vocab_size_with_padding pads). 0 stays 0 (unknown). Shared by this
+// scanner and the torch_dist one (dcp_scan.cc), so the target views pad from, and the
+// safetensors view strips to, the rows the tokenizer really has.
+int64_t MegatronTokenizerVocab(int64_t args_vocab_size, std::string_view tokenizer_type);
 
 // Megatron-Core's weight-decay rule (optimizer/__init__.py get_standard_config_overrides, as
 // _get_param_groups applies it to model_chunk.named_parameters()): no weight decay (wd_mult 0)

@@ -254,6 +254,18 @@ Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
   return out;
 }
 
+// ZeRO-1/2 and BF16_Optimizer keep the torch optimizer's state as base_optimizer_state; ZeRO-3
+// as optimizer_state_dict, whose groups' `params` number the group's flat sub-groups.
+namespace {
+const char* DeepSpeedBaseOptimizerKey(bool zero3) { return zero3 ? "optimizer_state_dict" : "base_optimizer_state"; }
+}  // namespace
+
+std::string DeepSpeedParamGroupsKey(const Checkpoint& c) {
+  const auto* info = std::get_if<DeepSpeedSourceFacts>(&c.facts);
+  const bool zero3 = info != nullptr && info->zero_stage == 3;
+  return std::string("optimizer_state_dict.") + DeepSpeedBaseOptimizerKey(zero3) + ".param_groups";
+}
+
 Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& c, const FileTable& files) {
   std::vector<DeepSpeedParamGroup> out;
   const auto* info = std::get_if<DeepSpeedSourceFacts>(&c.facts);
@@ -261,9 +273,7 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
   const bool zero3 = info->zero_stage == 3;
   UCPFS_ASSIGN_OR_RETURN(auto optim, OpenCheckpointFile(c, files, info->optimizer_file));
   const pickle::PickleGraph& g = optim.first.graph();
-  // ZeRO-1/2 and BF16_Optimizer keep the torch optimizer's state as base_optimizer_state; ZeRO-3
-  // as optimizer_state_dict, whose groups' `params` number the group's flat sub-groups.
-  const char* const base_key = zero3 ? "optimizer_state_dict" : "base_optimizer_state";
+  const char* const base_key = DeepSpeedBaseOptimizerKey(zero3);
   const pickle::NodeId groups =
       g.DictGet(g.DictGet(g.DictGet(g.root(), "optimizer_state_dict"), base_key), "param_groups");
   if (g.kind(groups) != pickle::Kind::kList) {

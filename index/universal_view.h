@@ -82,6 +82,12 @@ struct DeepSpeedParamGroup {
 };
 Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& checkpoint, const FileTable& files);
 
+// The key of the param groups DeepSpeedParamGroups reads, for the not-served entry naming them:
+// "optimizer_state_dict.base_optimizer_state.param_groups", or ZeRO-3's
+// "optimizer_state_dict.optimizer_state_dict.param_groups" (the former when the facts are
+// not DeepSpeed's).
+std::string DeepSpeedParamGroupsKey(const Checkpoint& checkpoint);
+
 // The universal view of a "deepspeed" checkpoint; nullopt for other formats. `source_name` is
 // the mounted directory's name, used as the tag when the directory is itself the tag.
 // Errors: kUnsupported (see above), kCorrupt (the facts or rank 0's optimizer file are not what

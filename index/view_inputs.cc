@@ -220,6 +220,15 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
   // `<prefix>param_groups.<i>.params` (the group's fqns); also a whole group or the whole list
   // in one item.
   std::map<std::string, std::vector<views::HyperParam>> hyper;
+  // Each parameter's source group (views::TargetParam::group): the one its hyper-parameters come from.
+  std::map<std::string, int> group_of_param;
+  int n_groups = 0;
+  auto take_group = [&](const std::string& name, const std::vector<views::HyperParam>& fields, int group_number) {
+    auto& h = hyper[name];
+    if (!h.empty()) return;
+    h = fields;
+    group_of_param[name] = group_number;
+  };
   struct Group {
     std::vector<std::string> item_keys;
     std::optional<std::vector<std::string>> params;
@@ -329,14 +338,12 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
   if (std::holds_alternative<DeepSpeedSourceFacts>(c.facts)) {
     auto ds_groups = DeepSpeedParamGroups(c, files);
     if (!ds_groups.ok()) {
-      in->not_served.push_back({"optimizer_state_dict.base_optimizer_state.param_groups", ds_groups.error().message()});
+      in->not_served.push_back({DeepSpeedParamGroupsKey(c), ds_groups.error().message()});
       if (warn) warn("DeepSpeed param groups: not served: " + ds_groups.error().message());
     } else {
       for (const DeepSpeedParamGroup& g : *ds_groups) {
-        for (const std::string& name : g.params) {
-          auto& h = hyper[name];
-          if (h.empty()) h = g.fields;
-        }
+        const int group_number = n_groups++;
+        for (const std::string& name : g.params) take_group(name, g.fields, group_number);
       }
     }
   }
@@ -345,10 +352,8 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
   {
     TorchStateFacts ts = TorchStateFactsOf(c, mapping, files);
     for (const TorchStateGroup& g : ts.groups) {
-      for (const std::string& name : g.params) {
-        auto& h = hyper[name];
-        if (h.empty()) h = g.fields;
-      }
+      const int group_number = n_groups++;
+      for (const std::string& name : g.params) take_group(name, g.fields, group_number);
     }
     for (auto& e : ts.extras) in->extras.push_back(std::move(e));
     for (const auto& n : ts.not_served) report(n.key, n.reason);
@@ -361,20 +366,16 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
       for (const auto& k : g.item_keys) report(k, "hyper-parameters of " + id + " left out of optim.pt: " + why);
       continue;
     }
-    for (const auto& name : *g.params) {
-      auto& h = hyper[name];
-      if (h.empty()) h = g.fields;
-    }
+    const int group_number = n_groups++;
+    for (const auto& name : *g.params) take_group(name, g.fields, group_number);
   }
 
   // Megatron-Core torch_dist keeps its param groups, without their parameters, and its step in
   // common.pt (dcp_scan.h).
   MegatronCoreOptimizerFacts mcore = MegatronCoreOptimizerFactsOf(c, mapping, files);
   for (const MegatronCoreParamGroup& g : mcore.groups) {
-    for (const std::string& name : g.params) {
-      auto& h = hyper[name];
-      if (h.empty()) h = g.fields;
-    }
+    const int group_number = n_groups++;
+    for (const std::string& name : g.params) take_group(name, g.fields, group_number);
   }
   for (const auto& n : mcore.not_served) report(n.key, n.reason);
   // Megatron's distributed optimizer keeps its step in the param groups only (megatron_scan.h,
@@ -441,13 +442,14 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
       continue;
     }
     if (auto h = hyper.find(p.name); h != hyper.end()) tp.hyper = h->second;
+    if (auto g = group_of_param.find(p.name); g != group_of_param.end()) tp.group = g->second;
     in->params.push_back(std::move(tp));
   }
   return in;
 }
 
 Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
-                                         std::vector<layout::Rule> user_rules) {
+                                         std::vector<layout::Rule> user_rules, int64_t vocab_pad_multiple) {
   PatternOptions o;
   o.preset = preset;
   o.rules = std::move(user_rules);
@@ -459,6 +461,7 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
     UCPFS_ASSIGN_OR_RETURN(o.model_facts, MegatronModelFacts(checkpoint));
     if (o.model_facts.vocab_size > 0) o.vocab_size = o.model_facts.vocab_size;
   }
+  if (vocab_pad_multiple > 0) o.model_facts.vocab_pad_multiple = vocab_pad_multiple;  // the user's wins
   return o;
 }
 

@@ -59,10 +59,12 @@ struct PatternOptions {
 };
 
 // The user's preset and rules, then the patterns the checkpoint records itself (DeepSpeed's
-// universal_checkpoint_info: universal_view.h, SourceRules) and its unpadded vocabulary.
+// universal_checkpoint_info: universal_view.h, SourceRules) and its unpadded vocabulary;
+// `vocab_pad_multiple` (--make-vocab-size-divisible-by; 0: not given) replaces the checkpoint's
+// make_vocab_size_divisible_by.
 // Errors: kCorrupt when the checkpoint's own patterns do not compile (names the file).
 Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
-                                         std::vector<layout::Rule> user_rules);
+                                         std::vector<layout::Rule> user_rules, int64_t vocab_pad_multiple = 0);
 
 // Sets what decides the target views' splits on `input`: the preset, rules, unpadded vocabulary
 // and model facts of `patterns`, and the pipeline split (--pp-split; none: even).

@@ -293,6 +293,8 @@ Result<ParamPattern> FromBuiltIn(Preset preset, const BuiltIn& rule, const std::
     p.vocab_size = info.vocab_size;
     if (preset == Preset::kMegatron) {
       p.vocab_pad_multiple = info.vocab_pad_multiple > 0 ? info.vocab_pad_multiple : kMegatronVocabMultiple;
+    } else {
+      p.vocab_pad_multiple = info.vocab_pad_multiple;  // given: --make-vocab-size-divisible-by
     }
   }
   const bool is_weight = shape.size() == 2;
@@ -359,7 +361,11 @@ Result<ParamPattern> FromUserRule(const Rule& rule, const std::string& name,
   p.uneven = UnevenSplit::kRequireDivisible;
   p.sub_sizes = rule.sub_sizes;
   p.vocab_pad_multiple = rule.vocab_pad_multiple;
-  if (p.tp == TpKind::kVocab) p.vocab_size = info.vocab_size;
+  if (p.tp == TpKind::kVocab) {
+    p.vocab_size = info.vocab_size;
+    // The rule's own multiple, else the model's (Megatron args, --make-vocab-size-divisible-by).
+    if (p.vocab_pad_multiple == 0) p.vocab_pad_multiple = info.vocab_pad_multiple;
+  }
   p.expert_dim = rule.expert_dim.value_or(-1);
   p.expert = ExpertOf(name);
   if (p.expert >= 0) p.n_experts = info.n_experts;

@@ -126,8 +126,12 @@ struct ModelInfo {
   int64_t vocab_size = 0;           // original (unpadded) vocabulary; 0 = the global rows
   // Megatron's make_vocab_size_divisible_by (the padded vocabulary is a multiple of it times
   // T); 0 = the preset's default, 128.
+  // Also set by --make-vocab-size-divisible-by, which then pads every vocabulary (any preset, and
+  // a rule with no vocab_pad_multiple of its own) the Megatron way.
   int64_t vocab_pad_multiple = 0;
 };
+// The largest vocabulary pad multiple a rule or --make-vocab-size-divisible-by may give.
+inline constexpr int64_t kMaxVocabPadMultiple = int64_t{1} << 30;
 ModelInfo DetectModelInfo(Preset preset, const std::vector<ParamInfo>& params);
 
 // Facts a checkpoint records about its model (Megatron-LM's args) over what the names and

@@ -69,7 +69,7 @@ Result<std::vector<Rule>> ParseRules(std::string_view json_text, const std::stri
         UCPFS_RETURN_IF_ERROR(small_int(0, 31, &d));
         (key == "tp_dim" ? rule.tp_dim : rule.expert_dim) = static_cast<int>(d);
       } else if (key == "vocab_pad_multiple") {
-        UCPFS_RETURN_IF_ERROR(small_int(0, int64_t{1} << 30, &rule.vocab_pad_multiple));
+        UCPFS_RETURN_IF_ERROR(small_int(0, kMaxVocabPadMultiple, &rule.vocab_pad_multiple));
       } else if (key == "sub_sizes") {
         if (!v.is_array() || v.empty()) {
           return EntryError(source, i, "'sub_sizes' must be a non-empty array of sizes");

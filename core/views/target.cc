@@ -147,18 +147,20 @@ bool SameHyper(const std::vector<HyperParam>& a, const std::vector<HyperParam>& 
   return true;
 }
 
-// param_groups: parameters with identical hyper-parameters share a group, groups in order of
-// their first parameter (model.pt order).
+// param_groups: parameters of one source group (TargetParam::group) with identical
+// hyper-parameters share a group, groups in order of their first parameter (model.pt order).
 // `optimizer`: the held entries in optim.pt, in its position order.
 SaveValue ParamGroups(const TargetInput& in, const std::vector<const Held*>& optimizer) {
   std::vector<const std::vector<HyperParam>*> keys;
+  std::vector<int> source_group;
   std::vector<std::vector<size_t>> members;
   for (size_t i = 0; i < optimizer.size(); ++i) {
-    const auto& h = in.params[optimizer[i]->param].hyper;
+    const auto& p = in.params[optimizer[i]->param];
     size_t g = 0;
-    while (g < keys.size() && !SameHyper(*keys[g], h)) ++g;
+    while (g < keys.size() && !(source_group[g] == p.group && SameHyper(*keys[g], p.hyper))) ++g;
     if (g == keys.size()) {
-      keys.push_back(&h);
+      keys.push_back(&p.hyper);
+      source_group.push_back(p.group);
       members.emplace_back();
     }
     members[g].push_back(i);
@@ -181,6 +183,34 @@ SaveValue ParamGroups(const TargetInput& in, const std::vector<const Held*>& opt
     groups.Append(std::move(group));
   }
   return groups;
+}
+
+// What optim.pt lacks that a torch Adam/AdamW needs to step, because the source does not have
+// it: "step" when a parameter with moments has no step, and each of Adam's hyper-parameters
+// without a default (lr, betas, eps, weight_decay) some group lacks. Written as optim.pt's
+// top-level "ucpfs_missing" (torch's Optimizer.load_state_dict reads only 'state' and
+// 'param_groups'); the README says what the user passes.
+std::vector<std::string> MissingForAdam(const TargetInput& in, const std::vector<const Held*>& optimizer) {
+  std::vector<std::string> out;
+  bool moments = false;
+  bool no_step = false;
+  for (const Held* h : optimizer) {
+    if (!h->local[S(TargetState::kExpAvg)]) continue;
+    moments = true;
+    no_step = no_step || !h->step;
+  }
+  if (!moments) return out;
+  if (no_step) out.emplace_back("step");
+  for (const char* field : {"lr", "betas", "eps", "weight_decay"}) {
+    for (const Held* h : optimizer) {
+      const auto& hyper = in.params[h->param].hyper;
+      if (std::none_of(hyper.begin(), hyper.end(), [&](const HyperParam& f) { return f.first == field; })) {
+        out.emplace_back(field);
+        break;
+      }
+    }
+  }
+  return out;
 }
 
 // An empty ordered_json object with room for n_fields. nlohmann's ordered_map is a vector of
@@ -489,6 +519,11 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
         break;
       }
       optim.Set("param_groups", ParamGroups(in, optimizer));
+    }
+    if (const std::vector<std::string> missing = MissingForAdam(in, optimizer); !missing.empty()) {
+      SaveValue names = SaveValue::List();
+      for (const std::string& m : missing) names.Append(SaveValue::Str(m));
+      optim.Set("ucpfs_missing", std::move(names));
     }
     if (want.optim) {
       UCPFS_ASSIGN_OR_RETURN(auto optim_file, format::LazyTorchFile::Build(optim, dir + "optim.pt"));

@@ -25,12 +25,15 @@
 // deciding which slice a rank holds (layout/patterns.h does that).
 // Caveats:
 //  - param_groups carry the source's hyper-parameters only where the caller found them
-//    (TargetParam::hyper); with none, a group holds only 'params' and 'param_names', and
-//    torch's Optimizer.load_state_dict then keeps the optimizer's constructor defaults.
+//    (TargetParam::hyper); with none, a group holds only 'params' and 'param_names' (torch's
+//    Optimizer.load_state_dict takes the saved group whole, so the optimizer then lacks them).
+//    Groups follow the source's (TargetParam::group), never merged across source groups.
 //  - 'step' is always a 0-d float32 tensor (what torch.optim's Adam keeps, on torch 1.13 and
 //    2.x), whether the source stored a tensor or a Python number (TargetParam::step_value).
-//    A parameter with an Adam moment but no step gets no 'step' (torch then fails to load it
-//    into Adam, which requires one: the source does not say what the step was).
+//    A parameter with an Adam moment but no step gets no 'step' (torch's Adam then refuses to
+//    load it: the source does not say what the step was).
+//  - What the source lacks of those ('step', and Adam's lr, betas, eps, weight_decay) is listed
+//    in optim.pt's top-level "ucpfs_missing", for the user to add before load_state_dict.
 //  - zero 1: a held parameter missing one of the states reads as zeros in that state's flat
 //    tensor, so partitions stay aligned; a state no held parameter has is omitted.
 //  - Floats in param_groups are pickled as BINFLOAT: torch 1.13's weights_only=True refuses
@@ -75,6 +78,11 @@ struct TargetParam {
   std::array<DType, kNumTargetStates> dtypes{};        // each state's dtype in the source
   std::array<std::string, kNumTargetStates> keys;      // each state's source key (ucp_info.json)
   std::vector<HyperParam> hyper;  // the param group's hyper-parameters, in source field order
+  // The source's param group (numbered in the order the source lists them), or -1 when unknown.
+  // Parameters of different source groups stay in different optim.pt groups even when their
+  // hyper-parameters are identical (the Hugging Face Trainer's decay / no-decay groups with
+  // weight_decay 0: its optimizer has two groups, and load_state_dict needs two).
+  int group = -1;
   // The step when the source stored it as a Python int or float (states[kStep] is then null).
   std::optional<double> step_value;
   // A fused parameter whose weight the source stores split under other names (FusedParam):

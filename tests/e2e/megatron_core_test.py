@@ -18,15 +18,20 @@ For each checkpoint, mounted (real FUSE):
     of a GPTModel of that layout: the same names (the local spec's input_layernorm /
     pre_mlp_layernorm written as the checkpoint names them, `linear_qkv.layer_norm_*` and
     `linear_fc1.layer_norm_*`, through the spec's own sharded_state_dict_keys_map), shapes and
-    bytes; vocabulary tensors: the real 37 rows equal, and every row the source stores (its
+    bytes; vocabulary tensors: the tokenizer's 129 rows equal (args.vocab_size 128 and
+    NullTokenizer's EOD row, so the tp1 table has 256 rows), and every row the source stores (its
     padding included) is served as stored (checked against the consolidated tensor); only rows
     past the source's stored ones are zeros.
  4. 'fully_reshardable' with one stage: target/tp1_pp1_dp1/rank_0/optim.pt loads into a
-    torch.optim.AdamW over a tp1 GPTModel grouped by megatron-core's own _get_param_groups
+    torch.optim.AdamW over a tp1 GPTModel (which, loaded with the view's model.pt, gives the logits
+    of megatron's loader's tp1 model) grouped by megatron-core's own _get_param_groups
     (load_state_dict): its groups hold the parameters the live job's groups held, each group's
     fields (lr, betas, eps, weight_decay, wd_mult, ...) equal the live optimizer's, every
     parameter's step is the live step (common.pt's param groups), its moments are the
-    consolidated ones, and the loaded optimizer steps.
+    consolidated ones, and resuming trains the uninterrupted job's next 3 losses (within 1e-6
+    relative: the job ran at tp2 dp2, the resumed one at tp1 in one process).
+ 5. tp2_dp2_fr mounted with `-o make_vocab_size_divisible_by=48`: the vocabulary tensors of tp1 and
+    tp2 targets are padded to a multiple of 48*T (144 and 2 x 96 rows), each row the stored one.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/megatron_core_test.py [DIR]
 (DIR: reuse what `gen_megatron_core.py DIR` wrote instead of generating).
@@ -148,9 +153,11 @@ def check_target(mnt, truth, layout, ranks):
 
 
 def optim_worker(_, optim_path, truth_path, store):
-    """In a process of its own (megatron's CPU shims patch torch): a tp1 GPTModel, an AdamW over
-    it grouped by megatron-core's own _get_param_groups, load_state_dict(optim.pt); the groups'
-    members, fields, every parameter's step and Adam moments are checked against the live job."""
+    """In a process of its own (megatron's CPU shims patch torch): a tp1 GPTModel loads the view's
+    model.pt (strict) and gives the logits megatron's loader's tp1 model gave (NullTokenizer's EOD
+    row included); an AdamW over it grouped by megatron-core's own _get_param_groups,
+    load_state_dict(optim.pt); the groups' members, fields, every parameter's step and Adam moments
+    are checked against the live job."""
     import torch.distributed as dist  # noqa: PLC0415
     sys.path.insert(0, os.path.dirname(GEN))
     import gen_megatron_core as gen  # noqa: PLC0415
@@ -161,9 +168,14 @@ def optim_worker(_, optim_path, truth_path, store):
     truth = torch.load(truth_path, weights_only=False)
     live, keys_map, vocab = truth["optimizer"], truth["keys_map"], truth["case"]["vocab"]
     gen.set_layout(1, 1, 1)
-    ddp, _, _ = gen.build_model(1, 1, truth["case"]["tied"], distributed_optimizer=False)
-    model = ddp.module
+    model, _, _ = gen.build_model(1, 1, truth["case"]["tied"], distributed_optimizer=False, wrap=False)
     name_of = {p: megatron_name(n, keys_map) for n, p in model.named_parameters()}
+    view = torch.load(os.path.join(os.path.dirname(optim_path), "model.pt"))
+    model.load_state_dict({k: view[megatron_name(k, keys_map)] if isinstance(v, torch.Tensor) else v
+                           for k, v in model.state_dict().items()}, strict=True)
+    _, logits = gen.logits_of(model)
+    assert torch.equal(truth["tokens"], _) and bits_equal(logits, truth["logits"]), \
+        f"logits of the view's tp1 model differ from megatron's loader's by {(logits - truth['logits']).abs().max()}"
     groups = _get_param_groups([model], OptimizerConfig(optimizer="adam", lr=1.0), None)
     opt = torch.optim.AdamW([{"params": g["params"]} for g in groups])
     optim = torch.load(optim_path)
@@ -184,9 +196,25 @@ def optim_worker(_, optim_path, truth_path, store):
             want = moments[name][m + ".pt"]
             rows = min(vocab, p.shape[0]) if name in VOCAB_PARAMS else p.shape[0]
             assert st[m].shape == p.shape and bits_equal(st[m][:rows], want[:rows].float()), f"{name} {m}"
-    for p in name_of:  # the loaded optimizer steps
-        p.grad = torch.zeros_like(p)
-    opt.step()
+    # Resume: the uninterrupted job's next steps (the same batches, every data-parallel rank's
+    # micro-batches averaged, megatron's default clip_grad 1.0) give its losses.
+    res = live["resume"]
+    losses = []
+    for step in range(res["first_step"], res["first_step"] + len(res["losses"])):
+        opt.zero_grad()
+        micro = [t for d in range(res["dp"]) for t in gen.batches(res["seed"], step, d)]
+        total = 0.0
+        for tokens in micro:
+            out, loss_of = gen.forward_step(iter([tokens]), model)
+            loss, _ = loss_of(out)
+            (loss / len(micro)).backward()
+            total += float(loss) / len(micro)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(total)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, res["losses"]))
+    print(f"resumed losses {losses}, the uninterrupted job's {res['losses']} (largest relative difference {worst:.2e})")
+    assert worst < 1e-6, f"resumed losses {losses} differ from the uninterrupted job's {res['losses']}"
     dist.destroy_process_group()
 
 
@@ -194,6 +222,23 @@ def check_optim(mnt, work, name, truth_path):
     optim_path = os.path.join(mnt, "target", "tp1_pp1_dp1", "rank_0", "optim.pt")
     store = os.path.join(work, f"optim-store-{name}")
     torch.multiprocessing.spawn(optim_worker, (optim_path, truth_path, store), nprocs=1, join=True)
+
+
+def check_pad_option(work, name, plain):
+    """`-o make_vocab_size_divisible_by=48` over the saved args' 128: the vocabulary of 129 tokens
+    is padded to a multiple of 48*T (144 rows at tp1, 2 x 96 at tp2), its rows the stored ones."""
+    src = os.path.join(work, name)
+    stored = plain["module.embedding.word_embeddings.weight"]
+    with mounted(src, os.path.join(work, "mnt-pad-" + name), "-o", "make_vocab_size_divisible_by=48") as (mnt, _):
+        for layout, rank, rows in (("tp1_pp1_dp1", 0, 144), ("tp2_pp1_dp1", 1, 96)):
+            sd = torch.load(os.path.join(mnt, "target", layout, f"rank_{rank}", "model.pt"))
+            for vocab_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                if vocab_name not in sd:
+                    continue
+                w = sd[vocab_name]
+                first = rank * rows
+                assert w.shape == (rows, stored.shape[1]), (layout, vocab_name, w.shape)
+                assert bits_equal(w, stored[first:first + rows].to(w.dtype)), (layout, vocab_name, "rows differ")
 
 
 def check_checkpoint(work, name):
@@ -207,6 +252,8 @@ def check_checkpoint(work, name):
                 check_target(mnt, truth, layout, ranks)
         if "optimizer" in truth:
             check_optim(mnt, work, name, src + "_truth.pt")
+    if name == "tp2_dp2_fr":
+        check_pad_option(work, name, truth["plain"])
 
 
 def main():

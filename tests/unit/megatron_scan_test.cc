@@ -110,6 +110,8 @@ def write(out, variant):
             if variant == "moe": a.num_experts = 8
             if variant == "mismatch" and (s, r) == (1, 1): a.hidden_size = 8
             if variant == "layers": a.num_layers = 4
+            if variant in ("nulltok", "nulltok_over"): a.tokenizer_type = "NullTokenizer"
+            if variant == "nulltok_over": a.vocab_size = PADDED
             opt = {"state": state, "param_groups": [
                 {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[0]},
                 {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 0.1, "params": groups[1]}]}
@@ -172,7 +174,7 @@ class MegatronScanTest : public ::testing::Test {
   // (starting python and importing torch per variant took minutes on a loaded 2-core machine).
   static fs::path Save(const std::string& variant) {
     static const char* const kVariants[] = {"good", "do", "do_buckets", "do_dtype", "do_lists", "do_nogbuf",
-                                            "do_numel", "do_trunc", "layers", "mismatch", "moe", "noargs",
+                                            "do_numel", "do_trunc", "layers", "mismatch", "moe", "noargs", "nulltok", "nulltok_over",
                                             "shape", "tp0", "tphuge", "version2"};
     const fs::path dir = *root_ / variant;
     if (!fs::exists(dir)) {
@@ -312,6 +314,21 @@ void ExpectError(const Result<Checkpoint>& r, StatusCode code, const std::vector
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error().code(), code) << r.error().message();
   for (const std::string& n : needles) EXPECT_NE(r.error().message().find(n), std::string::npos) << r.error().message();
+}
+
+// Megatron-LM's NullTokenizer has args.vocab_size + 1 tokens (its EOD id is vocab_size): that is the
+// vocabulary the views pad from and strip to; one past padded_vocab_size is corrupt.
+TEST_F(MegatronScanTest, NullTokenizerAddsItsEodRow) {
+  EXPECT_EQ(MegatronTokenizerVocab(7, "NullTokenizer"), 8);
+  EXPECT_EQ(MegatronTokenizerVocab(7, "GPT2BPETokenizer"), 7);
+  EXPECT_EQ(MegatronTokenizerVocab(0, "NullTokenizer"), 0) << "an unknown vocabulary stays unknown";
+  auto c = ScanMegatronLegacy(Save("nulltok").string());
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  auto facts = MegatronModelFacts(*c);
+  ASSERT_TRUE(facts.ok());
+  EXPECT_EQ(facts->vocab_size, 8);
+  ExpectError(ScanMegatronLegacy(Save("nulltok_over").string()), StatusCode::kCorrupt,
+              {"model_optim_rng.pt", "exceeds padded_vocab_size 8"});
 }
 
 TEST_F(MegatronScanTest, BadArgs) {

@@ -30,7 +30,7 @@ TEST(MountOptions, EveryUcpfsOption) {
   const MountArgs a = Apply(
       "layout=tp2_pp2_dp4,preset=megatron,pattern_rules=/r/p.json,pp_split=5:6:6:5,lookup_memory_mib=512,"
       "cache_size=8G,read_only,readahead=16M,prefetch=0,safetensors_shard_size=2G,index_dir=/idx,rules=/r/k.toml,"
-      "read_only_index,log=/var/log/u.log,foreground,write_stall_timeout=5");
+      "read_only_index,log=/var/log/u.log,foreground,write_stall_timeout=5,make_vocab_size_divisible_by=64");
   EXPECT_EQ(a.layouts, std::vector<std::string>{"tp2_pp2_dp4"});
   EXPECT_EQ(a.preset, "megatron");
   EXPECT_EQ(a.pattern_rules, "/r/p.json");
@@ -47,6 +47,7 @@ TEST(MountOptions, EveryUcpfsOption) {
   EXPECT_TRUE(a.source.read_only_index);
   EXPECT_EQ(a.log_file, "/var/log/u.log");
   EXPECT_TRUE(a.foreground);
+  EXPECT_EQ(a.vocab_pad_multiple, 64);
   EXPECT_TRUE(a.fuse_options.empty());
 }
 
@@ -59,6 +60,7 @@ TEST(MountOptions, DefaultsUntouched) {
   EXPECT_FALSE(a.read_only);
   EXPECT_FALSE(a.foreground);
   EXPECT_TRUE(a.layouts.empty());
+  EXPECT_EQ(a.vocab_pad_multiple, 0) << "not given: the source's make_vocab_size_divisible_by, else 128";
 }
 
 TEST(MountOptions, RepeatsLayoutsAccumulateOthersLastWins) {
@@ -110,6 +112,10 @@ TEST(MountOptions, BadValuesNameTheOption) {
   EXPECT_NE(Error("safetensors_shard_size=1X").find("safetensors_shard_size"), std::string::npos);
   EXPECT_NE(Error("lookup_memory_mib=12a").find("not a whole number"), std::string::npos);
   EXPECT_NE(Error("pp_split=5:x").find("a:b:c"), std::string::npos);
+  EXPECT_NE(Error("make_vocab_size_divisible_by=0").find("not in [1, 1073741824]"), std::string::npos);
+  EXPECT_NE(Error("make_vocab_size_divisible_by=2147483648").find("not in [1,"), std::string::npos);
+  EXPECT_NE(Error("make_vocab_size_divisible_by=-8").find("not a whole number"), std::string::npos);
+  EXPECT_NE(Error("make_vocab_size_divisible_by").find("needs a value"), std::string::npos);
   EXPECT_NE(Error("preset=nemo").find("'preset=nemo'"), std::string::npos);
   EXPECT_NE(Error("max_read=big").find("max_read"), std::string::npos);
 }

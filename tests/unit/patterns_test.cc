@@ -619,6 +619,27 @@ TEST(TargetSlice, OddVocabularyIsPaddedTheMegatronWay) {
   EXPECT_EQ(even.pieces, (std::vector<slice::Box>{B({48, 0}, {48, 8})}));
 }
 
+TEST(TargetSlice, MakeVocabSizeDivisibleByPadsEveryVocabulary) {
+  // --make-vocab-size-divisible-by 8 (ModelInfo::vocab_pad_multiple): 97 rows at tp2 pad to a
+  // multiple of 16 (112: 56 per rank), under the Hugging Face preset and a vocab rule without a
+  // multiple of its own; a rule's own multiple wins; 96 rows at tp1 stay 96 (a multiple of 8).
+  ModelInfo info;
+  info.vocab_pad_multiple = 8;
+  LocalView r1 = Slice(Preset::kHuggingFace, "lm_head.weight", {97, 8}, info, "tp2_pp1_dp1", 1);
+  EXPECT_EQ(r1.local_shape, (Shape{56, 8}));
+  EXPECT_EQ(r1.pieces, (std::vector<slice::Box>{B({56, 0}, {41, 8})}));
+  LocalView tp1 = Slice(Preset::kHuggingFace, "lm_head.weight", {96, 8}, info, "tp1_pp1_dp1", 0);
+  EXPECT_EQ(tp1.local_shape, (Shape{96, 8}));
+  const std::vector<Rule> own = ParseRules(R"({"patterns": [{"pattern": "^embed$", "tp": "vocab"}]})", "r").value();
+  EXPECT_EQ(PatternFor(Preset::kAuto, "embed", {97, 8}, info, own).value().vocab_pad_multiple, 8);
+  const std::vector<Rule> rule64 =
+      ParseRules(R"({"patterns": [{"pattern": "^embed$", "tp": "vocab", "vocab_pad_multiple": 64}]})", "r").value();
+  EXPECT_EQ(PatternFor(Preset::kAuto, "embed", {97, 8}, info, rule64).value().vocab_pad_multiple, 64);
+  // Over the Megatron preset's (and a checkpoint's make_vocab_size_divisible_by, ApplyModelFacts).
+  EXPECT_EQ(PatternFor(Preset::kMegatron, "embedding.word_embeddings.weight", {97, 8}, info).value().vocab_pad_multiple,
+            8);
+}
+
 TEST(ApplyModelFacts, RecordedValuesOverrideDetectedOnes) {
   ModelInfo info;
   info.num_attention_heads = 2;

@@ -227,6 +227,57 @@ std::vector<std::vector<std::string>> CheckModel(Fixture& fx, const Built& b) {
   return keys;
 }
 
+// The number of param_groups in a rank's optim.pt.
+size_t GroupCount(const std::shared_ptr<const ByteSource>& optim) {
+  auto opt = format::TorchFile::Open(optim);
+  EXPECT_TRUE(opt.ok());
+  if (!opt.ok()) return 0;
+  const auto& g = opt->graph();
+  return g.items(g.DictGet(g.root(), "param_groups")).size();
+}
+
+// Source groups with identical hyper-parameters (the Hugging Face Trainer's decay / no-decay
+// groups with weight_decay 0) stay two groups: the framework's optimizer has two, and
+// load_state_dict refuses another count. Without source groups, identical ones are one group.
+TEST(TargetTest, IdenticalSourceGroupsStaySeparate) {
+  auto fx = MakeModel();
+  auto in = std::make_shared<TargetInput>(*fx->input);
+  for (auto& p : in->params) {
+    p.hyper = {{"lr", format::SaveValue::Float(0.001)}, {"weight_decay", format::SaveValue::Float(0.0)}};
+    p.group = p.name.find("norm") != std::string::npos ? 1 : 0;
+  }
+  fx->input = in;
+  EXPECT_EQ(GroupCount(BuildAll(*fx, "tp1_pp1_dp1").ranks[0].optim), 2u);
+  for (auto& p : in->params) p.group = -1;
+  EXPECT_EQ(GroupCount(BuildAll(*fx, "tp1_pp1_dp1").ranks[0].optim), 1u);
+}
+
+// optim.pt names what an Adam/AdamW needs and the source lacks, as "ucpfs_missing" beside
+// 'state' and 'param_groups': the fixture's groups have no eps; then no step either.
+std::vector<std::string> Missing(const std::shared_ptr<const ByteSource>& optim) {
+  auto opt = format::TorchFile::Open(optim);
+  EXPECT_TRUE(opt.ok());
+  std::vector<std::string> out;
+  if (!opt.ok()) return out;
+  const auto& g = opt->graph();
+  const pickle::NodeId list = g.DictGet(g.root(), "ucpfs_missing");
+  if (g.kind(list) != pickle::Kind::kList) return out;
+  for (pickle::NodeId n : g.items(list)) out.emplace_back(g.text(n));
+  return out;
+}
+
+TEST(TargetTest, OptimNamesWhatTheSourceLacks) {
+  auto fx = MakeModel();
+  EXPECT_EQ(Missing(BuildAll(*fx, "tp2_pp1_dp1").ranks[1].optim), std::vector<std::string>{"eps"});
+  auto in = std::make_shared<TargetInput>(*fx->input);
+  for (auto& p : in->params) {
+    p.states[kStep] = nullptr;
+    p.hyper.emplace_back("eps", format::SaveValue::Float(1e-8));
+  }
+  fx->input = in;
+  EXPECT_EQ(Missing(BuildAll(*fx, "tp1_pp1_dp1").ranks[0].optim), std::vector<std::string>{"step"});
+}
+
 TEST(TargetTest, Tp2SplitsColumnRowAndReplicates) {
   auto fx = MakeModel();
   auto b = BuildAll(*fx, "tp2_pp1_dp1");

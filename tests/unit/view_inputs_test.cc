@@ -9,8 +9,11 @@
 #include <algorithm>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "core/format/torch_file.h"
 #include "core/format/torch_writer.h"
+#include "index/universal_view.h"
 
 namespace ucpfs::index {
 namespace {
@@ -80,6 +83,24 @@ SaveValue Marker() {
   SaveValue v = SaveValue::OrderedDict();
   v.Set("last_epoch", SaveValue::Int(3));
   return v;
+}
+
+// The not-served entry for DeepSpeed param groups names the key the optimizer file has: ZeRO-3
+// keeps them under optimizer_state_dict.optimizer_state_dict, the others under
+// optimizer_state_dict.base_optimizer_state.
+TEST(DeepSpeedParamGroupsKey, NamesTheStagesKey) {
+  Checkpoint c;
+  c.format = "deepspeed";
+  for (int stage : {1, 2, 3}) {
+    DeepSpeedSourceFacts facts;
+    facts.zero_stage = stage;
+    facts.optimizer_file = "o.pt";
+    facts.tag = "t";
+    c.facts = facts;
+    EXPECT_EQ(DeepSpeedParamGroupsKey(c), stage == 3 ? "optimizer_state_dict.optimizer_state_dict.param_groups"
+                                                     : "optimizer_state_dict.base_optimizer_state.param_groups")
+        << stage;
+  }
 }
 
 TEST(MakeTargetInput, NoItemIsDropped) {
