@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -41,6 +42,14 @@ std::string HostName() {
     }
   }
   return out.empty() ? "host" : out;
+}
+
+// This process's pid namespace ("pid:[4026531836]"): a pid in a lease means this process's
+// pid of that number only where the namespaces are equal.
+std::string PidNamespace() {
+  char buf[64] = {};
+  const ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "unknown";
 }
 
 bool TakeLock(int fd) {
@@ -146,7 +155,8 @@ Result<MountState> MountState::Create(int capture_fd, const std::string& capture
   if (!TakeLock(m.lock_fd_)) return IoError("lock " + m.shown_ + "/lock", errno);
   m.lease_fd_ = openat(m.dir_fd_, "lease", O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (m.lease_fd_ < 0) return IoError("create " + m.shown_ + "/lease", errno);
-  const std::string lease = "host " + host + "\nboot " + BootId() + "\npid " + std::to_string(getpid()) + "\n";
+  const std::string lease = "host " + host + "\nboot " + BootId() + "\npid " + std::to_string(getpid()) + "\npidns " +
+                            PidNamespace() + "\n";
   if (write(m.lease_fd_, lease.data(), lease.size()) != static_cast<ssize_t>(lease.size()) || fsync(m.lease_fd_) != 0) {
     return IoError("write " + m.shown_ + "/lease", errno);
   }
@@ -270,6 +280,61 @@ Result<std::optional<ClaimedMount>> ClaimIfDead(int capture_fd, const std::strin
     }
   }
   return std::optional<ClaimedMount>(std::move(c));
+}
+
+bool DaemonExitingHere(int capture_fd, const std::string& name) {
+  const int dir_fd = openat(capture_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir_fd < 0) return false;
+  const int lease_fd = openat(dir_fd, "lease", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  close(dir_fd);
+  if (lease_fd < 0) return false;
+  const std::string lease = CheckOwnedFile(lease_fd, "lease").ok() ? ReadSmall(lease_fd) : "";
+  close(lease_fd);
+  const std::string pid_text = Field(lease, "pid");
+  if (Field(lease, "boot") != BootId() || Field(lease, "pidns") != PidNamespace() || pid_text.empty() ||
+      pid_text.size() > 9 || pid_text.find_first_not_of("0123456789") != std::string::npos) {
+    return false;
+  }
+  // /proc/<pid>/status of the thread group leader: "State:\tZ (zombie)", and the pending
+  // signals of the thread and of the group, in hex, SIGKILL being bit 8. /proc/<pid>/stat's
+  // flags (its 9th field) hold PF_EXITING (0x4) once the leader has begun to exit.
+  const std::string proc = "/proc/" + pid_text;
+  const int status_fd = open((proc + "/status").c_str(), O_RDONLY | O_CLOEXEC);
+  if (status_fd < 0) return errno == ENOENT;  // reaped: whoever still holds the lock is on its way out too
+  const std::string status = ReadSmall(status_fd);
+  close(status_fd);
+  const auto field = [&status](const char* key) {
+    const size_t at = status.find(std::string("\n") + key + ":");
+    if (at == std::string::npos) return std::string();
+    const size_t from = status.find_first_not_of(" \t", at + std::strlen(key) + 2);
+    const size_t end = status.find('\n', from);
+    return from == std::string::npos ? std::string() : status.substr(from, end == std::string::npos ? end : end - from);
+  };
+  const std::string state = field("State");
+  if (!state.empty() && (state[0] == 'Z' || state[0] == 'X')) return true;
+  for (const char* key : {"SigPnd", "ShdPnd"}) {
+    const std::string hex = field(key);
+    if (!hex.empty() && hex.size() <= 16 && hex.find_first_not_of("0123456789abcdef") == std::string::npos &&
+        ((std::stoull(hex, nullptr, 16) >> (SIGKILL - 1)) & 1) != 0) {
+      return true;
+    }
+  }
+  const int stat_fd = open((proc + "/stat").c_str(), O_RDONLY | O_CLOEXEC);
+  if (stat_fd < 0) return errno == ENOENT;
+  const std::string stat = ReadSmall(stat_fd);
+  close(stat_fd);
+  // After the command's closing parenthesis: state ppid pgrp session tty_nr tpgid flags.
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return false;
+  unsigned long long flags = 0;
+  char st = 0;
+  long long skip = 0;
+  if (std::sscanf(stat.c_str() + paren + 1, " %c %lld %lld %lld %lld %lld %llu", &st, &skip, &skip, &skip, &skip, &skip,
+                  &flags) != 7) {
+    return false;
+  }
+  constexpr unsigned long long kPfExiting = 0x4;
+  return (flags & kPfExiting) != 0;
 }
 
 }  // namespace ucpfs::io

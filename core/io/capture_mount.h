@@ -5,7 +5,7 @@
 // by it, mode 0700, so every part and journal path carries the id; two mounts never share a name):
 //   lock     an OFD write lock held for the mount's whole life (released by the kernel when the
 //            daemon dies, even by SIGKILL)
-//   lease    "host <name>\nboot <boot id>\npid <pid>\n"; its mtime is renewed every
+//   lease    "host <name>\nboot <boot id>\npid <pid>\npidns <pid namespace>\n"; its mtime is renewed every
 //            kLeaseRenewSeconds while the mount lives (a heartbeat for other hosts, where a lock
 //            over a network filesystem proves nothing)
 //   journal  the capture journal (capture_journal.h)
@@ -91,6 +91,14 @@ struct ClaimedMount {
 // directory this process may use (a symlink, another owner, group- or world-writable).
 Result<std::optional<ClaimedMount>> ClaimIfDead(int capture_fd, const std::string& name, const std::string& shown,
                                                 uint64_t lease_timeout_s, std::string* why);
+
+// Whether the daemon of mount `name` is exiting on this kernel: its lease names this boot and
+// this pid namespace, and its pid is gone, a zombie, exiting, or has SIGKILL pending. A killed
+// daemon's lock is released only once its last thread has exited (tens of ms after the kill,
+// as long as a blocked fdatasync under load): a mount started meanwhile waits for that lock
+// (kDyingLockWaitSeconds at most) rather than leave the state to the mount after it.
+bool DaemonExitingHere(int capture_fd, const std::string& name);
+inline constexpr uint64_t kDyingLockWaitSeconds = 10;
 
 // The names in directory `dir_fd` (not "." or ".."), with their d_type. Errors: kIo naming `shown`.
 Result<std::vector<std::pair<std::string, unsigned char>>> ListDir(int dir_fd, const std::string& shown);

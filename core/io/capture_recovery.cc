@@ -163,12 +163,29 @@ Status WriteCapture::Impl::Recover() {
   for (const std::string& name : states) {
     const std::string shown = capture_root_dir + "/" + name;
     std::string why;
-    Result<std::optional<ClaimedMount>> claimed = ClaimIfDead(capture_root_fd, name, shown, options.lease_timeout_s, &why);
+    // (Result holds a ClaimedMount, which cannot be assigned: emplaced afresh for each try.)
+    std::optional<Result<std::optional<ClaimedMount>>> tried;
+    tried.emplace(ClaimIfDead(capture_root_fd, name, shown, options.lease_timeout_s, &why));
+    // A daemon killed just before this mount started holds its lock until its last thread has
+    // exited: left alone now, its state would wait for the mount after this one (its parts and
+    // all). Waited for, bounded, and only when its lease shows it exiting on this kernel.
+    if (tried->ok() && !(*tried)->has_value() && DaemonExitingHere(capture_root_fd, name)) {
+      Log("ucpfs: capture recovery: " + shown + ": its daemon is exiting; waiting for its lock");
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kDyingLockWaitSeconds);
+      while (tried->ok() && !(*tried)->has_value() && why != "gone" && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        tried.emplace(ClaimIfDead(capture_root_fd, name, shown, options.lease_timeout_s, &why));
+      }
+    }
+    Result<std::optional<ClaimedMount>>& claimed = *tried;
     if (!claimed.ok()) {
       Log("ucpfs: capture recovery: " + claimed.error().message());
       continue;
     }
-    if (!claimed->has_value()) continue;  // alive, or not provably dead yet: not ours to touch
+    if (!claimed->has_value()) {  // alive, or not provably dead yet: not ours to touch
+      if (why != "gone") Log("ucpfs: capture recovery: " + shown + " left alone: " + why);
+      continue;
+    }
     ClaimedMount& c = **claimed;
     Result<std::vector<RecoveryStep>> kept = RecoverState(c.dir_fd, shown, name);
     if (!kept.ok()) {

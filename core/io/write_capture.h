@@ -113,7 +113,7 @@ struct CaptureStats {
   uint64_t cache_used_bytes = 0;
   uint64_t dirty_bytes = 0;        // captured and not yet written to a part
   uint64_t bytes_captured = 0;     // by write()
-  uint64_t bytes_flushed = 0;      // written to parts
+  uint64_t bytes_flushed = 0;      // written to parts: whole pages, a file's last one with its padding
   uint64_t flush_busy_ns = 0;      // time with at least one flush write in flight
   uint64_t writers_blocked_ns = 0; // time writers waited for a free chunk
   uint64_t files_pending = 0;      // created and not yet durable

@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -29,6 +30,7 @@
 #include <xxhash.h>
 
 #include "core/io/capture_journal.h"
+#include "core/io/capture_mount.h"
 #include "test_seed.h"
 
 namespace ucpfs::io {
@@ -826,6 +828,75 @@ TEST_F(WriteCaptureTest, RecoveryTakesOnlyTheStateOfMountsProvablyDead) {
   EXPECT_TRUE(stdfs::exists(cap / "alive-here" / "1.part"));
   EXPECT_TRUE(stdfs::exists(cap / "other-host-fresh" / "1.part"));
   close(held);
+}
+
+// A daemon killed just before a mount starts keeps its lock until its last thread has exited:
+// when its lease shows it exiting on this kernel (here: a zombie child's pid, this boot and pid
+// namespace), the starting mount waits for the lock and recovers the state; a live daemon's pid,
+// or a lease of another pid namespace, is not waited for.
+TEST_F(WriteCaptureTest, RecoveryWaitsForTheLockOfADaemonThatIsExiting) {
+  const stdfs::path cap = dir_ / ".ucpfs" / "capture";
+  stdfs::create_directories(cap);
+  char ns[64] = {};
+  ASSERT_GT(readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1), 0);
+  const pid_t zombie = fork();
+  ASSERT_GE(zombie, 0);
+  if (zombie == 0) _exit(0);
+  for (;;) {  // until the child is a zombie (not reaped: its pid stays)
+    std::ifstream st("/proc/" + std::to_string(zombie) + "/stat");
+    const std::string text((std::istreambuf_iterator<char>(st)), std::istreambuf_iterator<char>());
+    if (text.find(") Z") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const std::vector<std::byte> d(1000, std::byte{9});
+  auto state = [&](const std::string& id, pid_t pid, const std::string& pidns, const std::string& path) {
+    const stdfs::path s = cap / id;
+    stdfs::create_directories(s);
+    stdfs::permissions(s, stdfs::perms::owner_all);
+    std::ofstream(s / "lock").put('\0');
+    std::ofstream(s / "lease") << "host h\nboot " << BootId() << "\npid " << pid << "\npidns " << pidns << "\n";
+    std::ofstream(s / "1.part", std::ios::binary).write(reinterpret_cast<const char*>(d.data()), 1000);
+    WriteJournal(s / "journal", {ChunkRecord(1, 0, d), CommitRecord(1, 1000, path)});
+  };
+  state("exiting", zombie, ns, "exiting_here");
+  state("alive", getpid(), ns, "alive_here");
+  state("other-ns", zombie, "pid:[1]", "other_ns");
+  const int cap_fd = open(cap.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(cap_fd, 0);
+  EXPECT_TRUE(DaemonExitingHere(cap_fd, "exiting"));
+  EXPECT_FALSE(DaemonExitingHere(cap_fd, "alive"));
+  EXPECT_FALSE(DaemonExitingHere(cap_fd, "other-ns"));
+  close(cap_fd);
+  std::vector<int> held;
+  for (const char* id : {"exiting", "alive", "other-ns"}) {
+    held.push_back(open((cap / id / "lock").c_str(), O_RDWR | O_CLOEXEC));
+    ASSERT_GE(held.back(), 0);
+    struct flock fl = {};
+    fl.l_type = F_WRLCK;
+    ASSERT_EQ(fcntl(held.back(), F_OFD_SETLK, &fl), 0);
+  }
+  // The exiting daemon's lock goes 300 ms into the start.
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    close(held[0]);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  Start(4);
+  const double start_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  release.join();
+  std::string all;
+  for (const auto& l : log_) all += l + "\n";
+  EXPECT_EQ(ReadFile((dir_ / "exiting_here").string()), d) << all;
+  EXPECT_FALSE(stdfs::exists(cap / "exiting"));
+  EXPECT_GE(start_s, 0.25);
+  EXPECT_LT(start_s, 5.0);  // the live ones are not waited for
+  EXPECT_FALSE(stdfs::exists(dir_ / "alive_here"));
+  EXPECT_FALSE(stdfs::exists(dir_ / "other_ns"));
+  EXPECT_TRUE(stdfs::exists(cap / "alive" / "1.part"));
+  EXPECT_TRUE(stdfs::exists(cap / "other-ns" / "1.part"));
+  close(held[1]);
+  close(held[2]);
+  waitpid(zombie, nullptr, 0);
 }
 
 // The owner, mode and times given while a file is pending are what it is placed with; the part
