@@ -1146,6 +1146,7 @@ Status DescribeTensorReads(const TensorLayout& layout, DType dst_dtype,
         run.file = files[part.file_id].get();
         run.byte_offset = part.byte_offset;
         run.src_item_n_bytes = static_cast<uint32_t>(ItemSize(part.dtype));
+        run.dst_item_n_bytes = 0;  // averaged into the run above, which fills the view
         sink(run);
       }
     }

@@ -144,7 +144,8 @@ void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
 
 // What ReadTensorBytes of the same range reads, without reading (ByteSource::DescribeReads):
 // one SourceRun per planned copy, in destination order, naming the file table's entry
-// (files[file_id], not what it is built over) or no file for zero fill. A partial first or last
+// (files[file_id], not what it is built over) or no file for zero fill; an averaged copy op adds
+// one run per other copy (Fragment::mean_with), right after it, filling nothing. A partial first or last
 // element counts whole, as the read plans it. Planned in bounded pieces, so memory stays small
 // for any tensor. Errors: kInvalidArgument (invalid dst dtype, a file id outside `files`),
 // kOutOfRange (range past the tensor), PlanRead's.

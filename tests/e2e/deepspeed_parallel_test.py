@@ -72,6 +72,9 @@ def check_case(work, case):
                                        os.path.join(ds, "global_step3_universal"))
         assert n_universal > 3 * (len(truth) - 1), n_universal
         target_equals_truth(m, truth, fp32="--bf16" not in args)
+    if "--average" in args:  # plan counts every averaged copy read, and the view's bytes once
+        r = run([ucpfs_bin(), "plan", src, "--layout", "tp1_pp1_dp1"], timeout=120)
+        assert "read amplification" in r.stdout + r.stderr, r.stdout + r.stderr
     return n
 
 

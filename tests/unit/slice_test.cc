@@ -1134,9 +1134,15 @@ TEST(Mean, HandValuesInTorchOrderAndNegativeZero) {
   EXPECT_EQ(Bits(AsF32(out)), Bits(TorchMean({copies[0], copies[1]})));
   // What a read of it touches: every copy.
   std::vector<const ByteSource*> touched;
-  ASSERT_TRUE(DescribeTensorReads(l, DType::kFloat32, files, 0, 20,
-                                  [&](const SourceRun& r) { touched.push_back(r.file); }).ok());
+  uint64_t read_n_bytes = 0, view_n_bytes = 0;
+  ASSERT_TRUE(DescribeTensorReads(l, DType::kFloat32, files, 0, 20, [&](const SourceRun& r) {
+                touched.push_back(r.file);
+                read_n_bytes += r.ReadBytes();
+                view_n_bytes += r.ViewBytes();
+              }).ok());
   EXPECT_EQ(touched, (std::vector<const ByteSource*>{files[0].get(), files[1].get(), files[2].get()}));
+  EXPECT_EQ(read_n_bytes, 60u);  // every copy is read
+  EXPECT_EQ(view_n_bytes, 20u);  // the view's bytes are filled once
 }
 
 TEST(Mean, ZeroFlatShardsChunksPartialReadsBf16AndLocalViews) {
