@@ -127,6 +127,9 @@ std::vector<CrcWork> PlanCrcs(const index::Checkpoint& c, const index::FileTable
     }
     for (const auto& f : it.layout.fragments) {
       if (f.file_id < offsets.size()) offsets[f.file_id].push_back(f.byte_offset);
+      for (const auto& m : f.mean_with) {  // an averaged tensor's other copies
+        if (m.file_id < offsets.size()) offsets[m.file_id].push_back(m.byte_offset);
+      }
     }
   }
   std::vector<CrcWork> out;

@@ -6,7 +6,9 @@
 // this never does).
 // Invariants: a run is exact: n_elems elements of src_item_n_bytes, the first at byte_offset of
 // `file`, each elem_stride elements after the one before (1: contiguous); they become n_elems
-// elements of dst_item_n_bytes in the view. A run with no file is zero fill (nothing read).
+// elements of dst_item_n_bytes in the view. A run with no file is zero fill (nothing read). A run
+// with dst_item_n_bytes 0 is read to be combined into another run's elements (the other copies of
+// an averaged fragment, slice::Fragment::mean_with): it fills nothing itself.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +24,7 @@ struct SourceRun {
   uint64_t n_elems = 0;
   int64_t elem_stride = 1;           // in elements; 1: contiguous
   uint32_t src_item_n_bytes = 1;     // stored element size
-  uint32_t dst_item_n_bytes = 1;     // element size in the view (differs when converted)
+  uint32_t dst_item_n_bytes = 1;     // element size in the view (differs when converted; 0: see above)
 
   // Bytes the run reads from `file` (n_elems · src_item_n_bytes; 0 for zeros).
   uint64_t ReadBytes() const { return file == nullptr ? 0 : n_elems * src_item_n_bytes; }

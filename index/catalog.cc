@@ -375,6 +375,13 @@ Status CheckFileIds(const Checkpoint& cp, const std::string& where, StatusCode c
                                 std::to_string(f.file_id) + " out of range (" +
                                 std::to_string(n_files) + " files)");
       }
+      for (const slice::MeanPart& m : f.mean_with) {
+        if (m.file_id >= n_files) {
+          return Status(code, where + ": item " + std::to_string(i) + " (" + item.key + ") fragment " +
+                                  std::to_string(j) + " averaged copy file_id " + std::to_string(m.file_id) +
+                                  " out of range (" + std::to_string(n_files) + " files)");
+        }
+      }
     }
   }
   return Status::Ok();
@@ -989,6 +996,12 @@ Status ValidateIndexRecords(const std::string& src_dir, const std::string& index
       std::optional<uint64_t> n_bytes = n_elems ? CheckedMul(*n_elems, ItemSize(f.dtype)) : std::nullopt;
       if (!n_bytes || !inside(f.file_id, f.byte_offset, *n_bytes)) {
         return bad("a fragment of '" + it.key + "' lies outside its file");
+      }
+      for (const slice::MeanPart& m : f.mean_with) {  // the other copies of an averaged fragment
+        std::optional<uint64_t> m_bytes = n_elems ? CheckedMul(*n_elems, ItemSize(m.dtype)) : std::nullopt;
+        if (!m_bytes || !inside(m.file_id, m.byte_offset, *m_bytes)) {
+          return bad("an averaged copy of '" + it.key + "' lies outside its file");
+        }
       }
     }
     Status covered = slice::ValidateCoverage(it.layout, it.key);

@@ -34,7 +34,9 @@ namespace ucpfs::index {
 // of format_info.
 // 8: Megatron args' vocab_size in the facts counts NullTokenizer's EOD row
 // (MegatronTokenizerVocab).
-inline constexpr uint32_t kCatalogSchemaVersion = 8;
+// 9: fragments record their averaged copies (Fragment::mean_with: DeepSpeed's
+// parameter_to_average_patterns).
+inline constexpr uint32_t kCatalogSchemaVersion = 9;
 
 // xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
 // under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not

@@ -120,7 +120,7 @@ bool ReadDType(Reader& r, DType* dtype, const char* what) {
 }
 
 // Smallest encoding of one fragment of rank `rank` (no strides).
-uint64_t MinFragmentBytes(uint32_t rank) { return static_cast<uint64_t>(rank) * 16 + 8 + 8 + 4 + 8 + 1 + 4; }
+uint64_t MinFragmentBytes(uint32_t rank) { return static_cast<uint64_t>(rank) * 16 + 8 + 8 + 4 + 8 + 1 + 4 + 4; }
 
 }  // namespace
 
@@ -157,6 +157,12 @@ std::string EncodeItem(const Item& item) {
       w.U8(static_cast<uint8_t>(f.dtype));
       w.Count(f.strides.size());
       w.I64s(f.strides);
+      w.Count(f.mean_with.size());
+      for (const slice::MeanPart& m : f.mean_with) {
+        w.U32(m.file_id);
+        w.U64(m.byte_offset);
+        w.U8(static_cast<uint8_t>(m.dtype));
+      }
     }
   } else {
     w.U32(item.file_id);
@@ -225,6 +231,17 @@ Result<Item> DecodeItem(std::string_view record) {
                " strides for rank " + std::to_string(rank));
       }
       r.I64s(n_strides, &f.strides, "fragment strides");
+      uint32_t n_mean = 0;
+      r.U32(&n_mean, "mean copy count");
+      if (r.ok() && static_cast<uint64_t>(n_mean) * 13 > r.remaining()) {
+        r.Fail("fragment " + std::to_string(i) + " has " + std::to_string(n_mean) + " mean copies, more than fit");
+      }
+      if (r.ok()) f.mean_with.resize(n_mean);
+      for (uint32_t k = 0; r.ok() && k < n_mean; ++k) {
+        r.U32(&f.mean_with[k].file_id, "mean copy file_id");
+        r.U64(&f.mean_with[k].byte_offset, "mean copy byte_offset");
+        ReadDType(r, &f.mean_with[k].dtype, "mean copy dtype");
+      }
       if (r.ok() && f.flat_lo > f.flat_hi) {
         r.Fail("fragment " + std::to_string(i) + " has flat_lo " + std::to_string(f.flat_lo) +
                " > flat_hi " + std::to_string(f.flat_hi));

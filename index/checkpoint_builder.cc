@@ -78,6 +78,68 @@ Status TpSliceMerger::Add(Item item, int tp_rank, const std::string& where) {
   return Status::Ok();
 }
 
+Status FoldTpMean(Item& item, int n_copies, const std::string& where) {
+  const uint64_t numel = item.layout.NumElems();
+  if (numel == 0) return Status::Ok();
+  auto refuse = [&](const std::string& why) {
+    return UnsupportedError(where + ": '" + item.key + "' (averaged over tp ranks): " + why);
+  };
+  const std::vector<int64_t> zeros(item.layout.shape.size(), 0);
+  std::vector<int64_t> row_major(item.layout.shape.size(), 1);
+  for (size_t d = row_major.size(); d-- > 1;) row_major[d - 1] = row_major[d] * item.layout.shape[d];
+  std::vector<std::vector<slice::Fragment>> copies(1);
+  uint64_t covered = 0;
+  for (slice::Fragment& f : item.layout.fragments) {
+    if (f.file_id == slice::kZeroFileId || f.box.offsets != zeros || f.box.sizes != item.layout.shape ||
+        (!f.strides.empty() && f.strides != row_major) || !f.mean_with.empty()) {
+      return refuse("a tp rank's slice is not a flat range of the whole tensor");
+    }
+    covered += f.NumElems();
+    copies.back().push_back(std::move(f));
+    if (covered == numel) {
+      covered = 0;
+      copies.emplace_back();
+    }
+  }
+  copies.pop_back();
+  if (covered != 0 || copies.size() != static_cast<size_t>(n_copies)) {
+    return refuse("its slices make " + std::to_string(copies.size()) + " whole copies, not one per tp rank (" +
+                  std::to_string(n_copies) + ")");
+  }
+  std::set<uint64_t> cuts;
+  for (auto& copy : copies) {
+    std::sort(copy.begin(), copy.end(), [](const auto& a, const auto& b) { return a.flat_lo < b.flat_lo; });
+    uint64_t at = 0;
+    for (const slice::Fragment& f : copy) {
+      if (f.flat_lo != at) return refuse("a tp rank's slices overlap or leave a gap");
+      cuts.insert(f.flat_lo);
+      at = f.flat_hi;
+    }
+  }
+  cuts.insert(numel);
+  std::vector<slice::Fragment> out;
+  std::vector<size_t> at(copies.size(), 0);  // each copy's fragment holding the current cut
+  for (auto c = cuts.begin(); std::next(c) != cuts.end(); ++c) {
+    const uint64_t lo = *c, hi = *std::next(c);
+    for (size_t k = 0; k < copies.size(); ++k) {
+      while (copies[k][at[k]].flat_hi <= lo) ++at[k];
+    }
+    const slice::Fragment& first = copies[0][at[0]];
+    slice::Fragment g = first;
+    g.strides.clear();
+    g.flat_lo = lo;
+    g.flat_hi = hi;
+    g.byte_offset = first.byte_offset + (lo - first.flat_lo) * ItemSize(first.dtype);
+    for (size_t k = 1; k < copies.size(); ++k) {
+      const slice::Fragment& f = copies[k][at[k]];
+      g.mean_with.push_back({f.file_id, f.byte_offset + (lo - f.flat_lo) * ItemSize(f.dtype), f.dtype});
+    }
+    out.push_back(std::move(g));
+  }
+  item.layout.fragments = std::move(out);
+  return Status::Ok();
+}
+
 Item CheckpointBuilder::WholeTensor(std::string key, DType dtype, std::vector<int64_t> shape, uint32_t file_id,
                                    uint64_t byte_offset, std::vector<int64_t> strides) {
   Item item;

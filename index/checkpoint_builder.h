@@ -120,6 +120,14 @@ class TpSliceMerger {
   std::set<std::pair<std::string, int>> contributed_;  // (item key, tp rank) added
 };
 
+// Folds the tp ranks' whole copies of an averaged tensor (DeepSpeed's
+// parameter_to_average_patterns) into fragments whose value is their mean (Fragment::mean_with):
+// `item` holds n_copies copies, each flat ranges of the whole tensor covering it once, added in
+// tp order (TpSliceMerger); the result cuts them at every copy's range boundary, keeps tp rank
+// 0's bytes and lists the others' in tp order. Errors: kUnsupported naming `where` and the item
+// (a copy not made of flat ranges of the whole tensor, or not n_copies of them).
+Status FoldTpMean(Item& item, int n_copies, const std::string& where);
+
 // "[1, 2, 3]" for messages.
 std::string JoinInts(const std::vector<int64_t>& v);
 

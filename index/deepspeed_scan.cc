@@ -326,6 +326,7 @@ class DeepSpeedScanner {
     }
     const std::string where = builder_.dir() + (tag_dir_.empty() ? "" : "/" + tag_dir_);
     for (Item& item : merged_.items()) {
+      if (!item.layout.shape.empty() && Averaged(item.key)) UCPFS_RETURN_IF_ERROR(FoldTpMean(item, tp_, where));
       if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
       builder_.AddItem(std::move(item));
     }
@@ -377,6 +378,25 @@ class DeepSpeedScanner {
     return Status::Ok();
   }
 
+  // Whether item `key` (a parameter, or its optimizer.state.<name>.fp32_param / exp_avg /
+  // exp_avg_sq) is a parameter_to_average_patterns one at tp > 1: served as the tp ranks' mean,
+  // as ds_to_universal's merge_tp_slices serves it.
+  bool Averaged(const std::string& key) const {
+    if (tp_ == 1) return false;
+    std::string name = key;
+    constexpr std::string_view kState = "optimizer.state.";
+    if (name.rfind(kState, 0) == 0) {
+      for (std::string_view suffix : {".fp32_param", ".exp_avg_sq", ".exp_avg"}) {
+        if (name.size() > kState.size() + suffix.size() && name.ends_with(suffix)) {
+          name = name.substr(kState.size(), name.size() - kState.size() - suffix.size());
+          break;
+        }
+      }
+    }
+    const Result<DeepSpeedParamRule> rule = ClassifyDeepSpeedParam(patterns_, name);
+    return rule.ok() && rule->merge == DeepSpeedMerge::kAverage;
+  }
+
   // Where tp rank t's slice of `name` (of local shape `local`) lies, by universal_checkpoint_info
   // as ds_to_universal merges it (deepspeed_patterns.h), through layout::TargetSlice.
   Result<Placement> Place(const std::string& name, const std::vector<int64_t>& local, int t) const {
@@ -396,7 +416,8 @@ class DeepSpeedScanner {
         pl.skip = t != 0;
         return pl;
       case DeepSpeedMerge::kAverage:
-        return refuse("parameter_to_average_patterns (averaged tensor-parallel slices) are not served yet");
+        // Every tp rank holds a whole copy; the value is their mean (FoldTpMean, once all are in).
+        return pl;
       case DeepSpeedMerge::kTwoSub:
         if (local.empty() || local[0] % 2 != 0) return refuse("two sub-parameters need an even first dim");
         pattern.sub_sizes = {local[0] * tp_ / 2, local[0] * tp_ / 2};

@@ -198,6 +198,8 @@ Result<TensorLayout> NormalizeFragments(const TensorLayout& layout) {
       g.byte_offset = f.byte_offset + (pos - f.flat_lo) * isz;  // inside the checked extent
       g.dtype = f.dtype;
       g.strides = rm;
+      g.mean_with = f.mean_with;
+      ShiftMeanParts(g.mean_with, pos - f.flat_lo);
       res.fragments.push_back(std::move(g));
     }
   }
@@ -275,6 +277,8 @@ Result<TensorLayout> LocalLayout(const TensorLayout& global, const std::vector<i
       g.byte_offset = f.byte_offset + skip_elems * ItemSize(f.dtype);
       g.dtype = f.dtype;
       g.strides = f.strides;
+      g.mean_with = f.mean_with;
+      ShiftMeanParts(g.mean_with, skip_elems);
       res.fragments.push_back(std::move(g));
     }
   }

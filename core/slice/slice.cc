@@ -856,6 +856,18 @@ Result<std::vector<CopyOp>> PlanRead(const TensorLayout& layout, DType dst_dtype
       return UnsupportedError(FragString(f, i) + ": cannot convert " + std::string(TorchName(f.dtype)) +
                               " to " + std::string(TorchName(dst_dtype)));
     }
+    if (!f.mean_with.empty()) {
+      // A mean is computed in float32 (AverageRun): every copy must convert to it.
+      if (f.file_id == kZeroFileId || !CanConvert(DType::kFloat32, dst_dtype)) {
+        return UnsupportedError(FragString(f, i) + ": a mean of copies cannot be read as " +
+                                std::string(TorchName(dst_dtype)));
+      }
+      for (const MeanPart& part : f.mean_with) {
+        if (!CanConvert(part.dtype, DType::kFloat32) || !CanConvert(f.dtype, DType::kFloat32)) {
+          return UnsupportedError(FragString(f, i) + ": cannot average stored " + std::string(TorchName(part.dtype)));
+        }
+      }
+    }
     geoms.push_back(BuildGeom(layout.shape, gstrides, f, i));
   }
   auto issue = WalkRuns(geoms, elem_lo, elem_hi,
@@ -870,7 +882,13 @@ Result<std::vector<CopyOp>> PlanRead(const TensorLayout& layout, DType dst_dtype
     op.dst_dtype = dst_dtype;
     op.dst_byte_offset = (global - elem_lo) * dst_isz;
     op.n_elems = n;
-    if (!ops.empty()) {
+    if (!f.mean_with.empty()) {
+      op.mean_with = f.mean_with;
+      ShiftMeanParts(op.mean_with, src_elem);
+      ops.push_back(std::move(op));
+      return;
+    }
+    if (!ops.empty() && ops.back().mean_with.empty()) {
       CopyOp& p = ops.back();
       const auto elems = CheckedMul(p.n_elems, static_cast<uint64_t>(p.src_elem_stride));
       const auto advance = elems ? CheckedMul(*elems, src_isz) : std::nullopt;
@@ -882,7 +900,7 @@ Result<std::vector<CopyOp>> PlanRead(const TensorLayout& layout, DType dst_dtype
         return;
       }
     }
-    ops.push_back(op);
+    ops.push_back(std::move(op));
   });
   if (issue) {
     if (issue->gap) {
@@ -939,10 +957,72 @@ Status ConvertElements(DType src, DType dst, const std::byte* in, std::byte* out
   return Status::Ok();
 }
 
+void ShiftMeanParts(std::vector<MeanPart>& parts, uint64_t n_elems) {
+  for (MeanPart& p : parts) p.byte_offset += n_elems * ItemSize(p.dtype);
+}
+
+namespace {
+
+// One averaged run (CopyOp::mean_with): its copies read as float32 in bounded chunks, summed in
+// torch's order for sum(slices) / len(slices) over float32 tensors (Python's sum starts at 0,
+// so 0 + s0 turns -0.0 into +0.0), divided by N, then converted to the destination dtype.
+// Each IEEE operation is a separate statement: no fused multiply-add, no reciprocal.
+Status AverageRun(const CopyOp& op, std::span<const std::shared_ptr<const ByteSource>> files,
+                  std::span<std::byte> out) {
+  constexpr uint64_t kChunkElems = uint64_t{1} << 14;  // 64 KiB of float32 per copy
+  const uint64_t n_copies = 1 + op.mean_with.size();
+  const float divisor = static_cast<float>(n_copies);
+  const uint64_t stride = Contiguous(op) ? 1 : static_cast<uint64_t>(op.src_elem_stride);
+  const uint64_t dst_isz = ItemSize(op.dst_dtype);
+  std::vector<float> sum(std::min(op.n_elems, kChunkElems)), copy(sum.size());
+  for (uint64_t done = 0; done < op.n_elems;) {
+    const uint64_t n = std::min(kChunkElems, op.n_elems - done);
+    for (uint64_t c = 0; c < n_copies; ++c) {
+      CopyOp one;
+      one.file_id = c == 0 ? op.file_id : op.mean_with[c - 1].file_id;
+      one.src_dtype = c == 0 ? op.src_dtype : op.mean_with[c - 1].dtype;
+      const uint64_t base = c == 0 ? op.src_byte_offset : op.mean_with[c - 1].byte_offset;
+      auto skip = CheckedMul(done * stride, ItemSize(one.src_dtype));
+      auto at = skip ? CheckedAdd(base, *skip) : std::nullopt;
+      if (!at) return InvalidArgumentError("averaged copy: source range overflows");
+      one.src_byte_offset = *at;
+      one.src_elem_stride = op.src_elem_stride;
+      one.dst_dtype = DType::kFloat32;
+      one.n_elems = n;
+      UCPFS_RETURN_IF_ERROR(ExecutePlan(std::span<const CopyOp>(&one, 1), files,
+                                        std::as_writable_bytes(std::span<float>(copy.data(), n))));
+      if (c == 0) {
+        for (uint64_t e = 0; e < n; ++e) sum[e] = 0.0f + copy[e];
+      } else {
+        for (uint64_t e = 0; e < n; ++e) sum[e] = sum[e] + copy[e];
+      }
+    }
+    for (uint64_t e = 0; e < n; ++e) sum[e] = sum[e] / divisor;
+    UCPFS_RETURN_IF_ERROR(ConvertElements(DType::kFloat32, op.dst_dtype,
+                                          reinterpret_cast<const std::byte*>(sum.data()),
+                                          out.data() + op.dst_byte_offset + done * dst_isz, n));
+    done += n;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ExecutePlan(std::span<const CopyOp> ops,
                    std::span<const std::shared_ptr<const ByteSource>> files,
                    std::span<std::byte> out) {
   for (size_t i = 0; i < ops.size(); ++i) UCPFS_RETURN_IF_ERROR(CheckOp(ops[i], i, files, out.size()));
+  if (std::any_of(ops.begin(), ops.end(), [](const CopyOp& op) { return !op.mean_with.empty(); })) {
+    // Averaged runs are computed one by one; the others read as usual, op by op in order.
+    for (const CopyOp& op : ops) {
+      if (op.mean_with.empty()) {
+        UCPFS_RETURN_IF_ERROR(ExecutePlan(std::span<const CopyOp>(&op, 1), files, out));
+      } else {
+        UCPFS_RETURN_IF_ERROR(AverageRun(op, files, out));
+      }
+    }
+    return Status::Ok();
+  }
   Executor ex(files, out);
   // Strided ops are gathered per file, all of a file's at once (its first strided op in
   // destination order triggers the group): a transposed column shard interleaves with other
@@ -1004,6 +1084,11 @@ void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
     if (op.file_id == kZeroFileId || op.n_elems == 0) continue;
     const uint64_t src_isz = ItemSize(op.src_dtype);
     const uint64_t stride = static_cast<uint64_t>(std::max<int64_t>(1, op.src_elem_stride));
+    for (const MeanPart& part : op.mean_with) {  // the other copies of an averaged run
+      if (part.file_id < files.size()) {
+        files[part.file_id]->Prefetch(part.byte_offset, ((op.n_elems - 1) * stride + 1) * ItemSize(part.dtype));
+      }
+    }
     const uint64_t extent = ((op.n_elems - 1) * stride + 1) * src_isz;
     const uint64_t a = op.src_byte_offset, b = op.src_byte_offset + extent;
     if (op.file_id == file && a <= hi + kGapBytes && a >= lo) {
@@ -1053,6 +1138,17 @@ Status DescribeTensorReads(const TensorLayout& layout, DType dst_dtype,
       run.src_item_n_bytes = static_cast<uint32_t>(op.file_id == kZeroFileId ? isz : ItemSize(op.src_dtype));
       run.dst_item_n_bytes = static_cast<uint32_t>(isz);
       sink(run);
+      for (const MeanPart& part : op.mean_with) {  // an averaged run reads every copy
+        if (part.file_id >= files.size()) {
+          return InvalidArgumentError("file id " + std::to_string(part.file_id) + " outside the file table of " +
+                                      std::to_string(files.size()));
+        }
+        run.file = files[part.file_id].get();
+        run.byte_offset = part.byte_offset;
+        run.src_item_n_bytes = static_cast<uint32_t>(ItemSize(part.dtype));
+        run.dst_item_n_bytes = 0;  // averaged into the run above, which fills the view
+        sink(run);
+      }
     }
     lo = hi;
   }

@@ -45,6 +45,21 @@ struct Box {
 // Returns false when they do not intersect (or a size is 0).
 bool Intersect(const Box& a, const Box& b, Box* out);
 
+// Another stored copy of a fragment's (or copy op's) elements, for a value that is the
+// elementwise mean of N stored copies (DeepSpeed's parameter_to_average_patterns, which
+// ds_to_universal merges as sum(slices) / len(slices)). The copy has the same element layout
+// as its fragment (box, flat range, strides) and lies at its own byte offset in its own file
+// and dtype.
+struct MeanPart {
+  uint32_t file_id = 0;
+  uint64_t byte_offset = 0;  // where this copy's element at the fragment's first position lies
+  DType dtype = DType::kFloat32;
+  bool operator==(const MeanPart&) const = default;
+};
+
+// Moves each copy's byte offset forward by n_elems of its own dtype (a sub-range of the fragment).
+void ShiftMeanParts(std::vector<MeanPart>& parts, uint64_t n_elems);
+
 struct Fragment {
   Box box;                    // in the tensor's global shape
   uint64_t flat_lo = 0;       // restriction to [flat_lo, flat_hi) of the box's row-major order
@@ -55,6 +70,10 @@ struct Fragment {
   // Stored element strides per box dim; empty = row-major contiguous. Must be empty when
   // the fragment is a flat-range restriction (flat ranges are stored as 1-D contiguous).
   std::vector<int64_t> strides;
+  // Empty: the stored elements are the value. Else the value is their elementwise mean with
+  // these N-1 other copies, computed in float32 as torch computes sum(slices) / len(slices):
+  // ((0 + own) + mean_with[0] + ...) / N, then converted to the destination dtype.
+  std::vector<MeanPart> mean_with;
 
   uint64_t NumElems() const { return flat_hi - flat_lo; }
 };
@@ -84,6 +103,9 @@ struct CopyOp {
   DType dst_dtype = DType::kFloat32;
   uint64_t dst_byte_offset = 0;
   uint64_t n_elems = 0;
+  // The other copies this run is averaged with (Fragment::mean_with), each at this run's first
+  // element and stepping src_elem_stride; never coalesced with a neighbouring run.
+  std::vector<MeanPart> mean_with;
 };
 
 // Plans elements [elem_lo, elem_hi) of the tensor's row-major data, written in dst_dtype:
@@ -122,7 +144,8 @@ void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
 
 // What ReadTensorBytes of the same range reads, without reading (ByteSource::DescribeReads):
 // one SourceRun per planned copy, in destination order, naming the file table's entry
-// (files[file_id], not what it is built over) or no file for zero fill. A partial first or last
+// (files[file_id], not what it is built over) or no file for zero fill; an averaged copy op adds
+// one run per other copy (Fragment::mean_with), right after it, filling nothing. A partial first or last
 // element counts whole, as the read plans it. Planned in bounded pieces, so memory stays small
 // for any tensor. Errors: kInvalidArgument (invalid dst dtype, a file id outside `files`),
 // kOutOfRange (range past the tensor), PlanRead's.

@@ -7,13 +7,15 @@ universal_checkpoint_info, and saves, for each case:
   tp2 (dp2, ZeRO-1), tp2_zero2_bf16 (dp2, ZeRO-2 bf16), pp2 (dp2, layer files, mp rank =
   stage), pp2_tp2 (dp1, mp rank = stage * 2 + tp), and with grouped-query attention (4 query /
   2 key-value heads, a fused QKV declared by parameter_with_sub_params and version-0.4
-  sub_param_shard_widths as AutoTP writes it): tp2_gqa and pp2_tp2_gqa_bf16.
+  sub_param_shard_widths as AutoTP writes it): tp2_gqa and pp2_tp2_gqa_bf16; and tp2_average
+  (the layer norms in parameter_to_average_patterns, each tp rank's copy different: served as
+  ds_to_universal's sum(slices) / len(slices)).
 For each, mounted at the save directory (`latest` -> global_step3/):
  1. `ucpfs index` names the degrees in the flavor (tp2, pp2, dp);
  2. every atomic/<param>/{fp32,exp_avg,exp_avg_sq}.pt equals the live engine's full tensor
     (each tp rank's safe_get_full_fp32_param / safe_get_full_optimizer_state merged by the
     Megatron split: column and vocabulary along dim 0, row-parallel along dim 1, SwiGLU
-    [gates; ups], replicated from rank 0) bit for bit;
+    [gates; ups], replicated from rank 0, averaged as ds_to_universal averages) bit for bit;
  3. global_step3_universal/ equals, file by file, what the installed ds_to_universal writes for
     the same tag (which the generator checked against the same truth), and latest_universal
     names it;
@@ -46,6 +48,9 @@ CASES = {
     "pp2": (["--case", "pp2"], "zero1 pp2 dp2"),
     "pp2_tp2": (["--case", "pp2_tp2"], "zero1 tp2 pp2 dp1"),
     "tp2_gqa": (["--case", "tp2", "--gqa"], "zero1 tp2 dp2"),
+    # Layer norms in parameter_to_average_patterns, each tp rank's copy different: served as
+    # ds_to_universal's sum(slices) / len(slices), bit for bit.
+    "tp2_average": (["--case", "tp2", "--average"], "zero1 tp2 dp2"),
     # DeepSpeed's PipelineEngine runs ZeRO-1 only.
     "pp2_tp2_gqa_bf16": (["--case", "pp2_tp2", "--gqa", "--bf16"], "zero1 tp2 pp2 dp1"),
 }
@@ -67,6 +72,9 @@ def check_case(work, case):
                                        os.path.join(ds, "global_step3_universal"))
         assert n_universal > 3 * (len(truth) - 1), n_universal
         target_equals_truth(m, truth, fp32="--bf16" not in args)
+    if "--average" in args:  # plan counts every averaged copy read, and the view's bytes once
+        r = run([ucpfs_bin(), "plan", src, "--layout", "tp1_pp1_dp1"], timeout=120)
+        assert "read amplification" in r.stdout + r.stderr, r.stdout + r.stderr
     return n
 
 

@@ -186,6 +186,16 @@ Checkpoint RichCheckpoint() {
     cp.items.push_back(Tensor("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",
                               DType::kFloat32, {2, 1, 24}, {a, b, c}));
   }
+  // A mean of three tp ranks' copies (parameter_to_average_patterns), in two ZeRO flat ranges.
+  {
+    slice::Fragment a = Frag({0}, {6}, 0, 64);
+    a.flat_hi = 4;
+    a.mean_with = {{1, 128, DType::kFloat32}, {2, 8, DType::kBFloat16}};
+    slice::Fragment b = Frag({0}, {6}, 1, 0);
+    b.flat_lo = 4;
+    b.mean_with = {{0, 200, DType::kFloat32}, {2, 4, DType::kFloat32}};
+    cp.items.push_back(Tensor("optimizer.state.3.input_layernorm.weight.exp_avg", DType::kFloat32, {6}, {a, b}));
+  }
   // 0-d tensor.
   cp.items.push_back(Tensor("model.scalar", DType::kFloat64, {}, {Frag({}, {}, 0, 4409, DType::kFloat64)}));
   // Many fragments.
@@ -210,6 +220,7 @@ void ExpectFragmentEq(const slice::Fragment& a, const slice::Fragment& b, const 
   EXPECT_EQ(a.byte_offset, b.byte_offset) << what;
   EXPECT_EQ(a.dtype, b.dtype) << what;
   EXPECT_EQ(a.strides, b.strides) << what;
+  EXPECT_EQ(a.mean_with, b.mean_with) << what;
 }
 
 void ExpectItemEq(const Item& a, const Item& b) {

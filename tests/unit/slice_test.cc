@@ -18,6 +18,7 @@
 #include <set>
 
 #include "core/byte_source.h"
+#include "core/slice/local_view.h"
 #include "core/slice/slice.h"
 
 namespace ucpfs::slice {
@@ -1084,6 +1085,134 @@ TEST(SliceProperty, RowShardedWholeReadIsOneOpPerFragment) {
     EXPECT_EQ(ReadAll(b, &ops), b.expect);
     EXPECT_EQ(ops.size(), frags.size());
   }
+}
+
+// A tensor whose value is the mean of N stored copies (Fragment::mean_with): torch's
+// sum(slices) / len(slices) over float32, i.e. ((0 + s0) + s1 + ...) / N, each step rounded.
+std::vector<float> TorchMean(const std::vector<std::vector<float>>& copies) {
+  std::vector<float> m(copies[0].size());
+  for (size_t e = 0; e < m.size(); ++e) {
+    float acc = 0.0f + copies[0][e];
+    for (size_t c = 1; c < copies.size(); ++c) acc = acc + copies[c][e];
+    m[e] = acc / static_cast<float>(copies.size());
+  }
+  return m;
+}
+
+std::vector<uint32_t> Bits(const std::vector<float>& v) {
+  std::vector<uint32_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = std::bit_cast<uint32_t>(v[i]);
+  return b;
+}
+
+TEST(Mean, HandValuesInTorchOrderAndNegativeZero) {
+  // 3 copies of 5 elements: -0.0 everywhere averages to +0.0 (0 + -0.0); 1e8, -1e8, 1 gives
+  // ((1e8 - 1e8) + 1) / 3 = 1/3 in left-to-right order (1e8 + (-1e8 + 1) would give 0).
+  const std::vector<std::vector<float>> copies = {{-0.0f, 1e8f, 1.0f, 3.0f, -0.0f},
+                                                  {-0.0f, -1e8f, 2.0f, 3.0f, 0.0f},
+                                                  {-0.0f, 1.0f, 4.0f, 3.0f, -0.0f}};
+  Files files;
+  for (size_t c = 0; c < copies.size(); ++c) {
+    files.push_back(std::make_shared<MemorySource>("tp" + std::to_string(c), F32Bytes(copies[c])));
+  }
+  Fragment f = Frag({0}, {5}, 0);
+  f.mean_with = {{1, 0, DType::kFloat32}, {2, 0, DType::kFloat32}};
+  TensorLayout l{{5}, {f}};
+  std::vector<std::byte> out(20);
+  ASSERT_TRUE(ReadTensorBytes(l, DType::kFloat32, files, 0, out).ok());
+  const std::vector<float> got = AsF32(out);
+  EXPECT_EQ(std::bit_cast<uint32_t>(got[0]), 0u);  // +0.0
+  EXPECT_EQ(got[1], 1.0f / 3.0f);
+  EXPECT_EQ(got[2], 7.0f / 3.0f);
+  EXPECT_EQ(got[3], 3.0f);
+  EXPECT_EQ(std::bit_cast<uint32_t>(got[4]), 0u);
+  EXPECT_EQ(Bits(got), Bits(TorchMean(copies)));
+  // N = 2 of a single copy pair.
+  Fragment two = Frag({0}, {5}, 0);
+  two.mean_with = {{1, 0, DType::kFloat32}};
+  ASSERT_TRUE(ReadTensorBytes(TensorLayout{{5}, {two}}, DType::kFloat32, files, 0, out).ok());
+  EXPECT_EQ(Bits(AsF32(out)), Bits(TorchMean({copies[0], copies[1]})));
+  // What a read of it touches: every copy.
+  std::vector<const ByteSource*> touched;
+  uint64_t read_n_bytes = 0, view_n_bytes = 0;
+  ASSERT_TRUE(DescribeTensorReads(l, DType::kFloat32, files, 0, 20, [&](const SourceRun& r) {
+                touched.push_back(r.file);
+                read_n_bytes += r.ReadBytes();
+                view_n_bytes += r.ViewBytes();
+              }).ok());
+  EXPECT_EQ(touched, (std::vector<const ByteSource*>{files[0].get(), files[1].get(), files[2].get()}));
+  EXPECT_EQ(read_n_bytes, 60u);  // every copy is read
+  EXPECT_EQ(view_n_bytes, 20u);  // the view's bytes are filled once
+}
+
+TEST(Mean, ZeroFlatShardsChunksPartialReadsBf16AndLocalViews) {
+  // A (40000, 3) tensor stored by 3 tp ranks, each split into two ZeRO flat ranges at the same
+  // boundary, at different byte offsets per rank, one rank in bf16: the mean must be exact over
+  // runs longer than one chunk, for any byte window, in bf16, and through a local view.
+  std::mt19937_64 rng(TestSeed());
+  const uint64_t n = 120000, cut = 70001;
+  std::vector<std::vector<float>> copies(3, std::vector<float>(n));
+  std::uniform_real_distribution<float> mant(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> expo(-40, 40);
+  for (auto& c : copies) {
+    for (float& x : c) x = std::ldexp(mant(rng), expo(rng));
+  }
+  copies[0][5] = copies[1][5] = copies[2][5] = -0.0f;
+  // Rank 2 is stored in bf16: its float32 view is the bf16 value.
+  std::vector<uint16_t> bf(n);
+  for (uint64_t e = 0; e < n; ++e) {
+    bf[e] = static_cast<uint16_t>(std::bit_cast<uint32_t>(copies[2][e]) >> 16);
+    copies[2][e] = std::bit_cast<float>(static_cast<uint32_t>(bf[e]) << 16);
+  }
+  const uint64_t pad0 = 12, pad1 = 100;  // bytes before each rank's data
+  std::vector<std::byte> r0(pad0 + n * 4), r1(pad1 + n * 4), r2(n * 2);
+  std::memcpy(r0.data() + pad0, copies[0].data(), n * 4);
+  std::memcpy(r1.data() + pad1, copies[1].data(), n * 4);
+  std::memcpy(r2.data(), bf.data(), n * 2);
+  Files files{std::make_shared<MemorySource>("tp0", r0), std::make_shared<MemorySource>("tp1", r1),
+              std::make_shared<MemorySource>("tp2", r2)};
+  TensorLayout l;
+  l.shape = {40000, 3};
+  for (auto [lo, hi] : {std::pair<uint64_t, uint64_t>{0, cut}, {cut, n}}) {
+    Fragment f = Frag({0, 0}, {40000, 3}, 0, pad0 + lo * 4);
+    f.flat_lo = lo;
+    f.flat_hi = hi;
+    f.mean_with = {{1, pad1 + lo * 4, DType::kFloat32}, {2, lo * 2, DType::kBFloat16}};
+    l.fragments.push_back(f);
+  }
+  ASSERT_TRUE(ValidateCoverage(l, "mean").ok());
+  const std::vector<float> want = TorchMean(copies);
+  std::vector<std::byte> out(n * 4);
+  ASSERT_TRUE(ReadTensorBytes(l, DType::kFloat32, files, 0, out).ok());
+  ASSERT_EQ(Bits(AsF32(out)), Bits(want));
+  EXPECT_EQ(std::bit_cast<uint32_t>(AsF32(out)[5]), 0u);
+  // Byte windows, unaligned, across the ZeRO cut and chunk boundaries.
+  for (int i = 0; i < 20; ++i) {
+    const uint64_t a = rng() % (n * 4), len = 1 + rng() % std::min<uint64_t>(n * 4 - a, 200000);
+    std::vector<std::byte> part(len);
+    ASSERT_TRUE(ReadTensorBytes(l, DType::kFloat32, files, a, part).ok());
+    ASSERT_EQ(std::memcmp(part.data(), out.data() + a, len), 0) << a << " " << len;
+  }
+  // bf16: the float32 mean, rounded.
+  std::vector<std::byte> out16(n * 2), want16(n * 2);
+  ASSERT_TRUE(ReadTensorBytes(l, DType::kBFloat16, files, 0, out16).ok());
+  ASSERT_TRUE(ConvertElements(DType::kFloat32, DType::kBFloat16, out.data(), want16.data(), n).ok());
+  EXPECT_EQ(out16, want16);
+  // A local view of rows [10000, 30000), column 1 keeps the mean.
+  auto local = LocalLayout(l, {20000, 1}, 0, {Box{{10000, 1}, {20000, 1}}});
+  ASSERT_TRUE(local.ok()) << local.status().message();
+  std::vector<std::byte> lo(20000 * 4);
+  ASSERT_TRUE(ReadTensorBytes(*local, DType::kFloat32, files, 0, lo).ok());
+  const std::vector<float> got = AsF32(lo);
+  for (uint64_t r = 0; r < 20000; ++r) {
+    ASSERT_EQ(std::bit_cast<uint32_t>(got[r]), std::bit_cast<uint32_t>(want[(10000 + r) * 3 + 1])) << r;
+  }
+  // A failing copy fails the read, naming its file.
+  Files broken = files;
+  broken[1] = std::make_shared<MemorySource>("tp1", std::vector<std::byte>(pad1 + 8));
+  Status s = ReadTensorBytes(l, DType::kFloat32, broken, 0, out);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("tp1"), std::string::npos) << s.message();
 }
 
 }  // namespace
