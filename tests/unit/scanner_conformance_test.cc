@@ -326,6 +326,18 @@ void ApplyDamage(const fs::path& file, Damage d, const fs::path& outside) {
   }
 }
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitizerBuild = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kSanitizerBuild = true;
+#else
+constexpr bool kSanitizerBuild = false;
+#endif
+#else
+constexpr bool kSanitizerBuild = false;
+#endif
+
 // The scan of `dir` in a child process with bounded memory and time: "ok" + the stored
 // checkpoint's checks done in the child, or "error" + the message. A child killed by a signal
 // (a crash, the memory or time limit) returns its description.
@@ -340,8 +352,13 @@ ChildScan ScanInChild(const Scanner& scanner, const fs::path& dir, const std::st
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::close(fds[0]);
-    rlimit mem{kChildMemoryBytes, kChildMemoryBytes};
-    ::setrlimit(RLIMIT_AS, &mem);
+    // The address-space limit bounds memory; sanitizer builds reserve terabytes of shadow
+    // address space, so there the time limit alone bounds the child (the memory bound is
+    // checked by the plain build).
+    if (!kSanitizerBuild) {
+      rlimit mem{kChildMemoryBytes, kChildMemoryBytes};
+      ::setrlimit(RLIMIT_AS, &mem);
+    }
     ::alarm(kChildSeconds);
     std::string out;
     Result<Checkpoint> c = scanner.Scan(dir.string(), nullptr);
