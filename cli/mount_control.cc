@@ -3,7 +3,9 @@
 #include "cli/mount_control.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -48,6 +50,27 @@ std::string ReadText(const std::string& path) {
   std::stringstream text;
   text << f.rdbuf();
   return text.str();
+}
+
+// A pidfd of the daemon serving MNT (status.json's daemon_pid), or -1 when it cannot be told:
+// an older daemon, another pid namespace, or a pid that is no ucpfs serving MNT.
+int DaemonPidfd(const std::string& mnt) {
+  const auto status = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/status.json"), nullptr, false);
+  if (status.is_discarded() || !status.contains("daemon_pid") || !status["daemon_pid"].is_number_integer()) return -1;
+  const long pid = status["daemon_pid"].get<long>();
+  if (pid <= 1) return -1;
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+  if (fd < 0) return -1;
+  // The pidfd pins the process: its cmdline, read now, is the daemon's or the pid was reused.
+  std::string cmdline = ReadText("/proc/" + std::to_string(pid) + "/cmdline");
+  for (char& c : cmdline) {
+    if (c == '\0') c = ' ';
+  }
+  if (cmdline.find("ucpfs") == std::string::npos || cmdline.find(mnt) == std::string::npos) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
 }
 
 // The files of MNT whose save was accepted but that are not placed (stats.json's
@@ -256,8 +279,26 @@ int RunUmount(const std::string& mountpoint) {
     if (unplaced == 0) unplaced = 1;  // the sync failed all the same
   }
   // Only ucpfs mounts: `ucpfs umount` of another filesystem is refused, naming its type.
+  // Returns once the daemon has exited, so that nothing of the mount still touches SRC (its
+  // capture state directory, its index lock) when a script goes on with the source.
+  const int pidfd = DaemonPidfd(mnt);
   Status s = fs::UnmountUcpfs(mnt);
-  if (!s.ok()) return Fail("umount", s);
+  if (!s.ok()) {
+    if (pidfd >= 0) ::close(pidfd);
+    return Fail("umount", s);
+  }
+  if (pidfd >= 0) {
+    // Everything captured is durable already (the sync above); the daemon only closes its files.
+    pollfd p = {pidfd, POLLIN, 0};
+    for (int waited_s = 0; ::poll(&p, 1, 1000) == 0; ++waited_s) {
+      if (waited_s == 5) std::cerr << "ucpfs umount: unmounted; waiting for the daemon to exit\n";
+      if (waited_s == 60) {
+        std::cerr << "ucpfs umount: unmounted; the daemon has not exited after 60 s (see its log)\n";
+        break;
+      }
+    }
+    ::close(pidfd);
+  }
   if (unplaced > 0) {
     std::cerr << "ucpfs umount: unmounted, but " << unplaced
               << " file(s) above are not placed; the next mount of the source tries again\n";

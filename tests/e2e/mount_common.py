@@ -22,6 +22,15 @@ def gen_fixture(script, outdir, *args):
     return expected
 
 
+def daemon_alive(pid):
+    """Whether process `pid` runs (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def is_mounted(mnt):
     with open("/proc/self/mounts", errors="surrogateescape") as f:
         return any(line.split()[1] == mnt for line in f)
@@ -43,12 +52,19 @@ def mounted(src, mnt, *extra, timeout_s=120):
     watchdog.daemon = True
     watchdog.start()
     try:
+        daemon_pid = json.load(open(os.path.join(mnt, ".ucpfs", "status.json")))["daemon_pid"]
+    except (OSError, ValueError, KeyError):
+        daemon_pid = None
+    try:
         yield mnt, ready_s
     finally:
         watchdog.cancel()
         r = run([ucpfs_bin(), "umount", mnt], check=False)
         if r.returncode != 0 and is_mounted(mnt):
             subprocess.run(["umount", "-l", mnt])
+        elif r.returncode == 0 and daemon_pid is not None and daemon_alive(daemon_pid):
+            # `ucpfs umount` returns once the daemon has exited (nothing of it touches SRC after).
+            raise AssertionError(f"ucpfs umount returned while its daemon (pid {daemon_pid}) still runs")
         deadline = time.monotonic() + 10
         while is_mounted(mnt) and time.monotonic() < deadline:
             time.sleep(0.05)
