@@ -1,7 +1,8 @@
 # Sourced by every example (`. "$(dirname "$0")/common.sh" NAME`): the set-up they all share.
 #   - stops at the first failing command (set -euo pipefail), so a failed check fails the example;
-#   - goes to the repository root, installs the missing Debian packages and builds ucpfs
-#     (tests/build.sh: nothing is rebuilt when the build is current);
+#   - goes to the repository root, installs the missing Debian packages and builds the ucpfs
+#     command only, not the tests (tests/build.sh --target ucpfs: nothing is rebuilt when it
+#     is current);
 #   - UCPFS: the ucpfs binary; need_torch2 sets PY2, the python of .venv/ (torch 2.13,
 #     DeepSpeed, megatron-core, safetensors; tests/install-python.sh creates it once, then only
 #     checks it);
@@ -12,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 tests/install-deps.sh
-tests/build.sh build
+tests/build.sh build --target ucpfs
 UCPFS=$PWD/build/cli/ucpfs
 work=$(mktemp -d "/tmp/ucpfs-${1:-example}.XXXXXX")
 mkdir -p "$work/tmp"
