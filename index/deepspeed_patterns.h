@@ -1,4 +1,5 @@
-// DeepSpeed's universal_checkpoint_info pattern lists (research/deepspeed.md §3.1, §3.5) and
+// DeepSpeed's universal_checkpoint_info pattern lists (docs/formats.md "The universal checkpoint",
+// "Megatron-DeepSpeed's pattern lists") and
 // how ds_to_universal merges one parameter's tensor-parallel slices by them. The one place that
 // reads these lists: the DeepSpeed scanner places each tp rank's slice in the global tensor by
 // it, and the universal view writes the same merge keys ds_to_universal writes.

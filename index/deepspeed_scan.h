@@ -1,5 +1,6 @@
 // DeepSpeed scanner: a DeepSpeed save directory (`latest` naming a tag directory such as
-// `global_step3/`) or one tag directory, as the engine writes it (research/deepspeed.md §1, §2):
+// `global_step3/`) or one tag directory, as the engine writes it (docs/formats.md "DeepSpeed
+// save directories"):
 // `mp_rank_XX_model_states.pt` per model-parallel rank XX = pp_stage * tp + tp_rank (ZeRO-3:
 // `zero_pp_rank_D_mp_rank_00_model_states.pt`), the optimizer partitions
 // `[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt` of ZeRO-1/2, BF16_Optimizer and ZeRO-3

@@ -1,6 +1,6 @@
 // Megatron-LM legacy scanner: a save directory of Megatron-LM's `--ckpt-format torch`
-// (research/torch-formats.md D.2): `latest_checkpointed_iteration.txt` (an iteration or
-// `release`) naming `iter_<7 digits>/` (or `release/`), or one such directory itself, holding
+// (docs/formats.md "Megatron-LM legacy saves"): `latest_checkpointed_iteration.txt` (an iteration
+// or `release`) naming `iter_<7 digits>/` (or `release/`), or one such directory itself, holding
 // `mp_rank_<TT>[_<PPP>]/model_optim_rng.pt` per tensor-parallel rank TT and pipeline stage PPP
 // (`_PPP` only when pp > 1), written by dp rank 0 of each.
 //

@@ -1,5 +1,5 @@
 // BuildUniversalView: see universal_view.h. The per-parameter logic follows ds_to_universal's
-// merge_tp_slices at one tensor-parallel rank (research/deepspeed.md §3).
+// merge_tp_slices at one tensor-parallel rank (docs/formats.md "The universal checkpoint").
 #include "index/universal_view.h"
 
 #include <nlohmann/json.hpp>

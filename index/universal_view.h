@@ -1,6 +1,6 @@
 // The universal view of a DeepSpeed checkpoint: `<tag>_universal/`, holding what DeepSpeed's
-// `ds_to_universal` writes for the same tag (research/deepspeed.md §3), so that an engine with
-// `checkpoint.load_universal` resumes from the mount on any data-parallel size:
+// `ds_to_universal` writes for the same tag (docs/formats.md "The universal checkpoint"), so that
+// an engine with `checkpoint.load_universal` resumes from the mount on any data-parallel size:
 //   zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt  the consolidated states, as ds_to_universal
 //       pickles them. ZeRO-1/2 and BF16_Optimizer: a dict {[cat_dim], [param_n_sub_params],
 //       [sub_param_shape], [vocab_tensor], 'param'} by the checkpoint's universal_checkpoint_info

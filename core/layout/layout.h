@@ -1,4 +1,4 @@
-// Parallel layouts of a target view (DESIGN.md "Mount layout"): the name grammar
+// Parallel layouts of a target view (docs/design.md "Mount layout"): the name grammar
 // `tp<T>_pp<P>_dp<D>[_ep<E>][_zero<Z>]`, the rank order, and the pipeline split.
 //
 // Not for: which parameter a rank holds or which slice of it (patterns.h does that), I/O.

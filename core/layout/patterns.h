@@ -1,4 +1,4 @@
-// Pattern rules (DESIGN.md "Pattern rules"): how each parameter of a model is split for a
+// Pattern rules (docs/design.md "Pattern rules"): how each parameter of a model is split for a
 // target layout. A parameter's ParamPattern says its tensor-parallel kind and dimension,
 // Shard-NC sub-parameters of fused tensors, vocabulary padding, pipeline placement and expert
 // ownership; TargetSlice turns a pattern into the rank's LocalView, the boxes of the global

@@ -1,4 +1,4 @@
-// ZeRO partition arithmetic (research/deepspeed.md §2.4, §2.5), usable in both directions:
+// ZeRO partition arithmetic (docs/formats.md "ZeRO partitions"), usable in both directions:
 // from a parameter to the pieces each data-parallel rank stores (reading a DeepSpeed source,
 // writing a target ZeRO view), and from a rank's stored window back to the parameters in it.
 // Pure integer math, overflow-checked; no I/O.

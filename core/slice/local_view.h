@@ -1,5 +1,5 @@
 // Local views: the groundwork for target views (each rank of a new parallel layout gets its
-// local tensor, computed lazily from the source fragments; DESIGN.md "Data model").
+// local tensor, computed lazily from the source fragments; docs/design.md "Data model").
 //
 // A local tensor is the concatenation, along one dim, of boxes of the global tensor (one box
 // for a plain shard, several for Shard-NC such as [Q_r; K_r; V_r] out of a fused [Q; K; V]),

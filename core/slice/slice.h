@@ -1,5 +1,5 @@
 // Slice algebra and copy planning: which bytes of which source file hold global elements
-// [a, b) of a tensor (DESIGN.md "Data model").
+// [a, b) of a tensor (docs/design.md "Data model").
 //
 // A tensor has a global shape (row-major). Its stored pieces are Fragments: a Box in the
 // global shape, optionally restricted to a flat range [flat_lo, flat_hi) of the box's own

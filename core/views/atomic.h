@@ -1,8 +1,8 @@
 // Atomic views: the consolidated per-parameter files `atomic/<param>/<state>.pt`, laid out as
-// DeepSpeed's universal checkpoint writes them (research/deepspeed.md §3): a dict of pattern
-// keys (`cat_dim` when the tensor-parallel dimension is known, `vocab_tensor` for vocabulary
-// parameters) ending in 'param', the consolidated fp32 tensor. Built lazily: the file's size
-// and headers come from the layout alone; tensor bytes are gathered (and converted to fp32)
+// DeepSpeed's universal checkpoint writes them (docs/formats.md "The universal checkpoint"): a dict
+// of pattern keys (`cat_dim` when the tensor-parallel dimension is known, `vocab_tensor` for
+// vocabulary parameters) ending in 'param', the consolidated fp32 tensor. Built lazily: the file's
+// size and headers come from the layout alone; tensor bytes are gathered (and converted to fp32)
 // from the source fragments on read.
 //
 // Pure logic over ByteSources: no FUSE, no LMDB.

@@ -189,7 +189,8 @@ SaveValue ParamGroups(const TargetInput& in, const std::vector<const Held*>& opt
 // it: "step" when a parameter with moments has no step, and each of Adam's hyper-parameters
 // without a default (lr, betas, eps, weight_decay) some group lacks. Written as optim.pt's
 // top-level "ucpfs_missing" (torch's Optimizer.load_state_dict reads only 'state' and
-// 'param_groups'); the README says what the user passes.
+// 'param_groups'); docs/reference.md "Target views: layouts, presets, rank files" says what
+// the user passes.
 std::vector<std::string> MissingForAdam(const TargetInput& in, const std::vector<const Held*>& optimizer) {
   std::vector<std::string> out;
   bool moments = false;

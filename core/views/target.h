@@ -1,4 +1,4 @@
-// Target views: the files of one rank of a new parallel layout (DESIGN.md "Mount layout",
+// Target views: the files of one rank of a new parallel layout (docs/design.md "Mount layout",
 // `target/<layout>/rank_<N>/`):
 //   model.pt      OrderedDict fqn -> this rank's local tensor, in the source's model dtype (the
 //                 weight item's dtype), in the source's parameter order (model.load_state_dict);
@@ -9,8 +9,9 @@
 //                 with i the parameter's position in model.pt;
 //                 zero 1: {'fp32', 'exp_avg', 'exp_avg_sq', 'step', 'param_groups'}, each of the
 //                 three a 1-D float32 tensor: this DP rank's ZeRO-1 partition of the rank's local
-//                 tensors flattened and concatenated in model.pt order (research/deepspeed.md
-//                 §2.5: padded with zeros at the end to a multiple of 2·dp, equal partitions);
+//                 tensors flattened and concatenated in model.pt order (docs/formats.md
+//                 "ZeRO partitions": padded with zeros at the end to a multiple of 2·dp,
+//                 equal partitions);
 //   extra_state.pt only when the source has non-parameter state for this rank: a dict
 //                 {source key: value} of the source's other items (LR scheduler, dataloader,
 //                 RNG, train state, user extras) in source order; replicated items on every

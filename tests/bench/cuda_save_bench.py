@@ -4,8 +4,8 @@ torch.save into tmpfs and against torch.distributed.checkpoint's async_save, in 
 
 Needs a machine with a CUDA GPU and a ucpfs built with the CUDA toolkit (the default build
 finds it; `ucpfs --version` and stats.json's `cache.memory` say `cuda_host`). CI has no GPU: this
-is run by hand (see docs in the README's benchmark section). With `--device cpu` it runs the
-same steps on CPU tensors, to check the script itself on a machine without a GPU.
+is run by hand (docs/benchmarks.md "Saving CUDA tensors (a GPU machine)"). With `--device cpu`
+it runs the same steps on CPU tensors, to check the script itself on a machine without a GPU.
 
 One state dict is made once on the device (--tensors tensors of --numel random values each, in
 --dtype; default 64 x 16 Mi bf16 = 2 GiB). Each repetition measures, with the page cache dropped

@@ -93,7 +93,8 @@ def served_loads(path, has_floats=False):
       torch.serialization.get_unsafe_globals_in_checkpoint(path) must be [].
     - torch 1.13: weights_only=True when the file holds no Python floats (atomic files, model.pt).
       A file with floats (optim.pt: lr, betas, eps in param_groups) needs weights_only=False,
-      because 1.13's weights_only unpickler refuses BINFLOAT (README, target views)."""
+      because 1.13's weights_only unpickler refuses BINFLOAT (docs/reference.md
+      "Writer compatibility")."""
     if not TORCH_2_6:
         return [(f"weights_only={not has_floats}", torch.load(path, weights_only=not has_floats))]
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)

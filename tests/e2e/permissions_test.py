@@ -17,7 +17,8 @@ The exploit probe: `nobody` copies /usr/bin/id with mode 04755: it must not be r
 Then ordinary tools (as root): `cp -a`, `tar x` and `rsync -a` of a small tree (modes, owners,
 mtimes, a symlink, a subdirectory) into the mount give the same tree as into a plain directory;
 `cp -a` exits 0 and its `user.*` xattr lands on the file; others are ENOTSUP; a
-writable shared mmap of a file opened for writing fails with ENODEV (documented in the README).
+writable shared mmap of a file opened for writing fails with ENODEV (documented in
+docs/reference.md "Saving into the mount").
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs /usr/bin/python3 tests/e2e/permissions_test.py
 """
@@ -349,14 +350,14 @@ def xattrs_and_mmap(src, mnt):
         except OSError as e:
             assert e.errno in (errno.ENOTSUP, errno.EPERM), f"setxattr {name}: {e}"
     assert os.listxattr(os.path.join(src, "pub/rootfile666")) == []
-    # A file opened for writing bypasses the page cache: MAP_SHARED is ENODEV (README).
+    # A file opened for writing bypasses the page cache: MAP_SHARED is ENODEV (docs/reference.md).
     path = os.path.join(mnt, "pub/mapped")
     with open(path, "w+b") as fh:
         fh.write(b"\0" * 4096)
         fh.flush()
         try:
             mmap.mmap(fh.fileno(), 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            raise AssertionError("writable MAP_SHARED of a file opened for writing worked: update the README")
+            raise AssertionError("writable MAP_SHARED of a file opened for writing worked: update docs/reference.md")
         except OSError as e:
             assert e.errno == errno.ENODEV, e
         with mmap.mmap(fh.fileno(), 4096, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE) as m:

@@ -14,7 +14,8 @@ DeepSpeedPatterns Parse(const nlohmann::json& uc) {
   return p.ok() ? std::move(*p) : DeepSpeedPatterns{};
 }
 
-// Megatron-DeepSpeed's lists (research/deepspeed.md §3.5), with a GQA entry as AutoTP writes it.
+// Megatron-DeepSpeed's lists (docs/formats.md "Megatron-DeepSpeed's pattern lists"), with a
+// GQA entry as AutoTP writes it.
 nlohmann::json Megatron() {
   return {
       {"universal_checkpoint_version", 0.2},

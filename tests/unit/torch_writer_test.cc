@@ -114,7 +114,7 @@ std::shared_ptr<LazyTorchFile> MustBuild(const SaveValue& v, const SaveOptions& 
   return r.ok() ? *r : nullptr;
 }
 
-// Size formula of torch-formats.md A.2, from the layout alone.
+// The size formula of docs/formats.md "torch.save files", from the layout alone.
 uint64_t SizeFormula(const LazyTorchFile& f, const std::string& prefix) {
   uint64_t total = 0;
   for (const auto& r : f.records()) {

@@ -1,4 +1,4 @@
-// ZeRO partition arithmetic: DeepSpeed's verified examples (research/deepspeed.md §2.4, §2.5),
+// ZeRO partition arithmetic: DeepSpeed's verified examples (docs/formats.md "ZeRO partitions"),
 // and seeded properties: both directions agree and tile every element exactly once.
 #include "core/layout/zero.h"
 

@@ -13,8 +13,9 @@ Outputs:
                           dtype, storage offset, shape, stride (elements), storage numel and
                           class, requires_grad, is_parameter.
   dcp113.metadata         the .metadata pickle of a real 2-rank gloo DCP save
-                          (torch.distributed._shard.checkpoint, protocol 4), same state as
-                          research/torch_fixtures/gen_dcp113.py but smaller.
+                          (torch.distributed._shard.checkpoint, protocol 4) of build_dcp_state:
+                          two ShardedTensors split by rows, plain tensors and
+                          plain values (smaller than e2e/fixtures/gen_dcp113_llama.py).
 Everything is deterministic except dcp113.metadata's memo numbering, which is stable for a given
 torch/Python pair.
 """
