@@ -2,14 +2,16 @@
 # The test suite, from a fresh Debian 12 machine (root): installs what is missing (Debian
 # packages, then the pinned torch 2.13 virtual environment), builds, and runs a tier of CTest:
 #
-#   tests/run.sh           the quick tier (the README's test command, about 10 minutes on 2
-#                          cores): every unit, property and index test, and the end-to-end
-#                          tests labelled `quick` (a representative set: real mounts of DCP,
-#                          DeepSpeed, Megatron and weights-only sources, write capture, the CLI,
-#                          under torch 1.13 and 2.13);
+#   tests/run.sh           the quick tier (the README's test command, meant to take at most 10
+#                          minutes on 2 cores; docs/testing.md has the measured times): every
+#                          unit, property and index test, and the end-to-end tests labelled
+#                          `quick` (a representative set: real mounts of DCP, DeepSpeed,
+#                          Megatron and weights-only sources, write capture, the CLI, under
+#                          torch 1.13 and 2.13);
 #   tests/run.sh --rest    every other CTest test (the rest of the end-to-end tests, slow), then
 #                          the libFuzzer targets built with clang, each for a bounded time;
-#   tests/run.sh --full    both.
+#   tests/run.sh --full    both: the whole suite, as CI runs it (CI then adds the sanitizers,
+#                          long fuzzing and the examples).
 #
 # CI (.ci/run) runs the quick tier, then --rest, then the sanitizers and the examples.
 set -euo pipefail
