@@ -21,15 +21,24 @@ case "$tier" in
   --quick|--rest|--full) ;;
   *) echo "usage: tests/run.sh [--quick|--rest|--full]" >&2; exit 2 ;;
 esac
+# Runs a step and then says how long it took and how busy the machine was, so a time reported
+# from this script can be compared with docs/testing.md's (a shared machine stretches it).
+timed() {
+  local start=$SECONDS rc=0
+  "$@" || rc=$?
+  echo "tests/run.sh: $1 ${*: -1} took $((SECONDS - start)) s ($(nproc) cores, load average" \
+    "$(cut -d' ' -f1-3 /proc/loadavg) at the end)"
+  return $rc
+}
 tests/install-deps.sh
 tests/install-python.sh >/dev/null
-tests/build.sh build
+timed tests/build.sh build
 if [ "$tier" != --rest ]; then
-  ctest --test-dir build --output-on-failure -j2 -L 'unit|property|index|quick'
+  timed ctest --test-dir build --output-on-failure -j2 -L 'unit|property|index|quick'
 fi
 if [ "$tier" != --quick ]; then
   # Everything the quick tier did not run (one regex: CTest takes a single -LE).
-  ctest --test-dir build --output-on-failure -j2 -LE 'fuzz|unit|property|index|quick'
+  timed ctest --test-dir build --output-on-failure -j2 -LE 'fuzz|unit|property|index|quick'
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
   cmake --build build-fuzz -j"$(nproc)" --target fuzz_zip_reader fuzz_pickle fuzz_torch_file fuzz_dcp_metadata \
     fuzz_index_record fuzz_plain_value fuzz_deepspeed_scan fuzz_capture_journal fuzz_safetensors
