@@ -164,11 +164,10 @@ class Converter {
       }
     }
     if (embed == nullptr) return Bad("no model.embed_tokens.weight");
-    if (head == nullptr) {
-      return Bad("tied embeddings (no lm_head.weight) are not served: Megatron-Core's output layer would hold no "
-                 "weight, only its _extra_state");
-    }
-    UCPFS_RETURN_IF_ERROR(Add(out, "embedding.word_embeddings.weight", {Whole(embed)}, false));
+    // Tied embeddings (no lm_head): the Megatron preset puts the embedding on the last stage too,
+    // as output_layer.weight where that stage is not the first; the output layer's _extra_state
+    // goes with it (TargetParam::model_siblings of a tied parameter).
+    UCPFS_RETURN_IF_ERROR(Add(out, "embedding.word_embeddings.weight", {Whole(embed)}, head == nullptr));
     int64_t expected = 0;
     for (const auto& [index, parts] : layers) {
       if (index != expected) return Bad("layer " + std::to_string(expected) + " is missing");
@@ -177,7 +176,7 @@ class Converter {
     }
     if (norm == nullptr) return Bad("no model.norm.weight");
     UCPFS_RETURN_IF_ERROR(Add(out, "decoder.final_layernorm.weight", {Whole(norm)}, false));
-    return Add(out, "output_layer.weight", {Whole(head)}, true);
+    return head == nullptr ? Status::Ok() : Add(out, "output_layer.weight", {Whole(head)}, true);
   }
 
  private:

@@ -23,8 +23,11 @@
 // layouts over the same source bytes (no copy): each part's fragments, restricted to its rows and
 // moved to its place in the fused tensor. Every state is fused alike (optimizer moments too).
 //
-// Not for: Transformer Engine's names (`linear_qkv.layer_norm_weight`), MoE families, tied
-// embeddings (refused: GPTModel's output layer then holds only its `_extra_state`), reading the
+// Tied embeddings (no lm_head.weight): the embedding alone, which the Megatron preset also places
+// on the last stage (output_layer.weight there when it is not the first), with the output layer's
+// `_extra_state` on the last stage (GPTModel with share_embeddings_and_output_weights).
+//
+// Not for: Transformer Engine's names (`linear_qkv.layer_norm_weight`), MoE families, reading the
 // config (index/hf_config.h gives heads and query groups through TargetInput::model_facts).
 // Invariants: pure; a fused layout covers every element exactly once when its parts do.
 #pragma once
@@ -41,7 +44,7 @@ namespace ucpfs::views {
 // num_query_groups (head_dim defaults to hidden / heads).
 // Errors: kInvalidArgument naming the parameter or the missing fact: a name with no Megatron-Core
 // counterpart, a layer missing one of q/k/v or gate/up, shapes that disagree with the heads, parts
-// of one fused tensor with different dtypes or states, tied embeddings.
+// of one fused tensor with different dtypes or states.
 Result<std::shared_ptr<const TargetInput>> MegatronCoreFromHf(const TargetInput& in);
 
 }  // namespace ucpfs::views

@@ -409,8 +409,15 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
     model_tensors.emplace_back(h.view.local_name, t);
     model.Set(h.view.local_name, SaveValue::Tensor(std::move(t)));
     add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
-    const std::string module = h.view.local_name.substr(0, h.view.local_name.rfind('.') + 1);  // "" without a dot
-    for (const auto& [last, value] : p.model_siblings) model.Set(module + last, value);
+    std::string module = h.view.local_name.substr(0, h.view.local_name.rfind('.') + 1);  // "" without a dot
+    bool siblings = true;
+    if (patterns_[h.param].pp == layout::PpPlacement::kTiedFirstLast) {  // the output layer's (TargetParam)
+      siblings = coords.pp == layout_.pp - 1;
+      module = "output_layer.";
+    }
+    for (const auto& [last, value] : p.model_siblings) {
+      if (siblings) model.Set(module + last, value);
+    }
   }
   RankFiles out;
   if (want.model) {

@@ -93,7 +93,9 @@ struct TargetParam {
   // Values model.pt holds right after this parameter, each named as the parameter's local name
   // with its last component replaced by `first` (Megatron-Core's `_extra_state` of a linear
   // layer, None for its local modules, which load_state_dict(strict=True) expects). Not in
-  // model.safetensors (no tensors) nor optim.pt.
+  // model.safetensors (no tensors) nor optim.pt. A tied parameter's (PpPlacement::kTiedFirstLast:
+  // Megatron's word embeddings) are its output layer's: on the last stage only, under
+  // `output_layer.`, as GPTModel with shared embeddings holds them.
   std::vector<std::pair<std::string, format::SaveValue>> model_siblings;
 };
 

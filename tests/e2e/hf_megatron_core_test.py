@@ -1,11 +1,12 @@
 """End-to-end: a Hugging Face Llama served as Megatron-Core ranks (`--preset megatron-core`, issue 24 item 2).
 
-A tiny LlamaForCausalLM (transformers, built from a LlamaConfig in code: GQA with 4 heads in 2
-key-value groups, SwiGLU, RMSNorm, untied, vocabulary 250) is saved with save_pretrained and
-mounted with `--preset megatron-core --layout tp2_pp1_dp1 --layout tp1_pp2_dp1`. Then, in one
+Two tiny LlamaForCausalLMs (transformers, built from a LlamaConfig in code: GQA with 4 heads in 2
+key-value groups, SwiGLU, RMSNorm, vocabulary 250), one untied and one with tied embeddings, are
+saved with save_pretrained and each mounted with `--preset megatron-core --layout tp2_pp1_dp1
+--layout tp1_pp2_dp1`. Then, in one
 world of 2 gloo ranks on CPU, for each layout, Megatron-Core 0.16.1 builds its GPTModel of that
 layout (local spec, RMSNorm, rope, vocabulary padded as Megatron-LM pads it: 256 at tp2, 128 at
-tp1), and each rank:
+tp1; share_embeddings_and_output_weights for the tied one), and each rank:
  1. loads MNT/target/<layout>/rank_<r>/model.pt with load_state_dict(strict=True): every name,
     `_extra_state` included, is Megatron-Core's;
  2. runs the same tokens: at tp2 both ranks give the whole (gathered) logits; at pp2 stage 0 sends
@@ -13,11 +14,13 @@ tp1), and each rank:
  3. the logits of the real 250 tokens match the Hugging Face model's on those tokens (fp32, max
     abs difference <= 1e-4).
 Also: the padded vocabulary rows repeat the last real row (what Megatron-LM's converters write), in
-both the embedding and the output layer; `ucpfs mount --preset megatron-core` of a model whose
+the embedding and the output layer (the tied model's last stage holds the embedding as
+output_layer.weight); `ucpfs mount --preset megatron-core` of a model whose
 config.json is not a Llama-family one is refused with the reason.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/hf_megatron_core_test.py
 """
+import contextlib
 import json
 import os
 import sys
@@ -43,12 +46,12 @@ def padded_vocab(tp):
     return (VOCAB + multiple - 1) // multiple * multiple
 
 
-def make_hf(outdir):
+def make_hf(outdir, tied):
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False)
+                      rms_norm_eps=1e-6, tie_word_embeddings=tied)
     model = LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(outdir)
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -58,7 +61,7 @@ def make_hf(outdir):
     return model.state_dict(), tokens, logits
 
 
-def worker(rank, world, port, mnt, outdir, tokens):
+def worker(rank, world, port, mnts, outdir, tokens):
     from rendezvous import rank_env  # noqa: PLC0415
     rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -71,7 +74,7 @@ def worker(rank, world, port, mnt, outdir, tokens):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
     out = {}
-    for tp, pp in LAYOUTS:
+    for (tied, mnt), (tp, pp) in [(m, lay) for m in mnts.items() for lay in LAYOUTS]:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(tp, pp)
@@ -86,7 +89,7 @@ def worker(rank, world, port, mnt, outdir, tokens):
         model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded_vocab(tp),
                          max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(), parallel_output=False,
-                         share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                          rotary_base=10000).eval()
         layout = f"tp{tp}_pp{pp}_dp1"
         sd = torch.load(os.path.join(mnt, "target", layout, f"rank_{rank}", "model.pt"), weights_only=True)
@@ -106,7 +109,7 @@ def worker(rank, world, port, mnt, outdir, tokens):
                 dist.recv(hidden, src=0)
                 model.set_input_tensor(hidden)
                 logits = model(tokens, pos, mask)
-        out[layout] = {"keys": list(sd.keys()), "logits": logits,
+        out[(tied, layout)] = {"keys": list(sd.keys()), "logits": logits,
                        "vocab": {k: v for k, v in sd.items() if k.endswith(("word_embeddings.weight",
                                                                            "output_layer.weight"))}}
     torch.save(out, os.path.join(outdir, f"rank_{rank}.pt"))
@@ -123,37 +126,46 @@ def expect(res, label, cond):
 def main():
     from rendezvous import TcpRendezvous  # noqa: PLC0415
     res = Results("hf_megatron_core")
-    with tmpdir("hf-mcore-") as d:
-        src = os.path.join(d, "hf")
-        hf_sd, tokens, hf_logits = make_hf(src)
-        mnt = os.path.join(d, "mnt")
-        with mounted(src, mnt, "--preset", "megatron-core", "--layout", "tp2_pp1_dp1", "--layout", "tp1_pp2_dp1"):
-            with TcpRendezvous() as rdzv:
-                mp.spawn(worker, args=(2, rdzv.port, mnt, d, tokens), nprocs=2, join=True)
+    with tmpdir("hf-mcore-") as d, contextlib.ExitStack() as mounts:
+        hf, mnts = {}, {}
+        for tied in (False, True):
+            src = os.path.join(d, f"hf_tied{int(tied)}")
+            hf[tied] = make_hf(src, tied)
+            mnt, _ = mounts.enter_context(mounted(src, os.path.join(d, f"mnt_tied{int(tied)}"), "--preset",
+                                                  "megatron-core", "--layout", "tp2_pp1_dp1", "--layout", "tp1_pp2_dp1"))
+            mnts[tied] = mnt
+        tokens = hf[False][1]
+        with TcpRendezvous() as rdzv:
+            mp.spawn(worker, args=(2, rdzv.port, mnts, d, tokens), nprocs=2, join=True)
+        mounts.close()
         got = [torch.load(os.path.join(d, f"rank_{r}.pt"), weights_only=False) for r in range(2)]
-        for tp, pp in LAYOUTS:
+        for tied, (tp, pp) in [(t, lay) for t in (False, True) for lay in LAYOUTS]:
+            hf_sd, _, hf_logits = hf[tied]
             layout = f"tp{tp}_pp{pp}_dp1"
-            ranks = [r for r in range(2) if got[r][layout]["logits"] is not None]
-            expect(res, f"{layout}: load_state_dict(strict=True) of every rank, logits from ranks {ranks}",
-                      ranks == ([0, 1] if pp == 1 else [1]))
+            what = f"{'tied' if tied else 'untied'} {layout}"
+            ranks = [r for r in range(2) if got[r][(tied, layout)]["logits"] is not None]
+            expect(res, f"{what}: load_state_dict(strict=True) of every rank, logits from ranks {ranks}",
+                   ranks == ([0, 1] if pp == 1 else [1]))
             for r in ranks:
-                logits = got[r][layout]["logits"]
+                logits = got[r][(tied, layout)]["logits"]
                 ok_shape = tuple(logits.shape) == (*tokens.shape, padded_vocab(tp))
                 diff = (logits[..., :VOCAB] - hf_logits).abs().max().item() if ok_shape else float("inf")
-                print(f"{layout} rank {r}: max abs logit diff {diff:.2e}", flush=True)
-                expect(res, f"{layout} rank {r}: logits {tuple(logits.shape)} match the Hugging Face model's "
-                          f"(max abs diff {diff:.2e} <= {TOL})", ok_shape and diff <= TOL)
+                print(f"{what} rank {r}: max abs logit diff {diff:.2e}", flush=True)
+                expect(res, f"{what} rank {r}: logits {tuple(logits.shape)} match the Hugging Face model's "
+                            f"(max abs diff {diff:.2e} <= {TOL})", ok_shape and diff <= TOL)
             # The vocabulary: rows past the real ones repeat the last real row.
             for hf_name, name in (("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-                                  ("lm_head.weight", "output_layer.weight")):
-                parts = [got[r][layout]["vocab"][name] for r in range(2) if name in got[r][layout]["vocab"]]
-                if tp > 1:
-                    whole = torch.cat(parts[:tp])
-                else:
-                    whole = parts[0]
+                                  ("model.embed_tokens.weight" if tied else "lm_head.weight", "output_layer.weight")):
+                parts = [got[r][(tied, layout)]["vocab"][name] for r in range(2)
+                         if name in got[r][(tied, layout)]["vocab"]]
+                if tied and pp == 1 and name == "output_layer.weight":
+                    expect(res, f"{what}: no output_layer.weight (GPTModel shares the embedding)", not parts)
+                    continue
+                whole = torch.cat(parts) if parts else torch.empty(0)
                 want = torch.cat([hf_sd[hf_name], hf_sd[hf_name][-1:].expand(padded_vocab(tp) - VOCAB, -1)])
-                expect(res, f"{layout}: {name} is {hf_name} padded to {padded_vocab(tp)} rows with its last row",
-                          whole.shape == want.shape and torch.equal(whole, want))
+                expect(res, f"{what}: {name} is {hf_name} padded to {padded_vocab(tp)} rows with its last row",
+                       whole.shape == want.shape and torch.equal(whole, want))
+        src = os.path.join(d, "hf_tied0")
         # A family whose weights Megatron-Core's GPTModel does not compute alike is refused.
         cfg_path = os.path.join(src, "config.json")
         cfg = json.load(open(cfg_path))

@@ -3,7 +3,7 @@
 // checked element by element against a naive interleave of the source tensors (linear_qkv per query
 // group, linear_fc1 = [gate; up]); GPTModel's order and `_extra_state` entries; the Megatron preset's
 // split of the result at tp2 ([gate_r; up_r], the vocabulary padded by repeating its last row); and
-// the refusals (no heads, tied embeddings, a name with no Megatron-Core counterpart).
+// tied embeddings; the refusals (no heads, a name with no Megatron-Core counterpart).
 #include "core/views/mcore_from_hf.h"
 
 #include <gtest/gtest.h>
@@ -200,17 +200,38 @@ TEST(MegatronCoreFromHf, SplitAtTp2) {
   EXPECT_NE(files->model, nullptr);
 }
 
+// Tied (no lm_head): the embedding alone, and model.pt's output_layer._extra_state on the last stage only.
+TEST(MegatronCoreFromHf, TiedEmbeddings) {
+  Model m = MakeHf(/*with_head=*/false);
+  auto out = MegatronCoreFromHf(*m.input);
+  ASSERT_TRUE(out.ok()) << out.error().ToString();
+  EXPECT_EQ((*out)->params.back().name, "decoder.final_layernorm.weight");
+  EXPECT_EQ((*out)->params.front().model_siblings.size(), 1u);
+  for (const char* name : {"tp1_pp1_dp1", "tp1_pp2_dp1"}) {
+    auto layout = layout::ParseLayout(name);
+    ASSERT_TRUE(layout.ok());
+    auto plan = TargetPlan::Make(m.input, *layout);
+    ASSERT_TRUE(plan.ok()) << plan.error().ToString();
+    for (int r = 0; r < layout->World(); ++r) {
+      auto files = plan->Build(r);
+      ASSERT_TRUE(files.ok()) << files.error().ToString();
+      std::vector<std::byte> bytes(files->model->Size());
+      ASSERT_TRUE(files->model->ReadAt(0, bytes).ok());
+      const std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      const bool last = r == layout->World() - 1, first = r == 0;
+      EXPECT_EQ(text.find("output_layer._extra_state") != std::string::npos, last) << name << " rank " << r;
+      EXPECT_EQ(text.find("output_layer.weight") != std::string::npos, last && !first) << name << " rank " << r;
+      EXPECT_EQ(text.find("embedding.word_embeddings._extra_state"), std::string::npos);
+    }
+  }
+}
+
 TEST(MegatronCoreFromHf, Refusals) {
   Model m = MakeHf();
   m.input->model_facts.num_attention_heads = 0;
   auto out = MegatronCoreFromHf(*m.input);
   ASSERT_FALSE(out.ok());
   EXPECT_NE(out.error().message().find("attention heads is unknown"), std::string::npos);
-
-  Model tied = MakeHf(/*with_head=*/false);
-  out = MegatronCoreFromHf(*tied.input);
-  ASSERT_FALSE(out.ok());
-  EXPECT_NE(out.error().message().find("tied"), std::string::npos);
 
   Model odd = MakeHf();
   odd.input->params[1].name = "model.layers.0.self_attn.rotary_mystery.weight";
