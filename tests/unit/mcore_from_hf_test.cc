@@ -29,7 +29,7 @@ struct Model {
   std::map<std::string, size_t> index;  // HF name -> position (its values' p)
 };
 
-Model MakeHf(bool with_head = true) {
+Model MakeHf(bool with_head = true, bool qwen = false) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {{"model.embed_tokens.weight", {kVocab, kHidden}}};
   for (int l = 0; l < 2; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
@@ -42,6 +42,13 @@ Model MakeHf(bool with_head = true) {
     shapes.push_back({p + "mlp.down_proj.weight", {kHidden, kFfn}});
     shapes.push_back({p + "input_layernorm.weight", {kHidden}});
     shapes.push_back({p + "post_attention_layernorm.weight", {kHidden}});
+    if (qwen) {  // Qwen2's attention biases, Qwen3's per-head q/k norms
+      shapes.push_back({p + "self_attn.q_proj.bias", {kHeads * kHeadDim}});
+      shapes.push_back({p + "self_attn.k_proj.bias", {kGroups * kHeadDim}});
+      shapes.push_back({p + "self_attn.v_proj.bias", {kGroups * kHeadDim}});
+      shapes.push_back({p + "self_attn.q_norm.weight", {kHeadDim}});
+      shapes.push_back({p + "self_attn.k_norm.weight", {kHeadDim}});
+    }
   }
   shapes.push_back({"model.norm.weight", {kHidden}});
   if (with_head) shapes.push_back({"lm_head.weight", {kVocab, kHidden}});
@@ -224,6 +231,34 @@ TEST(MegatronCoreFromHf, TiedEmbeddings) {
       EXPECT_EQ(text.find("embedding.word_embeddings._extra_state"), std::string::npos);
     }
   }
+}
+
+// Qwen2 / Qwen3: linear_qkv.bias fused per query group like the weight (and followed by the layer's
+// _extra_state), q_norm / k_norm as q_layernorm / k_layernorm.
+TEST(MegatronCoreFromHf, AttentionBiasesAndQkNorms) {
+  Model m = MakeHf(/*with_head=*/true, /*qwen=*/true);
+  auto out = MegatronCoreFromHf(*m.input);
+  ASSERT_TRUE(out.ok()) << out.error().ToString();
+  const TargetInput& in = **out;
+  const std::string hf = "model.layers.0.self_attn.";
+  std::vector<float> want;
+  for (int64_t g = 0; g < kGroups; ++g) {
+    AppendRows(m, hf + "q_proj.bias", g * 4, 4, 1, &want);
+    AppendRows(m, hf + "k_proj.bias", g * 2, 2, 1, &want);
+    AppendRows(m, hf + "v_proj.bias", g * 2, 2, 1, &want);
+  }
+  const TargetParam* bias = Find(in, "decoder.layers.0.self_attention.linear_qkv.bias");
+  ASSERT_NE(bias, nullptr);
+  EXPECT_EQ(Read(*bias->states[kW], in), want);
+  EXPECT_EQ(bias->model_siblings.size(), 1u);
+  EXPECT_TRUE(Find(in, "decoder.layers.0.self_attention.linear_qkv.weight")->model_siblings.empty());
+  EXPECT_NE(Find(in, "decoder.layers.1.self_attention.q_layernorm.weight"), nullptr);
+  EXPECT_NE(Find(in, "decoder.layers.1.self_attention.k_layernorm.weight"), nullptr);
+  auto layout = layout::ParseLayout("tp2_pp1_dp1");
+  ASSERT_TRUE(layout.ok());
+  auto plan = TargetPlan::Make(m.input, *layout);
+  ASSERT_TRUE(plan.ok()) << plan.error().ToString();
+  ASSERT_TRUE(plan->Build(1).ok());
 }
 
 TEST(MegatronCoreFromHf, Refusals) {
