@@ -14,7 +14,9 @@ namespace ucpfs::cli {
 
 void AddPatternOptions(CLI::App* cmd, std::string& preset, std::string& pattern_rules, std::string& pp_split,
                        int64_t& vocab_pad_multiple) {
-  cmd->add_option("--preset", preset, "pattern preset: auto, torchtitan, megatron, hf");
+  cmd->add_option("--preset", preset,
+                  "pattern preset: auto, torchtitan, megatron, hf, or megatron-core (a Hugging Face Llama-family "
+                  "model served in target/ under Megatron-Core GPTModel names, QKV and gate/up fused)");
   cmd->add_option("--pattern-rules", pattern_rules, "pattern rules file (JSON {\"patterns\": [...]})");
   cmd->add_option("--pp-split", pp_split, "layers per pipeline stage, e.g. 5,6,6,5");
   cmd->add_option("--make-vocab-size-divisible-by", vocab_pad_multiple,

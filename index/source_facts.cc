@@ -270,6 +270,16 @@ Result<TorchStateSourceFacts> DecodeTorchState(const json& j) {
 json Encode(const WeightsSourceFacts& f) {
   json j = {{"container", f.container}, {"files", f.files}, {"skipped_values", f.skipped_values}};
   if (!f.state_dict_key.empty()) j["state_dict_key"] = f.state_dict_key;
+  if (f.hf_config) {
+    const HfModelConfig& c = *f.hf_config;
+    json hf = {{"model_type", c.model_type}, {"architecture", c.architecture}, {"hidden_size", c.hidden_size},
+               {"num_attention_heads", c.num_attention_heads}, {"num_key_value_heads", c.num_key_value_heads},
+               {"head_dim", c.head_dim}, {"intermediate_size", c.intermediate_size},
+               {"num_hidden_layers", c.num_hidden_layers}, {"vocab_size", c.vocab_size}, {"hidden_act", c.hidden_act}};
+    if (c.tie_word_embeddings) hf["tie_word_embeddings"] = *c.tie_word_embeddings;
+    j["hf_config"] = std::move(hf);
+  }
+  if (!f.hf_config_error.empty()) j["hf_config_error"] = f.hf_config_error;
   return j;
 }
 
@@ -280,6 +290,24 @@ Result<WeightsSourceFacts> DecodeWeights(const json& j) {
   out.files = f.Texts("files");
   out.skipped_values = f.Int("skipped_values", 0, INT64_MAX);
   out.state_dict_key = f.Text("state_dict_key", false);
+  out.hf_config_error = f.Text("hf_config_error", false);
+  if (const json* hf = f.Find("hf_config", false)) {
+    Fields h(*hf, "weights hf_config");
+    HfModelConfig c;
+    c.model_type = h.Text("model_type");
+    c.architecture = h.Text("architecture");
+    c.hidden_size = h.Int("hidden_size", 0, kMaxCount);
+    c.num_attention_heads = h.Int("num_attention_heads", 0, kMaxCount);
+    c.num_key_value_heads = h.Int("num_key_value_heads", 0, kMaxCount);
+    c.head_dim = h.Int("head_dim", 0, kMaxCount);
+    c.intermediate_size = h.Int("intermediate_size", 0, kMaxCount);
+    c.num_hidden_layers = h.Int("num_hidden_layers", 0, kMaxCount);
+    c.vocab_size = h.Int("vocab_size", 0, kMaxCount);
+    c.hidden_act = h.Text("hidden_act");
+    if (h.Find("tie_word_embeddings", false) != nullptr) c.tie_word_embeddings = h.Flag("tie_word_embeddings", false);
+    UCPFS_RETURN_IF_ERROR(h.status());
+    out.hf_config = std::move(c);
+  }
   UCPFS_RETURN_IF_ERROR(f.status());
   return out;
 }

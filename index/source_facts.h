@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "index/hf_config.h"
 
 namespace ucpfs::index {
 
@@ -91,6 +92,10 @@ struct WeightsSourceFacts {
   std::vector<std::string> files;  // the weight files, relative
   int64_t skipped_values = 0;      // torch: values not served
   std::string state_dict_key;      // the wrapper key, or ""
+  // The directory's config.json (a Hugging Face model folder), when it has one that parses;
+  // else why not ("" when there is none).
+  std::optional<HfModelConfig> hf_config;
+  std::string hf_config_error;
 };
 
 using SourceFacts = std::variant<std::monostate, DcpSourceFacts, DeepSpeedSourceFacts, MegatronSourceFacts,

@@ -461,6 +461,15 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
     UCPFS_ASSIGN_OR_RETURN(o.model_facts, MegatronModelFacts(checkpoint));
     if (o.model_facts.vocab_size > 0) o.vocab_size = o.model_facts.vocab_size;
   }
+  if (const auto* w = std::get_if<WeightsSourceFacts>(&checkpoint.facts); w && preset == layout::Preset::kMegatronCore) {
+    // A Hugging Face model folder served as Megatron-Core ranks: its config.json says what the
+    // names and shapes cannot (heads, key-value heads).
+    if (!w->hf_config_error.empty()) return InvalidArgumentError("--preset megatron-core: " + w->hf_config_error);
+    if (w->hf_config) {
+      UCPFS_ASSIGN_OR_RETURN(o.model_facts, MegatronCoreFactsOf(*w->hf_config));
+      if (o.model_facts.vocab_size > 0) o.vocab_size = o.model_facts.vocab_size;
+    }
+  }
   if (vocab_pad_multiple > 0) o.model_facts.vocab_pad_multiple = vocab_pad_multiple;  // the user's wins
   return o;
 }

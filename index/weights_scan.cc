@@ -310,6 +310,26 @@ Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progr
   for (const SourceFile& f : c.files) info.files.push_back(f.rel_path);
   info.skipped_values = static_cast<int64_t>(found.skipped_values);
   info.state_dict_key = found.state_dict_key;
+  // A Hugging Face model folder's config.json: the architecture facts (hf_config.h). Read after
+  // the weight files are listed (it is in the file table, so its identity is checked, but it is
+  // not a weight file). A bad one is recorded, not fatal: only views that need it fail, saying why.
+  if (Result<uint32_t> id = builder.AddFile("config.json"); id.ok()) {
+    const ByteSource& src = *builder.source(*id);
+    Result<std::vector<std::byte>> bytes =
+        src.Size() > kMaxHfConfigBytes
+            ? Result<std::vector<std::byte>>(ResourceExhaustedError(src.Name() + ": over the 1 MiB a config.json may have"))
+            : ReadRange(src, 0, src.Size(), kMaxHfConfigBytes);
+    Result<HfModelConfig> config =
+        bytes.ok() ? ParseHfConfig(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()), src.Name())
+                   : Result<HfModelConfig>(bytes.error());
+    if (config.ok()) {
+      info.hf_config = std::move(*config);
+    } else {
+      info.hf_config_error = config.error().message();
+    }
+  } else if (id.error().code() != StatusCode::kNotFound) {
+    info.hf_config_error = id.error().message();
+  }
   c.facts = std::move(info);
   if (EncodeSourceFacts(c.facts).size() > kMaxSourceFactsBytes) {
     return ResourceExhaustedError(dir + ": too many weight files to record");

@@ -65,6 +65,9 @@ struct BuiltIn {
 };
 
 constexpr int64_t kMegatronVocabMultiple = 128;
+// Repeated last rows (ParamPattern::vocab_pad_repeat_last) are one piece each; a pad multiple far
+// past any real vocabulary would make millions of them.
+constexpr int64_t kMaxRepeatedPadRows = 1 << 16;
 constexpr int64_t kMaxDimSize = int64_t{1} << 48;  // make_vocab_size_divisible_by default
 
 // Dims of a plain weight are [out, in]; stacked expert weights add leading dims, so column
@@ -163,7 +166,8 @@ const std::vector<BuiltIn>& RulesOf(Preset preset) {
   static const std::vector<BuiltIn> none;
   switch (preset) {
     case Preset::kTorchtitan: return TorchtitanRules();
-    case Preset::kMegatron: return MegatronRules();
+    case Preset::kMegatron:
+    case Preset::kMegatronCore: return MegatronRules();
     case Preset::kHuggingFace: return HuggingFaceRules();
     case Preset::kAuto: break;
   }
@@ -188,7 +192,8 @@ const CompiledBuiltIns& Compiled(Preset preset) {
   static const CompiledBuiltIns hf = compile(HuggingFaceRules());
   switch (preset) {
     case Preset::kTorchtitan: return torchtitan;
-    case Preset::kMegatron: return megatron;
+    case Preset::kMegatron:
+    case Preset::kMegatronCore: return megatron;
     default: return hf;
   }
 }
@@ -291,7 +296,8 @@ Result<ParamPattern> FromBuiltIn(Preset preset, const BuiltIn& rule, const std::
   if (p.expert >= 0) p.n_experts = info.n_experts;
   if (p.tp == TpKind::kVocab) {
     p.vocab_size = info.vocab_size;
-    if (preset == Preset::kMegatron) {
+    p.vocab_pad_repeat_last = info.vocab_pad_repeat_last;
+    if (preset == Preset::kMegatron || preset == Preset::kMegatronCore) {
       p.vocab_pad_multiple = info.vocab_pad_multiple > 0 ? info.vocab_pad_multiple : kMegatronVocabMultiple;
     } else {
       p.vocab_pad_multiple = info.vocab_pad_multiple;  // given: --make-vocab-size-divisible-by
@@ -436,6 +442,7 @@ const char* PresetName(Preset p) {
     case Preset::kTorchtitan: return "torchtitan";
     case Preset::kMegatron: return "megatron";
     case Preset::kHuggingFace: return "hf";
+    case Preset::kMegatronCore: return "megatron-core";
   }
   return "?";
 }
@@ -445,8 +452,9 @@ Result<Preset> ParsePreset(std::string_view name) {
   if (name == "torchtitan") return Preset::kTorchtitan;
   if (name == "megatron") return Preset::kMegatron;
   if (name == "hf" || name == "huggingface") return Preset::kHuggingFace;
+  if (name == "megatron-core" || name == "mcore") return Preset::kMegatronCore;
   return InvalidArgumentError("unknown preset '" + std::string(name) +
-                              "' (expected auto, torchtitan, megatron or hf)");
+                              "' (expected auto, torchtitan, megatron, hf or megatron-core)");
 }
 
 Preset DetectPreset(const std::vector<std::string>& names) {
@@ -498,7 +506,7 @@ ModelInfo DetectModelInfo(Preset preset, const std::vector<ParamInfo>& params) {
     // SwiGLU: fc1 rows are twice fc2's columns (Megatron-Core linear_fc1/linear_fc2, legacy
     // dense_h_to_4h/dense_4h_to_h).
     const bool core_fc1 = ends_with(".linear_fc1.weight"), legacy_fc1 = ends_with(".mlp.dense_h_to_4h.weight");
-    if (preset == Preset::kMegatron && !info.gated_linear_unit.has_value() && (core_fc1 || legacy_fc1) &&
+    if ((preset == Preset::kMegatron || preset == Preset::kMegatronCore) && !info.gated_linear_unit.has_value() && (core_fc1 || legacy_fc1) &&
         p.shape.size() == 2) {
       const std::string_view fc1_name = core_fc1 ? "linear_fc1.weight" : "dense_h_to_4h.weight";
       std::string fc2 = n.substr(0, n.size() - fc1_name.size()) +
@@ -526,6 +534,7 @@ void ApplyModelFacts(const ModelInfo& facts, ModelInfo* info) {
   take(facts.head_dim, &info->head_dim);
   take(facts.vocab_size, &info->vocab_size);
   take(facts.vocab_pad_multiple, &info->vocab_pad_multiple);
+  if (facts.vocab_pad_repeat_last) info->vocab_pad_repeat_last = true;
 }
 
 Status CheckLayoutForModel(const Layout& layout, const ModelInfo& info,
@@ -674,7 +683,7 @@ Result<LocalView> TargetSlice(Preset preset, const std::string& name, const Para
   }
   view.held = true;
   view.local_name = name;
-  if (preset == Preset::kMegatron) {
+  if (preset == Preset::kMegatron || preset == Preset::kMegatronCore) {
     // Megatron numbers layers per stage and experts per EP rank.
     if (pattern.pp == PpPlacement::kLayer) {
       re2::StringPiece m[3];
@@ -780,6 +789,20 @@ Result<LocalView> TargetSlice(Preset preset, const std::string& name, const Para
       b.offsets[d] = base + lo;
       b.sizes[d] = hi - lo;
       view.pieces.push_back(std::move(b));
+    }
+    // Megatron-LM's converters pad a vocabulary by repeating its last row
+    // (`torch.cat((w, w[-1].unsqueeze(0).expand(padding_size, -1)))`): one piece per padded row,
+    // each the last stored row, in place of the zeros.
+    const int64_t n_pad_rows = view.local_shape[d] - (hi - lo);
+    if (pattern.vocab_pad_repeat_last && n_pad_rows > 0 && n > 0) {
+      if (n_pad_rows > kMaxRepeatedPadRows) {
+        return ParamError(name, std::to_string(n_pad_rows) + " padded vocabulary rows on one rank: more than " +
+                                    std::to_string(kMaxRepeatedPadRows) + " repeated last rows");
+      }
+      slice::Box last = whole;
+      last.offsets[d] = base + n - 1;
+      last.sizes[d] = 1;
+      view.pieces.insert(view.pieces.end(), static_cast<size_t>(n_pad_rows), last);
     }
     return view;
   }

@@ -88,6 +88,10 @@ struct ParamPattern {
   // Every stored row up to the padded size is served as stored, source padding included.
   int64_t vocab_pad_multiple = 0;
   int64_t vocab_size = 0;
+  // Rows padded past the stored ones repeat the last stored row instead of reading as zeros: what
+  // Megatron-LM's checkpoint converters (tools/checkpoint, pad_weight) write when they pad a
+  // Hugging Face vocabulary (ModelInfo::vocab_pad_repeat_last).
+  bool vocab_pad_repeat_last = false;
   UnevenSplit uneven = UnevenSplit::kRequireDivisible;
   PpPlacement pp = PpPlacement::kAll;
   int layer = -1;         // global layer index for kLayer
@@ -97,9 +101,13 @@ struct ParamPattern {
   std::string rule;       // which rule matched (for messages)
 };
 
-enum class Preset { kAuto, kTorchtitan, kMegatron, kHuggingFace };
+// kMegatronCore: the source's weights renamed and fused as Megatron-Core's GPTModel names them
+// (core/views/mcore_from_hf.h: a Hugging Face Llama-family source), then split by the Megatron
+// preset; its rules are the Megatron preset's.
+enum class Preset { kAuto, kTorchtitan, kMegatron, kHuggingFace, kMegatronCore };
 const char* PresetName(Preset p);
-// "auto", "torchtitan", "megatron", "hf" (also "huggingface"). Errors: kInvalidArgument.
+// "auto", "torchtitan", "megatron", "hf" (also "huggingface"), "megatron-core" (also "mcore").
+// Errors: kInvalidArgument.
 Result<Preset> ParsePreset(std::string_view name);
 
 // The naming family of a model from its parameter names: the preset with most
@@ -129,6 +137,8 @@ struct ModelInfo {
   // Also set by --make-vocab-size-divisible-by, which then pads every vocabulary (any preset, and
   // a rule with no vocab_pad_multiple of its own) the Megatron way.
   int64_t vocab_pad_multiple = 0;
+  // Vocabulary rows padded past the stored ones repeat the last stored row (ParamPattern's).
+  bool vocab_pad_repeat_last = false;
 };
 // The largest vocabulary pad multiple a rule or --make-vocab-size-divisible-by may give.
 inline constexpr int64_t kMaxVocabPadMultiple = int64_t{1} << 30;

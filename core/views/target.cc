@@ -15,6 +15,7 @@
 #include "core/layout/zero.h"
 #include "core/slice/local_view.h"
 #include "core/views/atomic.h"
+#include "core/views/mcore_from_hf.h"
 
 namespace ucpfs::views {
 
@@ -245,6 +246,9 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
     return InvalidArgumentError("layout " + layout.name + ": the source has no parameters");
   }
   if (!input->files) return InvalidArgumentError("target view: no file table");
+  if (input->preset == layout::Preset::kMegatronCore) {  // the source renamed and fused as GPTModel holds it
+    UCPFS_ASSIGN_OR_RETURN(input, MegatronCoreFromHf(*input));
+  }
   TargetPlan plan;
   plan.layout_ = std::move(layout);
   for (const auto& p : input->params) {
@@ -297,7 +301,10 @@ Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout
     names.push_back(p.name);
     infos.push_back({p.name, p.shape});
   }
-  out.preset = preset == layout::Preset::kAuto ? layout::DetectPreset(names) : preset;
+  // megatron-core: the target views rename the source first (MegatronCoreFromHf); other views keep
+  // the source's names and their own preset.
+  const bool detect = preset == layout::Preset::kAuto || preset == layout::Preset::kMegatronCore;
+  out.preset = detect ? layout::DetectPreset(names) : preset;
   out.info = layout::DetectModelInfo(out.preset, infos);
   if (vocab_size) out.info.vocab_size = *vocab_size;
   layout::ApplyModelFacts(facts, &out.info);
@@ -403,6 +410,15 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
     model_tensors.emplace_back(h.view.local_name, t);
     model.Set(h.view.local_name, SaveValue::Tensor(std::move(t)));
     add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
+    std::string module = h.view.local_name.substr(0, h.view.local_name.rfind('.') + 1);  // "" without a dot
+    bool siblings = true;
+    if (patterns_[h.param].pp == layout::PpPlacement::kTiedFirstLast) {  // the output layer's (TargetParam)
+      siblings = coords.pp == layout_.pp - 1;
+      module = "output_layer.";
+    }
+    for (const auto& [last, value] : p.model_siblings) {
+      if (siblings) model.Set(module + last, value);
+    }
   }
   RankFiles out;
   if (want.model) {

@@ -91,6 +91,13 @@ struct TargetParam {
   // model.pt only. Everything else is in both.
   bool in_model = true;
   bool in_optimizer = true;
+  // Values model.pt holds right after this parameter, each named as the parameter's local name
+  // with its last component replaced by `first` (Megatron-Core's `_extra_state` of a linear
+  // layer, None for its local modules, which load_state_dict(strict=True) expects). Not in
+  // model.safetensors (no tensors) nor optim.pt. A tied parameter's (PpPlacement::kTiedFirstLast:
+  // Megatron's word embeddings) are its output layer's: on the last stage only, under
+  // `output_layer.`, as GPTModel with shared embeddings holds them.
+  std::vector<std::pair<std::string, format::SaveValue>> model_siblings;
 };
 
 // A parameter the optimizer holds fused while the model's state_dict saves its weight split

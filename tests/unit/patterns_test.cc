@@ -640,6 +640,29 @@ TEST(TargetSlice, MakeVocabSizeDivisibleByPadsEveryVocabulary) {
             8);
 }
 
+TEST(TargetSlice, PaddedVocabularyRowsRepeatTheLastRow) {
+  // ModelInfo::vocab_pad_repeat_last (--preset megatron-core): Megatron-LM's converters pad with
+  // the last row. 97 rows at tp2 pad to 256: rank 0 holds rows 0..96 then 31 copies of row 96,
+  // rank 1 only copies of it; a vocabulary that needs no padding gets none.
+  ModelInfo info;
+  info.vocab_pad_repeat_last = true;
+  info.vocab_size = 97;
+  const slice::Box last = B({96, 0}, {1, 8});
+  LocalView r0 = Slice(Preset::kMegatron, "embedding.word_embeddings.weight", {97, 8}, info, "tp2_pp1_dp1", 0);
+  EXPECT_EQ(r0.local_shape, (Shape{128, 8}));
+  std::vector<slice::Box> want = {B({0, 0}, {97, 8})};
+  want.insert(want.end(), 31, last);
+  EXPECT_EQ(r0.pieces, want);
+  LocalView r1 = Slice(Preset::kMegatron, "output_layer.weight", {97, 8}, info, "tp2_pp1_dp1", 1);
+  EXPECT_EQ(r1.pieces, std::vector<slice::Box>(128, last));
+  info.vocab_size = 256;
+  LocalView full = Slice(Preset::kMegatron, "output_layer.weight", {256, 8}, info, "tp2_pp1_dp1", 1);
+  EXPECT_EQ(full.pieces, (std::vector<slice::Box>{B({128, 0}, {128, 8})}));
+  EXPECT_EQ(ParsePreset("megatron-core").value(), Preset::kMegatronCore);
+  EXPECT_STREQ(PresetName(Preset::kMegatronCore), "megatron-core");
+  EXPECT_EQ(PresetPatterns(Preset::kMegatronCore), PresetPatterns(Preset::kMegatron));
+}
+
 TEST(ApplyModelFacts, RecordedValuesOverrideDetectedOnes) {
   ModelInfo info;
   info.num_attention_heads = 2;

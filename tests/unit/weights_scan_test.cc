@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -19,7 +20,9 @@
 #include "core/format/torch_writer.h"
 #include "core/io/file_source.h"
 #include "core/slice/slice.h"
+#include "index/hf_config.h"
 #include "index/key_map.h"
+#include "index/source_facts.h"
 
 namespace ucpfs::index {
 namespace {
@@ -120,6 +123,48 @@ TEST_F(WeightsScanTest, ShardedSafetensorsWithIndex) {
   ASSERT_TRUE(m.ok());
   ASSERT_EQ(m->params.size(), 3u);
   EXPECT_EQ(m->params[0].name, "a");
+}
+
+// A Hugging Face folder's config.json: its facts recorded (and stored), the file in the table so
+// its identity is checked, not listed as a weight file; a bad one recorded as an error, not fatal.
+TEST_F(WeightsScanTest, HfConfigBesideTheWeights) {
+  Sharded();
+  WriteText(dir_ / "config.json",
+            R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": null, "intermediate_size": 48,
+                "num_hidden_layers": 2, "vocab_size": 250, "hidden_act": "silu", "tie_word_embeddings": false})");
+  auto c = ScanWeights(dir_);
+  ASSERT_TRUE(c.ok()) << c.error().ToString();
+  const auto* w = std::get_if<WeightsSourceFacts>(&c->facts);
+  ASSERT_NE(w, nullptr);
+  ASSERT_TRUE(w->hf_config.has_value()) << w->hf_config_error;
+  EXPECT_EQ(w->hf_config->architecture, "LlamaForCausalLM");
+  EXPECT_EQ(w->hf_config->KvHeads(), 2);
+  EXPECT_EQ(w->hf_config->HeadDim(), 8);  // hidden / heads: head_dim is null
+  EXPECT_EQ(w->hf_config->tie_word_embeddings, std::optional<bool>(false));
+  EXPECT_EQ(std::count(w->files.begin(), w->files.end(), "config.json"), 0);
+  EXPECT_EQ(c->files.back().rel_path, "config.json");
+  auto decoded = DecodeSourceFacts(EncodeSourceFacts(c->facts));
+  ASSERT_TRUE(decoded.ok()) << decoded.error().ToString();
+  EXPECT_EQ(std::get<WeightsSourceFacts>(*decoded).hf_config, w->hf_config);
+  auto facts = MegatronCoreFactsOf(*w->hf_config);
+  ASSERT_TRUE(facts.ok());
+  EXPECT_EQ(facts->num_query_groups, 2);
+  EXPECT_EQ(facts->vocab_size, 250);
+
+  WriteText(dir_ / "config.json", R"({"model_type": "llama", "num_attention_heads": "four"})");
+  c = ScanWeights(dir_);
+  ASSERT_TRUE(c.ok()) << c.error().ToString();
+  w = std::get_if<WeightsSourceFacts>(&c->facts);
+  EXPECT_FALSE(w->hf_config.has_value());
+  EXPECT_NE(w->hf_config_error.find("num_attention_heads"), std::string::npos) << w->hf_config_error;
+  EXPECT_NE(w->hf_config_error.find("config.json"), std::string::npos) << w->hf_config_error;
+
+  HfModelConfig gemma = {};
+  gemma.model_type = "gemma";
+  auto refused = MegatronCoreFactsOf(gemma);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("gemma"), std::string::npos);
 }
 
 TEST_F(WeightsScanTest, TorchStateDict) {
