@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <span>
 #include <vector>
 
@@ -100,6 +101,17 @@ void Materializer::Drop(std::map<const void*, Entry>::iterator it) {
 }
 
 void Materializer::MakeRoom(uint64_t n_bytes) {
+  // Copies of views whose tree is gone (a replaced generation, an evicted subtree) go first.
+  if (n_bytes_ + n_bytes > max_bytes_) {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      auto next = std::next(it);
+      if (it->second.ready && it->second.node.expired()) {
+        Drop(it);
+        ++n_evictions_;
+      }
+      it = next;
+    }
+  }
   while (n_bytes_ + n_bytes > max_bytes_ && !lru_.empty()) {
     const void* oldest = lru_.back();
     Drop(entries_.find(oldest));

@@ -17,8 +17,9 @@
 //   did not make there are not read: names of an earlier daemon (`ucpfs-view-*`) are removed at
 //   start, others left alone.
 // - The cache holds at most max_bytes of finished files: least recently opened out (unlinked;
-//   a file still passed through stays readable through its open descriptors). A view larger
-//   than max_bytes is not materialised (kUnsupported).
+//   a file still passed through stays readable through its open descriptors); copies whose
+//   tree is gone go before any other. A view larger than max_bytes is not materialised
+//   (kUnsupported).
 //
 // Thread-safety: every method may be called from any thread. Builds of different views run at
 // once; two opens of one view being built wait for the one build.
