@@ -98,9 +98,11 @@ for entry in $versions; do
   src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'fuse3-*' | head -1)
   # Only the library: no utilities (the system's fusermount3 stays), examples or tests; no
   # custom-io (ucpfs needs it only below 3.17). Static, so ucpfs needs nothing of the cache to run.
+  uring_opt=()  # 3.18 and later (3.17 has no io_uring)
+  grep -q "enable-io-uring" "$src/meson_options.txt" && uring_opt=(-Denable-io-uring=true)
   if ! (cd "$src" && /usr/bin/meson setup build --prefix="$prefix" --libdir=lib --buildtype=release \
           -Ddefault_library=static -Dutils=false -Dexamples=false -Dtests=false -Duseroot=false \
-          -Dinitscriptdir= -Dudevrulesdir="$prefix/udev" -Denable-io-uring=true \
+          -Dinitscriptdir= -Dudevrulesdir="$prefix/udev" "${uring_opt[@]}" \
           >"$work/meson.log" 2>&1 &&
         ninja -C build -j"$(nproc)" >>"$work/meson.log" 2>&1 &&
         ninja -C build install >>"$work/meson.log" 2>&1); then
