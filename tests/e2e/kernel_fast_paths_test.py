@@ -6,7 +6,9 @@ fast path off (--no-passthrough: the daemon serves every byte, as with libfuse 3
 reference. Then, with passthrough: each view file read twice equals the reference, and the
 daemon never saw those reads (stats.json's view read count does not move: the kernel read the
 materialised copy), the cache holds at most --materialize-size (least recently used out, an
-evicted file is computed again), torch.load(mmap=True) of a rank file works on the backing file;
+evicted file is computed again), torch.load(mmap=True) of a rank file works on the backing file,
+a new checkpoint saved into the mount (a new generation) is never served from an old copy while
+a reader of the old view keeps its bytes;
 source files are read and written in place through the kernel (counted opens, bytes equal on
 disk), an O_TRUNC rewrite of a file another process reads is refused with ETXTBSY (the kernel
 cannot mix a passed-through inode with the daemon's capture) and works once it is closed; a
@@ -21,6 +23,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import stat
 import sys
 
@@ -28,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from e2e_common import Results, run, tmpdir, ucpfs_bin  # noqa: E402
-from mount_common import FIXTURES, mounted, stats  # noqa: E402
+from mount_common import FIXTURES, mounted, stats, status  # noqa: E402
+from write_capture_test import wait_until  # noqa: E402
 
 LAYOUT = "tp2_pp1_dp1"
 URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
@@ -65,6 +69,9 @@ def main():
         run([sys.executable, os.path.join(FIXTURES, "gen_dcp2x.py"), src, "--expected", os.path.join(tmp, "exp")])
         with open(os.path.join(src, "notes.txt"), "wb") as f:
             f.write(b"0123456789" * 1000)
+        src2 = os.path.join(tmp, "src2")  # the next save: same names, other values
+        run([sys.executable, os.path.join(FIXTURES, "gen_dcp2x.py"), src2, "--seed", "2",
+             "--expected", os.path.join(tmp, "exp2")])
         mnt = os.path.join(tmp, "mnt")
         cache = os.path.join(tmp, "cache")
 
@@ -76,6 +83,10 @@ def main():
             assert k["passthrough"].startswith("off"), k
             assert k["passthrough_opens"] == {"source": 0, "views": 0}, k
         assert len(names) > 20 and all(want.values()), names
+        atomic = [n for n in names if n.startswith("atomic/")]
+        with mounted(src2, mnt, "--no-passthrough", "--read-only") as (m, _):
+            want2 = {n: read(os.path.join(m, n)) for n in atomic}
+        assert any(want2[n] != want[n] for n in atomic)
         total = sum(len(b) for b in want.values())
         limit = total * 6 // 10  # not all fit: the least recently used go
 
@@ -165,6 +176,25 @@ def main():
             res.check("O_TRUNC of a file being read through the kernel: ETXTBSY, then captured once closed",
                       rewrite_while_read)
 
+            def new_generation():
+                old = open(os.path.join(m, atomic[0]), "rb")  # an open of the current generation
+                old_bytes = old.read()
+                old.seek(0)
+                generation = status(m)["generation"]
+                # As DCP saves: the data files, then .metadata.
+                for f in sorted(f for f in os.listdir(src2) if f.endswith(".distcp")) + [".metadata"]:
+                    shutil.copyfile(os.path.join(src2, f), os.path.join(m, f))
+                try:
+                    wait_until(lambda: status(m)["generation"] > generation, timeout_s=30)
+                except AssertionError:
+                    raise AssertionError(f"no new generation: {status(m)}") from None
+                # The mount's root names are cached for 1 s: atomic/ may name the old generation that long.
+                assert wait_until(lambda: all(read(os.path.join(m, n)) == want2[n] for n in atomic), timeout_s=30)
+                assert old.read() == old_bytes, "a reader of the old view saw new bytes"
+                old.close()
+            res.check("a new generation is never served from an old copy; an old reader keeps its bytes",
+                      new_generation)
+
         def symlink_cache_refused():
             real = os.path.join(tmp, "real-cache")
             os.makedirs(real)
@@ -190,8 +220,8 @@ def main():
                     with open(URING_PARAM, "w") as f:
                         f.write(enable)
                     with mounted(src, mnt, "--layout", LAYOUT, "--read-only", "--no-passthrough") as (m, _):
-                        for n in names[:8]:
-                            assert read(os.path.join(m, n)) == want[n], n
+                        for n in atomic[:8]:  # src holds the second save now
+                            assert read(os.path.join(m, n)) == want2[n], n
                         k = stats(m)["kernel"]
                     if enable == "Y":
                         assert k["io_uring"] == "on" and k["io_uring_requests"] > 0, k
