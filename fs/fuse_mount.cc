@@ -695,7 +695,14 @@ int ChooseMode(fuse_req_t req, Server& server, Ino ino, const OpenFile& file, fu
   std::lock_guard lock(server.modes.mu);
   InodeModes::Modes& m = server.modes.by_ino[ino];
   if (m.n_passthrough > 0) {
-    if (m.n_other == 0 && m.n_passthrough == 0) server.modes.by_ino.erase(ino);
+#ifdef UCPFS_HAVE_PASSTHROUGH
+    if (!file.passthrough) {  // a view passed through meanwhile by another open: join it
+      ++m.n_passthrough;
+      fi->backing_id = m.backing_id;
+      *passthrough = true;
+      return 0;
+    }
+#endif
     return ETXTBSY;
   }
   ++m.n_other;
