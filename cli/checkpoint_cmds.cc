@@ -632,6 +632,15 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   if (!passthrough.ok()) return report("source", passthrough.error());
   if (reindexer) (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
   mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+  mo.kernel_passthrough = !args.no_passthrough;
+  if (!args.materialize_dir.empty()) {
+    // Checked by RunMount before the daemon started: a size that parses, a directory outside MNT.
+    auto max_bytes = io::ParseByteSize(args.materialize_size);
+    if (!max_bytes.ok()) return report("materialize", max_bytes.error());
+    auto materializer = fs::Materializer::Make(args.materialize_dir, *max_bytes);
+    if (!materializer.ok()) return report("materialize", materializer.error());
+    mo.materialize = std::shared_ptr<fs::Materializer>(std::move(*materializer));
+  }
   if (read_only) mo.fuse_options.push_back("ro");
   mo.started = [reindexer](fs::Filesystem* filesystem) {
     if (reindexer) reindexer->Attach(filesystem);
@@ -670,6 +679,24 @@ int RunMount(const MountArgs& mount_args) {
   if (!args.pattern_rules.empty()) args.pattern_rules = AbsPath(args.pattern_rules);
   if (auto t = ParseTargetOptions(args); !t.ok()) return Fail("mount", t.error());
   if (auto r = ParseReadAhead(args.readahead, args.prefetch); !r.ok()) return Fail("mount", r.error());
+  if (!args.materialize_dir.empty()) {
+    // Absolute, its symlinks not resolved: the daemon refuses a symlink there (fs/materialize.h).
+    if (args.materialize_dir[0] != '/') {
+      char cwd[PATH_MAX];
+      if (::getcwd(cwd, sizeof(cwd)) != nullptr) args.materialize_dir = std::string(cwd) + "/" + args.materialize_dir;
+    }
+    while (args.materialize_dir.size() > 1 && args.materialize_dir.back() == '/') args.materialize_dir.pop_back();
+    if (auto m = io::ParseByteSize(args.materialize_size); !m.ok() || *m == 0) {
+      return Fail("mount", InvalidArgumentError("bad --materialize-size '" + args.materialize_size + "'"));
+    }
+    if (args.no_passthrough) {
+      return Fail("mount", InvalidArgumentError("--materialize needs the kernel's passthrough (drop --no-passthrough)"));
+    }
+    const std::string mnt = AbsPathOrJoined(args.mountpoint);
+    if (args.materialize_dir == mnt || args.materialize_dir.starts_with(mnt + "/")) {
+      return Fail("mount", InvalidArgumentError("--materialize " + args.materialize_dir + " is inside the mount point"));
+    }
+  }
   if (!args.log_file.empty() && args.log_file[0] != '/') {
     char cwd[PATH_MAX];
     if (::getcwd(cwd, sizeof(cwd)) != nullptr) args.log_file = std::string(cwd) + "/" + args.log_file;

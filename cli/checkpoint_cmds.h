@@ -61,6 +61,9 @@ struct MountArgs {
   std::string readahead;                  // --readahead (ParseReadAhead)
   std::string prefetch;                   // --prefetch (ParseReadAhead)
   bool read_only = false;                 // --read-only: no writes, no capture
+  bool no_passthrough = false;            // --no-passthrough: the kernel's passthrough off
+  std::string materialize_dir;            // --materialize DIR: views computed into DIR (empty: off)
+  std::string materialize_size = "8G";    // --materialize-size: the most DIR holds
 };
 
 // --readahead (the mount's kernel readahead window; empty: the request size, 1 MiB) and

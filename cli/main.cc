@@ -16,6 +16,7 @@
 #include "cli/verify_cmd.h"
 #include "cli/view_files.h"
 #include "cli/plan_cmd.h"
+#include "fs/fuse_mount.h"
 
 namespace {
 
@@ -48,7 +49,7 @@ int main(int argc, char** argv) {
                "                                                    durable in the background and shown as\n"
                "                                                    views without a remount\n"
                "  MNT/.ucpfs/status.json, stats.json                what is mounted; counters"};
-  app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION);
+  app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION + "\n" + ucpfs::fs::LinkedFuseText());
   app.require_subcommand(0, 1);
 
   ucpfs::cli::MountArgs mount;
@@ -83,6 +84,13 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--prefetch", mount.prefetch,
                         "read source files this far ahead of a view's sequential reads into the page cache "
                         "(default 32M; 0: off)");
+  mount_cmd->add_flag("--no-passthrough", mount.no_passthrough,
+                      "serve every read and write through the daemon (the kernel's FUSE passthrough off)");
+  mount_cmd->add_option("--materialize", mount.materialize_dir,
+                        "compute each view file into DIR on its first open; later opens are read by the "
+                        "kernel from that copy (passthrough: page-cache speed, mmap). Off by default");
+  mount_cmd->add_option("--materialize-size", mount.materialize_size,
+                        "the most --materialize keeps, least recently opened out (default 8G)");
   mount_cmd->add_option("--safetensors-shard-size", mount.safetensors_shard_size,
                         "largest file of safetensors/ (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
   AddSourceOptions(mount_cmd, mount.source);

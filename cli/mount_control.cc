@@ -251,6 +251,21 @@ int RunStatus(const std::string& mountpoint, bool json) {
   } else {
     std::cout << "write cache: none (read-only mount)\n";
   }
+  if (stats.contains("kernel") && stats["kernel"].is_object()) {
+    const auto& k = stats["kernel"];
+    std::cout << "kernel:      libfuse " << k.value("libfuse", "?") << "; passthrough " << k.value("passthrough", "?")
+              << "; io_uring " << k.value("io_uring", "?") << '\n';
+    if (k.contains("passthrough_opens")) {
+      std::cout << "passed through: " << num(k["passthrough_opens"], "source") << " source opens, "
+                << num(k["passthrough_opens"], "views") << " view opens\n";
+    }
+    if (k.contains("materialize")) {
+      const auto& m = k["materialize"];
+      std::cout << "materialized: " << num(m, "files") << " files, " << mib(m.value("bytes", uint64_t{0})) << " of "
+                << mib(m.value("max_bytes", uint64_t{0})) << " in " << m.value("dir", "?") << " (" << num(m, "builds")
+                << " built, " << num(m, "hits") << " reused, " << num(m, "evictions") << " evicted)\n";
+    }
+  }
   const auto errors = stats.value("errors", nlohmann::json::object());
   std::cout << "errors:      " << num(errors, "count") << '\n';
   for (const auto& m : errors.value("last", nlohmann::json::array())) std::cout << "  " << m.get<std::string>() << '\n';

@@ -95,6 +95,13 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
   } else if (name == "readahead") {
     UCPFS_RETURN_IF_ERROR(CheckSize(option, value));
     a->readahead = value;
+  } else if (name == "no_passthrough") {
+    a->no_passthrough = true;
+  } else if (name == "materialize") {
+    a->materialize_dir = value;
+  } else if (name == "materialize_size") {
+    UCPFS_RETURN_IF_ERROR(CheckSize(option, value));
+    a->materialize_size = value;
   } else if (name == "prefetch") {
     UCPFS_RETURN_IF_ERROR(CheckSize(option, value));
     a->prefetch = value;
@@ -115,9 +122,9 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
 
 // Whether `name` is one of ucpfs's own options, and if so whether it takes a value.
 bool OwnKind(std::string_view name, Kind* kind) {
-  static constexpr std::array<std::string_view, 5> kFlags = {"ro", "rw", "read_only", "read_only_index",
-                                                             "foreground"};
-  static constexpr std::array<std::string_view, 14> kValued = {
+  static constexpr std::array<std::string_view, 6> kFlags = {"ro", "rw", "read_only", "read_only_index",
+                                                             "foreground", "no_passthrough"};
+  static constexpr std::array<std::string_view, 16> kValued = {"materialize", "materialize_size",
       "layout",    "preset",   "pp_split",  "lookup_memory_mib", "cache_size", "readahead", "prefetch",
       "safetensors_shard_size", "pattern_rules", "index_dir", "rules", "log", "write_stall_timeout",
       "make_vocab_size_divisible_by"};

@@ -429,7 +429,8 @@ Result<OpenFile> Filesystem::Open(Ino ino, int flags, const Caller& caller) cons
              " bytes but the file has " + std::to_string(node->size));
     return PosixError(EIO, path + ": source size differs");
   }
-  OpenFile file{std::move(*source), ino, node->size, node->volatile_content, nullptr, nullptr};
+  OpenFile file{std::move(*source), ino, node->size, node->volatile_content, nullptr, nullptr,
+                std::weak_ptr<const void>(std::shared_ptr<const void>(found.tree, node))};
   if (options_.read_ahead_bytes > 0 && !node->volatile_content) {
     file.prefetched_until = std::make_shared<std::atomic<uint64_t>>(0);
   }

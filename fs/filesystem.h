@@ -94,6 +94,10 @@ struct OpenFile {
   // Read-ahead state of a view file (FilesystemOptions::read_ahead_bytes): how far the source
   // was told to prefetch; null when read-ahead is off.
   std::shared_ptr<std::atomic<uint64_t>> prefetched_until;
+  // A view file's identity: its node, owned by the tree (generation) it belongs to; a later
+  // generation's file is another node (fs/materialize.h keys its cache by it). Weak: an open
+  // file keeps its source, not its tree. Empty for source files.
+  std::weak_ptr<const void> node;
 };
 
 // One opendir(2): the listing as it was then. ".", "..", then the children in name order.

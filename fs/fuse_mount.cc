@@ -47,6 +47,7 @@
 #include <span>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -76,6 +77,7 @@ struct OpenHandle {
 struct OpenFileHandle final : OpenHandle {
   explicit OpenFileHandle(OpenFile file_in) : file(std::move(file_in)) {}
   OpenFile file;
+  bool kernel_passthrough = false;  // opened in passthrough mode (InodeModes)
 };
 
 struct OpenDirHandle final : OpenHandle {
@@ -117,8 +119,63 @@ class HandleRegistry {
   std::unordered_set<OpenHandle*> live_;
 };
 
+// ---- FUSE passthrough (libfuse >= 3.17) ----
+//
+// The kernel's rules (fs/fuse/iomode.c): while an inode has a passthrough open, every other open
+// of it must be a passthrough open of the same backing file (else the open fails with EIO after
+// our reply); a passthrough open fails while the inode has open files in caching mode. So the
+// daemon keeps, per inode, its open files of each kind and the one backing id: a file may pass
+// through only when no other kind is open, joins the inode's backing when one is registered, and
+// an open that cannot pass through while the inode's backing is in use is refused (ETXTBSY). The
+// counts here only ever run ahead of the kernel's (counted before the reply, dropped at RELEASE,
+// which comes after the kernel dropped its own), so they never allow what the kernel refuses.
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 17)
+#define UCPFS_HAVE_PASSTHROUGH 1
+#endif
+
+class InodeModes {
+ public:
+  struct Modes {
+    int backing_id = 0;          // > 0 while n_passthrough > 0
+    bool writable_backing = false;
+    uint32_t n_passthrough = 0;  // open files passing through to the backing
+    uint32_t n_other = 0;        // open files served by the daemon (cached or direct_io)
+  };
+  std::mutex mu;
+  std::unordered_map<Ino, Modes> by_ino;  // guarded by mu; only inodes with open files
+
+  bool HasPassthrough(Ino ino) {
+    std::lock_guard lock(mu);
+    const auto it = by_ino.find(ino);
+    return it != by_ino.end() && it->second.n_passthrough > 0;
+  }
+  // Drops one open of `ino`; returns the backing id to close when its last passthrough open went.
+  int Drop(Ino ino, bool passthrough) {
+    std::lock_guard lock(mu);
+    const auto it = by_ino.find(ino);
+    if (it == by_ino.end()) return 0;
+    Modes& m = it->second;
+    int to_close = 0;
+    if (passthrough) {
+      if (m.n_passthrough > 0 && --m.n_passthrough == 0) {
+        to_close = m.backing_id;
+        m.backing_id = 0;
+      }
+    } else if (m.n_other > 0) {
+      --m.n_other;
+    }
+    if (m.n_passthrough == 0 && m.n_other == 0) by_ino.erase(it);
+    return to_close;
+  }
+};
+
 struct Server {
   std::unique_ptr<Filesystem> fs;
+  bool passthrough_wanted = false;          // MountOptions::passthrough (and libfuse >= 3.17)
+  std::atomic<bool> passthrough_on{false};  // negotiated at INIT
+  std::shared_ptr<Materializer> materialize;
+  std::shared_ptr<MountReport> report;
+  InodeModes modes;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;
   HandleRegistry handles;
   // The INIT request's id, and whether the kernel offered FUSE_PARALLEL_DIROPS in it (DeviceRead).
@@ -288,7 +345,7 @@ Caller CallerOf(fuse_req_t req) {
 // ---- Op* adapters ----
 
 void OpInit(void* userdata, fuse_conn_info* conn) {
-  const Server& server = *static_cast<const Server*>(userdata);
+  Server& server = *static_cast<Server*>(userdata);
   // Must equal the -o max_read given to fuse_session_new, or libfuse refuses the INIT.
   conn->max_read = server.max_read_bytes;
   // The kernel clamps this to its per-mount default (128 KiB); ServeTree's readiness thread
@@ -306,9 +363,50 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   // No splice: the reply comes from a gathered buffer anyway (docs: not worth it).
   conn->want &= ~static_cast<unsigned>(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
                                        FUSE_CAP_SPLICE_MOVE);
+  MountReport::Kernel kernel;
+  kernel.libfuse = fuse_pkgversion();
+#ifdef UCPFS_HAVE_PASSTHROUGH
+  // The kernel offers it with CONFIG_FUSE_PASSTHROUGH to a daemon with CAP_SYS_ADMIN; it cannot
+  // be combined with the writeback cache (off above).
+  if (!server.passthrough_wanted) {
+    kernel.passthrough_why = "turned off (--no-passthrough)";
+  } else if ((conn->capable & FUSE_CAP_PASSTHROUGH) == 0) {
+    kernel.passthrough_why = "the kernel does not offer it (CONFIG_FUSE_PASSTHROUGH, and the daemon must be root)";
+  } else {
+    conn->want |= FUSE_CAP_PASSTHROUGH;
+    conn->max_backing_stack_depth = 1;  // a backing file may itself be on a stacked file system
+    kernel.passthrough = true;
+    server.passthrough_on.store(true);
+  }
+#else
+  kernel.passthrough_why = "libfuse " + kernel.libfuse + " has none (needs >= 3.17: tests/build-libfuse.sh)";
+#endif
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 18) && UCPFS_LIBFUSE_URING
+  // Requested with -o io_uring (ServeTree); the kernel offers it when the fuse module's
+  // enable_uring parameter is on. libfuse falls back to /dev/fuse reads if its rings fail to start.
+  if ((conn->capable & FUSE_CAP_OVER_IO_URING) != 0) {
+    kernel.io_uring = true;
+  } else {
+    kernel.io_uring_why = "the kernel does not offer it (/sys/module/fuse/parameters/enable_uring is off; root may "
+                          "set it to Y): requests come through /dev/fuse reads";
+  }
+#else
+  kernel.io_uring_why = "libfuse " + kernel.libfuse + " has none (needs >= 3.18 built with liburing and libnuma)";
+#endif
+  if (server.report) server.report->SetKernel(std::move(kernel));
+}
+
+// A request that came through FUSE over io_uring (libfuse >= 3.18) is counted (status).
+void NoteTransport(fuse_req_t req) {
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 18) && UCPFS_LIBFUSE_URING
+  if (fuse_req_is_uring(req) && ServerOf(req).report) ServerOf(req).report->CountUringRequest();
+#else
+  (void)req;
+#endif
 }
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  NoteTransport(req);
   Handle(req, "lookup", [&] {
     Filesystem& fs = FsOf(req);
     Result<Entry> entry = fs.Lookup(parent, name);
@@ -334,6 +432,7 @@ void OpForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
 }
 
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
+  NoteTransport(req);
   Handle(req, "getattr", [&] {
     Result<struct stat> st = FsOf(req).GetAttr(ino);
     if (!st.ok()) return ErrnoFromStatus(st.error());
@@ -445,12 +544,17 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, 
     if (!made.ok()) return ErrnoFromStatus(made.error());
     SourceOpenFlags(fi, true);
     Server& server = ServerOf(req);
+    {
+      std::lock_guard lock(server.modes.mu);
+      ++server.modes.by_ino[made->first.ino].n_other;
+    }
     OpenHandle* raw = server.handles.Adopt(std::make_unique<OpenFileHandle>(std::move(made->second)));
     fi->fh = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(raw));
     const fuse_entry_param e = EntryParam(made->first);
     if (fuse_reply_create(req, &e, fi) != 0) {
       fs.Forget(made->first.ino, 1);
       (void)fs.Release(static_cast<OpenFileHandle*>(raw)->file);
+      server.modes.Drop(made->first.ino, false);
       server.handles.Destroy(raw);
     }
     return 0;
@@ -495,13 +599,147 @@ void OpReadOnly(fuse_req_t req, Args...) {
   fuse_reply_err(req, EROFS);
 }
 
+#ifdef UCPFS_HAVE_PASSTHROUGH
+// A descriptor of the file an open of `file` may pass through to, or -1 when it may not: a
+// source file not being captured (opened for writing only when the daemon has nothing to do at
+// its first write), reopened by the daemon read-write where it can, so later writable opens can
+// join the same backing; or a view's materialised copy (computed now when not cached).
+// `writable` says whether the descriptor is open for writing.
+int BackingFdOf(Server& server, const OpenFile& file, bool* writable) {
+  *writable = false;
+  if (const auto& h = file.passthrough) {
+    if (h->captured != nullptr || h->fd < 0 || (h->writable && h->kill_privs.load())) return -1;
+    const std::string proc = "/proc/self/fd/" + std::to_string(h->fd);
+    int fd = open(proc.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd >= 0) {
+      *writable = true;
+      return fd;
+    }
+    if (h->writable) return -1;
+    return open(proc.c_str(), O_RDONLY | O_CLOEXEC);
+  }
+  if (server.materialize == nullptr || file.volatile_content || file.source == nullptr) return -1;
+  const std::shared_ptr<const void> node = file.node.lock();
+  if (node == nullptr) return -1;  // its tree is gone (an evicted subtree): served by the daemon
+  Result<int> fd = server.materialize->Open(node, *file.source);
+  if (!fd.ok()) {
+    if (fd.error().code() != StatusCode::kUnsupported) {
+      std::fprintf(stderr, "ucpfs: materialize: %s\n", fd.error().ToString().c_str());
+    }
+    return -1;
+  }
+  return *fd;
+}
+#endif
+
+// How an open file is served: sets fi's mode (passthrough with its backing id, or the daemon's
+// cached/direct_io modes) and counts it in server.modes. Returns 0, or ETXTBSY when the inode
+// passes through to a backing file this open cannot share (InodeModes).
+int ChooseMode(fuse_req_t req, Server& server, Ino ino, const OpenFile& file, fuse_file_info* fi, bool* passthrough) {
+  *passthrough = false;
+#ifdef UCPFS_HAVE_PASSTHROUGH
+  const bool writable = file.passthrough && file.passthrough->writable;
+  if (server.passthrough_on.load()) {
+    // A view whose inode already passes through joins it: the backing holds the same bytes.
+    {
+      std::lock_guard lock(server.modes.mu);
+      InodeModes::Modes& m = server.modes.by_ino[ino];
+      if (m.n_passthrough > 0) {
+        const bool shareable = file.passthrough ? file.passthrough->captured == nullptr &&
+                                                      (!writable || m.writable_backing) &&
+                                                      !(writable && file.passthrough->kill_privs.load())
+                                                : true;
+        if (!shareable) {
+          if (m.n_passthrough == 0 && m.n_other == 0) server.modes.by_ino.erase(ino);
+          return ETXTBSY;
+        }
+        ++m.n_passthrough;
+        fi->backing_id = m.backing_id;
+        *passthrough = true;
+        return 0;
+      }
+      if (m.n_other > 0) {  // open in caching or direct_io mode: served by the daemon
+        ++m.n_other;
+        return 0;
+      }
+    }
+    bool backing_writable = false;
+    const int fd = BackingFdOf(server, file, &backing_writable);  // may compute a view: no lock held
+    if (fd >= 0) {
+      std::lock_guard lock(server.modes.mu);
+      InodeModes::Modes& m = server.modes.by_ino[ino];
+      if (m.n_other == 0) {
+        if (m.n_passthrough == 0) {
+          const int id = fuse_passthrough_open(req, fd);
+          if (id > 0) {
+            m.backing_id = id;
+            m.writable_backing = backing_writable;
+          }
+        }
+        if (m.backing_id > 0 && (!writable || m.writable_backing)) {
+          ++m.n_passthrough;
+          fi->backing_id = m.backing_id;
+          *passthrough = true;
+          close(fd);
+          return 0;
+        }
+      }
+      close(fd);
+    }
+  }
+#else
+  (void)req;
+  (void)file;
+  (void)fi;
+#endif
+  std::lock_guard lock(server.modes.mu);
+  InodeModes::Modes& m = server.modes.by_ino[ino];
+  if (m.n_passthrough > 0) {
+#ifdef UCPFS_HAVE_PASSTHROUGH
+    if (!file.passthrough) {  // a view passed through meanwhile by another open: join it
+      ++m.n_passthrough;
+      fi->backing_id = m.backing_id;
+      *passthrough = true;
+      return 0;
+    }
+#endif
+    return ETXTBSY;
+  }
+  ++m.n_other;
+  return 0;
+}
+
+// Gives back the backing id of an inode whose last passthrough open went.
+void CloseBacking(fuse_req_t req, int backing_id) {
+#ifdef UCPFS_HAVE_PASSTHROUGH
+  if (backing_id > 0) fuse_passthrough_close(req, backing_id);
+#else
+  (void)req;
+  (void)backing_id;
+#endif
+}
+
 void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Handle(req, "open", [&] {
+    Server& server = ServerOf(req);
+    const bool write = (fi->flags & O_ACCMODE) != O_RDONLY;
+    // A rewrite (O_TRUNC) starts a capture served by the daemon: refused while the inode passes
+    // through (the kernel would fail the open after the capture began).
+    if (Passthrough::Owns(ino) && write && (fi->flags & O_TRUNC) != 0 && server.modes.HasPassthrough(ino)) {
+      return ETXTBSY;
+    }
     // Views need no caller: they are read-only, and the kernel checked access (default_permissions).
     Result<OpenFile> file = Passthrough::Owns(ino) ? FsOf(req).Open(ino, fi->flags, CallerOf(req))
                                                    : FsOf(req).Open(ino, fi->flags);
     if (!file.ok()) return ErrnoFromStatus(file.error());
-    if (file->passthrough) {
+    bool passthrough = false;
+    if (const int err = ChooseMode(req, server, ino, *file, fi, &passthrough); err != 0) {
+      (void)FsOf(req).Release(*file);
+      return err;
+    }
+    if (passthrough) {
+      if (server.report) server.report->CountPassthroughOpen(!file->passthrough);
+    } else if (file->passthrough) {
       SourceOpenFlags(fi, file->passthrough->writable);
     } else if (file->volatile_content) {
       fi->direct_io = 1;  // produced at open time: never serve stale cached pages
@@ -509,12 +747,22 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       fi->keep_cache = 1;  // content never changes: keep pages across opens
     }
     fi->noflush = 1;  // nothing to flush on close: skip the FLUSH round trip
-    ReplyOpen(req, fi, std::make_unique<OpenFileHandle>(std::move(*file)));
+    auto handle = std::make_unique<OpenFileHandle>(std::move(*file));
+    handle->kernel_passthrough = passthrough;
+    OpenHandle* raw = server.handles.Adopt(std::move(handle));
+    fi->fh = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(raw));
+    // A failed reply means the open was interrupted; no release will come for it.
+    if (fuse_reply_open(req, fi) != 0) {
+      (void)FsOf(req).Release(static_cast<OpenFileHandle*>(raw)->file);
+      CloseBacking(req, server.modes.Drop(ino, passthrough));
+      server.handles.Destroy(raw);
+    }
     return 0;
   });
 }
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+  NoteTransport(req);
   Handle(req, "read", [&] {
     const OpenFile& file = HandleOf<OpenFileHandle>(fi)->file;
     if (off < 0) return EINVAL;
@@ -547,10 +795,11 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
   });
 }
 
-void OpRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+void OpRelease(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   OpenFileHandle* handle = HandleOf<OpenFileHandle>(fi);
   // The last close: its error went to flush (close(2)); a later flush error to fsync/sync.
   (void)FsOf(req).Release(handle->file);
+  CloseBacking(req, ServerOf(req).modes.Drop(ino, handle->kernel_passthrough));
   ServerOf(req).handles.Destroy(handle);
   fuse_reply_err(req, 0);
 }
@@ -755,6 +1004,12 @@ const fuse_lowlevel_ops kOps = {
     .readdirplus = OpReaddirplus,
     .copy_file_range = nullptr,
     .lseek = nullptr,  // default SEEK_SET/CUR/END are done by the kernel
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 16)
+    .tmpfile = nullptr,
+#endif
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 18)
+    .statx = nullptr,  // the kernel asks getattr
+#endif
 };
 
 // ---- mounting ----
@@ -860,6 +1115,14 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   fs_options.report = options.report;
   Server server;
   UCPFS_ASSIGN_OR_RETURN(server.fs, Filesystem::Make(std::move(tree), std::move(fs_options)));
+#ifdef UCPFS_HAVE_PASSTHROUGH
+  server.passthrough_wanted = options.kernel_passthrough;
+#endif
+  server.materialize = options.materialize;
+  server.report = options.report;
+  if (server.report && server.materialize) {
+    server.report->SetMaterializeStats([m = server.materialize] { return m->Stats(); });
+  }
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;
   if (options.started) options.started(server.fs.get());
 
@@ -870,6 +1133,10 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
       "-o", "default_permissions",
   };
   if (!options.passthrough) arg_strings.insert(arg_strings.end(), {"-o", "ro"});
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 18) && UCPFS_LIBFUSE_URING
+  // FUSE over io_uring where the kernel offers it (OpInit says whether it did).
+  arg_strings.insert(arg_strings.end(), {"-o", "io_uring"});
+#endif
   if (*user_max_read == 0) {
     arg_strings.insert(arg_strings.end(),
                        {"-o", "max_read=" + std::to_string(server.max_read_bytes)});
@@ -941,6 +1208,21 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
                    announce_errno);
   }
   return Status::Ok();
+}
+
+std::string LinkedFuseText() {
+  std::string text = std::string("libfuse ") + fuse_pkgversion();
+  std::vector<std::string> paths;
+#ifdef UCPFS_HAVE_PASSTHROUGH
+  paths.push_back("passthrough");
+#endif
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 18) && UCPFS_LIBFUSE_URING
+  paths.push_back("io_uring");
+#endif
+  if (paths.empty()) return text + " (the kernel's fast paths off: passthrough needs libfuse >= 3.17, io_uring >= 3.18)";
+  text += " (fast paths: ";
+  for (size_t i = 0; i < paths.size(); ++i) text += (i == 0 ? "" : ", ") + paths[i];
+  return text + "; each used where the kernel offers it)";
 }
 
 Status Unmount(const std::string& mountpoint) {

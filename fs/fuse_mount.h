@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "fs/materialize.h"
 #include "fs/mount_report.h"
 #include "fs/passthrough.h"
 #include "fs/tree.h"
@@ -52,6 +53,14 @@ struct MountOptions {
   std::shared_ptr<Passthrough> passthrough;
   // View reads counted and errors recorded here besides the log (FilesystemOptions::report).
   std::shared_ptr<MountReport> report;
+  // The kernel's fast paths (libfuse >= 3.17 and a kernel with CONFIG_FUSE_PASSTHROUGH): source
+  // files not being captured are opened in passthrough mode (the kernel reads and writes the
+  // source file itself; the daemon sees only open and release). false: every read and write
+  // goes through the daemon, as with libfuse 3.14.
+  bool kernel_passthrough = true;
+  // With passthrough: view files computed into this cache on first open and passed through to
+  // the cached file (null: views are always served by the daemon).
+  std::shared_ptr<Materializer> materialize;
   // Called once the Filesystem exists, before the mount serves; the pointer is valid until
   // ServeTree returns (e.g. to Swap a new generation of views in).
   std::function<void(Filesystem*)> started;
@@ -62,6 +71,10 @@ struct MountOptions {
 // mountpoint or option), kIo (the mount failed, with errno; or the mount never answered,
 // e.g. it was unmounted or signalled before its first request was served).
 Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options);
+
+// The libfuse this binary is linked with and the fast paths it can reach, for `ucpfs --version`:
+// e.g. "libfuse 3.18.3 (fast paths: passthrough, io_uring)".
+std::string LinkedFuseText();
 
 // Unmounts `mountpoint` (umount2, falling back to fusermount3 -u). Errors: kIo with errno.
 Status Unmount(const std::string& mountpoint);

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -30,8 +31,25 @@ class MountReport {
   // 0: ..."). `keep_message` false counts it without keeping its text (a repeat the log skips).
   void RecordError(const std::string& message, bool keep_message = true);
 
-  // Adds "views": {"reads", "bytes_read"} and "errors": {"count", "last": [messages, oldest
-  // first]} to `out`.
+  // The kernel's fast paths (fuse_mount.cc): what libfuse and the kernel agreed at INIT.
+  struct Kernel {
+    std::string libfuse;              // the libfuse linked, e.g. "3.18.3"
+    bool passthrough = false;         // FUSE passthrough negotiated
+    std::string passthrough_why;      // when off: why
+    bool io_uring = false;            // FUSE over io_uring negotiated
+    std::string io_uring_why;         // when off: why
+  };
+  void SetKernel(Kernel kernel);
+  // An open(2) served by the kernel from a backing file (FUSE passthrough): its reads and writes
+  // never reach the daemon. `view`: a materialised view file, else a source file.
+  void CountPassthroughOpen(bool view);
+  // A request that reached the daemon through FUSE over io_uring.
+  void CountUringRequest() { n_uring_requests_.fetch_add(1, std::memory_order_relaxed); }
+  // The materialised views' counters (fs/materialize.h), when --materialize is on.
+  void SetMaterializeStats(std::function<nlohmann::ordered_json()> stats);
+
+  // Adds "views": {"reads", "bytes_read"}, "errors": {"count", "last": [messages, oldest
+  // first]} and "kernel": {"libfuse", "passthrough", "io_uring", counters, "materialize"} to `out`.
   void AddTo(nlohmann::ordered_json& out) const;
 
   uint64_t n_errors() const { return n_errors_.load(std::memory_order_relaxed); }
@@ -40,8 +58,13 @@ class MountReport {
   std::atomic<uint64_t> n_view_reads_{0};
   std::atomic<uint64_t> n_view_bytes_{0};
   std::atomic<uint64_t> n_errors_{0};
+  std::atomic<uint64_t> n_passthrough_source_opens_{0};
+  std::atomic<uint64_t> n_passthrough_view_opens_{0};
+  std::atomic<uint64_t> n_uring_requests_{0};
   mutable std::mutex mu_;
   std::deque<std::string> last_;  // guarded by mu_; at most kMaxMessages
+  Kernel kernel_;                 // guarded by mu_
+  std::function<nlohmann::ordered_json()> materialize_stats_;  // guarded by mu_
 };
 
 }  // namespace ucpfs::fs

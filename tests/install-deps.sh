@@ -4,7 +4,8 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config git ccache
       libfuse3-dev fuse3 liburing-dev liblmdb-dev libxxhash-dev zlib1g-dev
       nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libre2-dev libgtest-dev googletest
-      python3-torch python3-numpy python3-venv clang libclang-rt-14-dev rsync)
+      python3-torch python3-numpy python3-venv clang libclang-rt-14-dev rsync
+      meson libnuma-dev dpkg-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -16,3 +17,6 @@ if ((${#missing[@]})); then
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# libfuse >= 3.17 from Debian's source package, for the kernel's fast paths (passthrough,
+# io_uring); the build falls back to libfuse3-dev (3.14) when it cannot be had.
+bash "$(dirname "$0")/build-libfuse.sh" >/dev/null

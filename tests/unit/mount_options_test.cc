@@ -30,7 +30,8 @@ TEST(MountOptions, EveryUcpfsOption) {
   const MountArgs a = Apply(
       "layout=tp2_pp2_dp4,preset=megatron,pattern_rules=/r/p.json,pp_split=5:6:6:5,lookup_memory_mib=512,"
       "cache_size=8G,read_only,readahead=16M,prefetch=0,safetensors_shard_size=2G,index_dir=/idx,rules=/r/k.toml,"
-      "read_only_index,log=/var/log/u.log,foreground,write_stall_timeout=5,make_vocab_size_divisible_by=64");
+      "read_only_index,log=/var/log/u.log,foreground,write_stall_timeout=5,make_vocab_size_divisible_by=64,"
+      "no_passthrough,materialize=/var/cache/views,materialize_size=20G");
   EXPECT_EQ(a.layouts, std::vector<std::string>{"tp2_pp2_dp4"});
   EXPECT_EQ(a.preset, "megatron");
   EXPECT_EQ(a.pattern_rules, "/r/p.json");
@@ -48,6 +49,9 @@ TEST(MountOptions, EveryUcpfsOption) {
   EXPECT_EQ(a.log_file, "/var/log/u.log");
   EXPECT_TRUE(a.foreground);
   EXPECT_EQ(a.vocab_pad_multiple, 64);
+  EXPECT_TRUE(a.no_passthrough);
+  EXPECT_EQ(a.materialize_dir, "/var/cache/views");
+  EXPECT_EQ(a.materialize_size, "20G");
   EXPECT_TRUE(a.fuse_options.empty());
 }
 
@@ -59,6 +63,8 @@ TEST(MountOptions, DefaultsUntouched) {
   EXPECT_EQ(a.lookup_memory_mib, 256u);
   EXPECT_FALSE(a.read_only);
   EXPECT_FALSE(a.foreground);
+  EXPECT_FALSE(a.no_passthrough);               // the kernel's passthrough where it is offered
+  EXPECT_TRUE(a.materialize_dir.empty());       // --materialize is off by default
   EXPECT_TRUE(a.layouts.empty());
   EXPECT_EQ(a.vocab_pad_multiple, 0) << "not given: the source's make_vocab_size_divisible_by, else 128";
 }
@@ -109,6 +115,7 @@ TEST(MountOptions, BadValuesNameTheOption) {
   EXPECT_NE(Error("cache_size=8GB").find("'cache_size=8GB'"), std::string::npos);  // ambiguous unit
   EXPECT_NE(Error("readahead=lots").find("readahead"), std::string::npos);
   EXPECT_NE(Error("prefetch=-1").find("prefetch"), std::string::npos);
+  EXPECT_NE(Error("materialize_size=big").find("materialize_size"), std::string::npos);
   EXPECT_NE(Error("safetensors_shard_size=1X").find("safetensors_shard_size"), std::string::npos);
   EXPECT_NE(Error("lookup_memory_mib=12a").find("not a whole number"), std::string::npos);
   EXPECT_NE(Error("pp_split=5:x").find("a:b:c"), std::string::npos);

@@ -1,0 +1,100 @@
+"""Benchmark: warm torch.load and torch.load(mmap=True) of target rank files through a mount, with
+the kernel's fast paths (--materialize: the kernel serves the views from the cached copies by
+FUSE passthrough) and without (--no-passthrough: every byte through the daemon, as with libfuse
+3.14), against the same files on disk written by `ucpfs convert`; all in one run (issue 26).
+
+The checkpoint and its on-disk views are torch_load_bench.py's (gen_bench_dcp.py, 1.8 GB with
+--tensors 28; `ucpfs convert --layout`), made under --workdir when missing. For each mount
+variant: a fresh mount, every rank file loaded once (the warm-up: for --materialize this is the
+first open that computes the copies), then --rounds rounds, each loading every rank file from
+disk and then through the mount, plain and mmap=True, in this python (touching every tensor: a
+sum); figures are medians, ratios disk time / mount time (1.0 = parity). --baseline-ucpfs adds
+the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
+`tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`).
+
+Usage: .venv/bin/python tests/bench/fast_paths_bench.py [--ucpfs build/cli/ucpfs]
+       [--baseline-ucpfs build314/cli/ucpfs] [--workdir DIR] [--rounds 7] [--layout tp2_pp1_dp1]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+
+
+def load_seconds(paths, mmap):
+    t0 = time.perf_counter()
+    total = 0.0
+    for p in paths:
+        sd = torch.load(p, mmap=mmap, weights_only=True)
+        for v in sd.values():
+            if isinstance(v, torch.Tensor) and v.numel():
+                total += float(v.float().sum())
+        del sd
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ucpfs", default=os.path.join(ROOT, "build", "cli", "ucpfs"))
+    ap.add_argument("--baseline-ucpfs")
+    ap.add_argument("--workdir", default="/tmp/ucpfs-fastpaths-bench")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--layout", default="tp2_pp1_dp1")
+    ap.add_argument("--tensors", type=int, default=28)
+    a = ap.parse_args()
+    src, disk, mnt, cache = (os.path.join(a.workdir, x) for x in ("ckpt", "disk", "mnt", "cache"))
+    ucpfs = os.path.abspath(a.ucpfs)
+    if not os.path.exists(os.path.join(src, ".metadata")):
+        subprocess.run(["/usr/bin/python3", os.path.join(HERE, "gen_bench_dcp.py"), src, "--tensors", str(a.tensors)],
+                       check=True)
+    if not os.path.exists(os.path.join(disk, "target", a.layout)):
+        shutil.rmtree(disk, ignore_errors=True)
+        subprocess.run([ucpfs, "convert", src, disk, f"--layout={a.layout}"], check=True, stdout=subprocess.DEVNULL)
+    rel = sorted(os.path.relpath(os.path.join(d, f), disk)
+                 for d, _, fs in os.walk(os.path.join(disk, "target", a.layout)) for f in fs if f.endswith(".pt"))
+    n_bytes = sum(os.path.getsize(os.path.join(disk, r)) for r in rel)
+    print(f"{len(rel)} rank files of {a.layout}, {n_bytes / 1e9:.2f} GB; median of {a.rounds} rounds", flush=True)
+    print(subprocess.run([ucpfs, "--version"], capture_output=True, text=True).stdout.strip(), flush=True)
+
+    variants = [("fast paths (--materialize)", ucpfs, ["--materialize", cache]),
+                ("fast paths off (--no-passthrough)", ucpfs, ["--no-passthrough"])]
+    if a.baseline_ucpfs:
+        variants.append(("baseline build", os.path.abspath(a.baseline_ucpfs), []))
+    rows = []
+    os.makedirs(mnt, exist_ok=True)
+    for name, binary, extra in variants:
+        subprocess.run([binary, "mount", src, mnt, "--read-only", f"--layout={a.layout}", *extra], check=True)
+        try:
+            on_disk = [os.path.join(disk, r) for r in rel]
+            on_mnt = [os.path.join(mnt, r) for r in rel]
+            for mmap in (False, True):
+                load_seconds(on_disk, mmap)
+                load_seconds(on_mnt, mmap)  # warm-up (computes the copies with --materialize)
+                d, m = [], []
+                for _ in range(a.rounds):
+                    d.append(load_seconds(on_disk, mmap))
+                    m.append(load_seconds(on_mnt, mmap))
+                row = (f"{name}: warm torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
+                       statistics.median(m))
+                rows.append(row)
+                print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x",
+                      flush=True)
+            with open(os.path.join(mnt, ".ucpfs", "stats.json")) as f:
+                kernel = json.load(f).get("kernel", {})
+            print(f"  {name}: kernel {json.dumps(kernel)}", flush=True)
+        finally:
+            subprocess.run([binary, "umount", mnt], check=False)
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The kernel's fast paths (libfuse >= 3.17 built by tests/build-libfuse.sh): FUSE passthrough of
+source files and of views materialised on demand (--materialize), and FUSE over io_uring.
+
+One small DCP checkpoint (gen_dcp2x.py), its view files read first through a mount with every
+fast path off (--no-passthrough: the daemon serves every byte, as with libfuse 3.14) as the
+reference. Then, with passthrough: each view file read twice equals the reference, and the
+daemon never saw those reads (stats.json's view read count does not move: the kernel read the
+materialised copy), the cache holds at most --materialize-size (least recently used out, an
+evicted file is computed again), torch.load(mmap=True) of a rank file works on the backing file,
+a new checkpoint saved into the mount (a new generation) is never served from an old copy while
+a reader of the old view keeps its bytes;
+source files are read and written in place through the kernel (counted opens, bytes equal on
+disk), an O_TRUNC rewrite of a file another process reads is refused with ETXTBSY (the kernel
+cannot mix a passed-through inode with the daemon's capture) and works once it is closed; a
+symlink as the cache directory is refused. FUSE over io_uring: with the fuse module's
+enable_uring switched on for one mount (restored after), requests arrive through the rings
+(stats.json counts them) and bytes are equal; switched off, status says why.
+
+Built against libfuse 3.14 (no source package could be had), the same views and files must be
+equal and status must say the fast paths are off and why.
+"""
+import errno
+import io
+import json
+import os
+import shutil
+import stat
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+
+from e2e_common import Results, run, tmpdir, ucpfs_bin  # noqa: E402
+from mount_common import FIXTURES, mounted, stats, status  # noqa: E402
+from write_capture_test import wait_until  # noqa: E402
+
+LAYOUT = "tp2_pp1_dp1"
+URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+
+def view_files(mnt):
+    """Relative paths of every view file (atomic/, target/<LAYOUT>/, safetensors/)."""
+    out = []
+    for top in ("atomic", os.path.join("target", LAYOUT), "safetensors"):
+        for d, _, files in os.walk(os.path.join(mnt, top)):
+            out += [os.path.relpath(os.path.join(d, f), mnt) for f in files]
+    return sorted(out)
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def main():
+    res = Results("kernel_fast_paths_test")
+    version = run([ucpfs_bin(), "--version"]).stdout
+    fast = "fast paths: " in version and "passthrough" in version.split("fast paths: ")[1]
+    uring_built = fast and "io_uring" in version.split("fast paths: ")[1]
+
+    def version_line():
+        assert "libfuse 3." in version, version
+        if not fast:
+            assert "fast paths off" in version, version
+    res.check("ucpfs --version names the libfuse and its fast paths", version_line)
+
+    with tmpdir("ucpfs-fastpaths-") as tmp:
+        src = os.path.join(tmp, "src")
+        run([sys.executable, os.path.join(FIXTURES, "gen_dcp2x.py"), src, "--expected", os.path.join(tmp, "exp")])
+        with open(os.path.join(src, "notes.txt"), "wb") as f:
+            f.write(b"0123456789" * 1000)
+        src2 = os.path.join(tmp, "src2")  # the next save: same names, other values
+        run([sys.executable, os.path.join(FIXTURES, "gen_dcp2x.py"), src2, "--seed", "2",
+             "--expected", os.path.join(tmp, "exp2")])
+        mnt = os.path.join(tmp, "mnt")
+        cache = os.path.join(tmp, "cache")
+
+        # The reference: every byte served by the daemon.
+        with mounted(src, mnt, "--layout", LAYOUT, "--no-passthrough", "--read-only") as (m, _):
+            names = view_files(m)
+            want = {n: read(os.path.join(m, n)) for n in names}
+            k = stats(m)["kernel"]
+            assert k["passthrough"].startswith("off"), k
+            assert k["passthrough_opens"] == {"source": 0, "views": 0}, k
+        assert len(names) > 20 and all(want.values()), names
+        atomic = [n for n in names if n.startswith("atomic/")]
+        with mounted(src2, mnt, "--no-passthrough", "--read-only") as (m, _):
+            want2 = {n: read(os.path.join(m, n)) for n in atomic}
+        assert any(want2[n] != want[n] for n in atomic)
+        total = sum(len(b) for b in want.values())
+        limit = total * 6 // 10  # not all fit: the least recently used go
+
+        with mounted(src, mnt, "--layout", LAYOUT, "--materialize", cache, "--materialize-size", str(limit)) as (m, _):
+            before = stats(m)
+
+            def views_equal():
+                for rnd in range(2):
+                    for n in names:
+                        got = read(os.path.join(m, n))
+                        assert got == want[n], (rnd, n, len(got), len(want[n]))
+            res.check("every view file read twice through --materialize equals the daemon's bytes", views_equal)
+            after = stats(m)
+            k = after["kernel"]
+
+            def passed_through():
+                if not fast:
+                    assert k["passthrough"].startswith("off: libfuse"), k
+                    assert after["views"]["reads"] - before["views"]["reads"] >= len(names), (before, after)
+                    return
+                assert k["passthrough"] == "on", k
+                mat = k["materialize"]
+                assert k["passthrough_opens"]["views"] == 2 * len(names), k
+                # The daemon answered no read of them: only the read of stats.json itself counts.
+                assert after["views"]["reads"] - before["views"]["reads"] == 1, (before["views"], after["views"])
+                assert mat["builds"] > len(names) and mat["evictions"] > 0, mat  # LRU: rebuilt after eviction
+                assert mat["bytes"] <= limit and mat["max_bytes"] == limit, mat
+            res.check("views are read by the kernel from the cache, never by the daemon", passed_through)
+
+            def cache_dir():
+                if not fast:
+                    return
+                st = os.lstat(cache)
+                assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid(), st
+                files = os.listdir(cache)
+                assert files and sum(os.lstat(os.path.join(cache, f)).st_size for f in files) <= limit, files
+                for f in files:
+                    fst = os.lstat(os.path.join(cache, f))
+                    assert stat.S_ISREG(fst.st_mode) and stat.S_IMODE(fst.st_mode) == 0o600, (f, fst)
+            res.check("the cache directory is 0700, its files 0600 and at most --materialize-size", cache_dir)
+
+            def mmap_load():
+                rank0 = os.path.join(m, "target", LAYOUT, "rank_0", "model.pt")
+                got = torch.load(rank0, mmap=True, weights_only=True)
+                ref = torch.load(io.BytesIO(want[os.path.relpath(rank0, m)]), weights_only=True)
+                assert got.keys() == ref.keys() and got, (list(got), list(ref))
+                for key in ref:
+                    assert torch.equal(got[key], ref[key]), key
+            res.check("torch.load(mmap=True) of a rank file equals its bytes loaded from memory", mmap_load)
+
+            def source_files():
+                n0 = stats(m)["kernel"]["passthrough_opens"]["source"]
+                for f in sorted(os.listdir(src)):
+                    if f.endswith(".distcp"):
+                        assert read(os.path.join(m, f)) == read(os.path.join(src, f)), f
+                with open(os.path.join(m, "notes.txt"), "r+b") as f:  # written in place: no capture
+                    f.seek(5000)
+                    f.write(b"ABCDEFGHIJ")
+                want_notes = b"0123456789" * 500 + b"ABCDEFGHIJ" + b"0123456789" * 499
+                assert read(os.path.join(src, "notes.txt")) == want_notes
+                assert read(os.path.join(m, "notes.txt")) == want_notes
+                n1 = stats(m)["kernel"]["passthrough_opens"]["source"]
+                if fast:
+                    n_distcp = sum(f.endswith(".distcp") for f in os.listdir(src))
+                    assert n1 - n0 == n_distcp + 2, (n0, n1)
+                else:
+                    assert n1 == n0 == 0, (n0, n1)
+            res.check("source files are read and written in place, through the kernel", source_files)
+
+            def rewrite_while_read():
+                path = os.path.join(m, "notes.txt")
+                with open(path, "rb") as reader:
+                    try:
+                        with open(path, "wb") as w:
+                            w.write(b"new")
+                        assert not fast, "an O_TRUNC rewrite of a passed-through file was let through"
+                    except OSError as e:
+                        assert fast and e.errno == errno.ETXTBSY, e
+                    got = reader.read(10)
+                    if fast:  # the reader keeps reading the file it opened
+                        assert got == b"0123456789", got
+                with open(path, "wb") as w:  # closed now: captured as before
+                    w.write(b"rewritten")
+                open(os.path.join(m, ".ucpfs", "sync")).close()
+                assert read(os.path.join(src, "notes.txt")) == b"rewritten"
+                assert read(path) == b"rewritten"
+            res.check("O_TRUNC of a file being read through the kernel: ETXTBSY, then captured once closed",
+                      rewrite_while_read)
+
+            def new_generation():
+                old = open(os.path.join(m, atomic[0]), "rb")  # an open of the current generation
+                old_bytes = old.read()
+                old.seek(0)
+                generation = status(m)["generation"]
+                # As DCP saves: the data files, then .metadata.
+                for f in sorted(f for f in os.listdir(src2) if f.endswith(".distcp")) + [".metadata"]:
+                    shutil.copyfile(os.path.join(src2, f), os.path.join(m, f))
+                try:
+                    wait_until(lambda: status(m)["generation"] > generation, timeout_s=30)
+                except AssertionError:
+                    raise AssertionError(f"no new generation: {status(m)}") from None
+                # The mount's root names are cached for 1 s: atomic/ may name the old generation that long.
+                assert wait_until(lambda: all(read(os.path.join(m, n)) == want2[n] for n in atomic), timeout_s=30)
+                assert old.read() == old_bytes, "a reader of the old view saw new bytes"
+                old.close()
+            res.check("a new generation is never served from an old copy; an old reader keeps its bytes",
+                      new_generation)
+
+        def symlink_cache_refused():
+            real = os.path.join(tmp, "real-cache")
+            os.makedirs(real)
+            link = os.path.join(tmp, "link-cache")
+            os.symlink(real, link)
+            p = run([ucpfs_bin(), "mount", src, mnt, "--materialize", link, "--log", os.path.join(tmp, "bad.log")],
+                    check=False)
+            if p.returncode == 0:
+                run([ucpfs_bin(), "umount", mnt])
+            assert p.returncode != 0 and "link-cache" in p.stderr + read(os.path.join(tmp, "bad.log")).decode(), \
+                p.stderr
+        res.check("a symlink as --materialize is refused, naming it", symlink_cache_refused)
+
+        def io_uring():
+            if not uring_built or not os.access(URING_PARAM, os.W_OK):
+                with mounted(src, mnt, "--read-only") as (m, _):
+                    k = stats(m)["kernel"]
+                    assert k["io_uring"].startswith("off: ") and k["io_uring_requests"] == 0, k
+                return
+            was = open(URING_PARAM).read().strip()
+            try:
+                for enable in ("N", "Y"):
+                    with open(URING_PARAM, "w") as f:
+                        f.write(enable)
+                    with mounted(src, mnt, "--layout", LAYOUT, "--read-only", "--no-passthrough") as (m, _):
+                        for n in atomic[:8]:  # src holds the second save now
+                            assert read(os.path.join(m, n)) == want2[n], n
+                        k = stats(m)["kernel"]
+                    if enable == "Y":
+                        assert k["io_uring"] == "on" and k["io_uring_requests"] > 0, k
+                    else:
+                        assert "enable_uring" in k["io_uring"] and k["io_uring_requests"] == 0, k
+            finally:
+                with open(URING_PARAM, "w") as f:
+                    f.write(was)
+        res.check("FUSE over io_uring where the kernel offers it, /dev/fuse otherwise (said in stats.json)", io_uring)
+    res.finish()
+
+
+if __name__ == "__main__":
+    main()
