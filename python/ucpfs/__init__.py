@@ -12,6 +12,12 @@ Nothing here needs torch.
 __version__ = "0.1.0"
 
 
+# The shared libraries the extension links (ldd), with their Debian 12 packages; the `ucpfs`
+# binary also needs libfuse3-3 (and fuse3's fusermount3 to mount as a user).
+_SYSTEM_LIBRARIES = (("liblmdb", "liblmdb0"), ("liburing", "liburing2"), ("libre2", "libre2-9"),
+                     ("libtomlplusplus", "libtomlplusplus3"), ("libz.so", "zlib1g"))
+
+
 def _load_core():
     # The extension links the system libraries a Debian 12 base image may lack; say which and how
     # to get them rather than a bare "cannot open shared object file".
@@ -19,13 +25,12 @@ def _load_core():
         from . import _core
     except ImportError as e:
         text = str(e)
-        for lib, pkg in (("liblmdb", "liblmdb0"), ("liburing", "liburing2"), ("libxxhash", "libxxhash0"),
-                         ("libre2", "libre2-9"), ("libz.so", "zlib1g")):
+        for lib, pkg in _SYSTEM_LIBRARIES:
             if lib in text:
                 raise ImportError(
-                    f"ucpfs needs the system library {lib} ({text}); on Debian 12: "
-                    f"apt-get install {pkg} (all of ucpfs's: apt-get install liblmdb0 liburing2 "
-                    f"libxxhash0 libre2-9 zlib1g, and fuse3 to mount)") from e
+                    f"ucpfs needs the system library {lib} ({text}); on Debian 12: apt-get install {pkg} "
+                    f"(all that ucpfs needs: apt-get install {' '.join(p for _, p in _SYSTEM_LIBRARIES)} "
+                    f"libfuse3-3 fuse3, the last two to mount)") from e
         raise
     return _core
 
