@@ -227,6 +227,9 @@ class Node {
 NB_MODULE(_core, m) {
   using namespace ucpfs::python;
   m.doc() = "ucpfs core: the mount's namespace without FUSE (use the `ucpfs` package, not this module)";
+  // Objects still referenced at interpreter exit (by a traceback, a module global) are not
+  // leaks of ours; nanobind would list each on stderr.
+  nb::set_leak_warnings(false);
   nb::class_<Session>(m, "Session")
       .def_ro("source_dir", &Session::source_dir)
       .def_ro("index_dir", &Session::index_dir)
