@@ -77,8 +77,17 @@ class Mount:
     def __enter__(self):
         return self if self._mounted else self.start()
 
-    def __exit__(self, *exc):
-        self.umount()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.umount()
+            return False
+        # The block failed: its exception is the one to see. An unmount that fails now (busy:
+        # the traceback may still hold a file or mmap of the mount) is a warning, not a new error.
+        try:
+            self.umount()
+        except MountError as e:
+            import warnings  # noqa: PLC0415
+            warnings.warn(f"ucpfs: {self.path} stays mounted: {e}", RuntimeWarning, stacklevel=2)
         return False
 
 
