@@ -33,6 +33,9 @@ FIXTURES = {
     # DeepSpeed ZeRO-2, 2 ranks (deepspeed_save_into_mount: the plain save to copy in and the
     # plain save a save into the mount must equal byte for byte).
     "ds_zero2": ("torch213", "gen_deepspeed.py", ["save", "{out}", "--case", "zero2", "--ranks", "2"]),
+    # Megatron-Core tp 2 dp 2 (DistributedOptimizer, fully_reshardable) after one step
+    # (python_package: ucpfs.open's views against the mount's).
+    "mcore_tp2_dp2": ("torch213", "gen_megatron_core.py", ["{out}", "--cases", "tp2_dp2", "--steps", "1"]),
     # The corrupt DCP variants (mount_dcp under each torch; verify under torch 1.13).
     "dcp2x_corrupt_torch113": ("torch113", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
     "dcp2x_corrupt_torch213": ("torch213", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
