@@ -33,6 +33,10 @@ FIXTURES = {
     # DeepSpeed ZeRO-2, 2 ranks (deepspeed_save_into_mount: the plain save to copy in and the
     # plain save a save into the mount must equal byte for byte).
     "ds_zero2": ("torch213", "gen_deepspeed.py", ["save", "{out}", "--case", "zero2", "--ranks", "2"]),
+    # A Llama-style Megatron-Core job at tp 2, untied and tied, with its live logits (hf_view).
+    "megatron_llama": ("torch213", "gen_megatron_llama.py", ["{out}"]),
+    # torchtitan 0.3.0's CheckpointManager save of its llama3 debug model (hf_view).
+    "torchtitan": ("torch213", "gen_torchtitan.py", ["{out}"]),
     # The corrupt DCP variants (mount_dcp under each torch; verify under torch 1.13).
     "dcp2x_corrupt_torch113": ("torch113", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
     "dcp2x_corrupt_torch213": ("torch213", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
