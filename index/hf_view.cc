@@ -275,9 +275,11 @@ Result<std::vector<Planned>> MegatronCorePlan(const std::map<std::string, const 
 }
 
 // A Hugging Face source: weights saved by save_pretrained (or the Trainer), whose names are
-// already the architecture's.
-bool IsHuggingFaceSource(const Checkpoint& c) {
+// already the architecture's; also the Trainer's DeepSpeed checkpoint-N/ (its config.json beside
+// the DeepSpeed tag: the engine's module is the Hugging Face model, under its own names).
+bool IsHuggingFaceSource(const Checkpoint& c, const std::string& source_dir) {
   if (std::holds_alternative<WeightsSourceFacts>(c.facts)) return true;
+  if (std::holds_alternative<DeepSpeedSourceFacts>(c.facts)) return FileSource::Open(source_dir + "/config.json").ok();
   const auto* ts = std::get_if<TorchStateSourceFacts>(&c.facts);
   return ts != nullptr && ts->framework == "hf_trainer";
 }
@@ -479,7 +481,7 @@ Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& c, const 
   } else if (dcp != nullptr && IsTitanSource(weights)) {
     UCPFS_ASSIGN_OR_RETURN(given_config, TitanConfig(weights, options, &facts));
     UCPFS_ASSIGN_OR_RETURN(plan, TitanPlan(weights, facts));
-  } else if (IsHuggingFaceSource(c)) {
+  } else if (IsHuggingFaceSource(c, source_dir)) {
     for (const char* name : kHfPassThroughFiles) {
       auto opened = FileSource::Open(source_dir + "/" + name);
       if (!opened.ok() && opened.error().code() == StatusCode::kNotFound) continue;

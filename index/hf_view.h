@@ -14,8 +14,8 @@
 //   vocabulary's padding rows stripped to the real vocabulary (MegatronTokenizerVocab), tied
 //   embeddings left to Hugging Face (no lm_head.weight, tie_word_embeddings true). config.json
 //   from the args (MegatronArchitectureArgs).
-// - Hugging Face itself (weights-only safetensors or torch folders, the Trainer's checkpoint-N/)
-//   with its config.json: the identity. The weights under their own names and dtype, resharded;
+// - Hugging Face itself (weights-only safetensors or torch folders, the Trainer's checkpoint-N/,
+//   with DeepSpeed too: its engine's module states) with its config.json: the identity. The weights under their own names and dtype, resharded;
 //   config.json, generation_config.json and the tokenizer files (kHfPassThroughFiles) passed
 //   through as the source's files (opened now, never through a symlink, read on read).
 //

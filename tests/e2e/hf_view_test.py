@@ -24,6 +24,9 @@ rotary layout, llama3 rope scaling) mounted without --hf-config names the missin
 hf.error; with the base model's config.json (written here from torchtitan's model config) hf/
 holds exactly what torchtitan's own Llama3StateDictAdapter.to_hf makes of the live weights, and
 from_pretrained gives torchtitan's own model's logits (<= 1e-4) and greedy tokens.
+The Hugging Face Trainer's DeepSpeed ZeRO-2 checkpoint-3/ (fixture hf_trainer_zero2): hf/ is the
+engine's module under its own names with the Trainer's config.json; from_pretrained gives the
+logits of the framework's model holding the live job's weights (exact) and its greedy tokens.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/hf_view_test.py [DIR]
 (DIR: reuse what `gen_megatron_llama.py DIR` wrote).
@@ -202,11 +205,36 @@ def titan_source(r, work):
         r.check("torchtitan: from_pretrained(MNT/hf) gives torchtitan's logits and greedy tokens", logits)
 
 
+def deepspeed_source(r, work):
+    """The Trainer's DeepSpeed save: the live weights (the engine's safe_get_full_fp32_param) in
+    the framework's own model are the oracle."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))
+    import gen_hf_trainer  # noqa: PLC0415
+    gen = fixture("hf_trainer_zero2", work)
+    truth = torch.load(os.path.join(gen, "truth.pt"), weights_only=False)
+    live = gen_hf_trainer.make_model().eval()
+    live.load_state_dict(truth["weights"], strict=True)
+    tokens = torch.tensor([[3, 9, 27, 81, 50, 11, 2, 7]])
+    with torch.no_grad():
+        want = live(tokens).logits
+        greedy = live.generate(tokens, max_new_tokens=4, do_sample=False)
+    with mounted(os.path.join(gen, "checkpoint-3"), os.path.join(work, "mnt-ds")) as (mnt, _):
+        def same():
+            hf = os.path.join(mnt, "hf")
+            assert set(shards(hf)) == set(truth["weights"]), "not the model's names"
+            model = hf_model(hf)
+            with torch.no_grad():
+                assert torch.equal(model(tokens).logits, want), "logits differ"
+                assert torch.equal(model.generate(tokens, max_new_tokens=4, do_sample=False), greedy)
+        r.check("the Trainer's DeepSpeed ZeRO-2 save: from_pretrained gives the live model's logits", same)
+
+
 def main():
     r = Results("e2e_hf_view")
     with tmpdir("hf-view-") as work:
         hf_source(r, work)
         titan_source(r, work)
+        deepspeed_source(r, work)
         gen = sys.argv[1] if len(sys.argv) > 1 else fixture("megatron_llama", work)
         for case in ("untied", "tied"):
             truth = torch.load(os.path.join(gen, f"{case}_truth.pt"), weights_only=False)
