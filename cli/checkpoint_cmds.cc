@@ -284,6 +284,20 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
   }
   t.lookup_budget_bytes = args.lookup_memory_mib << 20;
   t.safetensors_shard_n_bytes = v.safetensors_shard_n_bytes;
+  t.hf.max_shard_n_bytes = v.safetensors_shard_n_bytes;
+  if (!args.hf_dtype.empty()) {
+    UCPFS_ASSIGN_OR_RETURN(t.hf.dtype, index::ParseHfDType(args.hf_dtype));
+  }
+  if (!args.hf_config.empty()) {  // read now: the daemon may not see the same relative path
+    std::ifstream in(args.hf_config, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    if (!in || text.str().size() > (1u << 20)) {
+      return InvalidArgumentError("--hf-config " + args.hf_config + ": cannot be read, or larger than 1 MiB");
+    }
+    t.hf.config_text = text.str();
+    t.hf.config_path = args.hf_config;
+  }
   return t;
 }
 

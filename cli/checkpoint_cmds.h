@@ -58,6 +58,8 @@ struct MountArgs {
   std::string cache_size = "2G";          // --cache-size: the pinned write-capture cache
   uint64_t write_stall_timeout_s = 30;    // --write-stall-timeout (WriteCaptureOptions)
   std::string safetensors_shard_size;     // --safetensors-shard-size (empty: Hugging Face's 5GB)
+  std::string hf_dtype;                   // --hf-dtype: hf/'s weights (empty: as trained)
+  std::string hf_config;                  // --hf-config FILE: the base model's config.json
   std::string readahead;                  // --readahead (ParseReadAhead)
   std::string prefetch;                   // --prefetch (ParseReadAhead)
   bool read_only = false;                 // --read-only: no writes, no capture

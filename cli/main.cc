@@ -43,6 +43,9 @@ int main(int argc, char** argv) {
                "  MNT/target/<layout>/rank_N/model.safetensors      the same weights as safetensors\n"
                "  MNT/safetensors/model-0000K-of-0000N.safetensors  the weights consolidated, sharded as\n"
                "                                                    Hugging Face saves them (+ index.json)\n"
+               "  MNT/hf/                                           a Hugging Face model folder that\n"
+               "                                                    from_pretrained loads (config.json,\n"
+               "                                                    Llama names; or hf.error: what is missing)\n"
                "  MNT/<tag>_universal/, MNT/latest_universal        DeepSpeed: what ds_to_universal writes\n"
                "  MNT/<source files>                                the checkpoint's own files, read-write:\n"
                "                                                    saves return at memory speed, are made\n"
@@ -93,6 +96,10 @@ int main(int argc, char** argv) {
                         "the most --materialize keeps, least recently opened out (default 8G)");
   mount_cmd->add_option("--safetensors-shard-size", mount.safetensors_shard_size,
                         "largest file of safetensors/ (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
+  mount_cmd->add_option("--hf-dtype", mount.hf_dtype, "dtype of hf/'s weights: bf16, fp16 or fp32 (default: as trained)");
+  mount_cmd->add_option("--hf-config", mount.hf_config,
+                        "the base model's config.json, for hf/ of sources that do not record their architecture "
+                        "(torchtitan-style DCP)");
   AddSourceOptions(mount_cmd, mount.source);
 
   std::string umount_path;

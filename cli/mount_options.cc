@@ -108,6 +108,10 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
   } else if (name == "safetensors_shard_size") {
     UCPFS_RETURN_IF_ERROR(CheckSize(option, value));
     a->safetensors_shard_size = value;
+  } else if (name == "hf_dtype") {
+    a->hf_dtype = value;
+  } else if (name == "hf_config") {
+    a->hf_config = value;
   } else if (name == "pattern_rules") {
     a->pattern_rules = value;
   } else if (name == "index_dir") {
@@ -124,10 +128,10 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
 bool OwnKind(std::string_view name, Kind* kind) {
   static constexpr std::array<std::string_view, 6> kFlags = {"ro", "rw", "read_only", "read_only_index",
                                                              "foreground", "no_passthrough"};
-  static constexpr std::array<std::string_view, 16> kValued = {"materialize", "materialize_size",
+  static constexpr std::array<std::string_view, 18> kValued = {"materialize", "materialize_size",
       "layout",    "preset",   "pp_split",  "lookup_memory_mib", "cache_size", "readahead", "prefetch",
       "safetensors_shard_size", "pattern_rules", "index_dir", "rules", "log", "write_stall_timeout",
-      "make_vocab_size_divisible_by"};
+      "make_vocab_size_divisible_by", "hf_dtype", "hf_config"};
   if (In(kFlags, name)) {
     *kind = Kind::kFlag;
     return true;

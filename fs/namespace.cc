@@ -367,6 +367,30 @@ Status AddSafetensorsView(Tree& tree, Ino parent, const index::Snapshot& snap, c
   return Status::Ok();
 }
 
+// `hf/` under `parent` (index/hf_view.h); when it cannot be made, `hf.error` there holds why
+// (and *error, for status.json): the mount goes on without it.
+Status AddHfView(Tree& tree, Ino parent, const index::Snapshot& snap, const index::PatternOptions& patterns,
+                 const index::HfViewOptions& options, struct timespec mtime, const ViewAccess& access, size_t* n_files,
+                 std::string* error) {
+  auto built = index::BuildHfView(snap.checkpoint(), snap.mapping, snap.files, patterns, snap.source_dir(), options);
+  if (!built.ok()) {
+    *error = built.error().message();
+    auto src = std::make_shared<MemorySource>("hf.error", std::vector<std::byte>(
+        reinterpret_cast<const std::byte*>(error->data()), reinterpret_cast<const std::byte*>(error->data()) + error->size()));
+    const uint64_t n = src->Size();
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, "hf.error", n, mtime, FixedSource(std::move(src))));
+    return tree.SetAccess(ino, access.mode, access.uid, access.gid);
+  }
+  UCPFS_ASSIGN_OR_RETURN(Ino dir, tree.AddDir(parent, "hf", mtime));
+  for (auto& f : *built) {
+    const uint64_t n_bytes = f.source->Size();
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir, f.name, n_bytes, mtime, FixedSource(std::move(f.source))));
+    UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
+    ++*n_files;
+  }
+  return Status::Ok();
+}
+
 // `.ucpfs/`: status.json (`status_text`), stats.json (counters as of open(2): `counters`' and
 // the capture's, padded with spaces to a fixed size so the size is known before the content;
 // JSON allows trailing white space) and, with a capture, `sync` (its open(2) returns once
@@ -531,6 +555,9 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   std::string safetensors_error;
   UCPFS_RETURN_IF_ERROR(AddSafetensorsView(*tree, kRootIno, *snapshot, patterns, targets.safetensors_shard_n_bytes, mtime,
                                            access, &n_safetensors, &safetensors_error));
+  size_t n_hf = 0;
+  std::string hf_error;
+  UCPFS_RETURN_IF_ERROR(AddHfView(*tree, kRootIno, *snapshot, patterns, targets.hf, mtime, access, &n_hf, &hf_error));
 
   // target/<layout>/rank_<N>/: the --layout views now; any other valid layout name when it is
   // first looked up (NamespaceInfo::resolve_target).
@@ -672,12 +699,14 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
                       {"atomic_files", n_atomic},
                       {"target_files", n_target},
                       {"safetensors_files", n_safetensors},
+                      {"hf_files", n_hf},
                       {"atomic_bytes", atomic_bytes},
                       {"source_files", n_passthrough},
                       {"universal_files", n_universal},
                       {"items", ckpt.items.size()},
                       {"unmapped_keys", mapping.unmapped_keys.size()}};
   if (!safetensors_error.empty()) status["safetensors"] = {{"error", safetensors_error}};
+  if (!hf_error.empty()) status["hf"] = {{"error", hf_error}};
   status["target_layouts"] = nlohmann::ordered_json::array();
   for (const auto& l : targets.layouts) status["target_layouts"].push_back(l.name);
   if (universal) {

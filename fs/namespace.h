@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "index/catalog.h"
+#include "index/hf_view.h"
 #include "index/key_map.h"
 #include "index/snapshot.h"
 
@@ -58,6 +59,7 @@ struct TargetOptions {
   uint64_t lookup_budget_bytes = uint64_t{256} << 20;
   // safetensors/: the largest shard (--safetensors-shard-size; index/safetensors_view.h).
   uint64_t safetensors_shard_n_bytes = 5'000'000'000;
+  index::HfViewOptions hf;  // hf/: --hf-dtype, the shard size (index/hf_view.h)
 };
 
 

@@ -244,6 +244,8 @@ class DcpScan {
       // Megatron-LM keeps num_query_groups from the command line even without GQA.
       const pickle::NodeId gqa = g.DictGet(fields, "group_query_attention");
       if (g.kind(gqa) == pickle::Kind::kBool && g.bool_value(gqa)) positive("num_query_groups", &known.num_query_groups);
+      known.architecture = MegatronArchitectureArgs(g, fields);
+      any |= !known.architecture.empty();
     }
     if (const pickle::NodeId t = g.kind(fields) == pickle::Kind::kDict ? g.DictGet(fields, "tokenizer_type")
                                                                        : pickle::kNoNode;

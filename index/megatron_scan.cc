@@ -866,6 +866,36 @@ int64_t MegatronTokenizerVocab(int64_t args_vocab_size, std::string_view tokeniz
   return args_vocab_size > 0 && tokenizer_type == "NullTokenizer" ? args_vocab_size + 1 : args_vocab_size;
 }
 
+nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::NodeId fields) {
+  static constexpr const char* kNames[] = {
+      "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+      "group_query_attention", "kv_channels", "swiglu", "normalization", "norm_epsilon", "layernorm_epsilon",
+      "apply_layernorm_1p", "position_embedding_type", "use_rotary_position_embeddings", "rotary_base",
+      "rotary_percent", "rotary_interleaved", "use_rope_scaling", "rotary_seq_len_interpolation_factor",
+      "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+      "max_position_embeddings", "seq_length", "bf16", "fp16", "params_dtype", "tokenizer_type",
+      "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "multi_latent_attention", "squared_relu",
+      "openai_gelu", "attention_softmax_in_fp32"};
+  nlohmann::json out = nlohmann::json::object();
+  if (g.kind(fields) != pickle::Kind::kDict) return out;
+  for (const char* name : kNames) {
+    const pickle::NodeId v = g.DictGet(fields, name);
+    switch (g.kind(v)) {
+      case pickle::Kind::kBool: out[name] = g.bool_value(v); break;
+      case pickle::Kind::kInt: out[name] = g.int_value(v); break;
+      case pickle::Kind::kFloat: out[name] = g.float_value(v); break;
+      case pickle::Kind::kString:
+        if (g.text(v).size() <= 256) out[name] = std::string(g.text(v));
+        break;
+      case pickle::Kind::kGlobal:  // torch.float32 and the like
+        if (g.module(v) == "torch" && g.name(v).size() <= 64) out[name] = "torch." + std::string(g.name(v));
+        break;
+      default: break;
+    }
+  }
+  return out;
+}
+
 bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk_layernorm) {
   const bool bias_or_1d = name.ends_with(".bias") || n_dims == 1;
   const bool qk_norm = name.find("q_layernorm.") != std::string::npos || name.find("k_layernorm.") != std::string::npos;

@@ -60,6 +60,9 @@
 #include <string>
 #include <string_view>
 
+#include <nlohmann/json.hpp>
+
+#include "core/format/pickle.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
@@ -85,6 +88,13 @@ Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
 // scanner and the torch_dist one (dcp_scan.cc), so the target views pad from, and the
 // safetensors view strips to, the rows the tokenizer really has.
 int64_t MegatronTokenizerVocab(int64_t args_vocab_size, std::string_view tokenizer_type);
+
+// The fields of Megatron-LM's saved `args` (the argparse.Namespace's state dict `fields`) that
+// describe the model's architecture (kMegatronArchitectureArgNames: layers, widths, heads, norm,
+// rotary, biases, tied embeddings, dtype flags), as a JSON object of what each holds when it is a
+// bool, number or string (at most 256 bytes); a torch dtype (params_dtype) as "torch.<name>".
+// Others, and fields holding anything else, are left out: the reader names what is missing.
+nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::NodeId fields);
 
 // Megatron-Core's weight-decay rule (optimizer/__init__.py get_standard_config_overrides, as
 // _get_param_groups applies it to model_chunk.named_parameters()): no weight decay (wd_mult 0)

@@ -35,13 +35,7 @@ Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& 
   UCPFS_ASSIGN_OR_RETURN(views::ModelPatterns mp,
                          views::PatternsOf(pattern_params, patterns.preset, patterns.rules, patterns.vocab_size));
 
-  // The tensors, with their sizes.
-  struct Tensor {
-    std::string name;
-    format::SaveTensor tensor;
-    uint64_t n_bytes;
-  };
-  std::vector<Tensor> tensors;
+  std::vector<NamedSaveTensor> tensors;
   for (size_t i = 0; i < weights.size(); ++i) {
     const Item& it = *weights[i].item;
     if (format::SafetensorsDTypeName(it.dtype).empty()) {
@@ -67,6 +61,11 @@ Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& 
                        n});
   }
 
+  return ShardSafetensors(std::move(tensors), max_shard_n_bytes, "safetensors/");
+}
+
+Result<std::vector<SafetensorsViewFile>> ShardSafetensors(std::vector<NamedSaveTensor> tensors,
+                                                          uint64_t max_shard_n_bytes, const std::string& dir) {
   // huggingface_hub's split: fill shards in order; an oversized tensor alone, before the shard
   // being filled.
   std::vector<std::vector<size_t>> shards;
@@ -100,14 +99,14 @@ Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& 
       shard.emplace_back(tensors[i].name, tensors[i].tensor);
     }
     UCPFS_ASSIGN_OR_RETURN(auto file, format::LazySafetensorsFile::Build(std::move(shard), {{"format", "pt"}},
-                                                                         std::string("safetensors/") + name));
+                                                                         dir + name));
     out.push_back({name, std::move(file)});
   }
   std::string index = format::SafetensorsIndexJson(total_n_bytes, weight_map);
   std::vector<std::byte> bytes(index.size());
   std::memcpy(bytes.data(), index.data(), index.size());
   out.push_back({"model.safetensors.index.json",
-                 std::make_shared<MemorySource>("safetensors/model.safetensors.index.json", std::move(bytes))});
+                 std::make_shared<MemorySource>(dir + "model.safetensors.index.json", std::move(bytes))});
   return out;
 }
 

@@ -36,6 +36,20 @@ struct SafetensorsViewFile {
   std::shared_ptr<const ByteSource> source;
 };
 
+// One tensor of a sharded safetensors folder, with its size in bytes.
+struct NamedSaveTensor {
+  std::string name;
+  format::SaveTensor tensor;
+  uint64_t n_bytes = 0;
+};
+
+// `tensors`, in order, as huggingface_hub's split lays them into shards (see above):
+// `model-0000K-of-0000N.safetensors` then `model.safetensors.index.json`; `dir` prefixes the
+// files' names in errors ("safetensors/", "hf/"). Shared by safetensors/ and hf/ (hf_view.h).
+// Errors: LazySafetensorsFile::Build's.
+Result<std::vector<SafetensorsViewFile>> ShardSafetensors(std::vector<NamedSaveTensor> tensors,
+                                                          uint64_t max_shard_n_bytes, const std::string& dir);
+
 // The view's files, shards first, the index last; empty when the source has no weight.
 // Errors: kInvalidArgument when max_shard_n_bytes is 0 or a name safetensors cannot hold (not
 // UTF-8, "__metadata__"); a dtype safetensors cannot hold (kUnsupported naming the parameter);

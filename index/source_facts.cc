@@ -118,6 +118,7 @@ json Encode(const DcpSourceFacts& f) {
     put("num_query_groups", a.num_query_groups);
     put("kv_channels", a.kv_channels);
     args["apply_wd_to_qk_layernorm"] = a.apply_wd_to_qk_layernorm;
+    if (!a.architecture.empty()) args["architecture"] = a.architecture;
     j["megatron_args"] = std::move(args);
   }
   return j;
@@ -137,6 +138,16 @@ Result<DcpSourceFacts> DecodeDcp(const json& j) {
     m.num_query_groups = a.OptionalInt("num_query_groups", 1, kMaxCount);
     m.kv_channels = a.OptionalInt("kv_channels", 1, kMaxCount);
     m.apply_wd_to_qk_layernorm = a.Flag("apply_wd_to_qk_layernorm", false);
+    if (const json* arch = a.Find("architecture", false)) {
+      // Only what the scanner records: an object of scalars, each string short.
+      if (!arch->is_object()) return CorruptError("index: the Megatron args' 'architecture' is not an object");
+      for (const auto& [k, v] : arch->items()) {
+        if (!(v.is_boolean() || v.is_number() || (v.is_string() && v.get_ref<const std::string&>().size() <= 256))) {
+          return CorruptError("index: the Megatron args' architecture field '" + k + "' is not a bool, number or short string");
+        }
+      }
+      m.architecture = *arch;
+    }
     UCPFS_RETURN_IF_ERROR(a.status());
     out.args = std::move(m);
   }

@@ -33,6 +33,9 @@ struct MegatronCoreArgs {
   std::optional<int64_t> vocab_size, make_vocab_size_divisible_by, padded_vocab_size, num_attention_heads,
       num_query_groups, kv_channels;
   bool apply_wd_to_qk_layernorm = false;  // Megatron's weight-decay rule (MegatronNoWeightDecay)
+  // The architecture fields of the args as saved (MegatronArchitectureArgs, megatron_scan.h): an
+  // object of bools, numbers and strings, what the hf/ view's config.json is made of.
+  nlohmann::json architecture = nlohmann::json::object();
 };
 
 // "dcp" (dcp_scan.h).

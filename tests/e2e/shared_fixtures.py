@@ -36,6 +36,10 @@ FIXTURES = {
     # Megatron-Core tp 2 dp 2 (DistributedOptimizer, fully_reshardable) after one step
     # (python_package: ucpfs.open's views against the mount's).
     "mcore_tp2_dp2": ("torch213", "gen_megatron_core.py", ["{out}", "--cases", "tp2_dp2", "--steps", "1"]),
+    # A Llama-style Megatron-Core job at tp 2, untied and tied, with its live logits (hf_view).
+    "megatron_llama": ("torch213", "gen_megatron_llama.py", ["{out}"]),
+    # torchtitan 0.3.0's CheckpointManager save of its llama3 debug model (hf_view).
+    "torchtitan": ("torch213", "gen_torchtitan.py", ["{out}"]),
     # The corrupt DCP variants (mount_dcp under each torch; verify under torch 1.13).
     "dcp2x_corrupt_torch113": ("torch113", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
     "dcp2x_corrupt_torch213": ("torch213", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
