@@ -36,7 +36,8 @@ namespace ucpfs::index {
 // (MegatronTokenizerVocab).
 // 9: fragments record their averaged copies (Fragment::mean_with: DeepSpeed's
 // parameter_to_average_patterns).
-inline constexpr uint32_t kCatalogSchemaVersion = 9;
+// 10: DeepSpeed facts record Megatron-DeepSpeed's args (heads, query groups, vocabulary).
+inline constexpr uint32_t kCatalogSchemaVersion = 10;
 
 // xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
 // under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not

@@ -60,6 +60,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/format/pickle.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
@@ -85,6 +86,17 @@ Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
 // scanner and the torch_dist one (dcp_scan.cc), so the target views pad from, and the
 // safetensors view strips to, the rows the tokenizer really has.
 int64_t MegatronTokenizerVocab(int64_t args_vocab_size, std::string_view tokenizer_type);
+
+// The model facts of a Megatron `args` (an argparse.Namespace, read as data) that the views need
+// to split for another layout: vocabulary (MegatronTokenizerVocab), its pad multiple, padded
+// vocabulary, heads, query groups, kv_channels, apply_wd_to_qk_layernorm. Query groups are
+// Megatron-LM's num_query_groups when group_query_attention is set (it keeps the command line's
+// value even without GQA), else Megatron-DeepSpeed's num_key_value_heads (which it always sets:
+// the heads without GQA; its fused query_key_value is group-interleaved as Megatron-Core's).
+// Each number only when saved as a positive int; nullopt when `args` records none. Shared by the
+// torch_dist scanner (common.pt, dcp_scan.cc) and the DeepSpeed one (Megatron-DeepSpeed's
+// client state, deepspeed_scan.cc), so the args are decoded in one place.
+std::optional<MegatronCoreArgs> DecodeMegatronArgs(const pickle::PickleGraph& g, pickle::NodeId args);
 
 // Megatron-Core's weight-decay rule (optimizer/__init__.py get_standard_config_overrides, as
 // _get_param_groups applies it to model_chunk.named_parameters()): no weight decay (wd_mult 0)
