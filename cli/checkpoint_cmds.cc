@@ -306,7 +306,7 @@ Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
 // these are tried at once, the rest after a quiet spell.
 bool IsCompletionMarker(const std::string& rel) {
   const std::string name = rel.substr(rel.find_last_of('/') + 1);
-  return name == "latest" || name == "latest_checkpointed_iteration.txt" || name == ".metadata" ||
+  return name == "latest" || name == "latest_checkpointed_iteration.txt" || name == ".metadata" || name == "trainer_state.json" ||
          name == "model.safetensors.index.json" || name == "pytorch_model.bin.index.json" ||
          (name.size() > 9 && name.compare(name.size() - 9, 9, ".metadata") == 0);
 }
@@ -322,6 +322,10 @@ struct Generation {
   std::shared_ptr<fs::Tree> tree;
   fs::NamespaceInfo info;
   std::shared_ptr<const index::Snapshot> snapshot;
+  // A run directory's checkpoint with a completion marker that did not open (still being saved:
+  // a copy such as `cp -r` may write the marker before the shards). Its marker stays pending, so
+  // the generation that opens it once its shards land is served.
+  bool incomplete = false;
 };
 
 // The snapshot whose views the root serves. Before a save renames a file over one of its source
@@ -350,9 +354,10 @@ class ServedSnapshot {
 class Reindexer {
  public:
   using Build = std::function<Result<Generation>(uint64_t generation)>;
-  Reindexer(Build build, bool serving_checkpoint, std::shared_ptr<ServedSnapshot> served)
-      : build_(std::move(build)), serving_checkpoint_(serving_checkpoint), served_(std::move(served)),
-        thread_([this] { Loop(); }) {}
+  // `marker_pending`: the first generation is incomplete (Generation::incomplete).
+  Reindexer(Build build, bool serving_checkpoint, bool marker_pending, std::shared_ptr<ServedSnapshot> served)
+      : build_(std::move(build)), marker_changed_(marker_pending), serving_checkpoint_(serving_checkpoint),
+        served_(std::move(served)), thread_([this] { Loop(); }) {}
   ~Reindexer() {
     {
       std::lock_guard lock(mu_);
@@ -417,7 +422,7 @@ class Reindexer {
         continue;
       }
       if (serving_checkpoint_ && !marker) continue;  // shards of a save not finished yet
-      auto& [tree, info, snapshot] = *built;
+      auto& [tree, info, snapshot, incomplete] = *built;
       const Status swapped = fs_->Swap(std::move(tree), info.target_dir, info.resolve_target, info.list_target);
       if (!swapped.ok()) {
         std::cerr << "ucpfs: views not updated: " << swapped.ToString() << std::endl;
@@ -425,6 +430,9 @@ class Reindexer {
       }
       ++generation;
       serving_checkpoint_ = true;
+      // Served, but a run checkpoint whose marker arrived is not in it yet: its remaining
+      // shards becoming durable (no marker change) must still bring it in.
+      if (incomplete) marker_changed_ = true;
       served_->Set(std::move(snapshot));
       std::cerr << "ucpfs: generation " << generation << ": views of " << info.source_dir << " rebuilt in "
                 << seconds << " s (" << info.n_atomic_files << " atomic files)" << std::endl;
@@ -595,6 +603,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
         listed.push_back(std::move(entry));
       }
       if (!run.empty()) {
+        const bool incomplete = run.size() < found.checkpoints.size();
         fs::MountHooks run_hooks = hooks;
         run_hooks.status_extra["run"] = {{"newest", run.back().name}, {"checkpoints", listed},
                                          {"left_out", found.n_left_out}};
@@ -602,7 +611,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
         info.index_state = index::IndexStateName(run.back().snapshot->opened.state);
         info.index_seconds = run.back().snapshot->opened.elapsed_s;
         // The newest is the served snapshot whose files a save replacing them keeps open.
-        return Generation{std::move(tree), std::move(info), run.back().snapshot};
+        return Generation{std::move(tree), std::move(info), run.back().snapshot, incomplete};
       }
       if (!allow_empty) return snapshot.error();
       UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildEmptyNamespace(o.source_dir, snapshot.error().message(), generation,
@@ -620,12 +629,12 @@ int ServeMount(const MountArgs& args, int ready_fd) {
   // the mount as a stale one does (nothing could ever index a later save either).
   auto first = build(1, /*allow_empty=*/!so.read_only_index);
   if (!first.ok()) return report("index", first.error());
-  auto& [tree, info, first_snapshot] = *first;
+  auto& [tree, info, first_snapshot, first_incomplete] = *first;
   if (capture) {
     served->Set(first_snapshot);
     const bool has_checkpoint = info.n_atomic_files != 0 || info.target_dir != 0;
     reindexer = std::make_shared<Reindexer>([build](uint64_t generation) { return build(generation, false); },
-                                            has_checkpoint, served);
+                                            has_checkpoint, first_incomplete, served);
     changed->Set([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
   }
   fs::MountOptions mo;

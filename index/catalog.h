@@ -38,7 +38,8 @@ namespace ucpfs::index {
 // parameter_to_average_patterns).
 // 10: weights facts record the directory's config.json (WeightsSourceFacts::hf_config).
 // 11: Megatron-Core args' architecture fields in the facts (the hf/ view's config.json).
-inline constexpr uint32_t kCatalogSchemaVersion = 11;
+// 12: DeepSpeed facts record Megatron-DeepSpeed's args (heads, query groups, vocabulary).
+inline constexpr uint32_t kCatalogSchemaVersion = 12;
 
 // xxHash3-64 over the sorted (relative path, size, mtime, ctime, inode) of every regular file
 // under `dir` (the index directory `.ucpfs/` excluded; symlinks and special files are not

@@ -217,42 +217,13 @@ class DcpScan {
   // make_vocab_size_divisible_by; splitting the fused QKV
   // needs the query groups (or heads and kv_channels); Megatron's weight-decay rule, which the
   // optimizer's param groups are matched by (MegatronCoreOptimizerFactsOf), needs
-  // apply_wd_to_qk_layernorm. Decoded here once into the facts; a common.pt that does not parse,
+  // apply_wd_to_qk_layernorm. Decoded once (DecodeMegatronArgs) into the facts; a common.pt that does not parse,
   // or has no args, leaves them unset (the preset's defaults apply).
   void ReadMegatronArgs(uint32_t common_id) {
     auto tf = builder_.OpenTorchFile(common_id);
     if (!tf.ok()) return;
     const pickle::PickleGraph& g = tf->graph();
-    const pickle::NodeId args = g.DictGet(g.root(), "args");
-    MegatronCoreArgs known;
-    const pickle::NodeId wd = Get(g, args, "apply_wd_to_qk_layernorm");
-    known.apply_wd_to_qk_layernorm =
-        (g.kind(wd) == pickle::Kind::kBool && g.bool_value(wd)) || (g.kind(wd) == pickle::Kind::kInt && g.int_value(wd) != 0);
-    bool any = known.apply_wd_to_qk_layernorm;
-    const pickle::NodeId fields = g.kind(args) == pickle::Kind::kObject ? g.state(args) : pickle::kNoNode;
-    if (g.kind(fields) == pickle::Kind::kDict) {
-      auto positive = [&](const char* name, std::optional<int64_t>* into) {
-        const pickle::NodeId v = g.DictGet(fields, name);
-        if (g.kind(v) == pickle::Kind::kInt && g.int_value(v) > 0) *into = g.int_value(v);
-        any |= into->has_value();
-      };
-      positive("vocab_size", &known.vocab_size);
-      positive("make_vocab_size_divisible_by", &known.make_vocab_size_divisible_by);
-      positive("padded_vocab_size", &known.padded_vocab_size);
-      positive("num_attention_heads", &known.num_attention_heads);
-      positive("kv_channels", &known.kv_channels);
-      // Megatron-LM keeps num_query_groups from the command line even without GQA.
-      const pickle::NodeId gqa = g.DictGet(fields, "group_query_attention");
-      if (g.kind(gqa) == pickle::Kind::kBool && g.bool_value(gqa)) positive("num_query_groups", &known.num_query_groups);
-      known.architecture = MegatronArchitectureArgs(g, fields);
-      any |= !known.architecture.empty();
-    }
-    if (const pickle::NodeId t = g.kind(fields) == pickle::Kind::kDict ? g.DictGet(fields, "tokenizer_type")
-                                                                       : pickle::kNoNode;
-        known.vocab_size && g.kind(t) == pickle::Kind::kString) {
-      known.vocab_size = MegatronTokenizerVocab(*known.vocab_size, g.text(t));
-    }
-    if (any) facts_.args = known;
+    facts_.args = DecodeMegatronArgs(g, g.DictGet(g.root(), "args"));
   }
 
   // ---- directory and metadata ------------------------------------------------------------

@@ -27,6 +27,7 @@
 #include "index/checkpoint_builder.h"
 #include "index/pickle_walk.h"
 #include "index/deepspeed_patterns.h"
+#include "index/megatron_scan.h"
 
 namespace ucpfs::index {
 namespace {
@@ -232,6 +233,10 @@ class DeepSpeedScanner {
       const pickle::NodeId uc = Get(g, g.root(), "universal_checkpoint_info");
       uc_json_ = g.kind(uc) == pickle::Kind::kDict ? PlainJson(g, uc, 0, &budget) : nlohmann::json(nullptr);
       UCPFS_ASSIGN_OR_RETURN(patterns_, ParseDeepSpeedPatterns(uc_json_, model0_where));
+      // Megatron-DeepSpeed's client state keeps its args, as ds_to_universal reads them: the
+      // heads and query groups a tp split of the fused query_key_value needs, the vocabulary's
+      // pad multiple.
+      megatron_args_ = DecodeMegatronArgs(g, Get(g, g.root(), "args"));
       if (tp_ > 1 && !patterns_.present) {
         return UnsupportedError(model0_where + ": a tensor-parallel (tp " + std::to_string(tp_) +
                                 ") checkpoint without universal_checkpoint_info: how each parameter is split "
@@ -536,6 +541,7 @@ class DeepSpeedScanner {
     info.tp = tp_;
     info.pp = pp_;
     info.universal_checkpoint_info = uc_json_;
+    info.megatron_args = megatron_args_;
     // The files ds_to_universal copies next to zero/: mp_rank_* (ZeRO-1/2, BF16_Optimizer) or
     // every *model_states.pt (ZeRO-3).
     if (zero3_) {
@@ -973,6 +979,7 @@ class DeepSpeedScanner {
   int tp_ = 1, pp_ = 1, dp_ = 0;
   int stage_ = 0;
   nlohmann::json uc_json_;
+  std::optional<MegatronCoreArgs> megatron_args_;
   DeepSpeedPatterns patterns_;
   std::vector<std::vector<std::vector<Param>>> groups_;   // by mp rank, param group
   std::set<std::string> known_names_;                     // every param_shapes name

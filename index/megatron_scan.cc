@@ -866,7 +866,7 @@ int64_t MegatronTokenizerVocab(int64_t args_vocab_size, std::string_view tokeniz
   return args_vocab_size > 0 && tokenizer_type == "NullTokenizer" ? args_vocab_size + 1 : args_vocab_size;
 }
 
-nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::NodeId fields) {
+nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::NodeId args) {
   static constexpr const char* kNames[] = {
       "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
       "group_query_attention", "kv_channels", "swiglu", "normalization", "norm_epsilon", "layernorm_epsilon",
@@ -877,9 +877,8 @@ nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::No
       "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "multi_latent_attention", "squared_relu",
       "openai_gelu", "attention_softmax_in_fp32"};
   nlohmann::json out = nlohmann::json::object();
-  if (g.kind(fields) != pickle::Kind::kDict) return out;
   for (const char* name : kNames) {
-    const pickle::NodeId v = g.DictGet(fields, name);
+    const pickle::NodeId v = Get(g, args, name);
     switch (g.kind(v)) {
       case pickle::Kind::kBool: out[name] = g.bool_value(v); break;
       case pickle::Kind::kInt: out[name] = g.int_value(v); break;
@@ -894,6 +893,34 @@ nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::No
     }
   }
   return out;
+}
+
+std::optional<MegatronCoreArgs> DecodeMegatronArgs(const pickle::PickleGraph& g, pickle::NodeId args) {
+  MegatronCoreArgs known;
+  known.apply_wd_to_qk_layernorm = Truthy(g, Get(g, args, "apply_wd_to_qk_layernorm"));
+  bool any = known.apply_wd_to_qk_layernorm;
+  auto positive = [&](const char* name, std::optional<int64_t>* into) {
+    const pickle::NodeId v = Get(g, args, name);
+    if (g.kind(v) == pickle::Kind::kInt && g.int_value(v) > 0) *into = g.int_value(v);
+    any |= into->has_value();
+  };
+  positive("vocab_size", &known.vocab_size);
+  positive("make_vocab_size_divisible_by", &known.make_vocab_size_divisible_by);
+  positive("padded_vocab_size", &known.padded_vocab_size);
+  positive("num_attention_heads", &known.num_attention_heads);
+  positive("kv_channels", &known.kv_channels);
+  if (Truthy(g, Get(g, args, "group_query_attention"))) {
+    positive("num_query_groups", &known.num_query_groups);
+  } else {
+    positive("num_key_value_heads", &known.num_query_groups);
+  }
+  if (const pickle::NodeId t = Get(g, args, "tokenizer_type"); known.vocab_size && g.kind(t) == pickle::Kind::kString) {
+    known.vocab_size = MegatronTokenizerVocab(*known.vocab_size, g.text(t));
+  }
+  known.architecture = MegatronArchitectureArgs(g, args);
+  any |= !known.architecture.empty();
+  if (!any) return std::nullopt;
+  return known;
 }
 
 bool MegatronNoWeightDecay(const std::string& name, size_t n_dims, bool wd_on_qk_layernorm) {

@@ -89,12 +89,23 @@ Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& checkpoint);
 // safetensors view strips to, the rows the tokenizer really has.
 int64_t MegatronTokenizerVocab(int64_t args_vocab_size, std::string_view tokenizer_type);
 
-// The fields of Megatron-LM's saved `args` (the argparse.Namespace's state dict `fields`) that
+// The fields of Megatron-LM's saved `args` (an argparse.Namespace or a dict) that
 // describe the model's architecture (kMegatronArchitectureArgNames: layers, widths, heads, norm,
 // rotary, biases, tied embeddings, dtype flags), as a JSON object of what each holds when it is a
 // bool, number or string (at most 256 bytes); a torch dtype (params_dtype) as "torch.<name>".
 // Others, and fields holding anything else, are left out: the reader names what is missing.
-nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::NodeId fields);
+nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::NodeId args);
+
+// The model facts of a Megatron `args` (an argparse.Namespace, read as data) that the views need
+// to split for another layout: vocabulary (MegatronTokenizerVocab), its pad multiple, padded
+// vocabulary, heads, query groups, kv_channels, apply_wd_to_qk_layernorm. Query groups are
+// Megatron-LM's num_query_groups when group_query_attention is set (it keeps the command line's
+// value even without GQA), else Megatron-DeepSpeed's num_key_value_heads (which it always sets:
+// the heads without GQA; its fused query_key_value is group-interleaved as Megatron-Core's).
+// Each number only when saved as a positive int; nullopt when `args` records none. Shared by the
+// torch_dist scanner (common.pt, dcp_scan.cc) and the DeepSpeed one (Megatron-DeepSpeed's
+// client state, deepspeed_scan.cc), so the args are decoded in one place.
+std::optional<MegatronCoreArgs> DecodeMegatronArgs(const pickle::PickleGraph& g, pickle::NodeId args);
 
 // Megatron-Core's weight-decay rule (optimizer/__init__.py get_standard_config_overrides, as
 // _get_param_groups applies it to model_chunk.named_parameters()): no weight decay (wd_mult 0)

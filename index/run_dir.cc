@@ -34,7 +34,7 @@ Result<RunCheckpoints> FindRunCheckpoints(const std::string& dir) {
   std::sort(names.begin(), names.end());
   RunCheckpoints out;
   static const char* const kMarkers[] = {".metadata", "__0.metadata", "latest", "latest_checkpointed_iteration.txt",
-                                         "mp_rank_00_model_states.pt"};
+                                         "mp_rank_00_model_states.pt", "trainer_state.json"};
   for (const std::string& name : names) {
     const int sub = openat(dirfd(d), name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (sub < 0) continue;

@@ -3,7 +3,9 @@
 // directories...). Finds them without reading tensor data, newest last.
 //
 // "Newest" is the checkpoint whose completion marker (`.metadata`, `__0.metadata`, `latest`,
-// `latest_checkpointed_iteration.txt`, for a DeepSpeed tag its `mp_rank_00_model_states.pt`, for
+// `latest_checkpointed_iteration.txt`, for a DeepSpeed tag its `mp_rank_00_model_states.pt`, for a
+// Hugging Face Trainer `checkpoint-N/` its `trainer_state.json` (written after the model and the
+// optimizer), for
 // one checkpoint saved as several DCP directories (dcp_scan.h DcpCompositeParts, Accelerate's
 // save_state folder) its first part's `.metadata`) was modified last; ties go to the name that sorts last.
 //

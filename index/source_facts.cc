@@ -101,26 +101,52 @@ class Fields {
   Status status_ = Status::Ok();
 };
 
+// Megatron's args (DCP's common.pt, DeepSpeed's client state): one form for both.
+json EncodeArgs(const MegatronCoreArgs& a) {
+  json args = json::object();
+  auto put = [&](const char* name, const std::optional<int64_t>& v) {
+    if (v) args[name] = *v;
+  };
+  put("vocab_size", a.vocab_size);
+  put("make_vocab_size_divisible_by", a.make_vocab_size_divisible_by);
+  put("padded_vocab_size", a.padded_vocab_size);
+  put("num_attention_heads", a.num_attention_heads);
+  put("num_query_groups", a.num_query_groups);
+  put("kv_channels", a.kv_channels);
+  args["apply_wd_to_qk_layernorm"] = a.apply_wd_to_qk_layernorm;
+  if (!a.architecture.empty()) args["architecture"] = a.architecture;
+  return args;
+}
+
+Result<MegatronCoreArgs> DecodeArgs(const json& args) {
+  Fields a(args, "Megatron args");
+  MegatronCoreArgs m;
+  m.vocab_size = a.OptionalInt("vocab_size", 1, kMaxCount);
+  m.make_vocab_size_divisible_by = a.OptionalInt("make_vocab_size_divisible_by", 1, kMaxCount);
+  m.padded_vocab_size = a.OptionalInt("padded_vocab_size", 1, kMaxCount);
+  m.num_attention_heads = a.OptionalInt("num_attention_heads", 1, kMaxCount);
+  m.num_query_groups = a.OptionalInt("num_query_groups", 1, kMaxCount);
+  m.kv_channels = a.OptionalInt("kv_channels", 1, kMaxCount);
+  m.apply_wd_to_qk_layernorm = a.Flag("apply_wd_to_qk_layernorm", false);
+  if (const json* arch = a.Find("architecture", false)) {
+    // Only what the scanner records: an object of scalars, each string short.
+    if (!arch->is_object()) return CorruptError("index: the Megatron args' 'architecture' is not an object");
+    for (const auto& [k, v] : arch->items()) {
+      if (!(v.is_boolean() || v.is_number() || (v.is_string() && v.get_ref<const std::string&>().size() <= 256))) {
+        return CorruptError("index: the Megatron args' architecture field '" + k + "' is not a bool, number or short string");
+      }
+    }
+    m.architecture = *arch;
+  }
+  UCPFS_RETURN_IF_ERROR(a.status());
+  return m;
+}
+
 // ---- dcp ----------------------------------------------------------------------------------
 
 json Encode(const DcpSourceFacts& f) {
   json j = {{"megatron_core", f.megatron_core}};
-  if (f.args) {
-    const MegatronCoreArgs& a = *f.args;
-    json args = json::object();
-    auto put = [&](const char* name, const std::optional<int64_t>& v) {
-      if (v) args[name] = *v;
-    };
-    put("vocab_size", a.vocab_size);
-    put("make_vocab_size_divisible_by", a.make_vocab_size_divisible_by);
-    put("padded_vocab_size", a.padded_vocab_size);
-    put("num_attention_heads", a.num_attention_heads);
-    put("num_query_groups", a.num_query_groups);
-    put("kv_channels", a.kv_channels);
-    args["apply_wd_to_qk_layernorm"] = a.apply_wd_to_qk_layernorm;
-    if (!a.architecture.empty()) args["architecture"] = a.architecture;
-    j["megatron_args"] = std::move(args);
-  }
+  if (f.args) j["megatron_args"] = EncodeArgs(*f.args);
   return j;
 }
 
@@ -129,27 +155,7 @@ Result<DcpSourceFacts> DecodeDcp(const json& j) {
   DcpSourceFacts out;
   out.megatron_core = f.Flag("megatron_core", false);
   if (const json* args = f.Find("megatron_args", false)) {
-    Fields a(*args, "Megatron args");
-    MegatronCoreArgs m;
-    m.vocab_size = a.OptionalInt("vocab_size", 1, kMaxCount);
-    m.make_vocab_size_divisible_by = a.OptionalInt("make_vocab_size_divisible_by", 1, kMaxCount);
-    m.padded_vocab_size = a.OptionalInt("padded_vocab_size", 1, kMaxCount);
-    m.num_attention_heads = a.OptionalInt("num_attention_heads", 1, kMaxCount);
-    m.num_query_groups = a.OptionalInt("num_query_groups", 1, kMaxCount);
-    m.kv_channels = a.OptionalInt("kv_channels", 1, kMaxCount);
-    m.apply_wd_to_qk_layernorm = a.Flag("apply_wd_to_qk_layernorm", false);
-    if (const json* arch = a.Find("architecture", false)) {
-      // Only what the scanner records: an object of scalars, each string short.
-      if (!arch->is_object()) return CorruptError("index: the Megatron args' 'architecture' is not an object");
-      for (const auto& [k, v] : arch->items()) {
-        if (!(v.is_boolean() || v.is_number() || (v.is_string() && v.get_ref<const std::string&>().size() <= 256))) {
-          return CorruptError("index: the Megatron args' architecture field '" + k + "' is not a bool, number or short string");
-        }
-      }
-      m.architecture = *arch;
-    }
-    UCPFS_RETURN_IF_ERROR(a.status());
-    out.args = std::move(m);
+    UCPFS_ASSIGN_OR_RETURN(out.args, DecodeArgs(*args));
   }
   UCPFS_RETURN_IF_ERROR(f.status());
   return out;
@@ -160,15 +166,17 @@ Result<DcpSourceFacts> DecodeDcp(const json& j) {
 json Encode(const DeepSpeedSourceFacts& f) {
   json steps = json::array();
   for (const auto& s : f.number_steps) steps.push_back(OptionalJson(s));
-  return {{"tag", f.tag},
-          {"zero_stage", f.zero_stage},
-          {"dp", f.dp},
-          {"tp", f.tp},
-          {"pp", f.pp},
-          {"universal_checkpoint_info", f.universal_checkpoint_info},
-          {"model_files", f.model_files},
-          {"optimizer_file", f.optimizer_file},
-          {"number_steps", std::move(steps)}};
+  json j = {{"tag", f.tag},
+            {"zero_stage", f.zero_stage},
+            {"dp", f.dp},
+            {"tp", f.tp},
+            {"pp", f.pp},
+            {"universal_checkpoint_info", f.universal_checkpoint_info},
+            {"model_files", f.model_files},
+            {"optimizer_file", f.optimizer_file},
+            {"number_steps", std::move(steps)}};
+  if (f.megatron_args) j["megatron_args"] = EncodeArgs(*f.megatron_args);
+  return j;
 }
 
 Result<DeepSpeedSourceFacts> DecodeDeepSpeed(const json& j) {
@@ -188,6 +196,9 @@ Result<DeepSpeedSourceFacts> DecodeDeepSpeed(const json& j) {
     } else {
       for (const json& s : *steps) out.number_steps.push_back(f.OptionalNumber(s, "number_steps"));
     }
+  }
+  if (const json* args = f.Find("megatron_args", false)) {
+    UCPFS_ASSIGN_OR_RETURN(out.megatron_args, DecodeArgs(*args));
   }
   UCPFS_RETURN_IF_ERROR(f.status());
   return out;

@@ -26,9 +26,10 @@ namespace ucpfs::index {
 // files and by the catalog when it reads an index.
 inline constexpr size_t kMaxSourceFactsBytes = 1 << 20;
 
-// Megatron-LM's `args` as Megatron-Core torch_dist keeps them in common.pt, decoded once by the
-// scanner (dcp_scan.h): each number when saved as a positive int (num_query_groups only with
-// group_query_attention set, as Megatron-LM keeps it from the command line even without GQA).
+// Megatron's `args` as Megatron-Core torch_dist keeps them in common.pt and Megatron-DeepSpeed in
+// its DeepSpeed client state, decoded once (megatron_scan.h DecodeMegatronArgs): each number when
+// saved as a positive int (num_query_groups only with group_query_attention set, as Megatron-LM
+// keeps it from the command line even without GQA; else Megatron-DeepSpeed's num_key_value_heads).
 struct MegatronCoreArgs {
   std::optional<int64_t> vocab_size, make_vocab_size_divisible_by, padded_vocab_size, num_attention_heads,
       num_query_groups, kv_channels;
@@ -54,6 +55,7 @@ struct DeepSpeedSourceFacts {
   std::string optimizer_file;                // (mp 0, dp 0)'s optimizer file
   // Per param group, its step when the optimizer keeps it as a Python number, else nullopt.
   std::vector<std::optional<double>> number_steps;
+  std::optional<MegatronCoreArgs> megatron_args;  // Megatron-DeepSpeed's client-state args, when any
 };
 
 // "megatron" (megatron_scan.h): the iteration and the model facts of the saved `args`.

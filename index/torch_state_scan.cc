@@ -231,7 +231,9 @@ class TorchStateScan {
         auto id = probe.AddFile(torch[i]);
         if (!id.ok()) continue;
         auto tf = probe.OpenTorchFile(*id);
-        if (!tf.ok()) continue;  // not ours to judge: the weights scanner reports it
+        // A torch.save file that does not read may be the optimizer's (IsTorchStateDirectory):
+        // named, with the reader's reason, rather than served without it.
+        if (!tf.ok()) return tf.error();
         const PickleGraph& g = tf->graph();
         if (!FindOptimizers(g).empty()) {
           holders.push_back(torch[i]);
@@ -603,14 +605,22 @@ bool IsTorchStateDirectory(const std::string& dir) {
   if (!TorchtuneEpochDir(dir).empty()) return true;
   size_t probed = 0;
   CheckpointBuilder probe(dir);
-  for (const std::string& name : RegularFileNames(dir)) {
+  const std::vector<std::string> names = RegularFileNames(dir);
+  const size_t torch_files = static_cast<size_t>(
+      std::count_if(names.begin(), names.end(), [](const std::string& n) { return IsTorchName(n); }));
+  for (const std::string& name : names) {
     const bool ckpt = EndsWith(name, ".ckpt");
     if ((!ckpt && !IsTorchName(name)) || probed >= kMaxProbedFiles) continue;
     ++probed;
     auto id = probe.AddFile(name);
     if (!id.ok()) continue;
     auto tf = probe.OpenTorchFile(*id);
-    if (tf.ok() && (!FindOptimizers(tf->graph()).empty() || (ckpt && IsLightning(tf->graph())))) return true;
+    // A .ckpt, or a torch.save file beside others, that does not read is claimed, so the scan
+    // names it and the reader's reason (a truncated optim.pt, optimizer.pt or .ckpt), rather than
+    // the weights scanner serving the rest without a word about it, or failing on how many
+    // files there are.
+    if (!tf.ok()) return ckpt || torch_files > 1;
+    if (!FindOptimizers(tf->graph()).empty() || (ckpt && IsLightning(tf->graph()))) return true;
   }
   return false;
 }

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <set>
 #include <string_view>
@@ -236,6 +237,69 @@ SourcePatterns MegatronSourcePatterns(const MegatronCoreArgs& args) {
   return out;
 }
 
+// A regex matching exactly `name` (RE2, Latin-1): punctuation escaped, other bytes as \x{HH}.
+std::string ExactNameRegex(const std::string& name) {
+  std::string out = "^";
+  for (unsigned char ch : name) {
+    if (std::isalnum(ch) || ch == '_') {
+      out += static_cast<char>(ch);
+    } else if (ch < 0x80 && std::ispunct(ch)) {
+      out += '\\';
+      out += static_cast<char>(ch);
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x{";
+      out += kHex[ch >> 4];
+      out += kHex[ch & 15];
+      out += '}';
+    }
+  }
+  return out + "$";
+}
+
+// The parameters parameter_with_sub_params declares (AutoTP's fused QKV with GQA, [q; k; v]) as
+// column rules with their sub-parameter sizes, so a target layout splits each sub-parameter by
+// tp as DeepSpeed's universal loader does (never as a preset's fused QKV). Sizes recorded as a
+// list (AutoTP, every version) hold for every name the entry's patterns match; a count (before
+// 0.4) gives sizes by each tensor's rows, so those parameters get one exact-name rule each.
+Result<std::vector<layout::Rule>> SubParamRules(const DeepSpeedPatterns& uc, const Checkpoint& c) {
+  std::vector<layout::Rule> out;
+  for (const DeepSpeedSubParams& sp : uc.sub_params) {
+    const nlohmann::json& spec = sp.shape.is_array() && sp.shape.size() > static_cast<size_t>(sp.partition_dim)
+                                     ? sp.shape[static_cast<size_t>(sp.partition_dim)]
+                                     : nlohmann::json();
+    if (sp.partition_dim != 0 || !spec.is_array()) continue;
+    DeepSpeedParamRule as_rule;
+    as_rule.merge = DeepSpeedMerge::kSubParams;
+    as_rule.sub_params = &sp;
+    const std::string what = "pattern '" + (sp.patterns.empty() ? std::string() : sp.patterns[0]) + "'";
+    UCPFS_ASSIGN_OR_RETURN(DeepSpeedSubSplit split, DeepSpeedSubParamSplit(uc, as_rule, what, 0, -1));
+    for (layout::Rule r : sp.rules) {
+      r.tp = layout::TpKind::kColumn;
+      r.tp_dim = 0;
+      r.sub_sizes = split.sizes;
+      out.push_back(std::move(r));
+    }
+  }
+  for (const Item& item : c.items) {
+    if (!item.model_tensor || item.kind != ItemKind::kTensor || item.layout.shape.empty()) continue;
+    Result<DeepSpeedParamRule> rule = ClassifyDeepSpeedParam(uc, item.key);
+    if (!rule.ok() || rule->merge != DeepSpeedMerge::kSubParams) continue;
+    const DeepSpeedSubParams& sp = *rule->sub_params;
+    if (sp.partition_dim != 0 || !sp.shape.is_array() || sp.shape.empty() || sp.shape[0].is_array()) continue;
+    UCPFS_ASSIGN_OR_RETURN(DeepSpeedSubSplit split,
+                           DeepSpeedSubParamSplit(uc, *rule, item.key, 0, item.layout.shape[0]));
+    layout::Rule r;
+    r.regex = ExactNameRegex(item.key);
+    r.tp = layout::TpKind::kColumn;
+    r.tp_dim = 0;
+    r.sub_sizes = split.sizes;
+    UCPFS_ASSIGN_OR_RETURN(r, layout::MakeRule(std::move(r)));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
@@ -247,10 +311,14 @@ Result<SourcePatterns> SourcePatternsOf(const Checkpoint& c) {
   if (info == nullptr) return out;
   UCPFS_ASSIGN_OR_RETURN(DeepSpeedPatterns uc,
                          ParseDeepSpeedPatterns(info->universal_checkpoint_info, info->optimizer_file));
+  // Megatron-DeepSpeed's args: the heads and query groups its group-interleaved query_key_value
+  // is split by, the vocabulary's pad multiple.
+  if (info->megatron_args) out = MegatronSourcePatterns(*info->megatron_args);
+  UCPFS_ASSIGN_OR_RETURN(out.rules, SubParamRules(uc, c));
   for (auto* list : {&uc.replicated, &uc.average, &uc.vocab, &uc.row}) {
     for (auto& r : *list) out.rules.push_back(std::move(r));
   }
-  out.vocab_size = uc.original_vocab_size;
+  if (uc.original_vocab_size) out.vocab_size = uc.original_vocab_size;
   return out;
 }
 

@@ -57,14 +57,16 @@ struct UniversalView {
 // The split patterns a checkpoint records itself, as layout rules for views::PatternsOf (after
 // the user's): DeepSpeed's universal_checkpoint_info tp-replicated (replicate), averaged
 // (partial), vocabulary (vocab, with original_vocab_size) and row-parallel (row) patterns, in
-// that order, matched as Python's re.match does (deepspeed_patterns.h). Two-sub-parameter patterns
-// are left to the presets (their sizes depend on each shape). Megatron-Core torch_dist: no
-// rules; the vocabulary size, make_vocab_size_divisible_by, attention heads, query groups and
-// head size of its args (common.pt), where recorded. Empty for other formats.
+// that order, matched as Python's re.match does (deepspeed_patterns.h), after its
+// parameter_with_sub_params parameters (column, split per sub-parameter); two-sub-parameter
+// patterns are left to the presets (their sizes depend on each shape); Megatron-DeepSpeed's args
+// (client state), as below. Megatron-Core torch_dist: no rules; the vocabulary size,
+// make_vocab_size_divisible_by, attention heads, query groups and head size of its args
+// (common.pt), where recorded. Empty for other formats.
 struct SourcePatterns {
   std::vector<layout::Rule> rules;
   std::optional<int64_t> vocab_size;
-  layout::ModelInfo model_facts;  // Megatron-Core: from its args (layout::ApplyModelFacts)
+  layout::ModelInfo model_facts;  // Megatron's args (layout::ApplyModelFacts)
 };
 Result<SourcePatterns> SourcePatternsOf(const Checkpoint& checkpoint);
 

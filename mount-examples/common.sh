@@ -37,6 +37,17 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM HUP   # a signal exits through the EXIT trap too
 
+# sample_dcp113 DIR EXPECTED: the examples' sample checkpoint (2 ranks of a small Llama saved by
+# torch 1.13's DCP, tests/e2e/fixtures/gen_dcp113_llama.py --ranks 2 --seed 0) copied to DIR, its
+# expected tensors to EXPECTED. Generated once into build/fixtures/dcp113_llama (CI's test run
+# makes it there first; tests/e2e/shared_fixtures.py reuses a complete copy) and shared.
+sample_dcp113() {
+  local out
+  out=$(/usr/bin/python3 tests/e2e/shared_fixtures.py ensure dcp113_llama build/fixtures/dcp113_llama)
+  cp -r "$out" "$1"
+  cp "${out}_expected.pt" "$2"
+}
+
 # Examples that run torch 2.13 producers call this first; it sets PY2 to .venv's python.
 need_torch2() { PY2=$(tests/install-python.sh | tail -n 1); }
 

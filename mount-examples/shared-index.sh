@@ -13,8 +13,7 @@
 src=$work/ckpt shared=$work/shared-index
 
 echo "== 1. save a sharded DCP checkpoint with torch 1.13 (2 ranks)"
-/usr/bin/python3 tests/e2e/fixtures/gen_dcp113_llama.py "$src" --ranks 2 --seed 0 \
-  --expected "$work/expected.pt" >/dev/null
+sample_dcp113 "$src" "$work/expected.pt"  # gen_dcp113_llama.py --ranks 2 --seed 0, shared
 
 echo
 echo "== 2. ucpfs index $src --index-dir $shared   (once, by one job)"

@@ -21,9 +21,15 @@ For each, mounted at the save directory (`latest` -> global_step3/):
     names it;
  4. target/tp1_pp1_dp1/rank_0/model.pt holds every parameter, equal to the engine's fp32 master
     (fp32 cases: the module / layer-file weights placed from every tp rank and stage; the
-    vocabulary with the padding rows it was stored with), and
+    vocabulary padded as Megatron pads it for tp 1 by the saved args' make_vocab_size_divisible_by,
+    its stored rows as stored up to there), and
     optim.pt carries DeepSpeed's two param groups with their hyper-parameters (weight decay 0.1
-    for the weights, 0.0 for biases and norms).
+    for the weights, 0.0 for biases and norms);
+ 5. tp 2 saves (tp2, tp2_zero2_bf16, tp2_gqa, tp2_average): target/tp2_pp1_dp1/rank_r is tp rank
+    r of the job: model.pt = the module tp rank r saved, fp32 master and moments = DeepSpeed's own
+    universal loader's slice for tp rank r (the vocabulary padded by make_vocab_size_divisible_by
+    of Megatron-DeepSpeed's saved args, the fused QKV split by its query groups, num_key_value_heads,
+    or, with GQA declared as AutoTP declares it, per sub-parameter).
 Inconsistent parallel saves give a clear error naming the file: a missing tp rank's optimizer
 partition, tp slices of disagreeing shapes.
 
@@ -63,7 +69,9 @@ def check_case(work, case):
     truth = torch.load(src + "_truth.pt")
     r = run([ucpfs_bin(), "index", src], timeout=120)
     assert f"deepspeed ({flavor} tag global_step3)" in r.stderr + r.stdout, r.stderr + r.stdout
-    with mounted(src, os.path.join(work, "mnt-" + case), "--layout", "tp1_pp1_dp1") as (m, _):
+    tp2 = "--case" in args and args[args.index("--case") + 1] == "tp2"
+    layouts = ["--layout", "tp1_pp1_dp1"] + (["--layout", "tp2_pp1_dp1"] if tp2 else [])
+    with mounted(src, os.path.join(work, "mnt-" + case), *layouts) as (m, _):
         n = atomic_equals_truth(m, truth)
         assert n == 3 * (len(truth) - 1), n
         ds = ds_to_universal(work, case, src)
@@ -71,27 +79,88 @@ def check_case(work, case):
         n_universal = universal_equals(os.path.join(m, "global_step3_universal"),
                                        os.path.join(ds, "global_step3_universal"))
         assert n_universal > 3 * (len(truth) - 1), n_universal
-        target_equals_truth(m, truth, fp32="--bf16" not in args)
+        target_equals_truth(m, truth, src, fp32="--bf16" not in args)
+        if tp2:
+            target_tp2_equals_job(m, src)
     if "--average" in args:  # plan counts every averaged copy read, and the view's bytes once
         r = run([ucpfs_bin(), "plan", src, "--layout", "tp1_pp1_dp1"], timeout=120)
         assert "read amplification" in r.stdout + r.stderr, r.stdout + r.stderr
     return n
 
 
-def target_equals_truth(m, truth, fp32):
+def target_equals_truth(m, truth, src, fp32):
     d = os.path.join(m, "target", "tp1_pp1_dp1", "rank_0")
     model = torch.load(os.path.join(d, "model.pt"))
     names = [k for k in truth if k != "__step__"]
     assert sorted(model) == sorted(names), sorted(set(model) ^ set(names))
+    # Megatron-DeepSpeed's saved args pad the vocabulary to a multiple of
+    # make_vocab_size_divisible_by * tp: 40 rows at tp 1, the stored rows as stored up to there
+    # (a tp 2 save stores 48; the rows past 40 do not fit a tp 1 model).
+    state = torch.load(os.path.join(src, "global_step3", "mp_rank_00_model_states.pt"), weights_only=False)
+    multiple = state["args"].make_vocab_size_divisible_by
+    rows = -(-state["universal_checkpoint_info"]["original_vocab_size"] // multiple) * multiple
     if fp32:
         for name in names:
-            want = truth[name]["fp32"]  # the vocabulary with the padding rows it was stored with
+            want = truth[name]["fp32"]
+            if "word_embeddings" in name or "output_layer" in name:
+                want = want[:rows]
             assert torch.equal(model[name], want), (name, model[name].shape, want.shape)
     groups = torch.load(os.path.join(d, "optim.pt"))["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0], groups
     assert all(g["lr"] == 0.01 and tuple(g["betas"]) == (0.9, 0.95) for g in groups), groups
     in_groups = [n for g in groups for n in g["param_names"]]
     assert sorted(in_groups) == sorted(names), sorted(set(in_groups) ^ set(names))
+
+
+def universal_slice(folder, shape, tp_rank):
+    """DeepSpeed's own split of a universal checkpoint parameter for tp rank `tp_rank` of 2
+    (universal_checkpoint.load_hp_checkpoint_state, as engine.load_universal_checkpoint calls it
+    for each parameter of a tp 2 model whose slice has `shape`): {state: tensor of `shape`}."""
+    from types import SimpleNamespace
+    from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+    n = 1
+    for d in shape:
+        n *= d
+    fp32 = torch.empty(n)
+    mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=n), optim_fragment={},
+                              get_hp_fragment=lambda: fp32)
+    param = SimpleNamespace(shape=torch.Size(shape), numel=lambda: n, _hp_mapping=mapping)
+    load_hp_checkpoint_state(param, folder, tp_rank, 2)
+    out = {k: v.view(shape) for k, v in mapping.optim_fragment.items()}
+    out["fp32"] = fp32.view(shape)
+    return out
+
+
+def target_tp2_equals_job(m, src):
+    """target/tp2_pp1_dp1 of a tp 2 save is the tp 2 job's own state: each rank's model.pt is what
+    tp rank r's engine saved as its module (mp_rank_0r_model_states.pt; averaged parameters, whose
+    tp copies differ, are served as their mean on every rank), and its fp32 master and Adam moments
+    are what DeepSpeed's universal loader cuts for tp rank r from global_step3_universal/ (the
+    vocabulary's rows past original_vocab_size, which it zero-pads, are served as stored)."""
+    import re
+    states = os.path.join(src, "global_step3")
+    info = torch.load(os.path.join(states, "mp_rank_00_model_states.pt"), weights_only=False)["universal_checkpoint_info"]
+    averaged = info.get("parameter_to_average_patterns", [])
+    vocab_rows = info["original_vocab_size"]
+    uni = os.path.join(m, "global_step3_universal", "zero")
+    for r in range(2):
+        d = os.path.join(m, "target", "tp2_pp1_dp1", f"rank_{r}")
+        model = torch.load(os.path.join(d, "model.pt"))
+        job = torch.load(os.path.join(states, f"mp_rank_{r:02d}_model_states.pt"), weights_only=False)["module"]
+        assert sorted(model) == sorted(job), sorted(set(model) ^ set(job))
+        optim = torch.load(os.path.join(d, "optim.pt"), weights_only=False)
+        index = {n: i for g in optim["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+        for name, t in job.items():
+            assert model[name].shape == t.shape, (r, name, model[name].shape, t.shape)
+            if not any(re.match(p, name) for p in averaged):
+                assert torch.equal(model[name], t), (r, name)
+            want = universal_slice(os.path.join(uni, name), tuple(t.shape), r)
+            rows = slice(None)
+            if "word_embeddings" in name or "output_layer" in name:  # vocabulary: rows past the real ones
+                rows = slice(0, max(0, min(t.shape[0], vocab_rows - r * t.shape[0])))
+            got = dict(optim["state"][index[name]], fp32=optim["fp32"][name])
+            for k in ("fp32", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(got[k][rows], want[k][rows]), (r, name, k)
 
 
 def inconsistent_saves(work):

@@ -30,7 +30,9 @@ Checks per case, against the truth the live job gave:
 And: the Trainer's checkpoint with config.json naming a model family whose module order is not
 known is named ambiguous in status.json (nothing guessed), and --rules mapping the
 `optimizer.state.ambiguous.<i>.*` keys settles it (atomic moments = truth).
-Several .ckpt files without last.ckpt, or two optimizer files, are refused naming them.
+Several .ckpt files without last.ckpt, or two optimizer files, are refused naming them; a truncated
+optim.pt, optimizer.pt or .ckpt is named with the zip reader's reason (inspect, mount, and a run
+folder's status.json).
 A Lightning .ckpt renamed to model.pt is still recognised by structure.
 Pickled under both interpreters we ship: the Trainer, Lightning and torchtune cases also run under
 Debian 12's Python 3.11.2 (tests/install-python-debian.sh, the venv's torch 2.13), checked the
@@ -60,7 +62,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
 sys.path.insert(0, HERE)
-from e2e_common import Results, bits_equal, run, tmpdir  # noqa: E402
+from e2e_common import Results, bits_equal, run, tmpdir, ucpfs_bin  # noqa: E402
 from mount_common import PY, mounted, status  # noqa: E402
 from shared_fixtures import fixtures  # noqa: E402
 from weights_only_test import mount_fails, tp_piece  # noqa: E402
@@ -328,6 +330,37 @@ def refusals(work, ckpt_dir):
     mount_fails(optims, os.path.join(work, "mnt-two_optim"), "optim_a.pt, optim_b.pt")
 
 
+def corrupt_optimizer(work, script_src, trainer_ckpt, ckpt_dir):
+    """A truncated optimizer file is named, with the zip reader's reason, where the user looks:
+    a script's optim.pt beside model.pt (`ucpfs inspect`, `ucpfs mount`), the Trainer's
+    optimizer.pt (`ucpfs mount`; and, mounting the Trainer's output_dir, status.json lists the
+    newest checkpoint-N/ with that reason while the one before is served), a Lightning .ckpt."""
+    def truncated(src, name, dst):
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".ucpfs"))
+        path = os.path.join(dst, name)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        return dst
+    reason = "offset 0: no end-of-central-directory record"
+    bad = truncated(script_src, "optim.pt", os.path.join(work, "bad_script"))
+    r = run([ucpfs_bin(), "inspect", bad], check=False, timeout=60)
+    assert r.returncode != 0 and "bad_script/optim.pt: " + reason in r.stderr, r.stderr
+    mount_fails(bad, os.path.join(work, "mnt-bad_script"), "bad_script/optim.pt: " + reason)
+    ckpt = os.listdir(ckpt_dir)[0]
+    lightning = truncated(ckpt_dir, ckpt, os.path.join(work, "bad_lightning"))
+    mount_fails(lightning, os.path.join(work, "mnt-bad_lightning"), ckpt + ": " + reason)
+    out = os.path.join(work, "bad_trainer")
+    shutil.copytree(trainer_ckpt, os.path.join(out, "checkpoint-3"), ignore=shutil.ignore_patterns(".ucpfs"))
+    trainer = truncated(trainer_ckpt, "optimizer.pt", os.path.join(out, "checkpoint-6"))
+    mount_fails(trainer, os.path.join(work, "mnt-bad_trainer"), "checkpoint-6/optimizer.pt: " + reason)
+    mnt = os.path.join(work, "mnt-bad_trainer_run")
+    with mounted(out, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
+        run_status = status(m)["run"]
+        assert run_status["newest"] == "checkpoint-3", run_status
+        listed = {c["name"]: c.get("error", "") for c in run_status["checkpoints"]}
+        assert "checkpoint-6/optimizer.pt: " + reason in listed["checkpoint-6"], listed
+
+
 def has_torch113():
     return run(["/usr/bin/python3", "-c", "import torch"], check=False).returncode == 0
 
@@ -384,6 +417,9 @@ def main():
         if has_torch113():
             res.check("the same script under Debian's Python 3.11.2 and torch 1.13: served alike",
                       lambda: script("/usr/bin/python3", "script_torch113"))
+        res.check("a truncated optim.pt / optimizer.pt / .ckpt: named with the zip reader's reason "
+                  "(inspect, mount, a run folder's status.json)",
+                  lambda: corrupt_optimizer(work, scripts["script"], cases[0][1], lt + "/ckpt"))
 
         def compared():
             ckpt = {d: os.path.join(d, "ckpt", os.listdir(os.path.join(d, "ckpt"))[0]) for d in (lt, d_lt)}

@@ -12,7 +12,9 @@ DIR/complete.json last. The tests that read it (FIXTURES_REQUIRED) get UCPFS_FIX
 CTest and call `fixture(NAME, work)`, which copies DIR into their own work directory (they mount,
 index and alter sources, and tests run side by side) and returns the copy's `out`. Run alone,
 without UCPFS_FIXTURES_DIR (`python3 tests/e2e/x_test.py`), or when the setup did not complete,
-the test generates the fixture itself, the same way.
+the test generates the fixture itself, the same way. Scripts run after the tests (the
+documented examples in mount-examples/) call `shared_fixtures.py ensure NAME DIR`, which reuses a
+complete DIR of the same definition (the CTest run's) and generates it only when there is none.
 """
 import json
 import os
@@ -43,6 +45,10 @@ FIXTURES = {
     # The corrupt DCP variants (mount_dcp under each torch; verify under torch 1.13).
     "dcp2x_corrupt_torch113": ("torch113", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
     "dcp2x_corrupt_torch213": ("torch213", "gen_dcp2x.py", ["{out}", "--variant", "corrupt"]),
+    # The documented examples' sample (mount-examples/mount-sample.sh, export-safetensors.sh,
+    # shared-index.sh): a torch 1.13 DCP save of 2 ranks, and its expected tensors.
+    "dcp113_llama": ("torch113", "gen_dcp113_llama.py",
+                     ["{out}", "--ranks", "2", "--seed", "0", "--expected", "{out}_expected.pt"]),
     # torch.save producers (producers_torchsave), under the venv's Python and Debian's.
     "hf_trainer": ("torch213", "gen_hf_trainer.py", ["{out}"]),
     "hf_trainer_gpt2": ("torch213", "gen_hf_trainer.py", ["{out}", "--model", "gpt2"]),
@@ -144,7 +150,27 @@ def make(name, d, timeout_s=900):
     print(f"fixture {name}: generated in {time.monotonic() - t0:.1f} s into {d}", flush=True)
 
 
+def ensure(name, d, timeout_s=900):
+    """For scripts run after the tests (mount-examples/, in CI after the CTest run that set up
+    build/fixtures/NAME): d/out when d holds a complete fixture of this definition, else d/out
+    generated first. Not for tests, which copy (fixtures()): callers only read it."""
+    try:
+        stamp = json.load(open(os.path.join(d, STAMP)))
+        if (stamp["interpreter"], stamp["generator"], stamp["args"]) == tuple(FIXTURES[name]):
+            return os.path.join(d, "out")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    make(name, d, timeout_s)
+    return os.path.join(d, "out")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "make" or sys.argv[2] not in FIXTURES:
-        sys.exit(f"usage: shared_fixtures.py make NAME DIR (NAME one of {', '.join(FIXTURES)})")
-    make(sys.argv[2], os.path.abspath(sys.argv[3]))
+    if len(sys.argv) != 4 or sys.argv[1] not in ("make", "ensure") or sys.argv[2] not in FIXTURES:
+        sys.exit(f"usage: shared_fixtures.py make|ensure NAME DIR (NAME one of {', '.join(FIXTURES)}); "
+                 "ensure prints the fixture's out directory, generating it unless DIR holds it complete")
+    if sys.argv[1] == "make":
+        make(sys.argv[2], os.path.abspath(sys.argv[3]))
+    else:
+        sys.stdout = sys.stderr  # make's progress line; the path alone goes to stdout
+        out = ensure(sys.argv[2], os.path.abspath(sys.argv[3]))
+        print(out, file=sys.__stdout__)
