@@ -28,20 +28,21 @@
 #include "cli/view_files.h"
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 #include "fs/fuse_mount.h"
 #include "fs/mounts.h"
 #include "core/io/pinned_cache.h"
 #include "core/io/write_capture.h"
 #include "fs/namespace.h"
+#include "views/mount_views.h"
 #include "fs/passthrough.h"
-#include "index/safetensors_view.h"
+#include "views/safetensors_view.h"
 #include "fs/filesystem.h"
 #include "index/run_dir.h"
 #include "index/snapshot.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
-#include "index/view_inputs.h"
+#include "views/view_inputs.h"
 
 namespace ucpfs::cli {
 
@@ -268,11 +269,11 @@ Result<uint64_t> ParseShardSize(const std::string& text) {
 namespace {
 
 // Parses the target-view options (before the daemon forks, so typos fail at once).
-Result<fs::TargetOptions> ParseTargetOptions(const MountArgs& args) {
+Result<views::ViewOptions> ParseTargetOptions(const MountArgs& args) {
   UCPFS_ASSIGN_OR_RETURN(ViewSelection v, ParseViewArgs({args.layouts, false, false, args.safetensors_shard_size,
                                                          args.preset, args.pattern_rules, args.pp_split,
                                                          args.vocab_pad_multiple}));
-  fs::TargetOptions t;
+  views::ViewOptions t;
   t.layouts = std::move(v.layouts);
   t.preset = v.preset;
   t.rules = std::move(v.rules);
@@ -554,7 +555,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     };
   }
   // One generation of the views: the checkpoint in SRC now, or, while it holds none, `.ucpfs/`.
-  const fs::TargetOptions target_options = *targets;
+  const views::ViewOptions target_options = *targets;
   const index::SnapshotOptions so = *snapshot_options;
   auto build = [so, target_options, hooks](uint64_t generation, bool allow_empty)
       -> Result<Generation> {
@@ -565,7 +566,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
     if (!snapshot.ok() && snapshot.error().code() == StatusCode::kNotFound) {
       // Not a checkpoint itself: a run directory holding several (index/run_dir.h)?
       UCPFS_ASSIGN_OR_RETURN(const index::RunCheckpoints found, index::FindRunCheckpoints(o.source_dir));
-      std::vector<fs::NamedSnapshot> run;
+      std::vector<views::NamedSnapshot> run;
       nlohmann::ordered_json listed = nlohmann::ordered_json::array();
       for (const auto& c : found.checkpoints) {
         index::SnapshotOptions sub = o;
@@ -584,7 +585,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
         fs::MountHooks run_hooks = hooks;
         run_hooks.status_extra["run"] = {{"newest", run.back().name}, {"checkpoints", listed},
                                          {"left_out", found.n_left_out}};
-        UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildRunNamespace(run, target_options, run_hooks, &info));
+        UCPFS_ASSIGN_OR_RETURN(auto tree, views::BuildRunNamespace(run, target_options, run_hooks, &info));
         info.index_state = index::IndexStateName(run.back().snapshot->opened.state);
         info.index_seconds = run.back().snapshot->opened.elapsed_s;
         // The newest is the served snapshot whose files a save replacing them keeps open.
@@ -596,7 +597,7 @@ int ServeMount(const MountArgs& args, int ready_fd) {
       return Generation{std::move(tree), std::move(info), nullptr};
     }
     if (!snapshot.ok()) return snapshot.error();
-    UCPFS_ASSIGN_OR_RETURN(auto tree, fs::BuildNamespace(*snapshot, target_options, hooks, &info));
+    UCPFS_ASSIGN_OR_RETURN(auto tree, views::BuildNamespace(*snapshot, target_options, hooks, &info));
     info.index_state = index::IndexStateName((*snapshot)->opened.state);
     info.index_seconds = (*snapshot)->opened.elapsed_s;
     return Generation{std::move(tree), std::move(info), *snapshot};

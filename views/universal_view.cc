@@ -1,6 +1,6 @@
 // BuildUniversalView: see universal_view.h. The per-parameter logic follows ds_to_universal's
 // merge_tp_slices at one tensor-parallel rank (research/deepspeed.md §3).
-#include "index/universal_view.h"
+#include "views/universal_view.h"
 
 #include <nlohmann/json.hpp>
 
@@ -15,7 +15,7 @@
 #include "core/format/torch_file.h"
 #include "core/format/torch_writer.h"
 #include "core/layout/patterns.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 #include "index/deepspeed_patterns.h"
 #include "index/deepspeed_scan.h"
 

@@ -1,4 +1,4 @@
-#include "core/views/target.h"
+#include "views/target.h"
 #include "core/json_text.h"
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 #include "core/format/torch_writer.h"
 #include "core/layout/zero.h"
 #include "core/slice/local_view.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 
 namespace ucpfs::views {
 
