@@ -1,5 +1,6 @@
 // `ucpfs index`, `ucpfs inspect DIR`, `ucpfs mount`: the checkpoint commands (sync, status and
-// umount of a live mount: mount_control.h).
+// umount of a live mount: mount_control.h). `ucpfs mount` checks its arguments here and starts
+// the daemon (mount/daemon.h).
 #pragma once
 
 #include <cstdint>
@@ -68,20 +69,11 @@ struct MountArgs {
   std::string materialize_size = "8G";    // --materialize-size: the most DIR holds
 };
 
-// --readahead (the mount's kernel readahead window; empty: the request size, 1 MiB) and
-// --prefetch (how far ahead of a view's sequential reads its source files are read into the
-// page cache; empty: 32 MiB; 0: off). Errors: kInvalidArgument for a bad text or a size out of
-// range.
-struct ReadAheadSizes {
-  uint32_t kernel_n_bytes = 0;             // 0: the request size
-  uint64_t prefetch_n_bytes = 32ull << 20;
-};
-Result<ReadAheadSizes> ParseReadAhead(const std::string& readahead, const std::string& prefetch);
-
 // The --safetensors-shard-size value (io::ParseByteSize forms; empty: Hugging Face's default,
 // 5 GB decimal). Errors: kInvalidArgument for a bad text or zero.
 Result<uint64_t> ParseShardSize(const std::string& text);
 
-// Returns once the mount is live (the daemon keeps serving), or serves in the foreground.
+// Returns once the mount is live (the daemon keeps serving), or serves in the foreground
+// (mount::StartMount).
 int RunMount(const MountArgs& args);
 }  // namespace ucpfs::cli

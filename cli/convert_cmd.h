@@ -1,7 +1,7 @@
 // `ucpfs convert SRC DST --layout=L [...]`: materialises views to disk without FUSE, the oracle
 // the mount is tested against. Writes DST/target/<layout>/rank_<N>/{model.pt,optim.pt,
 // ucp_info.json} for every --layout and, with --atomic, DST/atomic/<param>/<state>.pt, built by
-// the same core/views code the mount serves. Each file is streamed in 8 MiB reads to
+// the same views/ code the mount serves. Each file is streamed in 8 MiB reads to
 // "<file>.tmp" and renamed into place; files are spread over --threads workers balanced by size
 // (largest first onto the least loaded worker).
 #pragma once
@@ -18,7 +18,7 @@ struct ConvertArgs {
   std::string dst;
   std::vector<std::string> layouts;  // --layout (repeatable)
   bool atomic = false;
-  bool safetensors = false;          // --safetensors: DST/safetensors/ (index/safetensors_view.h)
+  bool safetensors = false;          // --safetensors: DST/safetensors/ (views/safetensors_view.h)
   std::string safetensors_shard_size;  // --safetensors-shard-size (empty: 5 GB)
   std::string preset = "auto";       // --preset
   std::string pattern_rules;         // --pattern-rules FILE (layout/patterns.h ParseRules format)

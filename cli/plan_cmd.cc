@@ -20,7 +20,7 @@
 #include "cli/checkpoint_cmds.h"
 #include "cli/view_files.h"
 #include "core/json_text.h"
-#include "core/views/reshard_reads.h"
+#include "views/reshard_reads.h"
 
 namespace ucpfs::cli {
 namespace {

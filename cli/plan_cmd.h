@@ -1,7 +1,7 @@
 // `ucpfs plan SRC --layout L [--json] [--svg FILE]`: which source files feed which ranks of
 // layout L, and how many bytes, from the index alone (no tensor data is read): a table (ranks x
 // source files, with totals) and a summary line, the exact matrix as JSON, or a diagram (SVG).
-// The counting is core/views/reshard_reads.h; this formats it.
+// The counting is views/reshard_reads.h; this formats it.
 #pragma once
 
 #include <memory>

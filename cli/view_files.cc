@@ -6,9 +6,9 @@
 #include <sstream>
 
 #include "cli/checkpoint_cmds.h"
-#include "core/views/target.h"
-#include "index/safetensors_view.h"
-#include "index/view_inputs.h"
+#include "views/target.h"
+#include "views/safetensors_view.h"
+#include "views/view_inputs.h"
 
 namespace ucpfs::cli {
 

@@ -1,9 +1,9 @@
 // The view files of a checkpoint as `ucpfs convert` writes them and `ucpfs verify` reads them:
 // target/<layout>/rank_<N>/{model.pt, model.safetensors, optim.pt, extra_state.pt,
 // ucp_info.json}, safetensors/ and atomic/<param>/<state>.pt, each a lazy ByteSource built by
-// the same index/ and core/views code the mount serves.
+// the same views/ code the mount serves.
 //
-// Not for: writing or reading them (the commands do), or the mount's tree (fs/namespace).
+// Not for: writing or reading them (the commands do), or the mount's tree (views/mount_views).
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -19,7 +19,7 @@
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
-#include "core/views/target.h"
+#include "views/target.h"
 #include "index/snapshot.h"
 
 namespace ucpfs::cli {

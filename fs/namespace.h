@@ -1,8 +1,8 @@
-// Builds the views of a mount (a Tree) from a Snapshot: `atomic/<param>/<state>.pt`, `target/`,
-// DeepSpeed's `<tag>_universal/`, `.ucpfs/` (status.json, stats.json, sync); for a run
-// directory also `checkpoints/<name>/`. The source's own files are not in the tree: the mount's
-// Passthrough serves them beside it. Knows no FUSE types. Everything is sized here, before the
-// views go live; no tensor byte is read until a file is read.
+// What every mount's tree has whatever it serves: `.ucpfs/` (status.json, stats.json, sync),
+// the namespace of a source with no checkpoint yet (`.ucpfs/` only), and what a built namespace
+// tells the daemon (NamespaceInfo). The views themselves are built into the tree by views/
+// (views/mount_views.h); the source's own files are not in the tree: the mount's Passthrough
+// serves them beside it. Knows no FUSE types, no checkpoint and no view.
 #pragma once
 
 #include <memory>
@@ -10,19 +10,14 @@
 #include <vector>
 #include <string>
 
-#include "core/status.h"
-#include "core/layout/layout.h"
-#include "core/layout/patterns.h"
-#include "fs/mount_report.h"
-#include "fs/tree.h"
 #include <functional>
 
 #include <nlohmann/json.hpp>
 
-#include "index/catalog.h"
-#include "index/hf_view.h"
-#include "index/key_map.h"
-#include "index/snapshot.h"
+#include "core/byte_source.h"
+#include "core/status.h"
+#include "fs/mount_report.h"
+#include "fs/tree.h"
 
 namespace ucpfs::fs {
 
@@ -33,10 +28,10 @@ struct NamespaceInfo {
   size_t n_target_files = 0;      // distinct inodes under target/
   std::string status_json;  // the content of .ucpfs/status.json
   // target/ and the builder of its layouts not given with --layout, for ServeTree's
-  // MountOptions::dynamic_dir / resolve. The resolver builds `target/<name>/` as a Tree of its
-  // own (rank_<N>/ under its root); errors (kInvalidArgument) name the layout and why: not a
-  // layout name, not its canonical spelling, or one the model refuses. It refers to the
-  // `opened` index and `mapping` given to BuildNamespace, which must outlive it; thread-safe.
+  // MountOptions::dynamic_dir / resolve (a view's ViewOutput::dynamic_dir: views/view_kind.h).
+  // The resolver builds `target/<name>/` as a Tree of its own (rank_<N>/ under its root);
+  // errors (kInvalidArgument) name the layout and why: not a layout name, not its canonical
+  // spelling, or one the model refuses. It keeps the snapshot it reads alive; thread-safe.
   Ino target_dir = 0;
   SubtreeResolver resolve_target;
   // The names target/ lists before they are looked up: `<layout>.error` of each remembered
@@ -46,32 +41,6 @@ struct NamespaceInfo {
   double index_seconds = 0;
 };
 
-// Which target views to build, and how to slice parameters for them.
-struct TargetOptions {
-  std::vector<layout::Layout> layouts;   // --layout (may repeat)
-  layout::Preset preset = layout::Preset::kAuto;
-  std::vector<layout::Rule> rules;       // --pattern-rules
-  std::optional<std::vector<int>> pp_split;
-  int64_t vocab_pad_multiple = 0;        // --make-vocab-size-divisible-by (0: the source's, else 128)
-  // Memory that layouts built on lookup may take together (--lookup-memory-mib). A layout keeps
-  // only its tree (rank files are sized when it is built and built again when opened); one
-  // whose estimate (rank 0's tree bytes × ranks) would pass the budget is refused, not built.
-  uint64_t lookup_budget_bytes = uint64_t{256} << 20;
-  // safetensors/: the largest shard (--safetensors-shard-size; index/safetensors_view.h).
-  uint64_t safetensors_shard_n_bytes = 5'000'000'000;
-  index::HfViewOptions hf;  // hf/: --hf-dtype, the shard size (index/hf_view.h)
-};
-
-
-// Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored
-// dtype cannot be converted to fp32 (names the parameter).
-// With target layouts: `target/<layout>/rank_<N>/{model.pt,optim.pt,ucp_info.json}` (other
-// layouts on first lookup through info->resolve_target). Ranks
-// that differ only in their data-parallel coordinate get the very same model.pt (and, without
-// ZeRO partitioning, optim.pt): those share one inode, so the page cache holds them once.
-// Errors: kIo when the source directory cannot be listed; kUnsupported when a state's stored
-// dtype cannot be converted (names the parameter); kInvalidArgument when a layout does not fit
-// the model (names the layout and why).
 // What the mount adds to `.ucpfs/` beside the views (each optional).
 struct MountHooks {
   // `.ucpfs/sync`: its open(2) returns once everything saved into the mount before it is
@@ -85,23 +54,23 @@ struct MountHooks {
   nlohmann::ordered_json status_extra = nlohmann::ordered_json::object();
 };
 
-// The views of `snapshot` (kept alive by the tree's openers and the target resolver).
-Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapshot> snapshot,
-                                             const TargetOptions& targets, const MountHooks& hooks,
-                                             NamespaceInfo* info);
+// Opener of a file whose bytes are made already (a MemorySource, a lazy file sized at mount).
+Opener FixedSource(std::shared_ptr<const ByteSource> src);
 
-// One checkpoint of a run directory.
-struct NamedSnapshot {
-  std::string name;  // its subdirectory
-  std::shared_ptr<const index::Snapshot> snapshot;
-};
+// The current time (CLOCK_REALTIME), the mtime of what a mount makes.
+struct timespec Now();
 
-// A run directory (index/run_dir.h): the newest checkpoint (`run.back()`) served as by
-// BuildNamespace at the root (atomic/, target/ with layouts built on lookup, .ucpfs/), and every
-// checkpoint of the run by name: `checkpoints/<name>/atomic/` and, for the layouts given with
-// --layout, `checkpoints/<name>/target/<layout>/`. Errors: BuildNamespace's, for any of them.
-Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>& run, const TargetOptions& targets,
-                                                const MountHooks& hooks, NamespaceInfo* info);
+// `.ucpfs/`: status.json (`status_text`), stats.json (counters as of open(2): `counters`', the
+// report's and the capture's, padded with spaces to a fixed size so the size is known before
+// the content; JSON allows trailing white space) and, with a capture, `sync` (its open(2)
+// returns once everything saved before it is durable).
+// With `status_live`, status.json is made again at each open (what happened since the mount,
+// e.g. refused layouts): status_live(n) returns the text in at most n - 1 bytes, padded with
+// spaces to a fixed size of status_text's plus `live_room_bytes`.
+// Errors: the Tree's (a name taken).
+Status AddMetaDir(Tree& tree, struct timespec mtime, const std::string& status_text,
+                  std::function<void(nlohmann::ordered_json&)> counters, const MountHooks& hooks,
+                  std::function<std::string(uint64_t)> status_live = nullptr, uint64_t live_room_bytes = 0);
 
 // The namespace of a source that holds no checkpoint (yet): `.ucpfs/` only, status.json saying
 // `why` under "no_checkpoint".

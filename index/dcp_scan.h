@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "core/status.h"
-#include "core/views/target.h"
+#include "index/decoded_items.h"
 #include "index/checkpoint.h"
 #include "index/key_map.h"
 #include "index/scanner.h"
-#include "index/view_inputs.h"
+#include "index/file_table.h"
 
 namespace ucpfs::index {
 
@@ -58,12 +58,12 @@ Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress 
 // kept). Empty for other checkpoints and when common.pt holds no param groups (dp_reshardable).
 struct MegatronCoreParamGroup {
   std::vector<std::string> params;  // parameter names, in mapping order
-  std::vector<views::HyperParam> fields;
+  std::vector<HyperParam> fields;
 };
 struct MegatronCoreOptimizerFacts {
   std::optional<double> step;
   std::vector<MegatronCoreParamGroup> groups;
-  std::vector<views::NotServed> not_served;
+  std::vector<NotServed> not_served;
 };
 MegatronCoreOptimizerFacts MegatronCoreOptimizerFactsOf(const Checkpoint& checkpoint, const KeyMapping& mapping,
                                                         const FileTable& files);

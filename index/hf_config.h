@@ -1,7 +1,7 @@
 // A Hugging Face model folder's `config.json`, as the architecture facts the views need (heads, key-value
 // heads, sizes, vocabulary, tied embeddings). The weights scanner reads it beside the weights
 // (weights_scan.h) and records it in WeightsSourceFacts; `--preset megatron-core` takes the model
-// facts from it (view_inputs.h, core/views/mcore_from_hf.h).
+// facts from it (view_inputs.h, views/mcore_from_hf.h).
 //
 // Not for: reading files (the caller reads the text, bounded), tokenizer or generation settings.
 // Untrusted input: every number is checked (a positive integer below 2^40 or absent); a field of

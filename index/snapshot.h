@@ -17,7 +17,7 @@
 #include "core/status.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
-#include "index/view_inputs.h"
+#include "index/file_table.h"
 
 namespace ucpfs::index {
 

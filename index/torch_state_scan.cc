@@ -591,7 +591,7 @@ void AddExtras(const TorchStateSourceFacts& info, const format::TorchFile& tf, c
         out->not_served.push_back({key, value.error().message()});
         continue;
       }
-      views::ExtraItem e;
+      ExtraItem e;
       e.key = key;
       e.value = std::move(*value);
       out->extras.push_back(std::move(e));

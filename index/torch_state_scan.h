@@ -33,11 +33,11 @@
 #include <vector>
 
 #include "core/status.h"
-#include "core/views/target.h"
+#include "index/decoded_items.h"
 #include "index/checkpoint.h"
 #include "index/key_map.h"
 #include "index/scanner.h"
-#include "index/view_inputs.h"
+#include "index/file_table.h"
 
 namespace ucpfs::index {
 
@@ -59,12 +59,12 @@ Result<Checkpoint> ScanTorchState(const std::string& dir, const ScanProgress& pr
 // Empty for other formats.
 struct TorchStateGroup {
   std::vector<std::string> params;
-  std::vector<views::HyperParam> fields;
+  std::vector<HyperParam> fields;
 };
 struct TorchStateFacts {
   std::vector<TorchStateGroup> groups;
-  std::vector<views::ExtraItem> extras;
-  std::vector<views::NotServed> not_served;
+  std::vector<ExtraItem> extras;
+  std::vector<NotServed> not_served;
 };
 TorchStateFacts TorchStateFactsOf(const Checkpoint& checkpoint, const KeyMapping& mapping, const FileTable& files);
 

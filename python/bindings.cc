@@ -1,6 +1,6 @@
 // ucpfs._core: the Python binding (nanobind) of the FUSE-free Filesystem, so `ucpfs.open(SRC)`
 // serves the very namespace a mount shows, through the same code (index::OpenSnapshot,
-// fs::BuildNamespace, fs::Filesystem), with no kernel, no /dev/fuse and no privilege.
+// views::BuildNamespace, fs::Filesystem), with no kernel, no /dev/fuse and no privilege.
 //
 // Not for: the Python API's shape (python/ucpfs/views.py); mounting (the `ucpfs` binary).
 //
@@ -32,6 +32,7 @@
 #include "fs/errno_map.h"
 #include "fs/filesystem.h"
 #include "fs/namespace.h"
+#include "views/mount_views.h"
 #include "fs/passthrough.h"
 #include "index/catalog.h"
 #include "index/snapshot.h"
@@ -90,11 +91,11 @@ Result<std::shared_ptr<Session>> MakeSession(const std::string& src, const std::
   o.index_dir = index_dir;
   o.read_only_index = read_only_index;
   UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const index::Snapshot> snapshot, index::OpenSnapshot(o, 1));
-  fs::TargetOptions targets;
+  views::ViewOptions targets;
   targets.lookup_budget_bytes = lookup_memory_mib << 20;
   targets.safetensors_shard_n_bytes = safetensors_shard_n_bytes;
   fs::NamespaceInfo info;
-  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<fs::Tree> tree, fs::BuildNamespace(snapshot, targets, fs::MountHooks{}, &info));
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<fs::Tree> tree, views::BuildNamespace(snapshot, targets, fs::MountHooks{}, &info));
   // The source's own files beside the views, as the mount shows them; no write capture.
   UCPFS_ASSIGN_OR_RETURN(std::unique_ptr<fs::Passthrough> passthrough, fs::Passthrough::Make(o.source_dir, nullptr));
   fs::FilesystemOptions fo;

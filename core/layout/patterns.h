@@ -102,7 +102,7 @@ struct ParamPattern {
 };
 
 // kMegatronCore: the source's weights renamed and fused as Megatron-Core's GPTModel names them
-// (core/views/mcore_from_hf.h: a Hugging Face Llama-family source), then split by the Megatron
+// (views/mcore_from_hf.h: a Hugging Face Llama-family source), then split by the Megatron
 // preset; its rules are the Megatron preset's.
 enum class Preset { kAuto, kTorchtitan, kMegatron, kHuggingFace, kMegatronCore };
 const char* PresetName(Preset p);

@@ -17,7 +17,7 @@
 
 #include "core/io/file_source.h"
 #include "core/io/io_engine.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 #include "test_seed.h"
 
 namespace ucpfs {

@@ -1,10 +1,10 @@
-// MegatronCoreFromHf (core/views/mcore_from_hf.h): a small in-memory Hugging Face Llama (GQA: 4 heads
+// MegatronCoreFromHf (views/mcore_from_hf.h): a small in-memory Hugging Face Llama (GQA: 4 heads
 // in 2 key-value groups of head dim 2, SwiGLU) renamed and fused as Megatron-Core's GPTModel holds it,
 // checked element by element against a naive interleave of the source tensors (linear_qkv per query
 // group, linear_fc1 = [gate; up]); GPTModel's order and `_extra_state` entries; the Megatron preset's
 // split of the result at tp2 ([gate_r; up_r], the vocabulary padded by repeating its last row); and
 // tied embeddings; the refusals (no heads, a name with no Megatron-Core counterpart).
-#include "core/views/mcore_from_hf.h"
+#include "views/mcore_from_hf.h"
 
 #include <gtest/gtest.h>
 

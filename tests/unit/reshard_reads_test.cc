@@ -1,4 +1,4 @@
-// Reshard reads (core/views/reshard_reads.h) on a small synthetic torchtitan checkpoint whose
+// Reshard reads (views/reshard_reads.h) on a small synthetic torchtitan checkpoint whose
 // matrix is known by hand: two source shards split by rows, each holding rows 0-1 (file 0) or
 // 2-3 (file 1) of wq and wo (4x4 float32), and file 2 holding wo's exp_avg whole.
 //  - tp2: wq is column-parallel (rank r takes rows 2r..2r+1: all of one shard's wq part), wo is
@@ -14,7 +14,7 @@
 
 #include "core/byte_source.h"
 #include "core/layout/layout.h"
-#include "core/views/reshard_reads.h"
+#include "views/reshard_reads.h"
 
 namespace ucpfs::views {
 namespace {

@@ -1,4 +1,4 @@
-// Target views (core/views/target.h): rank files of a small in-memory Llama-like torchtitan
+// Target views (views/target.h): rank files of a small in-memory Llama-like torchtitan
 // checkpoint for a few layouts, read back with the project's own TorchFile reader and checked
 // against a naive element-by-element slice of the global tensors: model.pt keys and order,
 // local tensor bytes, optim.pt structure, ZeRO-1 partitions, ucp_info.json, and that building
@@ -12,7 +12,7 @@
 
 #include "core/byte_source.h"
 #include "core/format/torch_file.h"
-#include "core/views/target.h"
+#include "views/target.h"
 
 namespace ucpfs::views {
 namespace {
@@ -448,7 +448,7 @@ std::vector<std::byte> AllBytes(const ByteSource& src) {
 }
 
 // A mount sizes every rank file when a layout is listed and builds it again, alone, when it is
-// opened (fs/namespace.cc): a file built with any subset must equal the one built with all.
+// opened (views/target_kind.cc): a file built with any subset must equal the one built with all.
 TEST(TargetTest, BuildsOnlyTheChosenFilesWithTheSameBytes) {
   auto fx = MakeModel();
   for (const char* name : {"tp2_pp1_dp2", "tp1_pp2_dp2_zero1"}) {
@@ -486,7 +486,7 @@ TEST(TargetTest, BuildsOnlyTheChosenFilesWithTheSameBytes) {
   }
 }
 
-// A mount sizes a DP replica's ucp_info.json from its group's first rank (fs/namespace.cc,
+// A mount sizes a DP replica's ucp_info.json from its group's first rank (views/target_kind.cc,
 // AddLayoutRanks) when the replicas are alike: the size must be Build's, across digit counts.
 TEST(TargetTest, ReplicaInfoBytesEqualBuilt) {
   auto fx = MakeModel();

@@ -2,7 +2,7 @@
 // flattening of get_optimizer_state_dict, extra state (replicated and rank-local) and every
 // item no view serves reported with its reason; then what the rank files of two layouts hold;
 // a fused optimizer parameter whose weight is stored split (torchtitan's wqkv / wq|wk|wv).
-#include "index/view_inputs.h"
+#include "views/view_inputs.h"
 
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 
 #include "core/format/torch_file.h"
 #include "core/format/torch_writer.h"
-#include "index/universal_view.h"
+#include "views/universal_view.h"
 
 namespace ucpfs::index {
 namespace {

@@ -21,7 +21,7 @@
 
 #include "core/byte_source.h"
 #include "core/status.h"
-#include "core/views/target.h"
+#include "views/target.h"
 
 namespace ucpfs::views {
 

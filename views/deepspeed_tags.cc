@@ -8,7 +8,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-#include "index/deepspeed_tags.h"
+#include "views/deepspeed_tags.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -26,7 +26,7 @@
 
 #include "index/deepspeed_scan.h"
 #include "index/key_map.h"
-#include "index/view_inputs.h"
+#include "views/view_inputs.h"
 
 namespace ucpfs::index {
 namespace {

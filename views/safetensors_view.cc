@@ -1,5 +1,5 @@
 // See safetensors_view.h.
-#include "index/safetensors_view.h"
+#include "views/safetensors_view.h"
 
 #include <cstdio>
 #include <cstring>
@@ -7,8 +7,8 @@
 
 #include "core/checked.h"
 #include "core/format/safetensors.h"
-#include "core/views/atomic.h"
-#include "core/views/target.h"
+#include "views/atomic.h"
+#include "views/target.h"
 
 namespace ucpfs::index {
 

@@ -33,7 +33,7 @@
 #include "core/io/lazy_file_source.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
-#include "index/universal_view.h"
+#include "views/universal_view.h"
 
 namespace ucpfs::index {
 

@@ -1,4 +1,4 @@
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 
 #include <set>
 

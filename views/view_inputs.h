@@ -1,7 +1,7 @@
 // What the views are built from, derived from an indexed checkpoint; shared by the mount
-// (fs/namespace) and `ucpfs convert`, so both serve exactly the same files:
-//  - the atomic files (core/views/atomic.h) of every mapped parameter;
-//  - the input of target views (core/views/target.h): each mapped parameter's tensor states and
+// (views/mount_views) and `ucpfs convert`, so both serve exactly the same files:
+//  - the atomic files (views/atomic.h) of every mapped parameter;
+//  - the input of target views (views/target.h): each mapped parameter's tensor states and
 //    step (a tensor, or a Python int/float), the optimizer hyper-parameters (torchtitan's
 //    `optimizer.param_groups.<fqn>.<field>`, or DCP's flattening of get_optimizer_state_dict,
 //    `optimizer.param_groups.<i>.<field>` with `.params` naming the group's parameters), and
@@ -20,19 +20,12 @@
 #include "core/io/lazy_file_source.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
-#include "core/views/target.h"
+#include "views/target.h"
 #include "index/checkpoint.h"
+#include "index/file_table.h"
 #include "index/key_map.h"
 
 namespace ucpfs::index {
-
-using FileTable = std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>>;
-
-// The checkpoint's files by id, each opened on first read and checked against its indexed
-// identity, all sharing one bounded descriptor cache (core/io/lazy_file_source.h). `counters`
-// may be null. The one file table of the mount, `ucpfs convert` and `ucpfs inspect`.
-FileTable OpenFileTable(const std::string& source_dir, const Checkpoint& checkpoint,
-                        std::shared_ptr<IoCounters> counters);
 
 // Reads and decodes the non-tensor items (small blobs; tensor bytes stay lazy). `warn` receives
 // one line per item that is not served, with the reason (also in TargetInput::not_served).

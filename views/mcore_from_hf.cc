@@ -1,4 +1,4 @@
-#include "core/views/mcore_from_hf.h"
+#include "views/mcore_from_hf.h"
 
 #include <map>
 #include <optional>

@@ -1,4 +1,4 @@
-#include "core/views/reshard_reads.h"
+#include "views/reshard_reads.h"
 
 #include <algorithm>
 #include <map>

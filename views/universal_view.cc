@@ -1,6 +1,6 @@
 // BuildUniversalView: see universal_view.h. The per-parameter logic follows ds_to_universal's
 // merge_tp_slices at one tensor-parallel rank (docs/formats.md "The universal checkpoint").
-#include "index/universal_view.h"
+#include "views/universal_view.h"
 
 #include <nlohmann/json.hpp>
 
@@ -16,7 +16,7 @@
 #include "core/format/torch_file.h"
 #include "core/format/torch_writer.h"
 #include "core/layout/patterns.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 #include "index/deepspeed_patterns.h"
 #include "index/deepspeed_scan.h"
 

@@ -1,5 +1,5 @@
 // See hf_view.h.
-#include "index/hf_view.h"
+#include "views/hf_view.h"
 
 #include <cmath>
 #include <cstring>
@@ -13,7 +13,7 @@
 #include "core/format/safetensors.h"
 #include "core/io/file_source.h"
 #include "core/slice/local_view.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 #include "index/source_facts.h"
 
 namespace ucpfs::index {

@@ -1,4 +1,4 @@
-#include "core/views/target.h"
+#include "views/target.h"
 #include "core/json_text.h"
 
 #include <algorithm>
@@ -14,8 +14,8 @@
 #include "core/format/torch_writer.h"
 #include "core/layout/zero.h"
 #include "core/slice/local_view.h"
-#include "core/views/atomic.h"
-#include "core/views/mcore_from_hf.h"
+#include "views/atomic.h"
+#include "views/mcore_from_hf.h"
 
 namespace ucpfs::views {
 

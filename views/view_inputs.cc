@@ -4,7 +4,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-#include "index/view_inputs.h"
+#include "views/view_inputs.h"
 
 #include <algorithm>
 #include <map>
@@ -14,11 +14,11 @@
 #include <utility>
 
 #include "core/format/plain_value.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 #include "index/dcp_scan.h"
 #include "index/megatron_scan.h"
 #include "index/torch_state_scan.h"
-#include "index/universal_view.h"
+#include "views/universal_view.h"
 
 namespace ucpfs::index {
 
@@ -184,17 +184,6 @@ std::map<size_t, std::vector<size_t>> FusedParams(const Checkpoint& c, const Key
 }
 
 }  // namespace
-
-FileTable OpenFileTable(const std::string& source_dir, const Checkpoint& checkpoint,
-                        std::shared_ptr<IoCounters> counters) {
-  auto fd_cache = std::make_shared<FdCache>(FdCache::DefaultCapacity());
-  auto table = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-  table->reserve(checkpoint.files.size());
-  for (const auto& f : checkpoint.files) {
-    table->push_back(std::make_shared<LazyFileSource>(source_dir + "/" + f.rel_path, f.Identity(), counters, fd_cache));
-  }
-  return table;
-}
 
 // Builds the target input from the index: every mapped parameter's tensor states and step, the
 // optimizer hyper-parameters, and every other item as extra state or as a reported item.

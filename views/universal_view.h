@@ -38,7 +38,7 @@
 #include "core/status.h"
 #include "index/checkpoint.h"
 #include "index/key_map.h"
-#include "index/view_inputs.h"
+#include "views/view_inputs.h"
 
 namespace ucpfs::index {
 

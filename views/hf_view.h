@@ -42,8 +42,8 @@
 #include "core/status.h"
 #include "index/checkpoint.h"
 #include "index/key_map.h"
-#include "index/safetensors_view.h"
-#include "index/view_inputs.h"
+#include "views/safetensors_view.h"
+#include "views/view_inputs.h"
 
 namespace ucpfs::index {
 

@@ -35,7 +35,7 @@
 #include <memory>
 
 #include "core/status.h"
-#include "core/views/target.h"
+#include "views/target.h"
 
 namespace ucpfs::views {
 

@@ -59,17 +59,19 @@
 #include "core/layout/patterns.h"
 #include "core/slice/slice.h"
 #include "core/status.h"
+#include "index/decoded_items.h"
 
 namespace ucpfs::views {
+
+// The scanners decode these (index/decoded_items.h); the target views serve them.
+using index::ExtraItem;
+using index::HyperParam;
+using index::NotServed;
 
 // The states of a parameter, in the order of index::StateKind.
 enum class TargetState : uint8_t { kWeight = 0, kFp32 = 1, kExpAvg = 2, kExpAvgSq = 3, kStep = 4 };
 inline constexpr int kNumTargetStates = 5;
 const char* TargetStateName(TargetState s);  // "weight", "fp32", "exp_avg", "exp_avg_sq", "step"
-
-// A hyper-parameter of an optimizer param group: (field, value), e.g. ("lr", 3e-4),
-// ("betas", (0.9, 0.95)), ("foreach", None); any plain value (format/plain_value.h).
-using HyperParam = std::pair<std::string, format::SaveValue>;
 
 struct TargetParam {
   std::string name;  // model fqn (global)
@@ -111,22 +113,6 @@ struct FusedParam {
       "weights served under the model's split names, moments and step under the optimizer's fused name; "
       "no fused weight or split moments: how the fused rows interleave the split ones (per kv head group) "
       "needs the head dimension, which the checkpoint does not store";
-};
-
-// A non-parameter item of the source, decoded (format::DecodePlainValue or a tensor layout).
-struct ExtraItem {
-  std::string key;          // the source's key
-  format::SaveValue value;  // tensors in it read lazily from the source
-  // Rank-local items: the source DP rank of a `dp_rank_<d>` key component, and the key with
-  // that component written `dp_rank_*` (items of one group are spread over the DP ranks).
-  int dp_rank = -1;         // -1: replicated, served on every rank
-  std::string group;
-};
-
-// A source item no view serves, and why (listed in status.json, inspect and ucp_info.json).
-struct NotServed {
-  std::string key;
-  std::string reason;
 };
 
 // How each parameter is split, from the one pattern source: layout::PatternFor (the rules,

@@ -1,0 +1,48 @@
+// The registry of view kinds (view_kind.h): the one place a kind is listed. Their order is the
+// order they are added to a mount's tree, so inode numbers follow it: a new kind goes last.
+#include <sys/stat.h>
+
+#include "views/view_kind.h"
+
+namespace ucpfs::views {
+
+const std::vector<const ViewKind*>& ViewKinds() {
+  static const std::vector<const ViewKind*> kinds = {
+      UniversalKind(),    // <tag>_universal/, latest_universal (DeepSpeed)
+      AtomicKind(),       // atomic/
+      SafetensorsKind(),  // safetensors/
+      HfKind(),           // hf/ (or hf.error)
+      TargetKind(),       // target/
+  };
+  return kinds;
+}
+
+ViewAccess AccessOfSources(const std::string& source_dir, const std::vector<index::SourceFile>& sources) {
+  ViewAccess a;
+  bool all_other = true, all_user = true, all_group = true, first = true;
+  int64_t uid = -1, gid = -1;
+  bool same_uid = true, same_gid = true;
+  for (const auto& f : sources) {
+    struct stat st;
+    if (::lstat((source_dir + "/" + f.rel_path).c_str(), &st) != 0) continue;  // read fails later
+    all_other = all_other && (st.st_mode & S_IROTH);
+    all_user = all_user && (st.st_mode & S_IRUSR);
+    all_group = all_group && (st.st_mode & S_IRGRP);
+    if (first) {
+      uid = st.st_uid;
+      gid = st.st_gid;
+      first = false;
+    }
+    same_uid = same_uid && uid == static_cast<int64_t>(st.st_uid);
+    same_gid = same_gid && gid == static_cast<int64_t>(st.st_gid);
+  }
+  if (all_other) return a;
+  a.mode = 0;
+  a.uid = same_uid ? uid : 0;
+  a.gid = same_gid ? gid : 0;
+  if (same_uid && all_user) a.mode |= 0400;
+  if (same_gid && all_group) a.mode |= 0040;
+  return a;
+}
+
+}  // namespace ucpfs::views
