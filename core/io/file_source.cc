@@ -64,6 +64,9 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, io
                                               : "not a regular file";
     return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
+  // O_NONBLOCK was for the open alone: left on, io_uring may answer a read of pages not yet
+  // cached with EAGAIN (a nowait read), which the engine would retry in a busy loop.
+  if (const int fl = ::fcntl(fd, F_GETFL); fl >= 0 && (fl & O_NONBLOCK) != 0) (void)::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
   return std::shared_ptr<FileSource>(new FileSource(path, fd, FileIdentity::Of(st), std::move(make_engine)));
 }
 
