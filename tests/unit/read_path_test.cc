@@ -4,6 +4,7 @@
 // the fault engine retries shorts and names the failing piece; LazyFileSource::ReadPieces still
 // catches an edit in place; the read-ahead readers read ranges into the page cache, bounded.
 // Seeded: UCPFS_TEST_SEED replays a run.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -303,9 +304,12 @@ TEST_F(FilePieces, BatchThroughFaultEngine) {
   EXPECT_EQ(s.sys_errno(), EIO);
   EXPECT_EQ(failed, 2u);
   EXPECT_NE(s.message().find(path + ": pread at offset 200017"), std::string::npos) << s.message();
-  // The thread's own engine (io_uring where it can be used) reads the same bytes.
+  // The thread's own engine (io_uring where it can be used) reads the same bytes, from pages
+  // the page cache does not hold too (the descriptor is blocking: no nowait EAGAIN loop).
   auto plain = FileSource::Open(path);
   ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(::fcntl((*plain)->fd(), F_GETFL) & O_NONBLOCK, 0);
+  (void)::posix_fadvise((*plain)->fd(), 0, 0, POSIX_FADV_DONTNEED);
   std::vector<std::byte> again(out.size());
   for (auto& p : pieces) p.out = std::span(again).subspan(static_cast<size_t>(p.out.data() - out.data()), p.out.size());
   ASSERT_TRUE((*plain)->ReadPieces(pieces).ok());
