@@ -1,6 +1,9 @@
 #include "core/byte_source.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "core/checked.h"
 
@@ -60,6 +63,132 @@ Status SliceSource::DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const 
                            std::to_string(byte_offset) + " past end");
   }
   return base_->DescribeReads(byte_offset_ + byte_offset, n_bytes, sink);
+}
+
+Status ByteSource::ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index) const {
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    Status s = ReadAt(pieces[i].byte_offset, pieces[i].out);
+    if (!s.ok()) {
+      if (failed_index != nullptr) *failed_index = i;
+      return s;
+    }
+  }
+  return Status::Ok();
+}
+
+Status SliceSource::ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index) const {
+  std::vector<ReadPiece> moved(pieces.begin(), pieces.end());
+  for (size_t i = 0; i < moved.size(); ++i) {
+    if (!RangeInside(moved[i].byte_offset, moved[i].out.size(), n_bytes_)) {
+      if (failed_index != nullptr) *failed_index = i;
+      return OutOfRangeError(name_ + ": read of " + std::to_string(moved[i].out.size()) + " bytes at offset " +
+                             std::to_string(moved[i].byte_offset) + " past end");
+    }
+    moved[i].byte_offset += byte_offset_;
+  }
+  return base_->ReadPieces(moved, failed_index);
+}
+
+namespace {
+
+// The calling thread's open ReadBatches, innermost last: what each deferred, in order.
+struct Deferred {
+  const ByteSource* src;
+  ReadPiece piece;
+};
+struct ThreadBatches {
+  std::vector<std::vector<Deferred>> frames;  // frames[0, depth) are open, innermost last
+  size_t depth = 0;
+};
+thread_local ThreadBatches t_batches;
+
+Status WithName(Status s, const ByteSource& src) {
+  if (!s.ok() && s.message().find(src.Name()) == std::string::npos) return s.WithContext(src.Name());
+  return s;
+}
+
+// Reads everything `frame` holds, each source's pieces as one batch, and clears it. The first
+// error in deferral order wins: every source is read (their pieces are independent), then the
+// failure with the smallest index is returned. A source may be a view whose read opens a batch
+// of its own: nothing here refers into the thread's frames while a source reads.
+Status ReadPending(std::vector<Deferred>& frame) {
+  if (frame.empty()) return Status::Ok();
+  const std::vector<Deferred> pending = std::move(frame);
+  frame.clear();
+  const size_t n = pending.size();
+  std::vector<bool> taken(n, false);
+  std::vector<ReadPiece> group;
+  std::vector<size_t> group_index;
+  size_t first_failed = n;
+  Status first;
+  for (size_t i = 0; i < n; ++i) {
+    if (taken[i]) continue;
+    const ByteSource* src = pending[i].src;
+    group.clear();
+    group_index.clear();
+    for (size_t k = i; k < n; ++k) {
+      if (taken[k] || pending[k].src != src) continue;
+      taken[k] = true;
+      group.push_back(pending[k].piece);
+      group_index.push_back(k);
+    }
+    size_t failed = 0;
+    Status s = src->ReadPieces(group, &failed);
+    if (s.ok()) continue;
+    const size_t at = group_index[std::min(failed, group_index.size() - 1)];
+    if (at < first_failed) {
+      first_failed = at;
+      first = WithName(std::move(s), *src);
+    }
+  }
+  return first_failed == n ? Status::Ok() : first;
+}
+
+}  // namespace
+
+ReadBatch::ReadBatch() {
+  ThreadBatches& b = t_batches;
+  if (b.frames.size() <= b.depth) b.frames.emplace_back();
+  b.frames[b.depth++].clear();
+}
+
+ReadBatch::~ReadBatch() {
+  // Not finished (a failing read): what was deferred is dropped unread.
+  ThreadBatches& b = t_batches;
+  b.frames[--b.depth].clear();
+}
+
+Status ReadBatch::Finish() {
+  if (finished_) return Status::Ok();
+  finished_ = true;
+  return ReadPending(t_batches.frames[t_batches.depth - 1]);  // this batch is the innermost
+}
+
+size_t ReadBatch::PendingPieces() {
+  return t_batches.depth == 0 ? 0 : t_batches.frames[t_batches.depth - 1].size();
+}
+
+Status ReadOrDefer(const ByteSource& src, uint64_t byte_offset, std::span<std::byte> out) {
+  ThreadBatches& b = t_batches;
+  if (b.depth == 0 || out.empty()) return WithName(src.ReadAt(byte_offset, out), src);
+  if (!RangeInside(byte_offset, out.size(), src.Size())) {
+    return OutOfRangeError(src.Name() + ": read of " + std::to_string(out.size()) + " bytes at offset " +
+                           std::to_string(byte_offset) + " past end (" + std::to_string(src.Size()) + " bytes)");
+  }
+  b.frames[b.depth - 1].push_back({&src, ReadPiece{byte_offset, out}});
+  return Status::Ok();
+}
+
+bool LegacyReadPath() {
+  static const bool legacy = [] {
+    const char* v = std::getenv("UCPFS_READ_PATH");
+    return v != nullptr && std::string(v) == "legacy";
+  }();
+  return legacy;
+}
+
+Status FlushReadBatch() {
+  return t_batches.depth == 0 ? Status::Ok() : ReadPending(t_batches.frames[t_batches.depth - 1]);
 }
 
 Result<std::vector<std::byte>> ReadRange(const ByteSource& src, uint64_t byte_offset,

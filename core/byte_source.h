@@ -1,6 +1,11 @@
 // ByteSource: random-access read of an immutable byte sequence (a file, a slice of a file,
 // a buffer). All format readers in core/ read through this, so they know no system I/O and
 // tests can hand them in-memory or fault-injecting sources.
+//
+// Batched reads: ReadPieces reads several ranges of one source at once (files submit them as
+// one batch of I/O ops: core/io/file_source.h), and a ReadBatch open on the calling thread
+// collects the plain reads of a whole view read (ReadOrDefer) so that they go out together when
+// it ends: a read of a view is one batch of source reads per source file.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +19,12 @@
 #include "core/status.h"
 
 namespace ucpfs {
+
+// One range of a batched read (ByteSource::ReadPieces).
+struct ReadPiece {
+  uint64_t byte_offset = 0;
+  std::span<std::byte> out;
+};
 
 class ByteSource {
  public:
@@ -37,6 +48,12 @@ class ByteSource {
     (void)byte_offset;
     (void)n_bytes;
   }
+
+  // Reads every piece (exactly out.size() bytes at byte_offset each), as one batch where the
+  // source can (files: submitted together). The default reads them one by one with ReadAt.
+  // Errors: ReadAt's, of the first failing piece in the order given; its index goes to
+  // *failed_index (when not null). On error the other pieces' bytes are unspecified.
+  virtual Status ReadPieces(std::span<const struct ReadPiece> pieces, size_t* failed_index = nullptr) const;
 
   // What ReadAt of [byte_offset, byte_offset + n_bytes) would read, without reading: the runs
   // of the sources at the bottom (core/source_run.h), in the order the read would fill them.
@@ -74,6 +91,8 @@ class SliceSource final : public ByteSource {
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
   // The runs of `base` under the window.
   Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override;
+  // The pieces moved into `base`, read there as one batch.
+  Status ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index = nullptr) const override;
   uint64_t base_offset() const { return byte_offset_; }
 
  private:
@@ -83,6 +102,45 @@ class SliceSource final : public ByteSource {
   uint64_t n_bytes_;
   std::string name_;
 };
+
+// The reads of one view read, collected while it is open on the calling thread and read when it
+// ends (Finish), each source's pieces as one batch (ByteSource::ReadPieces). Scopes nest: reads
+// go to the innermost, and each Finish reads its own (a view read inside another returns its
+// bytes complete). A deferred piece's buffer must stay valid until Finish (they are the view
+// read's own output buffer). Not for reads whose bytes the caller looks at before the scope
+// ends (conversions, gathers): those read at once through ReadAt.
+class ReadBatch {
+ public:
+  ReadBatch();
+  ~ReadBatch();  // without Finish (a failing read): what was deferred is dropped unread
+  ReadBatch(const ReadBatch&) = delete;
+  ReadBatch& operator=(const ReadBatch&) = delete;
+
+  // Reads what was deferred. Errors: the first failing piece's in the order deferred (a view
+  // reads in byte order, so that is the first in byte order), with the source's name as
+  // context when its message lacks it.
+  Status Finish();
+
+  // Pieces deferred to this thread's innermost open batch and not read yet (for tests).
+  static size_t PendingPieces();
+
+ private:
+  bool finished_ = false;
+};
+
+// `src.ReadAt(byte_offset, out)`, deferred into the calling thread's innermost ReadBatch when there
+// is one (Ok is returned then; the read's error comes from Finish), else read now.
+Status ReadOrDefer(const ByteSource& src, uint64_t byte_offset, std::span<std::byte> out);
+
+// Flushes the calling thread's innermost open ReadBatch now (reads what it deferred so far). Callers whose
+// own reads must not pass deferred ones (to keep the first error in byte order) call it first.
+// Errors: as ReadBatch::Finish. Ok when no batch is open.
+Status FlushReadBatch();
+
+// The read path as it was before batching (UCPFS_READ_PATH=legacy in the environment, read once
+// per process): an I/O engine made per source read, no plan cache, no ReadBatch, read-ahead as
+// WILLNEED hints only. For measuring the new path against the old in one run, and a way back.
+bool LegacyReadPath();
 
 // Reads a whole range into a new vector. Errors as ReadAt; kResourceExhausted above max_bytes.
 Result<std::vector<std::byte>> ReadRange(const ByteSource& src, uint64_t byte_offset,

@@ -92,7 +92,8 @@ AtomicPattern AtomicPatternOf(const layout::ParamPattern& pattern) {
 }
 
 Status LayoutProvider::Read(uint64_t byte_offset, std::span<std::byte> out) const {
-  return slice::ReadTensorBytes(*layout_, dst_dtype_, *files_, byte_offset, out);
+  return slice::ReadTensorBytes(*layout_, dst_dtype_, *files_, byte_offset, out,
+                                LegacyReadPath() ? nullptr : &plans_);
 }
 
 Result<std::shared_ptr<format::LazyTorchFile>> BuildAtomicFile(

@@ -16,6 +16,7 @@
 #include "core/byte_source.h"
 #include "core/format/torch_writer.h"
 #include "core/layout/patterns.h"
+#include "core/slice/plan_cache.h"
 #include "core/slice/slice.h"
 
 namespace ucpfs::views {
@@ -45,12 +46,13 @@ struct AtomicPattern {
 AtomicPattern AtomicPatternOf(const layout::ParamPattern& pattern);
 
 // A TensorBytesProvider that gathers a tensor's row-major bytes in `dst_dtype` from its
-// fragments (slice::ReadTensorBytes).
+// fragments (slice::ReadTensorBytes), through the tensor's copy plan made once (slice::PlanCache:
+// one per view file, so per inode and generation).
 class LayoutProvider final : public format::TensorBytesProvider {
  public:
   LayoutProvider(std::shared_ptr<const slice::TensorLayout> layout, DType dst_dtype,
                  std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files)
-      : layout_(std::move(layout)), dst_dtype_(dst_dtype), files_(std::move(files)) {}
+      : layout_(std::move(layout)), dst_dtype_(dst_dtype), files_(std::move(files)), plans_(*layout_, dst_dtype_) {}
   Status Read(uint64_t byte_offset, std::span<std::byte> out) const override;
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override {
     slice::PrefetchTensorBytes(*layout_, dst_dtype_, *files_, byte_offset, n_bytes);
@@ -63,6 +65,7 @@ class LayoutProvider final : public format::TensorBytesProvider {
   std::shared_ptr<const slice::TensorLayout> layout_;
   DType dst_dtype_;
   std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files_;
+  slice::PlanCache plans_;  // over *layout_, which it must not outlive: declared after it
 };
 
 // Builds the atomic file for one state of one parameter: {[cat_dim], [vocab_tensor], param}

@@ -819,6 +819,9 @@ Status LazySafetensorsFile::ReadAt(uint64_t byte_offset, std::span<std::byte> ou
   auto it = std::upper_bound(entries_.begin(), entries_.end(), byte_offset + done,
                              [](uint64_t off, const Entry& e) { return off < e.byte_offset; });
   --it;
+  // The tensors' plain source reads go out together when the read ends: one batch per source file.
+  std::optional<ReadBatch> batch;
+  if (!LegacyReadPath()) batch.emplace();
   while (done < out.size()) {
     const Entry& e = *it++;
     const uint64_t within = byte_offset + done - e.byte_offset;
@@ -829,6 +832,7 @@ Status LazySafetensorsFile::ReadAt(uint64_t byte_offset, std::span<std::byte> ou
     }
     done += n;
   }
+  if (batch) UCPFS_RETURN_IF_ERROR(batch->Finish().WithContext(name_));
   return Status::Ok();
 }
 

@@ -961,6 +961,9 @@ Status LazyTorchFile::ReadAt(uint64_t byte_offset, std::span<std::byte> out) con
   auto it = std::upper_bound(segments_.begin(), segments_.end(), byte_offset,
                              [](uint64_t off, const Segment& s) { return off < s.file_offset; });
   --it;  // segments_ starts at offset 0, so `it` was never begin()
+  // The tensors' plain source reads go out together when the read ends: one batch per source file.
+  std::optional<ReadBatch> batch;
+  if (!LegacyReadPath()) batch.emplace();
   size_t done = 0;
   while (done < out.size()) {
     const Segment& s = *it++;
@@ -979,6 +982,7 @@ Status LazyTorchFile::ReadAt(uint64_t byte_offset, std::span<std::byte> out) con
     }
     done += n;
   }
+  if (batch) UCPFS_RETURN_IF_ERROR(batch->Finish().WithContext(name_));
   return Status::Ok();
 }
 

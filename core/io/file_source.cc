@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/checked.h"
+#include "core/io/prefetcher.h"
 
 namespace ucpfs {
 
@@ -63,6 +64,9 @@ Result<std::shared_ptr<FileSource>> FileSource::Open(const std::string& path, io
                                               : "not a regular file";
     return InvalidArgumentError(path + ": is " + std::string(what) + ", not a regular file (never read)");
   }
+  // O_NONBLOCK was for the open alone: left on, io_uring may answer a read of pages not yet
+  // cached with EAGAIN (a nowait read), which the engine would retry in a busy loop.
+  if (const int fl = ::fcntl(fd, F_GETFL); fl >= 0 && (fl & O_NONBLOCK) != 0) (void)::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
   return std::shared_ptr<FileSource>(new FileSource(path, fd, FileIdentity::Of(st), std::move(make_engine)));
 }
 
@@ -90,6 +94,9 @@ void FileSource::Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
   if (byte_offset >= n_bytes_ || n_bytes == 0) return;
   const uint64_t n = std::min(n_bytes, n_bytes_ - byte_offset);
   (void)::posix_fadvise(fd_, static_cast<off_t>(byte_offset), static_cast<off_t>(n), POSIX_FADV_WILLNEED);
+  // WILLNEED alone is bounded by the device's read-ahead and ignored by some file systems
+  // (network and FUSE ones): the readers make sure the pages are read.
+  if (!LegacyReadPath()) io::Prefetcher::Global().Enqueue(shared_from_this(), byte_offset, n);
 }
 
 Status FileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const {
@@ -98,13 +105,31 @@ Status FileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const 
                            std::to_string(byte_offset) + " past end (" +
                            std::to_string(n_bytes_) + " bytes)");
   }
-  // Engines are single-thread objects and many FUSE threads read one FileSource at once, so
-  // each read makes its own: for the pread engine that is a few small allocations next to a
-  // system call, with no state shared between threads and none left behind (a thread_local
-  // engine would have to outlive every FileSource and could not honour each one's factory).
+  // Engines are single-thread objects and many FUSE threads read one FileSource at once: each
+  // thread reads through its own (it holds no descriptor, so it may outlive this file). A
+  // factory (tests) makes one per call.
+  if (!make_engine_ && !LegacyReadPath()) return io::ReadExact(io::ThreadReadEngine(1), fd_, byte_offset, out, path_);
   const std::unique_ptr<io::IoEngine> engine = make_engine_ ? make_engine_() : io::MakePreadEngine();
   if (!engine) return InternalError(path_ + ": the I/O engine factory made no engine");
   return io::ReadExact(*engine, fd_, byte_offset, out, path_);
+}
+
+Status FileSource::ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index) const {
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (!RangeInside(pieces[i].byte_offset, pieces[i].out.size(), n_bytes_)) {
+      if (failed_index != nullptr) *failed_index = i;
+      return OutOfRangeError(path_ + ": read of " + std::to_string(pieces[i].out.size()) + " bytes at offset " +
+                             std::to_string(pieces[i].byte_offset) + " past end (" + std::to_string(n_bytes_) +
+                             " bytes)");
+    }
+  }
+  if (LegacyReadPath()) return ByteSource::ReadPieces(pieces, failed_index);
+  if (make_engine_) {
+    const std::unique_ptr<io::IoEngine> engine = make_engine_();
+    if (!engine) return InternalError(path_ + ": the I/O engine factory made no engine");
+    return io::ReadExactPieces(*engine, fd_, pieces, path_, failed_index);
+  }
+  return io::ReadExactPieces(io::ThreadReadEngine(pieces.size()), fd_, pieces, path_, failed_index);
 }
 
 }  // namespace ucpfs

@@ -1,6 +1,7 @@
 // FileSource: a ByteSource over a file on disk. It owns the descriptor and reads through an
-// IoEngine (core/io/io_engine.h: the pread engine unless Open is given a factory, e.g. a fault
-// engine's in tests). Thread-safe: FUSE threads share one FileSource.
+// IoEngine (core/io/io_engine.h): the calling thread's read engine (io::ThreadReadEngine: pread
+// for one read, io_uring for a batch of ReadPieces) unless Open is given a factory, e.g. a fault
+// engine's in tests. Thread-safe: FUSE threads share one FileSource.
 #pragma once
 
 #include <sys/stat.h>
@@ -32,15 +33,15 @@ struct FileIdentity {
   std::string Differences(const FileIdentity& now) const;
 };
 
-class FileSource final : public ByteSource {
+class FileSource final : public ByteSource, public std::enable_shared_from_this<FileSource> {
  public:
   // Opens `path` read-only without blocking and without following a final symlink, and checks
   // it is a regular file before anything reads it. Errors: kNotFound (ENOENT), kIo (other
   // errno, sys_errno set), kInvalidArgument naming the file when it is a symlink, a FIFO, a
   // socket, a device or a directory.
-  // `make_engine` makes the engine each ReadAt reads through (empty: io::MakePreadEngine); it
-  // is called once per ReadAt, from any thread, so it should make cheap engines (pread, a fault
-  // engine over pread), not a ring per read.
+  // `make_engine` makes the engine each ReadAt and ReadPieces reads through (empty: the
+  // thread's read engine, io::ThreadReadEngine); it is called once per call, from any thread, so
+  // it should make cheap engines (pread, a fault engine over pread), not a ring per read.
   static Result<std::shared_ptr<FileSource>> Open(const std::string& path, io::IoEngineFactory make_engine = {});
   ~FileSource() override;
   FileSource(const FileSource&) = delete;
@@ -51,8 +52,14 @@ class FileSource final : public ByteSource {
   // Errors: kOutOfRange past Size(); io::ReadExact's (kIo "<path>: pread at offset N: <strerror>"
   // with sys_errno, kDataLoss "<path>: file shrank: short read at offset N").
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
-  // posix_fadvise(POSIX_FADV_WILLNEED): the kernel starts reading the range into the page cache.
+  // The pieces as one batch of read ops (io_uring runs them together). Errors: ReadAt's.
+  Status ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index = nullptr) const override;
+  // posix_fadvise(POSIX_FADV_WILLNEED), and the range handed to the process's read-ahead
+  // readers (core/io/prefetcher.h), which read what is not in the page cache yet into it; a
+  // hint only: dropped when they are busy (io::LegacyReadPath: the hint alone).
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
+  // The descriptor (valid while this object lives), for the read-ahead readers.
+  int fd() const { return fd_; }
 
   // The file's identity when it was opened.
   const FileIdentity& identity() const { return identity_; }

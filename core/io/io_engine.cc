@@ -176,21 +176,56 @@ Status FirstError(std::span<const IoCompletion> done) {
   return Status::Ok();
 }
 
-Status ReadExact(IoEngine& engine, int fd, uint64_t byte_offset, std::span<std::byte> out,
-                 const std::string& what) {
-  const IoOp op{.kind = OpKind::kRead, .fd = fd, .byte_offset = byte_offset, .buffer = out.data(),
-                .n_bytes = out.size()};
-  const IoCompletion done = std::move(engine.RunAll(std::span(&op, 1)).front());
+namespace {
+
+// ReadExact's verdict on one completed read of `n_bytes` at byte_offset.
+Status ExactReadStatus(const IoCompletion& done, uint64_t byte_offset, size_t n_bytes, const std::string& what) {
+  if (done.status.ok() && done.n_bytes >= n_bytes) return Status::Ok();
   const std::string stopped_at = std::to_string(byte_offset + done.n_bytes);
   if (!done.status.ok()) {
     const int e = done.status.sys_errno();
     if (e == 0) return done.status.WithContext(what);
     return Status(done.status.code(), what + ": pread at offset " + stopped_at + ": " + std::strerror(e), e);
   }
-  if (done.n_bytes < out.size()) {
-    return Status(StatusCode::kDataLoss, what + ": file shrank: short read at offset " + stopped_at);
+  return Status(StatusCode::kDataLoss, what + ": file shrank: short read at offset " + stopped_at);
+}
+
+}  // namespace
+
+Status ReadExact(IoEngine& engine, int fd, uint64_t byte_offset, std::span<std::byte> out,
+                 const std::string& what) {
+  const IoOp op{.kind = OpKind::kRead, .fd = fd, .byte_offset = byte_offset, .buffer = out.data(),
+                .n_bytes = out.size()};
+  const IoCompletion done = std::move(engine.RunAll(std::span(&op, 1)).front());
+  return ExactReadStatus(done, byte_offset, out.size(), what);
+}
+
+Status ReadExactPieces(IoEngine& engine, int fd, std::span<const ReadPiece> pieces, const std::string& what,
+                       size_t* failed_index) {
+  std::vector<IoOp> ops(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    ops[i] = IoOp{.kind = OpKind::kRead, .fd = fd, .byte_offset = pieces[i].byte_offset,
+                  .buffer = pieces[i].out.data(), .n_bytes = pieces[i].out.size(), .user_data = i};
+  }
+  const std::vector<IoCompletion> done = engine.RunAll(ops);
+  for (size_t i = 0; i < done.size(); ++i) {
+    Status s = ExactReadStatus(done[i], pieces[i].byte_offset, pieces[i].out.size(), what);
+    if (!s.ok()) {
+      if (failed_index != nullptr) *failed_index = i;
+      return s;
+    }
   }
   return Status::Ok();
+}
+
+IoEngine& ThreadReadEngine(size_t n_ops) {
+  // Made on first use and destroyed at thread exit (FUSE worker threads come and go): each
+  // thread's own, so no lock. The ring's depth bounds the ops in flight, not the batch.
+  thread_local std::unique_ptr<IoEngine> pread_engine = MakePreadEngine();
+  thread_local std::unique_ptr<IoEngine> batch_engine;
+  if (n_ops <= 1) return *pread_engine;
+  if (!batch_engine) batch_engine = MakeDefaultEngine(32);
+  return *batch_engine;
 }
 
 std::unique_ptr<IoEngine> MakePreadEngine() { return std::make_unique<PreadEngine>(); }

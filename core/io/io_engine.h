@@ -72,6 +72,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/byte_source.h"
 #include "core/status.h"
 
 namespace ucpfs::io {
@@ -160,6 +161,19 @@ Status FirstError(std::span<const IoCompletion> done);
 //   - an error without an errno (engine failure, RunAll misuse): its status with `what` first.
 Status ReadExact(IoEngine& engine, int fd, uint64_t byte_offset, std::span<std::byte> out,
                  const std::string& what);
+
+// ReadExact of several ranges of one file, submitted to `engine` as one batch (io_uring runs
+// them together). Needs nothing else in flight. Errors: ReadExact's, of the first failing piece
+// in the order given; its index goes to *failed_index (when not null).
+Status ReadExactPieces(IoEngine& engine, int fd, std::span<const ReadPiece> pieces, const std::string& what,
+                       size_t* failed_index = nullptr);
+
+// The calling thread's engine for reads of source files, made on its first use and kept for the
+// thread's life (read path: no engine is made per read): io_uring when it can be used here
+// (one ring per reader thread) else pread. `n_ops` is the batch about to be read: a batch of
+// one op goes through pread whatever the thread has, since a ring gains nothing on one op and
+// costs a hand-off to a kernel worker on a cold file.
+IoEngine& ThreadReadEngine(size_t n_ops);
 
 std::unique_ptr<IoEngine> MakePreadEngine();
 

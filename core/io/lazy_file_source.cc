@@ -86,19 +86,36 @@ void LazyFileSource::Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
   if (file.ok()) (*file)->Prefetch(byte_offset, n_bytes);
 }
 
+void LazyFileSource::Count(uint64_t n_reads, uint64_t n_bytes, bool ok) const {
+  if (!counters_) return;
+  counters_->source_reads.fetch_add(n_reads, std::memory_order_relaxed);
+  if (ok) {
+    counters_->source_bytes_read.fetch_add(n_bytes, std::memory_order_relaxed);
+  } else {
+    counters_->source_read_errors.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
 Status LazyFileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const {
   auto file = Get();
   Status s = file.ok() ? (*file)->ReadAt(byte_offset, out) : file.status();
   // After the read: an edit in place before or during it shows in mtime/ctime now.
   if (s.ok()) s = (*file)->CheckUnchanged();
-  if (counters_) {
-    counters_->source_reads.fetch_add(1, std::memory_order_relaxed);
-    if (s.ok()) {
-      counters_->source_bytes_read.fetch_add(out.size(), std::memory_order_relaxed);
-    } else {
-      counters_->source_read_errors.fetch_add(1, std::memory_order_relaxed);
-    }
-  }
+  Count(1, out.size(), s.ok());
+  return s;
+}
+
+Status LazyFileSource::ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index) const {
+  if (pieces.empty()) return Status::Ok();
+  auto file = Get();
+  if (failed_index != nullptr) *failed_index = 0;
+  Status s = file.ok() ? (*file)->ReadPieces(pieces, failed_index) : file.status();
+  // After the batch: an edit in place before or during it shows in mtime/ctime now; it fails
+  // the batch from its first piece (none of its bytes can be trusted).
+  if (s.ok()) s = (*file)->CheckUnchanged();
+  uint64_t n_bytes = 0;
+  for (const ReadPiece& p : pieces) n_bytes += p.out.size();
+  Count(pieces.size(), n_bytes, s.ok());
   return s;
 }
 

@@ -74,6 +74,11 @@ class LazyFileSource final : public ByteSource {
   uint64_t Size() const override { return expected_.n_bytes; }
   const std::string& Name() const override { return path_; }
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
+  // The pieces as one batch (FileSource::ReadPieces): one look-up of the open file and one
+  // identity check (fstat) after the whole batch, where ReadAt does both per read. A view read
+  // is one batch per source file (ReadBatch), so an edit in place is still caught by the first
+  // view read after it, as with ReadAt. Errors: ReadAt's.
+  Status ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index = nullptr) const override;
   // FileSource::Prefetch on the file (opened first if need be; an open that fails is ignored).
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
   // Opens the file now, as a first read would (checked against the indexed identity), so that
@@ -82,6 +87,7 @@ class LazyFileSource final : public ByteSource {
 
  private:
   Result<std::shared_ptr<FileSource>> Get() const;
+  void Count(uint64_t n_reads, uint64_t n_bytes, bool ok) const;
 
   std::string path_;
   FileIdentity expected_;

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "core/checked.h"
+#include "core/slice/plan_cache.h"
 
 namespace ucpfs::slice {
 namespace {
@@ -481,9 +482,13 @@ bool Contiguous(const CopyOp& op) {
   return op.src_elem_stride == 1 || op.n_elems <= 1 || op.file_id == kZeroFileId;
 }
 
+// A read whose bytes are used at once (converted, gathered). When it fails, the reads deferred
+// before it (ReadOrDefer) come first in byte order: their error, if any, is the one returned.
 Status ReadFrom(const ByteSource& src, uint64_t byte_offset, std::span<std::byte> out) {
   Status s = src.ReadAt(byte_offset, out);
-  if (!s.ok() && s.message().find(src.Name()) == std::string::npos) return s.WithContext(src.Name());
+  if (s.ok()) return s;
+  if (Status earlier = FlushReadBatch(); !earlier.ok()) return earlier;
+  if (s.message().find(src.Name()) == std::string::npos) return s.WithContext(src.Name());
   return s;
 }
 
@@ -524,8 +529,9 @@ Status CheckOp(const CopyOp& op, size_t i, std::span<const std::shared_ptr<const
 
 class Executor {
  public:
-  Executor(std::span<const std::shared_ptr<const ByteSource>> files, std::span<std::byte> out)
-      : files_(files), out_(out) {}
+  // `defer`: plain reads may go into the thread's open ReadBatch (`out` outlives it).
+  Executor(std::span<const std::shared_ptr<const ByteSource>> files, std::span<std::byte> out, bool defer)
+      : files_(files), out_(out), defer_(defer) {}
 
   Status ReadContiguous(const CopyOp& op) {
     if (op.file_id == kZeroFileId) {
@@ -536,8 +542,9 @@ class Executor {
     const uint64_t in_isz = ItemSize(op.src_dtype), out_isz = ItemSize(op.dst_dtype);
     std::byte* dst = out_.data() + op.dst_byte_offset;
     if (op.src_dtype == op.dst_dtype) {
-      // No bounce copy: straight into the caller's buffer.
-      return ReadFrom(src, op.src_byte_offset, std::span<std::byte>(dst, op.n_elems * in_isz));
+      // No bounce copy: straight into the caller's buffer, in the view read's batch if one is open.
+      const std::span<std::byte> whole(dst, op.n_elems * in_isz);
+      return defer_ ? ReadOrDefer(src, op.src_byte_offset, whole) : ReadFrom(src, op.src_byte_offset, whole);
     }
     const uint64_t per_piece = std::max<uint64_t>(1, kPieceBytes / in_isz);
     for (uint64_t done = 0; done < op.n_elems;) {
@@ -655,6 +662,7 @@ class Executor {
 
   std::span<const std::shared_ptr<const ByteSource>> files_;
   std::span<std::byte> out_;
+  const bool defer_;
   std::vector<std::byte> bounce_;
 };
 
@@ -1008,22 +1016,25 @@ Status AverageRun(const CopyOp& op, std::span<const std::shared_ptr<const ByteSo
 
 }  // namespace
 
-Status ExecutePlan(std::span<const CopyOp> ops,
-                   std::span<const std::shared_ptr<const ByteSource>> files,
-                   std::span<std::byte> out) {
+namespace {
+
+// ExecutePlan; `defer`: plain reads may wait in the thread's open ReadBatch (only when `out` is
+// the view read's own buffer, never a local one that is looked at on return).
+Status ExecutePlanImpl(std::span<const CopyOp> ops, std::span<const std::shared_ptr<const ByteSource>> files,
+                       std::span<std::byte> out, bool defer) {
   for (size_t i = 0; i < ops.size(); ++i) UCPFS_RETURN_IF_ERROR(CheckOp(ops[i], i, files, out.size()));
   if (std::any_of(ops.begin(), ops.end(), [](const CopyOp& op) { return !op.mean_with.empty(); })) {
     // Averaged runs are computed one by one; the others read as usual, op by op in order.
     for (const CopyOp& op : ops) {
       if (op.mean_with.empty()) {
-        UCPFS_RETURN_IF_ERROR(ExecutePlan(std::span<const CopyOp>(&op, 1), files, out));
+        UCPFS_RETURN_IF_ERROR(ExecutePlanImpl(std::span<const CopyOp>(&op, 1), files, out, defer));
       } else {
         UCPFS_RETURN_IF_ERROR(AverageRun(op, files, out));
       }
     }
     return Status::Ok();
   }
-  Executor ex(files, out);
+  Executor ex(files, out, defer);
   // Strided ops are gathered per file, all of a file's at once (its first strided op in
   // destination order triggers the group): a transposed column shard interleaves with other
   // shards in destination order, yet its rows all span the same bytes.
@@ -1059,6 +1070,13 @@ Status ExecutePlan(std::span<const CopyOp> ops,
     }
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status ExecutePlan(std::span<const CopyOp> ops, std::span<const std::shared_ptr<const ByteSource>> files,
+                   std::span<std::byte> out) {
+  return ExecutePlanImpl(ops, files, out, /*defer=*/false);
 }
 
 void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
@@ -1157,7 +1175,7 @@ Status DescribeTensorReads(const TensorLayout& layout, DType dst_dtype,
 
 Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
                        std::span<const std::shared_ptr<const ByteSource>> files,
-                       uint64_t byte_offset, std::span<std::byte> out) {
+                       uint64_t byte_offset, std::span<std::byte> out, const PlanCache* plans) {
   if (!ValidDType(dst_dtype)) return InvalidArgumentError("invalid destination dtype");
   auto numel = CheckedVolume(layout.shape);
   if (!numel) return CorruptError("bad shape " + DimsString(layout.shape));
@@ -1176,8 +1194,14 @@ Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
   // goes through a one-element bounce buffer.
   const uint64_t full_lo = elem_lo + (byte_offset % isz != 0 ? 1 : 0);
   const uint64_t full_hi = std::max(full_lo, end / isz);
+  // The cached plan's ops for [lo, hi), or PlanRead's.
+  auto plan = [&](uint64_t lo, uint64_t hi) -> Result<std::vector<CopyOp>> {
+    std::vector<CopyOp> ops;
+    if (plans != nullptr && plans->Select(lo, hi, ops)) return ops;
+    return PlanRead(layout, dst_dtype, lo, hi);
+  };
   auto partial = [&](uint64_t e) -> Status {
-    UCPFS_ASSIGN_OR_RETURN(auto ops, PlanRead(layout, dst_dtype, e, e + 1));
+    UCPFS_ASSIGN_OR_RETURN(auto ops, plan(e, e + 1));
     std::byte elem[kMaxItemSize];
     UCPFS_RETURN_IF_ERROR(ExecutePlan(ops, files, std::span<std::byte>(elem, isz)));
     const uint64_t lo = std::max(byte_offset, e * isz);
@@ -1187,10 +1211,10 @@ Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
   };
   if (full_lo > elem_lo) UCPFS_RETURN_IF_ERROR(partial(elem_lo));
   if (full_hi > full_lo) {
-    UCPFS_ASSIGN_OR_RETURN(auto ops, PlanRead(layout, dst_dtype, full_lo, full_hi));
+    UCPFS_ASSIGN_OR_RETURN(auto ops, plan(full_lo, full_hi));
     const uint64_t skip = full_lo * isz - byte_offset;
     UCPFS_RETURN_IF_ERROR(
-        ExecutePlan(ops, files, out.subspan(skip, (full_hi - full_lo) * isz)));
+        ExecutePlanImpl(ops, files, out.subspan(skip, (full_hi - full_lo) * isz), /*defer=*/true));
   }
   if (elem_hi > full_hi && elem_hi - 1 >= full_lo) UCPFS_RETURN_IF_ERROR(partial(elem_hi - 1));
   return Status::Ok();

@@ -153,8 +153,11 @@ Status DescribeTensorReads(const TensorLayout& layout, DType dst_dtype,
                            std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
                            uint64_t n_bytes, const SourceRunSink& sink);
 
+// `plans` (may be null): the tensor's cached plan (plan_cache.h), used instead of planning when
+// it has one. Plain reads (no conversion, no gather) go out through ReadOrDefer: inside a
+// ReadBatch they are read when it finishes, together with the rest of the view read.
 Status ReadTensorBytes(const TensorLayout& layout, DType dst_dtype,
                        std::span<const std::shared_ptr<const ByteSource>> files,
-                       uint64_t byte_offset, std::span<std::byte> out);
+                       uint64_t byte_offset, std::span<std::byte> out, const class PlanCache* plans = nullptr);
 
 }  // namespace ucpfs::slice
