@@ -22,7 +22,7 @@
 #include "core/io/lazy_file_source.h"
 #include "core/io/prefetcher.h"
 #include "core/slice/plan_cache.h"
-#include "core/views/atomic.h"
+#include "views/atomic.h"
 #include "test_seed.h"
 
 namespace ucpfs {
