@@ -284,7 +284,9 @@ int RunMount(const MountArgs& mount_args) {
   if (!args.source.index_dir.empty()) args.source.index_dir = AbsPath(args.source.index_dir);
   if (!args.source.rules.empty()) args.source.rules = AbsPath(args.source.rules);
   if (!args.pattern_rules.empty()) args.pattern_rules = AbsPath(args.pattern_rules);
-  if (auto t = ParseTargetOptions(args); !t.ok()) return Fail("mount", t.error());
+  // Parsed once, here (it reads --hf-config, relative to this directory), and handed to the daemon.
+  auto targets = ParseTargetOptions(args);
+  if (!targets.ok()) return Fail("mount", targets.error());
   if (auto r = mount::ParseReadAhead(args.readahead, args.prefetch); !r.ok()) return Fail("mount", r.error());
   if (!args.materialize_dir.empty()) {
     // Absolute, its symlinks not resolved: the daemon refuses a symlink there (fs/materialize.h).
@@ -327,7 +329,7 @@ int RunMount(const MountArgs& mount_args) {
   }
   mount::DaemonOptions daemon;
   daemon.snapshot = std::move(*snapshot_options);
-  daemon.views = *ParseTargetOptions(args);  // checked above
+  daemon.views = std::move(*targets);
   daemon.mountpoint = args.mountpoint;
   daemon.fuse_options = args.fuse_options;
   daemon.log_file = args.log_file;
