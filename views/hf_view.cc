@@ -14,6 +14,7 @@
 #include "core/io/file_source.h"
 #include "core/slice/local_view.h"
 #include "views/atomic.h"
+#include "index/hf_config.h"
 #include "index/source_facts.h"
 
 namespace ucpfs::index {
@@ -330,22 +331,18 @@ Result<json> TitanConfig(const std::map<std::string, const Item*>& weights, cons
                    "--hf-config FILE");
   }
   const std::string where = "--hf-config " + options.config_path;
+  // The typed facts through the one config.json reader (index/hf_config.h: every field checked);
+  // the object itself is kept to be written out with what the tensors prove.
+  UCPFS_ASSIGN_OR_RETURN(const HfModelConfig typed, ParseHfConfig(options.config_text, where));
   json c = json::parse(options.config_text, nullptr, false);
-  if (!c.is_object()) return InvalidArgumentError(where + ": not a JSON object");
-  if (c.contains("model_type") && c["model_type"] != "llama" && c["model_type"] != "mistral") {
-    return UnsupportedError(where + ": model_type " + c["model_type"].dump() + " is not a Llama-family model ucpfs maps");
+  if (!typed.model_type.empty() && typed.model_type != "llama" && typed.model_type != "mistral") {
+    return UnsupportedError(where + ": model_type \"" + typed.model_type + "\" is not a Llama-family model ucpfs maps");
   }
-  auto need = [&](const char* name) -> Result<int64_t> {
-    if (!c.contains(name) || !c[name].is_number_integer() || c[name].get<int64_t>() <= 0) {
-      return InvalidArgumentError(where + " does not give " + name + " (a positive integer)");
-    }
-    return c[name].get<int64_t>();
-  };
-  UCPFS_ASSIGN_OR_RETURN(facts->heads, need("num_attention_heads"));
-  facts->kv_heads = facts->heads;
-  if (c.contains("num_key_value_heads")) {
-    UCPFS_ASSIGN_OR_RETURN(facts->kv_heads, need("num_key_value_heads"));
+  if (typed.num_attention_heads <= 0) {
+    return InvalidArgumentError(where + " does not give num_attention_heads (a positive integer)");
   }
+  facts->heads = typed.num_attention_heads;
+  facts->kv_heads = typed.KvHeads();
   if (!c.contains("rms_norm_eps") || !c["rms_norm_eps"].is_number()) {
     return InvalidArgumentError(where + " does not give rms_norm_eps");
   }
@@ -362,8 +359,7 @@ Result<json> TitanConfig(const std::map<std::string, const Item*>& weights, cons
   auto w1 = weights.find("layers.0.feed_forward.w1.weight");
   if (w1 == weights.end() || w1->second->layout.shape.size() != 2) return CorruptError("hf/: no layers.0.feed_forward.w1.weight");
   facts->ffn = w1->second->layout.shape[0];
-  facts->head_dim = c.contains("head_dim") && c["head_dim"].is_number_integer() ? c["head_dim"].get<int64_t>()
-                                                                                : facts->hidden / facts->heads;
+  facts->head_dim = typed.head_dim > 0 ? typed.head_dim : facts->hidden / facts->heads;
   if (facts->kv_heads <= 0 || facts->heads % facts->kv_heads != 0 || facts->head_dim % 2 != 0) {
     return InvalidArgumentError(where + ": num_key_value_heads / head_dim do not fit num_attention_heads");
   }
