@@ -301,7 +301,7 @@ int RunMount(const MountArgs& mount_args) {
     if (args.no_passthrough) {
       return Fail("mount", InvalidArgumentError("--materialize needs the kernel's passthrough (drop --no-passthrough)"));
     }
-    const std::string mnt = AbsPathOrJoined(args.mountpoint);
+    const std::string& mnt = args.mountpoint;  // made absolute above
     if (args.materialize_dir == mnt || args.materialize_dir.starts_with(mnt + "/")) {
       return Fail("mount", InvalidArgumentError("--materialize " + args.materialize_dir + " is inside the mount point"));
     }
