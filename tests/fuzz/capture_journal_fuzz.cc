@@ -47,7 +47,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const RecoveryStep& step : plan) {
     if (step.finish && step.recover) std::abort();
     if (!step.finish && !step.recover) {
-      if (!step.path.empty()) discarded = true;
+      // Any file not finished stops the ones committed after it, a commit whose path is empty or
+      // unplaceable included (the steps for parts never committed come last, after all of those).
+      discarded = true;
       continue;
     }
     // A file set aside (recover) only ever follows one that is not finished; a finished one never.
