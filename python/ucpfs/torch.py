@@ -26,8 +26,9 @@ are boxes of it, and each box is read from the source alone (``_core.Tensors.rea
 slice machinery of the views), so a rank reads about its share of the checkpoint, never whole
 tensors. ``bytes_read`` counts what this reader read from the source files.
 
-Not for: writing; a source field the live optimizer has and the source lacks (DCP then reports
-``Missing key``: load with ``DefaultLoadPlanner(allow_partial_load=True)`` and set it yourself).
+Not for: writing; a key the state has and the source lacks (a group field the source's optimizer
+did not have; Megatron-Core GPTModel's ``_extra_state``): DCP then reports ``Missing key``; drop
+it from the state, or load with ``DefaultLoadPlanner(allow_partial_load=True)``.
 Needs torch >= 2.4 (tested with 2.13); the rest of ucpfs does not need torch.
 """
 
