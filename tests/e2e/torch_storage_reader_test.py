@@ -14,11 +14,15 @@ parameter, gathered with full_tensor(): the weight (fp32 master), exp_avg and ex
 bit for bit to ucpfs's own atomic/ files (ucpfs.open) and to the framework's truth (DeepSpeed's
 safe_get_full_* of the live engine; megatron-core's load_plain_tensors), the step and the param
 groups to the live optimizer's; each rank read from the source about half of what the whole
-states hold (never whole tensors). DeepSpeed under FSDP2 then trains 2 more steps with the
-fixture's batches: the losses equal the uninterrupted job's (its continue_losses).
+states hold (never whole tensors). Each FSDP2 job then trains 2 more steps with the fixture's
+batches: the losses equal the uninterrupted job's bit for bit (DeepSpeed's continue_losses;
+megatron-core's live "resume" losses, from a tp 2 dp 2 job, reproduced at tp 1 under FSDP2).
 
-The models: DeepSpeed's, the fixture's own TinyGPT (gen_deepspeed.py); Megatron's, a plain torch
-module with GPTModel's parameter names and shapes (no forward: state checks only).
+The models: DeepSpeed's, the fixture's own TinyGPT (gen_deepspeed.py). Megatron's, under FSDP2 the
+fixture's GPTModel at tp 1 (gen_megatron_core.build_model; its `_extra_state` Nones dropped from
+the state), under TP a plain torch module with GPTModel's parameter names and shapes (no forward).
+Megatron's names come through `StorageReader(rename=...)`: the checkpoint's
+`self_attention.linear_qkv.layer_norm_weight` is the model's `input_layernorm.weight`.
 
 Usage: .venv/bin/python torch_storage_reader_test.py (the package from the wheel test's
 --target install, or UCPFS_PYTHON_PACKAGE: a directory holding an importable `ucpfs`).
@@ -89,6 +93,37 @@ def megatron_model(shapes, groups):
     names = [n for n, _ in root.named_parameters()]
     assert sorted(names) == sorted(shapes), (names, list(shapes))
     return root, groups, {}, None
+
+
+def megatron_gpt(groups):
+    """The fixture's Megatron-Core GPTModel (local spec, tied embeddings) at tp 1, on the CPU."""
+    import gen_megatron_core as g  # noqa: PLC0415
+    g.install_cpu_shims()
+    g.set_layout(1, 1, 1234)  # not the fixture's seed: every value must come from the checkpoint
+    model, _, _ = g.build_model(1, 1, True, wrap=False)
+    return model, groups, {}, None
+
+
+def megatron_steps(model, optim, resume, rank):
+    """The fixture job's next 2 steps (gen_megatron_core.train_steps) in plain torch: its batches
+    on this dp rank, the mean loss of its micro-batches, megatron's default clip_grad 1.0."""
+    import gen_megatron_core as g  # noqa: PLC0415
+    losses = []
+    for step in range(resume["first_step"], resume["first_step"] + 2):
+        total = 0
+        for tokens in g.batches(resume["seed"], step, rank):
+            pos = torch.arange(g.SEQ).unsqueeze(0).expand(g.MICRO_BATCH, g.SEQ)
+            mask = torch.ones(g.MICRO_BATCH, 1, g.SEQ, g.SEQ, dtype=torch.bool).triu(1)
+            loss = model(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean()
+            (loss / g.N_MICRO).backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad()
+        mean = total / g.N_MICRO
+        dist.all_reduce(mean)
+        losses.append(float(mean) / WORLD)
+    return losses
 
 
 class KeysMap:
@@ -168,6 +203,8 @@ def run_rank(rank, cfg):
     src, kind = cfg["src"], cfg["kind"]
     if cfg["source"] == "deepspeed":
         model, group_names, opt_kw, decays = deepspeed_model()
+    elif kind == "fsdp2":
+        model, group_names, opt_kw, decays = megatron_gpt(cfg["groups"])
     else:
         model, group_names, opt_kw, decays = megatron_model({k: tuple(v) for k, v in cfg["shapes"].items()},
                                                             cfg["groups"])
@@ -181,6 +218,8 @@ def run_rank(rank, cfg):
             g["weight_decay"] = wd
     optim = torch.optim.AdamW(pgroups, **opt_kw)
     msd, osd = get_state_dict(model, optim)
+    # GPTModel's local modules hold None as `_extra_state`, which the checkpoint does not name.
+    msd = {k: v for k, v in msd.items() if not (k.endswith("._extra_state") and v is None)}
     state = {"model": msd, "optim": osd}
     names = KeysMap(cfg.get("keys_map", {}))
     reader = ucpfs.torch.StorageReader(src, index_dir=cfg["index_dir"], rename=names if names.keys_map else None)
@@ -220,7 +259,9 @@ def run_rank(rank, cfg):
     assert 0.3 < share < 0.75, f"{cfg['name']}: rank {rank} read {reader.bytes_read} bytes of {whole} ({share:.2f})"
 
     losses = []
-    if cfg.get("resume"):
+    if cfg.get("resume") and cfg["source"] == "megatron":
+        losses = megatron_steps(model, optim, cfg["resume"], rank)
+    elif cfg.get("resume"):
         import gen_deepspeed as g  # noqa: PLC0415
         for s in range(int(cfg["step"]), int(cfg["step"]) + 2):
             tokens = g.batch(cfg["seed"], s, rank)
@@ -288,11 +329,14 @@ def main():
             jobs.append(dict(name=f"deepspeed->{kind}", source="deepspeed", kind=kind, src=ds,
                              truth=ds + "_truth.pt", index_dir=os.path.join(work, "index-ds"), step=3.0,
                              seed=ds_resume["seed"], resume=kind == "fsdp2",
+                             resume_losses=ds_resume["continue_losses"][:2],
                              param_groups=[{"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
                                            {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.0}]))
             jobs.append(dict(name=f"megatron->{kind}", source="megatron", kind=kind, src=mc, truth=mc + "_truth.pt",
                              index_dir=os.path.join(work, "index-mc"), step=live["step"], shapes=shapes,
-                             groups=mc_groups, keys_map=mc_truth["keys_map"], param_groups=[{k: g[k] for k in fields} for g in live["param_groups"]]))
+                             groups=mc_groups, keys_map=mc_truth["keys_map"],
+                             resume=live["resume"] if kind == "fsdp2" else None,
+                             resume_losses=live["resume"]["losses"][:2], param_groups=[{k: g[k] for k in fields} for g in live["param_groups"]]))
         for cfg in jobs:
             cfg["site"] = site
             cfg["report"] = os.path.join(work, cfg["name"].replace(">", "") + ".json")
@@ -300,10 +344,9 @@ def main():
             line = (f"{cfg['name']}: {r['checked']} tensors equal to atomic/ and the truth; rank 0 read "
                     f"{r['bytes_read']} of {r['whole']} bytes")
             if cfg.get("resume"):
-                want = ds_resume["continue_losses"][:2]
+                want = cfg["resume_losses"]
                 assert r["losses"] == want, \
-                    f"{cfg['name']}: losses after the load {[float.fromhex(x) for x in r['losses']]} != " \
-                    f"the uninterrupted job's {[float.fromhex(x) for x in want]}"
+                    f"{cfg['name']}: losses after the load {r['losses']} != the uninterrupted job's {want}"
                 line += f"; 2 steps after the load equal the uninterrupted job's losses {want}"
             print(line, flush=True)
         print("torch_storage_reader: ok", flush=True)
