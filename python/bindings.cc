@@ -21,6 +21,7 @@
 
 #include <cerrno>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,7 +31,6 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-#include <nanobind/stl/optional.h>
 
 #include "core/status.h"
 #include "fs/errno_map.h"
@@ -40,9 +40,9 @@
 #include "fs/passthrough.h"
 #include "index/catalog.h"
 #include "index/snapshot.h"
+#include "core/slice/local_view.h"
 #include "views/target.h"
 #include "views/view_inputs.h"
-#include "core/slice/local_view.h"
 
 namespace nb = nanobind;
 
@@ -233,7 +233,6 @@ class Node {
   fs::Ino ino_;
   bool counted_;
 };
-
 
 // A plain value of the source (an optimizer hyper-parameter, a model's extra state) as the
 // Python object torch.load would give; false (and `out` unset) for a tensor, class or object.
