@@ -371,4 +371,25 @@ Status DescribeConcatReads(const std::vector<const TensorLayout*>& parts, DType 
       [&](uint64_t, uint64_t n) { sink(SourceRun{nullptr, 0, n, 1, 1, 1}); });  // in bytes: exact
 }
 
+Status ReadBoxBytes(const TensorLayout& global, const Box& box, DType dst,
+                    std::span<const std::shared_ptr<const ByteSource>> files, std::span<std::byte> out) {
+  if (box.offsets.size() != global.shape.size() || box.sizes.size() != global.shape.size()) {
+    return InvalidArgumentError("box " + BoxStr(box) + " does not have the rank of shape " + Dims(global.shape));
+  }
+  std::optional<uint64_t> n_bytes = ItemSize(dst);
+  for (int64_t s : box.sizes) {
+    if (s < 0) return InvalidArgumentError("box " + BoxStr(box) + " has a negative size");
+    if (n_bytes) n_bytes = CheckedMul(*n_bytes, static_cast<uint64_t>(s));
+  }
+  if (!n_bytes || *n_bytes != out.size()) {
+    return InvalidArgumentError("box " + BoxStr(box) + " of " + std::string(TorchName(dst)) + " does not fill " +
+                                std::to_string(out.size()) + " bytes");
+  }
+  if (out.empty()) return Status::Ok();
+  // One piece spanning the whole local shape: the box in its own coordinates, holding only the
+  // parts of the source fragments inside it (LocalLayout checks it lies inside the shape).
+  UCPFS_ASSIGN_OR_RETURN(TensorLayout local, LocalLayout(global, box.sizes, 0, {box}));
+  return ReadTensorBytes(local, dst, files, 0, out);
+}
+
 }  // namespace ucpfs::slice

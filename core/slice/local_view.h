@@ -81,4 +81,14 @@ Status DescribeConcatReads(const std::vector<const TensorLayout*>& parts, DType 
                            std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
                            uint64_t n_bytes, const SourceRunSink& sink);
 
+// Reads the sub-box `box` (offsets and sizes in the global shape) of the tensor `global`,
+// row-major in `dst`, into `out` (exactly the box's elements · ItemSize(dst) bytes): the box as
+// a one-piece LocalLayout, then ReadTensorBytes, so only the source bytes inside the box are
+// read (of a flat-range fragment, only its elements in the box). What a reader of chunks of a
+// consolidated tensor (torch.distributed.checkpoint's ReadItems: python/) calls.
+// Errors: kInvalidArgument (rank mismatch, a negative size, `out` of another size, a box outside
+// the shape: LocalLayout's), ReadTensorBytes's (the first failing read, naming the file).
+Status ReadBoxBytes(const TensorLayout& global, const Box& box, DType dst,
+                    std::span<const std::shared_ptr<const ByteSource>> files, std::span<std::byte> out);
+
 }  // namespace ucpfs::slice

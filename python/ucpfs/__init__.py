@@ -5,8 +5,10 @@ resharded views, from Python.
   ``<tag>_universal/``, ``safetensors/`` and the source's own files), without FUSE, root or
   ``/dev/fuse``: every file opens as a seekable read-only binary file object.
 - ``ucpfs.mount(SRC, MNT, ...)``: a real mount for those who may mount, as a context manager.
+- ``ucpfs.torch.StorageReader(SRC)`` (``import ucpfs.torch``, needs torch): the checkpoint for
+  ``torch.distributed.checkpoint.load``, into FSDP2 or tensor-parallel models.
 
-Nothing here needs torch.
+Nothing but ``ucpfs.torch`` needs torch.
 """
 
 __version__ = "0.1.0"

@@ -257,19 +257,21 @@ def _user_index_dir(src):
 
 
 def open(src, index_dir=None, read_only_index=False, lookup_memory_mib=256,
-         safetensors_shard_size=5_000_000_000):
+         safetensors_shard_size=5_000_000_000, rules=None):
     """The views of checkpoint ``src`` (a directory), as ``ucpfs mount SRC MNT`` would show them.
 
     ``index_dir``: where the index is kept (``ucpfs mount --index-dir``); by default SRC/.ucpfs,
     or when SRC is not writable the user's cache directory (``~/.cache/ucpfs/<hash>``), or when
     that cannot be written either ``$TMPDIR/ucpfs-<uid>/<hash>``. ``read_only_index``: use a
-    prebuilt index and write nothing (``--read-only-index``). Errors: OSError subclasses naming
+    prebuilt index and write nothing (``--read-only-index``). ``rules``: a key-rules file
+    (``--rules``). Errors: OSError subclasses naming
     the file (FileNotFoundError when SRC holds no checkpoint)."""
     src = os.fspath(src)
     if not os.path.isdir(src):
         raise NotADirectoryError(20, f"{src}: not a directory")
     args = dict(read_only_index=read_only_index, lookup_memory_mib=lookup_memory_mib,
-                safetensors_shard_n_bytes=safetensors_shard_size)
+                safetensors_shard_n_bytes=safetensors_shard_size,
+                rules=os.fspath(rules) if rules is not None else "")
     if index_dir is not None:
         return Views(_core.open_session(src, os.fspath(index_dir), **args))
     try:

@@ -800,5 +800,42 @@ TEST(ReadConcatBytes, ZeroOnePartitions) {
             StatusCode::kInvalidArgument);
 }
 
+
+TEST(ReadBoxBytes, BoxOfFlatRangeSource) {
+  // ZeRO-style: [4, 6] stored as two flat ranges that split row 1 (elements [0, 10) in bf16,
+  // [10, 24) in float32); any box reads its elements, row-major, in float32.
+  auto rng = Rng(11);
+  Store st(rng, 2);
+  Source s;
+  s.layout.shape = {4, 6};
+  s.values.resize(24);
+  std::iota(s.values.begin(), s.values.end(), 1.0f);
+  Fragment lo = BoxFrag({0, 0}, {4, 6}, DType::kBFloat16);
+  lo.flat_hi = 10;
+  Fragment hi = BoxFrag({0, 0}, {4, 6});
+  hi.flat_lo = 10;
+  Put(st, s.layout, s.values, lo);
+  Put(st, s.layout, s.values, hi);
+  s.files = st.Sources();
+  for (const Box& box : {Box{{1, 2}, {2, 3}}, Box{{0, 0}, {4, 6}}, Box{{3, 5}, {1, 1}}, Box{{0, 3}, {4, 1}}}) {
+    std::vector<float> got(box.Volume());
+    ASSERT_TRUE(ReadBoxBytes(s.layout, box, DType::kFloat32, s.files, std::as_writable_bytes(std::span<float>(got))).ok());
+    std::vector<float> want;
+    for (int64_t r = 0; r < box.sizes[0]; ++r) {
+      for (int64_t c = 0; c < box.sizes[1]; ++c) want.push_back(s.values[(box.offsets[0] + r) * 6 + box.offsets[1] + c]);
+    }
+    EXPECT_EQ(got, want) << "box at " << box.offsets[0] << "," << box.offsets[1];
+  }
+  std::vector<float> out(6);
+  auto span = std::as_writable_bytes(std::span<float>(out));
+  EXPECT_EQ(ReadBoxBytes(s.layout, Box{{0, 0}, {2, 2}}, DType::kFloat32, s.files, span).code(),
+            StatusCode::kInvalidArgument);  // 4 elements, 6 in the buffer
+  EXPECT_EQ(ReadBoxBytes(s.layout, Box{{3, 0}, {2, 3}}, DType::kFloat32, s.files, span).code(),
+            StatusCode::kInvalidArgument);  // outside the shape
+  EXPECT_EQ(ReadBoxBytes(s.layout, Box{{0}, {6}}, DType::kFloat32, s.files, span).code(),
+            StatusCode::kInvalidArgument);  // rank
+  EXPECT_TRUE(ReadBoxBytes(s.layout, Box{{1, 1}, {0, 3}}, DType::kFloat32, s.files, {}).ok());  // empty
+}
+
 }  // namespace
 }  // namespace ucpfs::slice
