@@ -9,6 +9,7 @@
 #   tests/s3/rgw.sh stop [DIR]    stop every daemon it started in DIR and remove DIR
 #   tests/s3/rgw.sh status [DIR]  exit 0 when it is up and answers S3
 #   tests/s3/rgw.sh check [DIR]   with curl's SigV4: bucket create, PUT, ranged GET (206), GET
+#   tests/s3/rgw.sh exec DIR CMD...  run CMD with the env's variables set (fails when it is down)
 #
 # DIR defaults to $UCPFS_RGW_DIR, else /tmp/ucpfs-rgw. Everything lives there (config, monitor
 # and OSD data, sockets, logs, pid files); nothing under /etc/ceph or /var/lib/ceph is read or
@@ -248,5 +249,10 @@ case "$cmd" in
   env) print_env ;;
   status) s3_up ;;
   check) check ;;
-  *) die "usage: rgw.sh start|stop|env|status|check [DIR]" ;;
+  exec)
+    [ $# -ge 3 ] || die "usage: rgw.sh exec DIR CMD..."
+    env_lines=$(print_env)
+    while IFS= read -r line; do export "${line?}"; done <<<"$env_lines"
+    exec "${@:3}" ;;
+  *) die "usage: rgw.sh start|stop|env|status|check|exec [DIR]" ;;
 esac
