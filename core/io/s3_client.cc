@@ -154,7 +154,7 @@ struct Client::Impl {
       return 0;
     }
     r.text.append(buf, len);
-    if (r.method == "GET") t->impl->bytes_get += len;
+    if (r.method == "GET" && code / 100 == 2) t->impl->bytes_get += len;
     return len;
   }
 

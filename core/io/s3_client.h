@@ -64,7 +64,7 @@ struct CounterValues {
   uint64_t requests = 0;   // attempts sent, retries included
   uint64_t retries = 0;
   uint64_t failures = 0;   // calls that failed after their retries
-  uint64_t bytes_get = 0;  // body bytes received by GETs
+  uint64_t bytes_get = 0;  // body bytes of successful GETs (objects, lists), not error bodies
   uint64_t bytes_put = 0;  // body bytes sent by PUT and UploadPart
   uint64_t connects = 0;   // new connections made (the rest reused a kept-open one)
 };
