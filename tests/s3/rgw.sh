@@ -74,8 +74,10 @@ stop() {
     ours "$pid" && pids+=("$pid")
   done
   if ((${#pids[@]})); then
+    # Asked politely first; the OSD's goodbye to the monitor can take 4 s, and nothing here is
+    # worth keeping (memstore), so what still runs after 2 s is killed.
     kill -TERM "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 1 100); do
+    for _ in $(seq 1 20); do
       local alive=0
       for pid in "${pids[@]}"; do [ -d "/proc/$pid" ] && alive=1; done
       ((alive)) || break
