@@ -462,19 +462,26 @@ Status Client::GetRanges(std::span<const RangeRead> reads, size_t* failed_index)
       if (failed_index) *failed_index = i;
       return OutOfRangeError(S3Name(rr.bucket, rr.key) + ": range past 2^64");
     }
-    auto made = MakeRequest(options_, Kind::kGetRange, "GET", rr.bucket, rr.key, {},
-                            "GET bytes " + std::to_string(rr.byte_offset) + "-" +
-                                std::to_string(rr.byte_offset + rr.out.size() - 1));
-    if (!made.ok()) {
-      if (failed_index) *failed_index = i;
-      return made.error();
+    // A large read pinned to one version (If-Match) goes out as several GETs in flight at once
+    // (one stream is often slower than the link); without an ETag it stays one GET, so its bytes
+    // come from one version of the object.
+    const uint64_t chunk = rr.if_match.empty() || options_.max_get_bytes == 0 ? rr.out.size() : options_.max_get_bytes;
+    for (uint64_t done = 0; done < rr.out.size(); done += chunk) {
+      const uint64_t n = std::min<uint64_t>(chunk, rr.out.size() - done);
+      const uint64_t off = rr.byte_offset + done;
+      auto made = MakeRequest(options_, Kind::kGetRange, "GET", rr.bucket, rr.key, {},
+                              "GET bytes " + std::to_string(off) + "-" + std::to_string(off + n - 1));
+      if (!made.ok()) {
+        if (failed_index) *failed_index = i;
+        return made.error();
+      }
+      Request r = std::move(made).value();
+      r.out = rr.out.subspan(done, n);
+      r.range_offset = off;
+      if (!rr.if_match.empty()) r.headers.push_back("If-Match: " + rr.if_match);
+      reqs.push_back(std::move(r));
+      index.push_back(i);
     }
-    Request r = std::move(made).value();
-    r.out = rr.out;
-    r.range_offset = rr.byte_offset;
-    if (!rr.if_match.empty()) r.headers.push_back("If-Match: " + rr.if_match);
-    reqs.push_back(std::move(r));
-    index.push_back(i);
   }
   impl_->Execute(reqs);
   for (size_t j = 0; j < reqs.size(); ++j) {

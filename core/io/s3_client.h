@@ -88,7 +88,8 @@ class Client {
   Status GetRange(const std::string& bucket, const std::string& key, uint64_t byte_offset, std::span<std::byte> out,
                   const std::string& if_match = "");
   // Every read in flight at once, at most Options::max_in_flight transfers at a time, each retried
-  // on its own. All of them are finished when this returns. Errors: the first failing read's, in
+  // on its own; a read with if_match larger than Options::max_get_bytes goes out as several GETs
+  // in flight together. All of them are finished when this returns. Errors: the first failing read's, in
   // the order given, its index in *failed_index; the other reads' bytes are then unspecified.
   Status GetRanges(std::span<const RangeRead> reads, size_t* failed_index = nullptr);
 

@@ -51,6 +51,9 @@ struct Options {
   RetryPolicy retry;
   // Transfers of one batch in flight at once (ReadRanges), over connections kept open and shared.
   int max_in_flight = 32;
+  // A ranged GET pinned to one version (If-Match) larger than this is split into GETs of at most
+  // this size, in flight together (0: never split).
+  uint64_t max_get_bytes = 8ull << 20;
   // Connections kept open between calls, shared by every thread of the client.
   int max_idle_connections = 64;
   uint64_t connect_timeout_ms = 10000;

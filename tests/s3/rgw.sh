@@ -147,6 +147,10 @@ rgw data = $DIR/rgw
 rgw dns name = localhost
 rgw enable usage log = false
 rgw thread pool size = 64
+# Deleted objects' data is collected after 2 hours by default: within a minute here, so tests
+# that write and delete again and again stay inside the memstore bound.
+rgw gc obj min wait = 60
+rgw gc processor period = 60
 EOF
 }
 

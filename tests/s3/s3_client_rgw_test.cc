@@ -129,6 +129,19 @@ TEST_F(RgwTest, PutHeadAndBatchedRangedGets) {
   Status past = (*src)->ReadAt(n - 1, std::span<std::byte>(a.data(), 2));
   EXPECT_EQ(past.code(), StatusCode::kOutOfRange);
 
+  // A read pinned to the ETag and larger than max_get_bytes goes out as several GETs at once.
+  Options split = *options_;
+  split.max_get_bytes = 100000;
+  auto sc = Client::Make(split);
+  ASSERT_TRUE(sc.ok());
+  auto split_src = S3ObjectSource::Open(*sc, bucket(), "obj/a.bin");
+  ASSERT_TRUE(split_src.ok());
+  std::fill(whole.begin(), whole.end(), std::byte{0});
+  uint64_t requests_before = (*sc)->counters().requests;
+  ASSERT_TRUE((*split_src)->ReadAt(0, whole).ok());
+  EXPECT_EQ(whole, data);
+  EXPECT_EQ((*sc)->counters().requests - requests_before, (n + 99999) / 100000);
+
   // Threads share one client (a mount's FUSE workers): 8 batches at once, each byte right.
   std::vector<std::thread> threads;
   std::atomic<int> wrong{0};
