@@ -184,6 +184,7 @@ struct Client::Impl {
     curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1024L);
     curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, static_cast<long>(std::max<uint64_t>(1, options->low_speed_time_ms / 1000)));
     curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
+    if (!options->ca_bundle.empty()) curl_easy_setopt(e, CURLOPT_CAINFO, options->ca_bundle.c_str());
     curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &Impl::OnHeader);
     curl_easy_setopt(e, CURLOPT_HEADERDATA, &t);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &Impl::OnWrite);

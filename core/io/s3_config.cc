@@ -241,6 +241,11 @@ Result<Options> ResolveOptions(const Environment& env, const Overrides& override
   } else if (const std::string* a = Get(*config_sec, "s3.addressing_style")) {
     UCPFS_ASSIGN_OR_RETURN(opt.addressing, ParseAddressing(*a, env.config_file_path + ": profile " + profile));
   }
+  if (const std::string* ca = Get(vars, "AWS_CA_BUNDLE")) {
+    opt.ca_bundle = *ca;
+  } else if (const std::string* pca = Get(*config_sec, "ca_bundle")) {
+    opt.ca_bundle = *pca;
+  }
   opt.source = "endpoint " + opt.endpoint_url + " from " + endpoint_source + ", region " + opt.region + ", " +
                cred_source;
   return opt;

@@ -48,6 +48,9 @@ struct Options {
   std::string region = "us-east-1";
   Addressing addressing = Addressing::kAuto;
   Credentials credentials;
+  // A PEM file of the certificate authorities to trust for https (AWS_CA_BUNDLE or the profile's
+  // ca_bundle); empty: the system's.
+  std::string ca_bundle;
   RetryPolicy retry;
   // Transfers of one batch in flight at once (ReadRanges), over connections kept open and shared.
   int max_in_flight = 32;
@@ -98,7 +101,8 @@ Result<Environment> LoadS3Environment();
 // AWS_REGION, AWS_DEFAULT_REGION, the profile's region, else us-east-1. Endpoint: overrides,
 // AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's `s3 =` sub-section endpoint_url, its
 // endpoint_url, else https://s3.REGION.amazonaws.com. Addressing: overrides, the profile's
-// `s3 =` addressing_style (auto, path, virtual), else auto.
+// `s3 =` addressing_style (auto, path, virtual), else auto. CA bundle: AWS_CA_BUNDLE, else the
+// profile's ca_bundle.
 // Errors: kInvalidArgument naming the variable or the file and line (a profile named by
 // AWS_PROFILE that neither file has, one key of a pair without the other, a malformed endpoint,
 // an unknown addressing style, a file that is not INI text).

@@ -258,6 +258,10 @@ case "$cmd" in
   exec)
     [ $# -ge 3 ] || die "usage: rgw.sh exec DIR CMD..."
     env_lines=$(print_env)
+    # Nothing of the machine's own AWS setup (a profile, a session token, another endpoint, its
+    # ~/.aws files) may leak into what the tests talk to.
+    unset AWS_PROFILE AWS_SESSION_TOKEN AWS_ENDPOINT_URL_S3 AWS_DEFAULT_REGION
+    export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
     while IFS= read -r line; do export "${line?}"; done <<<"$env_lines"
     exec "${@:3}" ;;
   *) die "usage: rgw.sh start|stop|env|status|check|exec [DIR]" ;;

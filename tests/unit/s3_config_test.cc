@@ -5,6 +5,11 @@
 
 #include <curl/curl.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 
 namespace ucpfs::s3 {
 namespace {
@@ -93,6 +98,14 @@ TEST(S3Options, ProfileFromFiles) {
   ASSERT_TRUE(c.ok()) << c.error().ToString();
   EXPECT_EQ(c->credentials.access_key_id, "CK");
   EXPECT_EQ(c->endpoint_url, "http://e:1");
+
+  // The CA bundle: the environment, else the profile.
+  auto ca = ResolveOptions(Env({{"AWS_PROFILE", "train"}}, creds, config + "ca_bundle = /etc/profile-ca.pem\n"));
+  ASSERT_TRUE(ca.ok());
+  EXPECT_EQ(ca->ca_bundle, "/etc/profile-ca.pem");
+  auto ca_env = ResolveOptions(Env({{"AWS_PROFILE", "train"}, {"AWS_CA_BUNDLE", "/env-ca.pem"}}, creds,
+                                   config + "ca_bundle = /etc/profile-ca.pem\n"));
+  EXPECT_EQ(ca_env->ca_bundle, "/env-ca.pem");
 }
 
 TEST(S3Options, ErrorsNameTheCause) {
@@ -118,6 +131,44 @@ TEST(S3Options, ErrorsNameTheCause) {
   auto anon = ResolveOptions(Env({}));
   ASSERT_TRUE(anon.ok());
   EXPECT_TRUE(anon->credentials.anonymous());
+}
+
+TEST(S3Options, LoadsTheFilesTheEnvironmentNames) {
+  std::string dir = std::filesystem::temp_directory_path() / ("s3cfg-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/creds") << "[ci]\naws_access_key_id = FILEKEY\naws_secret_access_key = FILESECRET\n";
+  std::ofstream(dir + "/config") << "[profile ci]\nregion = eu-north-1\nendpoint_url = http://127.0.0.1:9\n";
+  std::map<std::string, std::string> saved;
+  for (const char* v : {"AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+                        "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+                        "AWS_ENDPOINT_URL_S3"}) {
+    if (const char* old = getenv(v)) saved[v] = old;
+    unsetenv(v);
+  }
+  setenv("AWS_SHARED_CREDENTIALS_FILE", (dir + "/creds").c_str(), 1);
+  setenv("AWS_CONFIG_FILE", (dir + "/config").c_str(), 1);
+  setenv("AWS_PROFILE", "ci", 1);
+  auto env = LoadS3Environment();
+  ASSERT_TRUE(env.ok()) << env.error().ToString();
+  auto o = ResolveOptions(*env);
+  ASSERT_TRUE(o.ok()) << o.error().ToString();
+  EXPECT_EQ(o->credentials.access_key_id, "FILEKEY");
+  EXPECT_EQ(o->region, "eu-north-1");
+  EXPECT_EQ(o->endpoint_url, "http://127.0.0.1:9");
+  EXPECT_NE(o->source.find(dir + "/creds"), std::string::npos) << o->source;
+  // A file over 1 MiB is not read.
+  std::ofstream(dir + "/config") << std::string(2 << 20, '#');
+  auto big = LoadS3Environment();
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.error().code(), StatusCode::kResourceExhausted);
+  // Files that do not exist are no error.
+  setenv("AWS_CONFIG_FILE", (dir + "/none").c_str(), 1);
+  auto none = LoadS3Environment();
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->config_file_text.has_value());
+  for (const char* v : {"AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_PROFILE"}) unsetenv(v);
+  for (const auto& [k, v] : saved) setenv(k.c_str(), v.c_str(), 1);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(S3Endpoint, Parse) {
