@@ -15,6 +15,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <tuple>
 
 namespace ucpfs::s3 {
 namespace {
@@ -39,8 +40,17 @@ struct Request {
   std::string what;    // "s3://b/k: GET bytes 0-99"
   std::vector<std::string> headers;
   std::span<const std::byte> body;  // PUT/POST body
-  std::span<std::byte> out;         // kGetRange
+  // kGetRange: the range asked is [range_offset, range_offset + range_n_bytes); its bytes go to
+  // the targets (sorted, disjoint, at offsets relative to range_offset), bytes between them are
+  // dropped (nearby reads merged into one GET).
+  struct Target {
+    uint64_t rel_offset = 0;
+    std::span<std::byte> out;
+  };
+  std::vector<Target> targets;
   uint64_t range_offset = 0;
+  uint64_t range_n_bytes = 0;
+  size_t next_target = 0;  // the first target not filled yet (write order is byte order)
 
   // Filled by each attempt (reset at its start).
   long http_status = 0;
@@ -63,6 +73,7 @@ struct Request {
     request_id.clear();
     content_length = -1;
     out_written = 0;
+    next_target = 0;
     text.clear();
     refused.clear();
     body_sent = 0;
@@ -140,12 +151,21 @@ struct Client::Impl {
         r.refused = "the server answered " + std::to_string(code) + " to a ranged GET (Range ignored)";
         return 0;
       }
-      if (len > r.out.size() - r.out_written) {
-        r.refused = "the server sent more bytes than the " + std::to_string(r.out.size()) + " asked";
+      if (len > r.range_n_bytes - r.out_written) {
+        r.refused = "the server sent more bytes than the " + std::to_string(r.range_n_bytes) + " asked";
         return 0;
       }
-      std::memcpy(r.out.data() + r.out_written, buf, len);
-      r.out_written += len;
+      // [pos, end) of the range arrives now: copy what falls into targets, skip the gaps.
+      const uint64_t pos = r.out_written, end = pos + len;
+      for (size_t k = r.next_target; k < r.targets.size(); ++k) {
+        const Request::Target& tg = r.targets[k];
+        const uint64_t tg_end = tg.rel_offset + tg.out.size();
+        if (tg.rel_offset >= end) break;
+        const uint64_t from = std::max(pos, tg.rel_offset), to = std::min(end, tg_end);
+        if (from < to) std::memcpy(tg.out.data() + (from - tg.rel_offset), buf + (from - pos), to - from);
+        if (tg_end <= end) r.next_target = k + 1;
+      }
+      r.out_written = end;
       t->impl->bytes_get += len;
       return len;
     }
@@ -220,7 +240,7 @@ struct Client::Impl {
       curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, "DELETE");
     }
     if (r.kind == Kind::kGetRange) {
-      std::string range = std::to_string(r.range_offset) + "-" + std::to_string(r.range_offset + r.out.size() - 1);
+      std::string range = std::to_string(r.range_offset) + "-" + std::to_string(r.range_offset + r.range_n_bytes - 1);
       curl_easy_setopt(e, CURLOPT_RANGE, range.c_str());  // copied by libcurl
     }
     CURLMcode mc = curl_multi_add_handle(multi, e);
@@ -253,15 +273,15 @@ struct Client::Impl {
     long code = r.http_status;
     if (code / 100 == 2) {
       if (r.kind == Kind::kGetRange) {
-        if (r.out_written != r.out.size()) {
+        if (r.out_written != r.range_n_bytes) {
           *retry = true;  // the connection ended early without an error: try again
           return IoError(r.what + ": the server sent " + std::to_string(r.out_written) + " of " +
-                             std::to_string(r.out.size()) + " bytes" + tries, EIO);
+                             std::to_string(r.range_n_bytes) + " bytes" + tries, EIO);
         }
         if (code == 206) {
           // "bytes START-END/TOTAL": the range asked, not another one.
           std::string want = "bytes " + std::to_string(r.range_offset) + "-" +
-                             std::to_string(r.range_offset + r.out.size() - 1) + "/";
+                             std::to_string(r.range_offset + r.range_n_bytes - 1) + "/";
           if (r.content_range.rfind(want, 0) != 0) {
             return CorruptError(r.what + ": the server sent the range '" + r.content_range + "'");
           }
@@ -453,9 +473,13 @@ Status Client::GetRange(const std::string& bucket, const std::string& key, uint6
 }
 
 Status Client::GetRanges(std::span<const RangeRead> reads, size_t* failed_index) {
-  std::vector<Request> reqs;
-  std::vector<size_t> index;  // reqs[j] is reads[index[j]]
-  reqs.reserve(reads.size());
+  // The reads of one object and version, by offset: neighbours at most merge_gap_bytes apart are
+  // merged into one GET (up to max_get_bytes, the gap's bytes dropped); a read larger than
+  // max_get_bytes and pinned to an ETag goes out as several GETs in flight together (one stream
+  // is often slower than the link; without an ETag it stays one GET, so its bytes come from one
+  // version of the object).
+  std::vector<size_t> order;
+  order.reserve(reads.size());
   for (size_t i = 0; i < reads.size(); ++i) {
     const RangeRead& rr = reads[i];
     if (rr.out.empty()) continue;
@@ -463,35 +487,67 @@ Status Client::GetRanges(std::span<const RangeRead> reads, size_t* failed_index)
       if (failed_index) *failed_index = i;
       return OutOfRangeError(S3Name(rr.bucket, rr.key) + ": range past 2^64");
     }
-    // A large read pinned to one version (If-Match) goes out as several GETs in flight at once
-    // (one stream is often slower than the link); without an ETag it stays one GET, so its bytes
-    // come from one version of the object.
-    const uint64_t chunk = rr.if_match.empty() || options_.max_get_bytes == 0 ? rr.out.size() : options_.max_get_bytes;
-    for (uint64_t done = 0; done < rr.out.size(); done += chunk) {
-      const uint64_t n = std::min<uint64_t>(chunk, rr.out.size() - done);
-      const uint64_t off = rr.byte_offset + done;
-      auto made = MakeRequest(options_, Kind::kGetRange, "GET", rr.bucket, rr.key, {},
+    order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const RangeRead &x = reads[a], &y = reads[b];
+    return std::tie(x.bucket, x.key, x.if_match, x.byte_offset) < std::tie(y.bucket, y.key, y.if_match, y.byte_offset);
+  });
+  const uint64_t max_get = options_.max_get_bytes == 0 ? UINT64_MAX : options_.max_get_bytes;
+  std::vector<Request> reqs;
+  std::vector<size_t> first_read;  // reqs[j] serves reads[first_read[j]] (the lowest index it serves)
+  for (size_t o = 0; o < order.size();) {
+    const RangeRead& head = reads[order[o]];
+    // Reads o..e-1 are merged: same object and version, disjoint and close, within max_get_bytes.
+    size_t e = o + 1;
+    uint64_t end = head.byte_offset + head.out.size();
+    while (e < order.size()) {
+      const RangeRead& nx = reads[order[e]];
+      if (nx.bucket != head.bucket || nx.key != head.key || nx.if_match != head.if_match) break;
+      if (nx.byte_offset < end || nx.byte_offset - end > options_.merge_gap_bytes) break;
+      if (nx.byte_offset + nx.out.size() - head.byte_offset > max_get) break;
+      end = nx.byte_offset + nx.out.size();
+      ++e;
+    }
+    const uint64_t total = end - head.byte_offset;
+    // One read alone may be split (pinned to an ETag); merged reads never exceed max_get_bytes.
+    const uint64_t chunk = (e == o + 1 && !head.if_match.empty()) ? std::min(max_get, total) : total;
+    for (uint64_t done = 0; done < total; done += chunk) {
+      const uint64_t n = std::min<uint64_t>(chunk, total - done);
+      const uint64_t off = head.byte_offset + done;
+      auto made = MakeRequest(options_, Kind::kGetRange, "GET", head.bucket, head.key, {},
                               "GET bytes " + std::to_string(off) + "-" + std::to_string(off + n - 1));
       if (!made.ok()) {
-        if (failed_index) *failed_index = i;
+        if (failed_index) *failed_index = order[o];
         return made.error();
       }
       Request r = std::move(made).value();
-      r.out = rr.out.subspan(done, n);
       r.range_offset = off;
-      if (!rr.if_match.empty()) r.headers.push_back("If-Match: " + rr.if_match);
+      r.range_n_bytes = n;
+      size_t lowest = order[o];
+      for (size_t k = o; k < e; ++k) {
+        const RangeRead& rr = reads[order[k]];
+        // The part of this read inside [off, off + n).
+        const uint64_t from = std::max(rr.byte_offset, off), to = std::min(rr.byte_offset + rr.out.size(), off + n);
+        if (from >= to) continue;
+        r.targets.push_back({from - off, rr.out.subspan(from - rr.byte_offset, to - from)});
+        lowest = std::min(lowest, order[k]);
+      }
+      if (!head.if_match.empty()) r.headers.push_back("If-Match: " + head.if_match);
       reqs.push_back(std::move(r));
-      index.push_back(i);
+      first_read.push_back(lowest);
     }
+    o = e;
   }
   impl_->Execute(reqs);
+  // The first failing read in the order given: of the failed GETs, the one serving the lowest.
+  size_t worst = reqs.size();
   for (size_t j = 0; j < reqs.size(); ++j) {
-    if (!reqs[j].status.ok()) {
-      if (failed_index) *failed_index = index[j];
-      return reqs[j].status;
-    }
+    if (!reqs[j].status.ok() && (worst == reqs.size() || first_read[j] < first_read[worst])) worst = j;
   }
-  return Status::Ok();
+  if (worst == reqs.size()) return Status::Ok();
+  if (failed_index) *failed_index = first_read[worst];
+  return reqs[worst].status;
 }
 
 Result<ListPage> Client::ListObjectsPage(const std::string& bucket, const std::string& prefix,

@@ -89,7 +89,8 @@ class Client {
                   const std::string& if_match = "");
   // Every read in flight at once, at most Options::max_in_flight transfers at a time, each retried
   // on its own; a read with if_match larger than Options::max_get_bytes goes out as several GETs
-  // in flight together. All of them are finished when this returns. Errors: the first failing read's, in
+  // in flight together, and reads of one object that touch (or lie within
+  // Options::merge_gap_bytes) go out as one GET. All of them are finished when this returns. Errors: the first failing read's, in
   // the order given, its index in *failed_index; the other reads' bytes are then unspecified.
   Status GetRanges(std::span<const RangeRead> reads, size_t* failed_index = nullptr);
 

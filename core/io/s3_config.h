@@ -57,6 +57,9 @@ struct Options {
   // A ranged GET pinned to one version (If-Match) larger than this is split into GETs of at most
   // this size, in flight together (0: never split).
   uint64_t max_get_bytes = 8ull << 20;
+  // Reads of one object in a batch at most this far apart are merged into one GET (the bytes
+  // between them fetched and dropped); 0 merges only reads that touch.
+  uint64_t merge_gap_bytes = 0;
   // Connections kept open between calls, shared by every thread of the client.
   int max_idle_connections = 64;
   uint64_t connect_timeout_ms = 10000;

@@ -142,6 +142,15 @@ TEST_F(RgwTest, PutHeadAndBatchedRangedGets) {
   EXPECT_EQ(whole, data);
   EXPECT_EQ((*sc)->counters().requests - requests_before, (n + 99999) / 100000);
 
+  // 100 touching reads of one batch, given in reverse: one GET, each read its own bytes.
+  std::vector<std::vector<std::byte>> parts(100, std::vector<std::byte>(1000));
+  std::vector<RangeRead> touching;
+  for (int i = 99; i >= 0; --i) touching.push_back({bucket(), "obj/a.bin", 777 + 1000ull * i, parts[i], *etag});
+  requests_before = c().counters().requests;
+  ASSERT_TRUE(c().GetRanges(touching).ok());
+  EXPECT_EQ(c().counters().requests - requests_before, 1u);
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(std::memcmp(parts[i].data(), data.data() + 777 + 1000 * i, 1000), 0) << i;
+
   // Threads share one client (a mount's FUSE workers): 8 batches at once, each byte right.
   std::vector<std::thread> threads;
   std::atomic<int> wrong{0};

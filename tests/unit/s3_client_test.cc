@@ -261,6 +261,40 @@ TEST(S3ClientScript, BatchFailsWithTheFirstFailingReadInOrder) {
   EXPECT_EQ(c->counters().requests, 2u);
 }
 
+TEST(S3ClientScript, TouchingAndNearReadsGoOutAsOneGet) {
+  ScriptServer s({{206, "Content-Range: bytes 2-9/20\r\n", "23456789"}});
+  auto c = MakeClient(s.endpoint());
+  std::vector<std::byte> a(3), b(2), d(3);
+  // Given out of order: [5,7), [2,5) touch; [7,10) touches too.
+  std::vector<RangeRead> reads{{"bkt", "k", 5, b, ""}, {"bkt", "k", 2, a, ""}, {"bkt", "k", 7, d, ""}};
+  ASSERT_TRUE(c->GetRanges(reads).ok());
+  EXPECT_EQ(std::memcmp(a.data(), "234", 3), 0);
+  EXPECT_EQ(std::memcmp(b.data(), "56", 2), 0);
+  EXPECT_EQ(std::memcmp(d.data(), "789", 3), 0);
+  auto reqs = s.requests();
+  ASSERT_EQ(reqs.size(), 1u);
+  EXPECT_NE(reqs[0].find("Range: bytes=2-9"), std::string::npos) << reqs[0];
+
+  // With a gap allowed, the bytes between are fetched and dropped; farther reads stay apart.
+  ScriptServer g({{206, "Content-Range: bytes 0-7/20\r\n", "01234567"}});
+  Options o = MakeClient(g.endpoint())->options();
+  o.merge_gap_bytes = 3;
+  auto gc = Client::Make(o);
+  std::vector<std::byte> x(2), y(3);
+  std::vector<RangeRead> near{{"bkt", "k", 0, x, ""}, {"bkt", "k", 5, y, ""}};
+  ASSERT_TRUE((*gc)->GetRanges(near).ok());
+  EXPECT_EQ(std::memcmp(x.data(), "01", 2), 0);
+  EXPECT_EQ(std::memcmp(y.data(), "567", 3), 0);
+  EXPECT_EQ((*gc)->counters().requests, 1u);
+  EXPECT_EQ((*gc)->counters().bytes_get, 8u);  // the gap's bytes were fetched
+  // Different ETags (versions) or objects never merge.
+  ScriptServer v({{206, "Content-Range: bytes 0-1/20\r\n", "01"}, {206, "Content-Range: bytes 2-3/20\r\n", "23"}});
+  auto vc = MakeClient(v.endpoint());
+  std::vector<RangeRead> versions{{"bkt", "k", 0, x, "\"e1\""}, {"bkt", "k", 2, x, "\"e2\""}};
+  (void)vc->GetRanges(versions);
+  EXPECT_EQ(vc->counters().requests, 2u);
+}
+
 TEST(S3ClientScript, ListPagesFollowTokensAndStopOnARepeatedOne) {
   auto page = [](const std::string& key, const std::string& token) {
     return Answer{200, "",
