@@ -190,6 +190,9 @@ struct Client::Impl {
   Status StartAttempt(Transfer& t, CURLM* multi) {
     Request& r = *t.req;
     r.ResetAttempt();
+    // The retry budget (RetryPolicy::max_total_ms) runs from a transfer's own first attempt, not
+    // from the batch's start: a late starter in a large batch gets the same time as the first.
+    if (r.attempts == 0) t.first_start = Clock::now();
     ++r.attempts;
     ++requests;
     CURL* e = curl_easy_init();
@@ -322,11 +325,9 @@ struct Client::Impl {
     std::vector<Transfer> ts(reqs.size());
     std::deque<size_t> ready;
     std::vector<size_t> waiting;  // retries not due yet
-    const Clock::time_point now0 = Clock::now();
     for (size_t i = 0; i < reqs.size(); ++i) {
       ts[i].req = &reqs[i];
       ts[i].impl = this;
-      ts[i].first_start = now0;
       ready.push_back(i);
     }
     size_t in_flight = 0, done = 0;
