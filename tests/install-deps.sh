@@ -5,7 +5,10 @@ pkgs=(build-essential cmake ninja-build pkg-config git ccache
       libfuse3-dev fuse3 liburing-dev liblmdb-dev libxxhash-dev zlib1g-dev
       nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libre2-dev libgtest-dev googletest
       python3-torch python3-numpy python3-venv clang libclang-rt-14-dev rsync
-      meson libnuma-dev dpkg-dev)
+      meson libnuma-dev dpkg-dev
+      # the S3 client (core/io/s3_client.h) and the tests' S3 store (tests/s3/rgw.sh)
+      libcurl4-openssl-dev libexpat1-dev
+      ceph-mon ceph-osd radosgw ceph-common)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long fuzzing, outside CI: every parser's libFuzzer target (zip, pickle, torch file, DCP
-# metadata, index record decoder, plain values, DeepSpeed scanner, write-capture journal, safetensors) built with ASan + UBSan, run
+# metadata, index record decoder, plain values, DeepSpeed scanner, write-capture journal, safetensors, S3 XML answers) built with ASan + UBSan, run
 # for RUNS executions each (default 1,000,000), one after another. Prints each target's
 # executions, time and coverage, and exits non-zero on the first crash (the crashing input is
 # left in build-fuzz/).
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-1000000}
 targets=(fuzz_zip_reader fuzz_pickle fuzz_torch_file fuzz_dcp_metadata fuzz_index_record fuzz_plain_value
-  fuzz_deepspeed_scan fuzz_capture_journal fuzz_safetensors)
+  fuzz_deepspeed_scan fuzz_capture_journal fuzz_safetensors fuzz_s3_xml)
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
 cmake --build build-fuzz -j"$(nproc)" --target "${targets[@]}"
 for t in "${targets[@]}"; do
