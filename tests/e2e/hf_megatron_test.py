@@ -1,5 +1,6 @@
-"""End-to-end: the `hf/` view of Megatron-LM legacy saves and Megatron-DeepSpeed pipeline saves
-loads in Hugging Face transformers and gives the framework's own logits (issue 24, item 1).
+"""End-to-end: the `hf/` view of Megatron-LM legacy saves, Megatron-DeepSpeed pipeline saves and
+Megatron-Core Qwen2-style saves loads in Hugging Face transformers and gives the framework's own
+logits (issue 24).
 
 1. Megatron-LM legacy (`--ckpt-format torch`, fixture megatron_legacy_tp2_pp2: fixtures/
    gen_megatron_legacy.py, a real Megatron-Core GPTModel and optimizer step at tp 2 x pp 2, saved
@@ -17,6 +18,10 @@ loads in Hugging Face transformers and gives the framework's own logits (issue 2
    embedding through TiedLayerSpec): from_pretrained strict, its logits equal the job's own
    model (the generator's GPTModel, tp 1) holding the live engine's fp32 weights (<= 1e-4), and
    the same greedy tokens.
+
+3. Qwen2 (fixture megatron_llama's qwen2 case: Megatron-Core with add_qkv_bias, tp 2): hf/ is a
+   Qwen2ForCausalLM (q/k/v biases, none on o_proj or the MLP) giving the live logits (<= 1e-4) and
+   greedy tokens; save_pretrained Qwen2 and Mistral folders are served as themselves.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/hf_megatron_test.py
 """
@@ -202,11 +207,60 @@ def deepspeed(r, work):
         r.check("Megatron-DeepSpeed pp2 tp2: from_pretrained(MNT/hf) gives the job's logits and greedy tokens", logits)
 
 
+# ---- Qwen2 and Mistral ---------------------------------------------------------------------
+
+def qwen2(r, work):
+    """Megatron-Core with add_qkv_bias (fixture megatron_llama's qwen2 case) is a Qwen2; Hugging Face
+    Qwen2 and Mistral folders are served as themselves."""
+    from hf_view_test import check_greedy, check_logits  # noqa: PLC0415
+    gen = fixture("megatron_llama", work)
+    truth = torch.load(os.path.join(gen, "qwen2_truth.pt"), weights_only=False)
+    with mounted(os.path.join(gen, "qwen2"), os.path.join(work, "mnt-qwen2")) as (mnt, _):
+        hf = os.path.join(mnt, "hf")
+
+        def megatron_qwen2():
+            assert os.path.isdir(hf), open(os.path.join(mnt, "hf.error")).read()
+            c = json.load(open(os.path.join(hf, "config.json")))
+            assert (c["model_type"], c["architectures"], c["vocab_size"]) == ("qwen2", ["Qwen2ForCausalLM"], 129), c
+            got = shards(hf)
+            assert {"model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.bias",
+                    "model.layers.1.self_attn.v_proj.bias"} <= set(got), sorted(got)
+            assert not [k for k in got if k.endswith(("o_proj.bias", "mlp.up_proj.bias"))], sorted(got)
+            model = hf_model(hf)
+            assert type(model).__name__ == "Qwen2ForCausalLM", type(model)
+            diff = check_logits(model, truth, TOL)
+            check_greedy(model, truth)
+            print(f"Megatron-Core add_qkv_bias as Qwen2: max abs logit difference {diff:.2e}", flush=True)
+        r.check("Megatron-Core add_qkv_bias: hf/ is a Qwen2 with the live logits and greedy tokens", megatron_qwen2)
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
+    for name, cls, cfg in (("qwen2", Qwen2ForCausalLM, Qwen2Config(**sizes, tie_word_embeddings=True)),
+                           ("mistral", MistralForCausalLM, MistralConfig(**sizes, sliding_window=4))):
+        torch.manual_seed(7)
+        live = cls(cfg).eval()
+        src = os.path.join(work, f"hf-{name}")
+        live.save_pretrained(src)
+        with torch.no_grad():
+            want = live(tokens).logits
+        with mounted(src, os.path.join(work, f"mnt-hf-{name}")) as (mnt, _):
+            def identity():
+                hf = os.path.join(mnt, "hf")
+                assert open(os.path.join(hf, "config.json"), "rb").read() == open(os.path.join(src, "config.json"), "rb").read()
+                model = hf_model(hf)
+                assert type(model) is cls, type(model)
+                with torch.no_grad():
+                    assert torch.equal(model(tokens).logits, want), "logits differ"
+            r.check(f"a Hugging Face {name} folder: hf/ is itself (config, logits)", identity)
+
+
 def main():
     r = Results("e2e_hf_megatron")
     with tmpdir("hf-megatron-") as work:
         legacy(r, work)
         deepspeed(r, work)
+        qwen2(r, work)
     r.finish()
 
 
