@@ -880,7 +880,11 @@ nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::No
       "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "multi_latent_attention", "squared_relu",
       "openai_gelu", "attention_softmax_in_fp32",
       // Megatron-DeepSpeed's names for the rotary base and learned positions
-      "rope_theta", "add_position_embedding"};
+      "rope_theta", "add_position_embedding",
+      // what makes a mixture of experts Mixtral's or not (views/hf_view.cc)
+      "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_pre_softmax", "moe_router_score_function",
+      "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_router_num_groups",
+      "moe_router_enable_expert_bias", "moe_grouped_gemm"};
   nlohmann::json out = nlohmann::json::object();
   for (const char* name : kNames) {
     const pickle::NodeId v = Get(g, args, name);

@@ -32,6 +32,9 @@ struct LlamaFacts {
   // Megatron's biases: add_bias_linear (every linear: Llama's attention_bias and mlp_bias) or
   // add_qkv_bias alone (q, k and v only: Qwen2, model_type "qwen2").
   bool attention_bias = false, mlp_bias = false, qkv_bias = false;
+  // A mixture of experts (Megatron's num_experts): every MLP is `experts` experts of width ffn,
+  // the top `topk` chosen per token by softmax over their logits (Mixtral, model_type "mixtral").
+  int64_t experts = 0, topk = 0;
   std::optional<int64_t> bos, eos;  // unknown: null in config.json
 };
 
@@ -89,6 +92,35 @@ Status Missing(const std::string& fact, const std::string& why) {
   return InvalidArgumentError("hf/: the source does not record " + fact + " (" + why + ")");
 }
 
+// A Megatron-Core mixture of experts as Mixtral computes one: every layer's MLP routed (moe_layer_freq
+// 1), softmax over the top-k logits (moe_router_pre_softmax off, score function softmax, no
+// scaling, no groups, no expert bias), no shared experts, no capacity limit (no token dropped),
+// no biases, SequentialMLP experts (local_experts.<e>). Anything else is refused by name. Sets f->experts, f->topk; nothing without experts.
+Status MixtureFacts(const Args& a, LlamaFacts* f) {
+  const int64_t experts = a.Int("num_experts").value_or(0);
+  if (experts <= 0) return Status::Ok();
+  auto refuse = [](const std::string& what) {
+    return UnsupportedError("hf/: a mixture of experts with " + what + " is not Mixtral's (not mapped)");
+  };
+  if (a.Text("moe_layer_freq") || a.Int("moe_layer_freq").value_or(1) != 1) return refuse("args.moe_layer_freq (dense layers)");
+  if (a.Int("moe_shared_expert_intermediate_size").value_or(0) > 0) return refuse("shared experts");
+  if (a.Flag("moe_router_pre_softmax").value_or(false)) return refuse("args.moe_router_pre_softmax");
+  if (auto sf = a.Text("moe_router_score_function"); sf && *sf != "softmax") return refuse("args.moe_router_score_function " + *sf);
+  if (a.Number("moe_router_topk_scaling_factor")) return refuse("args.moe_router_topk_scaling_factor");
+  if (a.Number("moe_expert_capacity_factor")) return refuse("args.moe_expert_capacity_factor (dropped tokens)");
+  if (a.Int("moe_router_num_groups").value_or(0) > 0) return refuse("grouped routing (args.moe_router_num_groups)");
+  if (a.Flag("moe_router_enable_expert_bias").value_or(false)) return refuse("args.moe_router_enable_expert_bias");
+  if (f->attention_bias || f->qkv_bias) return refuse("linear biases");
+  // TEGroupedMLP's weight<N> tensors: the same numbers, but Transformer Engine cannot run where
+  // this mapping was checked, so it is refused rather than served unchecked.
+  if (a.Flag("moe_grouped_gemm").value_or(false)) return refuse("grouped-GEMM experts (args.moe_grouped_gemm)");
+  const auto topk = a.Int("moe_router_topk");
+  if (!topk || *topk <= 0 || *topk > experts) return Missing("args.moe_router_topk", "num_experts_per_tok");
+  f->experts = experts;
+  f->topk = *topk;
+  return Status::Ok();
+}
+
 // The Llama-family facts of Megatron's saved args: Megatron-LM's names (Megatron-Core torch_dist's
 // common.pt, a legacy save's model_optim_rng.pt) and Megatron-DeepSpeed's (its client state:
 // normalization "rmsnorm", use_rotary_position_embeddings with add_position_embedding false,
@@ -135,7 +167,7 @@ Result<LlamaFacts> MegatronFacts(const std::optional<MegatronCoreArgs>& args, co
   if (a.Flag("qk_layernorm").value_or(false)) {
     return UnsupportedError("hf/: args.qk_layernorm (query/key norms) has no Llama counterpart");
   }
-  if (a.Int("num_experts").value_or(0) > 0) return UnsupportedError("hf/: a mixture of experts (args.num_experts) is not mapped yet");
+  UCPFS_RETURN_IF_ERROR(MixtureFacts(a, &f));
   if (a.Flag("multi_latent_attention").value_or(false)) return UnsupportedError("hf/: multi-latent attention is not Llama");
 
   auto need_int = [&](const char* name, int64_t* into) -> Status {
@@ -147,8 +179,11 @@ Result<LlamaFacts> MegatronFacts(const std::optional<MegatronCoreArgs>& args, co
   UCPFS_RETURN_IF_ERROR(need_int("num_layers", &f.layers));
   UCPFS_RETURN_IF_ERROR(need_int("hidden_size", &f.hidden));
   UCPFS_RETURN_IF_ERROR(need_int("num_attention_heads", &f.heads));
-  if (auto v = a.Int("ffn_hidden_size"); v && *v > 0) f.ffn = *v;
-  else return Missing("args.ffn_hidden_size", "intermediate_size");
+  if (auto v = a.Int(f.experts > 0 && a.Int("moe_ffn_hidden_size") ? "moe_ffn_hidden_size" : "ffn_hidden_size"); v && *v > 0) {
+    f.ffn = *v;
+  } else {
+    return Missing("args.ffn_hidden_size", "intermediate_size");
+  }
   f.kv_heads = margs.num_query_groups.value_or(f.heads);  // set only with group_query_attention
   f.head_dim = margs.kv_channels.value_or(0);
   if (f.head_dim == 0) {
@@ -185,10 +220,10 @@ Result<LlamaFacts> MegatronFacts(const std::optional<MegatronCoreArgs>& args, co
 
 // config.json: Llama's (LlamaForCausalLM), or Qwen2's where only q, k and v have biases.
 std::string LlamaConfigJson(const LlamaFacts& f, DType dtype) {
-  const bool qwen2 = f.qkv_bias && !f.attention_bias;
+  const bool qwen2 = f.qkv_bias && !f.attention_bias, mixtral = f.experts > 0;
   json c;
-  c["architectures"] = {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
-  c["model_type"] = qwen2 ? "qwen2" : "llama";
+  c["architectures"] = {mixtral ? "MixtralForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+  c["model_type"] = mixtral ? "mixtral" : qwen2 ? "qwen2" : "llama";
   c["vocab_size"] = f.vocab;
   c["hidden_size"] = f.hidden;
   c["intermediate_size"] = f.ffn;
@@ -202,7 +237,13 @@ std::string LlamaConfigJson(const LlamaFacts& f, DType dtype) {
   // transformers 5 reads rope_parameters; 4.x reads rope_theta.
   c["rope_theta"] = f.rope_theta;
   c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", f.rope_theta}};
-  if (qwen2) {
+  if (mixtral) {
+    c["num_local_experts"] = f.experts;
+    c["num_experts_per_tok"] = f.topk;
+    c["sliding_window"] = nullptr;
+    c["output_router_logits"] = false;
+    c["router_jitter_noise"] = 0.0;
+  } else if (qwen2) {
     c["use_sliding_window"] = false;
   } else {
     c["attention_bias"] = f.attention_bias;
@@ -371,23 +412,41 @@ Result<std::vector<Planned>> MegatronPlan(const std::map<std::string, const Item
       UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.proj + ".bias", {f.hidden}));
       out.push_back({h + "self_attn.o_proj.bias", b, {}});
     }
-    UCPFS_ASSIGN_OR_RETURN(const Item* fc1, find({m + names.fc1 + ".weight"}, "MLP input" + layer));
-    UCPFS_RETURN_IF_ERROR(check_shape(fc1, m + names.fc1 + ".weight", {2 * f.ffn, f.hidden}));
-    out.push_back({h + "mlp.gate_proj.weight", fc1, {{0, f.ffn}}});  // SwiGLU: [gate; up]
-    out.push_back({h + "mlp.up_proj.weight", fc1, {{f.ffn, 2 * f.ffn}}});
-    if (f.mlp_bias) {
-      UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.fc1 + ".bias"}, "MLP input bias" + layer));
-      UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.fc1 + ".bias", {2 * f.ffn}));
-      out.push_back({h + "mlp.gate_proj.bias", b, {{0, f.ffn}}});
-      out.push_back({h + "mlp.up_proj.bias", b, {{f.ffn, 2 * f.ffn}}});
-    }
-    UCPFS_ASSIGN_OR_RETURN(const Item* fc2, find({m + names.fc2 + ".weight"}, "MLP output" + layer));
-    UCPFS_RETURN_IF_ERROR(check_shape(fc2, m + names.fc2 + ".weight", {f.hidden, f.ffn}));
-    out.push_back({h + "mlp.down_proj.weight", fc2, {}});
-    if (f.mlp_bias) {
-      UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.fc2 + ".bias"}, "MLP output bias" + layer));
-      UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.fc2 + ".bias", {f.hidden}));
-      out.push_back({h + "mlp.down_proj.bias", b, {}});
+    if (f.experts > 0) {  // Mixtral: the router, then each expert's w1 (gate), w2 (down), w3 (up)
+      const std::string moe = h + "block_sparse_moe.";
+      UCPFS_ASSIGN_OR_RETURN(const Item* router, find({m + "mlp.router.weight"}, "MoE router" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(router, m + "mlp.router.weight", {f.experts, f.hidden}));
+      out.push_back({moe + "gate.weight", router, {}});
+      for (int64_t e = 0; e < f.experts; ++e) {
+        const std::string x = m + "mlp.experts.local_experts." + std::to_string(e) + ".";
+        const std::string y = moe + "experts." + std::to_string(e) + ".";
+        UCPFS_ASSIGN_OR_RETURN(const Item* fc1, find({x + "linear_fc1.weight"}, "expert " + std::to_string(e) + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(fc1, x + "linear_fc1.weight", {2 * f.ffn, f.hidden}));
+        UCPFS_ASSIGN_OR_RETURN(const Item* fc2, find({x + "linear_fc2.weight"}, "expert " + std::to_string(e) + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(fc2, x + "linear_fc2.weight", {f.hidden, f.ffn}));
+        out.push_back({y + "w1.weight", fc1, {{0, f.ffn}}});
+        out.push_back({y + "w2.weight", fc2, {}});
+        out.push_back({y + "w3.weight", fc1, {{f.ffn, 2 * f.ffn}}});
+      }
+    } else {
+      UCPFS_ASSIGN_OR_RETURN(const Item* fc1, find({m + names.fc1 + ".weight"}, "MLP input" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(fc1, m + names.fc1 + ".weight", {2 * f.ffn, f.hidden}));
+      out.push_back({h + "mlp.gate_proj.weight", fc1, {{0, f.ffn}}});  // SwiGLU: [gate; up]
+      out.push_back({h + "mlp.up_proj.weight", fc1, {{f.ffn, 2 * f.ffn}}});
+      if (f.mlp_bias) {
+        UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.fc1 + ".bias"}, "MLP input bias" + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.fc1 + ".bias", {2 * f.ffn}));
+        out.push_back({h + "mlp.gate_proj.bias", b, {{0, f.ffn}}});
+        out.push_back({h + "mlp.up_proj.bias", b, {{f.ffn, 2 * f.ffn}}});
+      }
+      UCPFS_ASSIGN_OR_RETURN(const Item* fc2, find({m + names.fc2 + ".weight"}, "MLP output" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(fc2, m + names.fc2 + ".weight", {f.hidden, f.ffn}));
+      out.push_back({h + "mlp.down_proj.weight", fc2, {}});
+      if (f.mlp_bias) {
+        UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.fc2 + ".bias"}, "MLP output bias" + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.fc2 + ".bias", {f.hidden}));
+        out.push_back({h + "mlp.down_proj.bias", b, {}});
+      }
     }
     std::vector<std::string> n1, n2;
     for (const auto& n : names.norm1) n1.push_back(m + n);

@@ -7,7 +7,9 @@
 //
 // Sources and what is done to their weights (Hugging Face Llama names, LlamaForCausalLM; Qwen2's
 // where Megatron's args give q/k/v biases alone, add_qkv_bias; Llama's attention_bias and mlp_bias
-// where every linear has one, add_bias_linear):
+// where every linear has one, add_bias_linear; Mixtral's, MixtralForCausalLM, for a Megatron-Core
+// mixture of experts as Mixtral computes it: router → block_sparse_moe.gate, each SequentialMLP
+// expert's linear_fc1 → w1 (gate) and w3 (up), linear_fc2 → w2):
 // - Megatron-Core torch_dist (DcpSourceFacts::megatron_core with the saved args), and the same
 //   model saved by Megatron-LM's legacy format (MegatronSourceFacts::args): the fused
 //   `linear_qkv` split per query group into q/k/v (Megatron keeps each group's [q heads; k; v]
@@ -39,7 +41,7 @@
 //
 // Never guessed: a fact config.json needs that the source does not record, or an architecture
 // the Llama names cannot express (LayerNorm, learned positions, qk norms, interleaved or
-// partial rotary, MoE), is an error naming it; the mount then serves `hf.error` holding it and
+// partial rotary, experts Mixtral does not compute: MixtureFacts), is an error naming it; the mount then serves `hf.error` holding it and
 // says it in status.json. Not for: Hugging Face → training names (the reverse).
 #pragma once
 

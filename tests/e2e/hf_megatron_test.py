@@ -1,5 +1,5 @@
 """End-to-end: the `hf/` view of Megatron-LM legacy saves, Megatron-DeepSpeed pipeline saves and
-Megatron-Core Qwen2-style saves loads in Hugging Face transformers and gives the framework's own
+Megatron-Core Qwen2-style and MoE saves loads in Hugging Face transformers and gives the framework's own
 logits (issue 24).
 
 1. Megatron-LM legacy (`--ckpt-format torch`, fixture megatron_legacy_tp2_pp2: fixtures/
@@ -22,11 +22,17 @@ logits (issue 24).
 3. Qwen2 (fixture megatron_llama's qwen2 case: Megatron-Core with add_qkv_bias, tp 2): hf/ is a
    Qwen2ForCausalLM (q/k/v biases, none on o_proj or the MLP) giving the live logits (<= 1e-4) and
    greedy tokens; save_pretrained Qwen2 and Mistral folders are served as themselves.
+4. Mixtral (fixture megatron_llama's mixtral case: Megatron-Core GPTModel with 4 SequentialMLP
+   experts, top-2 softmax routing, expert parallelism 2): hf/ is a MixtralForCausalLM
+   (block_sparse_moe.gate, experts.N.w1/w2/w3) giving the live logits and greedy tokens; with
+   shared experts recorded in its args, hf.error names them.
 
-Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/hf_megatron_test.py
+Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/hf_megatron_test.py [legacy|deepspeed|families]...
+(CTest runs each part as its own test: e2e_hf_megatron_legacy (1), _deepspeed (2), _families (3, 4).)
 """
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -41,6 +47,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
 TOL = 1e-4
 GREEDY = 4
+
+
+def shared_fixture(name, work):
+    """fixture(), copied into work once however many checks read it."""
+    out = os.path.join(work, name, "out")
+    return out if os.path.isdir(out) else fixture(name, work)
 
 
 def greedy(logits_of, prompt, n):
@@ -207,13 +219,22 @@ def deepspeed(r, work):
         r.check("Megatron-DeepSpeed pp2 tp2: from_pretrained(MNT/hf) gives the job's logits and greedy tokens", logits)
 
 
+def live_logits_and_tokens(hf, truth, class_name, what):
+    """from_pretrained(hf) is a class_name whose logits and greedy tokens are the live job's."""
+    from hf_view_test import check_greedy, check_logits  # noqa: PLC0415
+    model = hf_model(hf)
+    assert type(model).__name__ == class_name, type(model)
+    diff = check_logits(model, truth, TOL)
+    check_greedy(model, truth)
+    print(f"{what}: max abs logit difference {diff:.2e}", flush=True)
+
+
 # ---- Qwen2 and Mistral ---------------------------------------------------------------------
 
 def qwen2(r, work):
     """Megatron-Core with add_qkv_bias (fixture megatron_llama's qwen2 case) is a Qwen2; Hugging Face
     Qwen2 and Mistral folders are served as themselves."""
-    from hf_view_test import check_greedy, check_logits  # noqa: PLC0415
-    gen = fixture("megatron_llama", work)
+    gen = shared_fixture("megatron_llama", work)
     truth = torch.load(os.path.join(gen, "qwen2_truth.pt"), weights_only=False)
     with mounted(os.path.join(gen, "qwen2"), os.path.join(work, "mnt-qwen2")) as (mnt, _):
         hf = os.path.join(mnt, "hf")
@@ -226,11 +247,7 @@ def qwen2(r, work):
             assert {"model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.bias",
                     "model.layers.1.self_attn.v_proj.bias"} <= set(got), sorted(got)
             assert not [k for k in got if k.endswith(("o_proj.bias", "mlp.up_proj.bias"))], sorted(got)
-            model = hf_model(hf)
-            assert type(model).__name__ == "Qwen2ForCausalLM", type(model)
-            diff = check_logits(model, truth, TOL)
-            check_greedy(model, truth)
-            print(f"Megatron-Core add_qkv_bias as Qwen2: max abs logit difference {diff:.2e}", flush=True)
+            live_logits_and_tokens(hf, truth, "Qwen2ForCausalLM", "Megatron-Core add_qkv_bias as Qwen2")
         r.check("Megatron-Core add_qkv_bias: hf/ is a Qwen2 with the live logits and greedy tokens", megatron_qwen2)
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
     sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -255,12 +272,52 @@ def qwen2(r, work):
             r.check(f"a Hugging Face {name} folder: hf/ is itself (config, logits)", identity)
 
 
+# ---- Mixtral -------------------------------------------------------------------------------
+
+def mixtral(r, work):
+    """Megatron-Core MoE (fixture megatron_llama's mixtral case: 4 SequentialMLP experts, top 2, at
+    expert parallelism 2) is a Mixtral; a mixture Mixtral does not compute is refused by name."""
+    gen = shared_fixture("megatron_llama", work)
+    truth = torch.load(os.path.join(gen, "mixtral_truth.pt"), weights_only=False)
+    src = os.path.join(gen, "mixtral")
+    with mounted(src, os.path.join(work, "mnt-mixtral")) as (mnt, _):
+        hf = os.path.join(mnt, "hf")
+
+        def experts():
+            assert os.path.isdir(hf), open(os.path.join(mnt, "hf.error")).read()
+            c = json.load(open(os.path.join(hf, "config.json")))
+            assert (c["model_type"], c["num_local_experts"], c["num_experts_per_tok"]) == ("mixtral", 4, 2), c
+            assert (c["intermediate_size"], c["vocab_size"], c["tie_word_embeddings"]) == (48, 129, False), c
+            got = shards(hf)
+            for e in range(4):
+                assert got[f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"].shape == (48, 32)
+                assert got[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"].shape == (32, 48)
+            assert got["model.layers.0.block_sparse_moe.gate.weight"].shape == (4, 32)
+            live_logits_and_tokens(hf, truth, "MixtralForCausalLM", "Megatron-Core MoE as Mixtral")
+        r.check("Megatron-Core MoE (ep 2): hf/ is a Mixtral with the live logits and greedy tokens", experts)
+    shared = os.path.join(work, "mixtral-shared")
+    shutil.copytree(src, shared)
+    common = torch.load(os.path.join(shared, "common.pt"), weights_only=False)
+    common["args"].moe_shared_expert_intermediate_size = 16
+    torch.save(common, os.path.join(shared, "common.pt"))
+    with mounted(shared, os.path.join(work, "mnt-mixtral-shared")) as (mnt, _):
+        def refused():
+            assert not os.path.exists(os.path.join(mnt, "hf"))
+            text = open(os.path.join(mnt, "hf.error")).read()
+            assert "shared experts" in text, text
+        r.check("a mixture with shared experts: hf.error says so", refused)
+
+
+PARTS = {"legacy": [legacy], "deepspeed": [deepspeed], "families": [qwen2, mixtral]}
+
+
 def main():
-    r = Results("e2e_hf_megatron")
+    parts = sys.argv[1:] or list(PARTS)  # one CTest test per part, each with its one fixture
+    r = Results("e2e_hf_megatron_" + "_".join(parts))
     with tmpdir("hf-megatron-") as work:
-        legacy(r, work)
-        deepspeed(r, work)
-        qwen2(r, work)
+        for part in parts:
+            for check in PARTS[part]:
+                check(r, work)
     r.finish()
 
 
