@@ -268,6 +268,7 @@ class MegatronScanner {
     UCPFS_ASSIGN_OR_RETURN(format::TorchFile tf0, builder_.OpenTorchFile(id0));
     const std::string where0 = builder_.source(id0)->Name();
     UCPFS_ASSIGN_OR_RETURN(args_, ReadArgs(tf0, where0));
+    decoded_args_ = DecodeMegatronArgs(tf0.graph(), Get(tf0.graph(), tf0.graph().root(), "args"));
     if (rank0 != RankDir(0, 0, args_.pp)) {
       return CorruptError(where0 + ": args say pipeline size " + std::to_string(args_.pp) + ", but the rank directory is " +
                           rank0);
@@ -831,6 +832,7 @@ class MegatronScanner {
     info.checkpoint_version = args_.version;
     // The distributed optimizer's step (its param groups'), which distrib_optim.pt does not hold.
     info.optimizer_step = distopt_step_;
+    info.args = decoded_args_;
     return info;
   }
 
@@ -840,6 +842,7 @@ class MegatronScanner {
   Args args_;
   std::vector<int64_t> stage_layers_;
   std::optional<double> distopt_step_;  // the distributed optimizer's param groups' step
+  std::optional<MegatronCoreArgs> decoded_args_;  // rank 0's args as DecodeMegatronArgs reads them
   TpSliceMerger merged_{/*repeat_is_error=*/true};  // tied copies of later stages are skipped before Merge
 };
 
@@ -875,7 +878,13 @@ nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::No
       "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
       "max_position_embeddings", "seq_length", "bf16", "fp16", "params_dtype", "tokenizer_type",
       "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "multi_latent_attention", "squared_relu",
-      "openai_gelu", "attention_softmax_in_fp32"};
+      "openai_gelu", "attention_softmax_in_fp32",
+      // Megatron-DeepSpeed's names for the rotary base and learned positions
+      "rope_theta", "add_position_embedding",
+      // what makes a mixture of experts Mixtral's or not (views/hf_view.cc)
+      "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_pre_softmax", "moe_router_score_function",
+      "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_router_num_groups",
+      "moe_router_enable_expert_bias", "moe_grouped_gemm"};
   nlohmann::json out = nlohmann::json::object();
   for (const char* name : kNames) {
     const pickle::NodeId v = Get(g, args, name);

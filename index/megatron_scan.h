@@ -36,7 +36,7 @@
 // model_optim_rng.pt): MegatronSourceFacts::optimizer_step, served by MegatronOptimizerStep.
 //
 // Checkpoint::facts: MegatronSourceFacts (source_facts.h), the iteration and the model facts of
-// the saved `args`.
+// the saved `args`, and rank 0's args decoded as DecodeMegatronArgs reads them (the hf/ view's).
 //
 // Supported: Megatron-LM checkpoint_version 3.0 files as Megatron-LM with Megatron-Core
 // >= 0.5 writes them (param groups with wd_mult). Refused with kUnsupported naming the file:

@@ -207,7 +207,7 @@ Result<DeepSpeedSourceFacts> DecodeDeepSpeed(const json& j) {
 // ---- megatron -----------------------------------------------------------------------------
 
 json Encode(const MegatronSourceFacts& f) {
-  return {{"iteration", OptionalJson(f.iteration)},
+  json j = {{"iteration", OptionalJson(f.iteration)},
           {"dir", f.dir},
           {"tp", f.tp},
           {"pp", f.pp},
@@ -224,6 +224,8 @@ json Encode(const MegatronSourceFacts& f) {
           {"distributed_optimizer", f.distributed_optimizer},
           {"checkpoint_version", f.checkpoint_version},
           {"optimizer_step", OptionalJson(f.optimizer_step)}};
+  if (f.args) j["megatron_args"] = EncodeArgs(*f.args);
+  return j;
 }
 
 Result<MegatronSourceFacts> DecodeMegatron(const json& j) {
@@ -246,6 +248,9 @@ Result<MegatronSourceFacts> DecodeMegatron(const json& j) {
   out.distributed_optimizer = f.Flag("distributed_optimizer", false);
   out.checkpoint_version = f.Number("checkpoint_version");
   out.optimizer_step = f.OptionalNumber("optimizer_step");
+  if (const json* args = f.Find("megatron_args", false)) {
+    UCPFS_ASSIGN_OR_RETURN(out.args, DecodeArgs(*args));
+  }
   UCPFS_RETURN_IF_ERROR(f.status());
   return out;
 }

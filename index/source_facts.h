@@ -72,6 +72,7 @@ struct MegatronSourceFacts {
   double checkpoint_version = 0;
   // The distributed optimizer's step (its param groups'), which distrib_optim.pt does not hold.
   std::optional<double> optimizer_step;
+  std::optional<MegatronCoreArgs> args;  // rank 0's args decoded as the other Megatron sources' (hf/'s config.json)
 };
 
 // "torch_state" (torch_state_scan.h): where the positional optimizer lies and how its positions

@@ -1,9 +1,11 @@
 // See hf_view.h.
 #include "views/hf_view.h"
 
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <string_view>
 #include <memory>
 #include <utility>
 
@@ -22,11 +24,17 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-// What a Llama config.json says, gathered from the source.
+// What a Llama-family config.json says, gathered from the source.
 struct LlamaFacts {
   int64_t layers = 0, hidden = 0, ffn = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, max_positions = 0;
   double norm_eps = 0, rope_theta = 0;
   bool tied = false;
+  // Megatron's biases: add_bias_linear (every linear: Llama's attention_bias and mlp_bias) or
+  // add_qkv_bias alone (q, k and v only: Qwen2, model_type "qwen2").
+  bool attention_bias = false, mlp_bias = false, qkv_bias = false;
+  // A mixture of experts (Megatron's num_experts): every MLP is `experts` experts of width ffn,
+  // the top `topk` chosen per token by softmax over their logits (Mixtral, model_type "mixtral").
+  int64_t experts = 0, topk = 0;
   std::optional<int64_t> bos, eos;  // unknown: null in config.json
 };
 
@@ -62,6 +70,14 @@ class Args {
     if (it == j_.end() || !it->is_boolean()) return std::nullopt;
     return it->get<bool>();
   }
+  bool TextIs(const char* name, std::string_view want) const {  // ASCII case-insensitive
+    auto t = Text(name);
+    if (!t || t->size() != want.size()) return false;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (std::tolower(static_cast<unsigned char>((*t)[i])) != std::tolower(static_cast<unsigned char>(want[i]))) return false;
+    }
+    return true;
+  }
   std::optional<std::string> Text(const char* name) const {
     auto it = j_.find(name);
     if (it == j_.end() || !it->is_string()) return std::nullopt;
@@ -76,12 +92,46 @@ Status Missing(const std::string& fact, const std::string& why) {
   return InvalidArgumentError("hf/: the source does not record " + fact + " (" + why + ")");
 }
 
-Result<LlamaFacts> MegatronCoreFacts(const DcpSourceFacts& dcp, const PatternOptions& patterns, bool has_output_layer) {
-  if (!dcp.args) return Missing("Megatron-LM's args", "common.pt holds no readable `args`: config.json is made from them");
-  const MegatronCoreArgs& margs = *dcp.args;
+// A Megatron-Core mixture of experts as Mixtral computes one: every layer's MLP routed (moe_layer_freq
+// 1), softmax over the top-k logits (moe_router_pre_softmax off, score function softmax, no
+// scaling, no groups, no expert bias), no shared experts, no capacity limit (no token dropped),
+// no biases, SequentialMLP experts (local_experts.<e>). Anything else is refused by name. Sets f->experts, f->topk; nothing without experts.
+Status MixtureFacts(const Args& a, LlamaFacts* f) {
+  const int64_t experts = a.Int("num_experts").value_or(0);
+  if (experts <= 0) return Status::Ok();
+  auto refuse = [](const std::string& what) {
+    return UnsupportedError("hf/: a mixture of experts with " + what + " is not Mixtral's (not mapped)");
+  };
+  if (a.Text("moe_layer_freq") || a.Int("moe_layer_freq").value_or(1) != 1) return refuse("args.moe_layer_freq (dense layers)");
+  if (a.Int("moe_shared_expert_intermediate_size").value_or(0) > 0) return refuse("shared experts");
+  if (a.Flag("moe_router_pre_softmax").value_or(false)) return refuse("args.moe_router_pre_softmax");
+  if (auto sf = a.Text("moe_router_score_function"); sf && *sf != "softmax") return refuse("args.moe_router_score_function " + *sf);
+  if (a.Number("moe_router_topk_scaling_factor")) return refuse("args.moe_router_topk_scaling_factor");
+  if (a.Number("moe_expert_capacity_factor")) return refuse("args.moe_expert_capacity_factor (dropped tokens)");
+  if (a.Int("moe_router_num_groups").value_or(0) > 0) return refuse("grouped routing (args.moe_router_num_groups)");
+  if (a.Flag("moe_router_enable_expert_bias").value_or(false)) return refuse("args.moe_router_enable_expert_bias");
+  if (f->attention_bias || f->qkv_bias) return refuse("linear biases");
+  // TEGroupedMLP's weight<N> tensors: the same numbers, but Transformer Engine cannot run where
+  // this mapping was checked, so it is refused rather than served unchecked.
+  if (a.Flag("moe_grouped_gemm").value_or(false)) return refuse("grouped-GEMM experts (args.moe_grouped_gemm)");
+  const auto topk = a.Int("moe_router_topk");
+  if (!topk || *topk <= 0 || *topk > experts) return Missing("args.moe_router_topk", "num_experts_per_tok");
+  f->experts = experts;
+  f->topk = *topk;
+  return Status::Ok();
+}
+
+// The Llama-family facts of Megatron's saved args: Megatron-LM's names (Megatron-Core torch_dist's
+// common.pt, a legacy save's model_optim_rng.pt) and Megatron-DeepSpeed's (its client state:
+// normalization "rmsnorm", use_rotary_position_embeddings with add_position_embedding false,
+// rope_theta, layernorm_epsilon). `where` names the file the args come from.
+Result<LlamaFacts> MegatronFacts(const std::optional<MegatronCoreArgs>& args, const std::string& where,
+                                 const PatternOptions& patterns, bool has_output_layer) {
+  if (!args) return Missing("Megatron-LM's args", where + " holds no readable `args`: config.json is made from them");
+  const MegatronCoreArgs& margs = *args;
   const Args a(margs.architecture);
   // Features the Llama names cannot express: refused by name, never dropped.
-  if (auto n = a.Text("normalization"); n && *n != "RMSNorm") {
+  if (auto n = a.Text("normalization"); n && !a.TextIs("normalization", "RMSNorm")) {
     return UnsupportedError("hf/: args.normalization is " + *n + "; Hugging Face Llama uses RMSNorm");
   }
   if (!a.Text("normalization")) return Missing("args.normalization", "Llama needs RMSNorm");
@@ -93,6 +143,9 @@ Result<LlamaFacts> MegatronCoreFacts(const DcpSourceFacts& dcp, const PatternOpt
   }
   if (!a.Text("position_embedding_type") && !a.Flag("use_rotary_position_embeddings").value_or(false)) {
     return Missing("args.position_embedding_type", "Llama needs rotary embeddings");
+  }
+  if (a.Flag("add_position_embedding").value_or(false)) {  // Megatron-DeepSpeed's learned positions
+    return UnsupportedError("hf/: args.add_position_embedding (learned absolute positions) has no Llama counterpart");
   }
   if (auto r = a.Number("rotary_percent"); r && *r != 1.0) {
     return UnsupportedError("hf/: args.rotary_percent is " + std::to_string(*r) + "; Llama rotates every channel");
@@ -106,17 +159,17 @@ Result<LlamaFacts> MegatronCoreFacts(const DcpSourceFacts& dcp, const PatternOpt
   if (!a.Flag("swiglu").value_or(false)) {
     return UnsupportedError("hf/: args.swiglu is not set; the Llama MLP is gated SiLU (SwiGLU)");
   }
-  if (a.Flag("add_bias_linear").value_or(true) || a.Flag("add_qkv_bias").value_or(false)) {
-    if (!a.Flag("add_bias_linear")) return Missing("args.add_bias_linear", "Llama has no linear biases");
-    return UnsupportedError("hf/: the model has linear biases (args.add_bias_linear / add_qkv_bias); Llama has none");
-  }
+  LlamaFacts f;
+  const auto bias_linear = a.Flag("add_bias_linear");
+  if (!bias_linear) return Missing("args.add_bias_linear", "whether the linear layers have biases");
+  f.attention_bias = f.mlp_bias = *bias_linear;
+  f.qkv_bias = *bias_linear || a.Flag("add_qkv_bias").value_or(false);
   if (a.Flag("qk_layernorm").value_or(false)) {
     return UnsupportedError("hf/: args.qk_layernorm (query/key norms) has no Llama counterpart");
   }
-  if (a.Int("num_experts").value_or(0) > 0) return UnsupportedError("hf/: a mixture of experts (args.num_experts) is not mapped yet");
+  UCPFS_RETURN_IF_ERROR(MixtureFacts(a, &f));
   if (a.Flag("multi_latent_attention").value_or(false)) return UnsupportedError("hf/: multi-latent attention is not Llama");
 
-  LlamaFacts f;
   auto need_int = [&](const char* name, int64_t* into) -> Status {
     auto v = a.Int(name);
     if (!v || *v <= 0) return Missing(std::string("args.") + name, "a config.json field");
@@ -126,8 +179,11 @@ Result<LlamaFacts> MegatronCoreFacts(const DcpSourceFacts& dcp, const PatternOpt
   UCPFS_RETURN_IF_ERROR(need_int("num_layers", &f.layers));
   UCPFS_RETURN_IF_ERROR(need_int("hidden_size", &f.hidden));
   UCPFS_RETURN_IF_ERROR(need_int("num_attention_heads", &f.heads));
-  if (auto v = a.Int("ffn_hidden_size"); v && *v > 0) f.ffn = *v;
-  else return Missing("args.ffn_hidden_size", "intermediate_size");
+  if (auto v = a.Int(f.experts > 0 && a.Int("moe_ffn_hidden_size") ? "moe_ffn_hidden_size" : "ffn_hidden_size"); v && *v > 0) {
+    f.ffn = *v;
+  } else {
+    return Missing("args.ffn_hidden_size", "intermediate_size");
+  }
   f.kv_heads = margs.num_query_groups.value_or(f.heads);  // set only with group_query_attention
   f.head_dim = margs.kv_channels.value_or(0);
   if (f.head_dim == 0) {
@@ -143,7 +199,8 @@ Result<LlamaFacts> MegatronCoreFacts(const DcpSourceFacts& dcp, const PatternOpt
   if (!eps || !(*eps > 0)) return Missing("args.norm_epsilon", "rms_norm_eps");
   f.norm_eps = *eps;
   auto theta = a.Number("rotary_base");
-  if (!theta || !(*theta > 0)) return Missing("args.rotary_base", "rope_theta");
+  if (!theta) theta = a.Number("rope_theta");
+  if (!theta || !(*theta > 0)) return Missing("args.rotary_base", "rope_theta (Megatron-DeepSpeed: args.rope_theta)");
   f.rope_theta = *theta;
   f.max_positions = a.Int("max_position_embeddings").value_or(a.Int("seq_length").value_or(0));
   if (f.max_positions <= 0) return Missing("args.max_position_embeddings", "max_position_embeddings");
@@ -154,17 +211,19 @@ Result<LlamaFacts> MegatronCoreFacts(const DcpSourceFacts& dcp, const PatternOpt
   const auto untie = a.Flag("untie_embeddings_and_output_weights");
   f.tied = untie ? !*untie : !has_output_layer;
   if (!f.tied && !has_output_layer) {
-    return CorruptError("hf/: args.untie_embeddings_and_output_weights is set but the checkpoint has no output_layer.weight");
+    return CorruptError("hf/: args.untie_embeddings_and_output_weights is set but the checkpoint has no output layer");
   }
   // Megatron-LM's NullTokenizer: its one special token, EOD, is the last id.
   if (a.Text("tokenizer_type").value_or("") == "NullTokenizer") f.eos = f.vocab - 1;
   return f;
 }
 
+// config.json: Llama's (LlamaForCausalLM), or Qwen2's where only q, k and v have biases.
 std::string LlamaConfigJson(const LlamaFacts& f, DType dtype) {
+  const bool qwen2 = f.qkv_bias && !f.attention_bias, mixtral = f.experts > 0;
   json c;
-  c["architectures"] = {"LlamaForCausalLM"};
-  c["model_type"] = "llama";
+  c["architectures"] = {mixtral ? "MixtralForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+  c["model_type"] = mixtral ? "mixtral" : qwen2 ? "qwen2" : "llama";
   c["vocab_size"] = f.vocab;
   c["hidden_size"] = f.hidden;
   c["intermediate_size"] = f.ffn;
@@ -178,8 +237,18 @@ std::string LlamaConfigJson(const LlamaFacts& f, DType dtype) {
   // transformers 5 reads rope_parameters; 4.x reads rope_theta.
   c["rope_theta"] = f.rope_theta;
   c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", f.rope_theta}};
-  c["attention_bias"] = false;
-  c["mlp_bias"] = false;
+  if (mixtral) {
+    c["num_local_experts"] = f.experts;
+    c["num_experts_per_tok"] = f.topk;
+    c["sliding_window"] = nullptr;
+    c["output_router_logits"] = false;
+    c["router_jitter_noise"] = 0.0;
+  } else if (qwen2) {
+    c["use_sliding_window"] = false;
+  } else {
+    c["attention_bias"] = f.attention_bias;
+    c["mlp_bias"] = f.mlp_bias;
+  }
   c["attention_dropout"] = 0.0;
   c["tie_word_embeddings"] = f.tied;
   c["bos_token_id"] = f.bos ? json(*f.bos) : json(nullptr);
@@ -191,19 +260,102 @@ std::string LlamaConfigJson(const LlamaFacts& f, DType dtype) {
   return c.dump(2) + "\n";
 }
 
-// The Megatron-Core names of a Llama block → the HF tensors, in HF's state_dict order.
-Result<std::vector<Planned>> MegatronCorePlan(const std::map<std::string, const Item*>& weights, const LlamaFacts& f) {
+// Where a Megatron-family checkpoint keeps each tensor of a Llama block: Megatron-Core's names
+// (torch_dist and legacy saves of a Megatron-Core GPTModel) or Megatron-DeepSpeed's (its
+// non-pipeline GPTModel, or a PipelineModule's numbered layers). Each field lists the names
+// looked for, first found wins; a layer's are suffixes of its prefix.
+struct MegatronNames {
+  std::vector<std::string> embedding, final_norm, output;
+  std::vector<std::string> layers;  // each layer's prefix, in order
+  std::string qkv, proj, fc1, fc2;  // modules of a layer (".weight" / ".bias" appended)
+  std::vector<std::string> norm1, norm2;
+};
+
+MegatronNames MegatronCoreNames(int64_t n_layers) {
+  MegatronNames n;
+  n.embedding = {"embedding.word_embeddings.weight"};
+  n.final_norm = {"decoder.final_layernorm.weight"};
+  n.output = {"output_layer.weight"};
+  for (int64_t l = 0; l < n_layers; ++l) n.layers.push_back("decoder.layers." + std::to_string(l) + ".");
+  n.qkv = "self_attention.linear_qkv";
+  n.proj = "self_attention.linear_proj";
+  n.fc1 = "mlp.linear_fc1";
+  n.fc2 = "mlp.linear_fc2";
+  // The local spec's norms, or Transformer Engine's fused into the next linear.
+  n.norm1 = {"self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"};
+  n.norm2 = {"mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"};
+  return n;
+}
+
+// Megatron-DeepSpeed: GPTModel's `language_model.` names, or GPTModelPipe's layer list, whose
+// numbered entries are the embedding (`tied_modules.embed.` when tied), the transformer layers
+// (those with a fused query_key_value), the final norm (the first numbered `<i>.weight` after
+// them) and an untied head (`<i>.lm_head.weight`).
+MegatronNames MegatronDeepSpeedNames(const std::map<std::string, const Item*>& weights) {
+  MegatronNames n;
+  n.qkv = "self_attention.query_key_value";
+  n.proj = "self_attention.dense";
+  n.fc1 = "mlp.dense_h_to_4h";
+  n.fc2 = "mlp.dense_4h_to_h";
+  n.norm1 = {"input_layernorm.weight"};
+  n.norm2 = {"post_attention_layernorm.weight"};
+  if (weights.count("language_model.embedding.word_embeddings.weight")) {
+    n.embedding = {"language_model.embedding.word_embeddings.weight"};
+    n.final_norm = {"language_model.encoder.final_layernorm.weight"};
+    n.output = {"language_model.output_layer.weight"};
+    for (int64_t l = 0; weights.count("language_model.encoder.layers." + std::to_string(l) + ".input_layernorm.weight"); ++l) {
+      n.layers.push_back("language_model.encoder.layers." + std::to_string(l) + ".");
+    }
+    return n;
+  }
+  // The pipeline's numbered entries: "<i>.<rest>".
+  std::map<int64_t, std::vector<std::string>> entries;
+  for (const auto& [name, item] : weights) {
+    const size_t dot = name.find('.');
+    if (dot == 0 || dot == std::string::npos || dot > 6) continue;
+    if (name.find_first_not_of("0123456789") != dot) continue;
+    entries[std::stoll(name.substr(0, dot))].push_back(name.substr(dot + 1));
+  }
+  int64_t last_layer = -1;
+  for (const auto& [i, rest] : entries) {
+    for (const auto& r : rest) {
+      if (r == n.qkv + ".weight") {
+        n.layers.push_back(std::to_string(i) + ".");
+        last_layer = i;
+      } else if (r == "word_embeddings.weight" && n.layers.empty()) {
+        n.embedding.push_back(std::to_string(i) + "." + r);
+      }
+    }
+  }
+  n.embedding.push_back("tied_modules.embed.word_embeddings.weight");
+  for (const auto& [i, rest] : entries) {
+    if (i <= last_layer) continue;
+    for (const auto& r : rest) {
+      if (r == "weight" && n.final_norm.empty()) n.final_norm.push_back(std::to_string(i) + ".weight");
+      if (r == "lm_head.weight") n.output.push_back(std::to_string(i) + "." + r);
+    }
+  }
+  if (n.final_norm.empty()) n.final_norm.push_back("<the final norm's weight after the last layer>");
+  if (n.output.empty()) n.output.push_back("<an lm_head.weight after the last layer>");
+  return n;
+}
+
+// A Megatron model's names → the Hugging Face tensors, in Hugging Face's state_dict order: the
+// fused QKV split per query group (each group's [q heads; k; v] rows), linear_fc1 into gate and
+// up ([gate; up]), biases split alike, the vocabulary stripped of its padding rows.
+Result<std::vector<Planned>> MegatronPlan(const std::map<std::string, const Item*>& weights, const LlamaFacts& f,
+                                          const MegatronNames& names) {
   std::vector<Planned> out;
   std::map<std::string, bool> used;
-  auto find = [&](std::initializer_list<std::string> names, const std::string& role) -> Result<const Item*> {
-    for (const auto& n : names) {
+  auto find = [&](const std::vector<std::string>& candidates, const std::string& role) -> Result<const Item*> {
+    for (const auto& n : candidates) {
       auto it = weights.find(n);
       if (it != weights.end()) {
         used[n] = true;
         return it->second;
       }
     }
-    return CorruptError("hf/: the checkpoint has no " + role + " (" + *names.begin() + ")");
+    return CorruptError("hf/: the checkpoint has no " + role + " (" + candidates.front() + ")");
   };
   auto check_shape = [](const Item* it, const std::string& name, std::vector<int64_t> want) -> Status {
     if (it->layout.shape != want) {
@@ -214,65 +366,130 @@ Result<std::vector<Planned>> MegatronCorePlan(const std::map<std::string, const 
     }
     return Status::Ok();
   };
-  UCPFS_ASSIGN_OR_RETURN(const Item* emb, find({"embedding.word_embeddings.weight"}, "word embedding"));
+  if (static_cast<int64_t>(names.layers.size()) != f.layers) {
+    return InvalidArgumentError("hf/: the checkpoint holds " + std::to_string(names.layers.size()) +
+                                " transformer layers, args.num_layers says " + std::to_string(f.layers));
+  }
+  UCPFS_ASSIGN_OR_RETURN(const Item* emb, find(names.embedding, "word embedding"));
   if (emb->layout.shape.size() != 2 || emb->layout.shape[1] != f.hidden || emb->layout.shape[0] < f.vocab) {
-    return InvalidArgumentError("hf/: embedding.word_embeddings.weight does not hold " + std::to_string(f.vocab) + " rows of " +
-                                std::to_string(f.hidden));
+    return InvalidArgumentError("hf/: " + names.embedding.front() + " does not hold " + std::to_string(f.vocab) +
+                                " rows of " + std::to_string(f.hidden));
   }
   out.push_back({"model.embed_tokens.weight", emb, {{0, f.vocab}}});
   const int64_t qpg = f.heads / f.kv_heads, hd = f.head_dim;
   for (int64_t l = 0; l < f.layers; ++l) {
-    const std::string m = "decoder.layers." + std::to_string(l) + ".";
+    const std::string& m = names.layers[static_cast<size_t>(l)];
     const std::string h = "model.layers." + std::to_string(l) + ".";
-    UCPFS_ASSIGN_OR_RETURN(const Item* qkv, find({m + "self_attention.linear_qkv.weight"}, "fused QKV of layer " + std::to_string(l)));
-    UCPFS_RETURN_IF_ERROR(check_shape(qkv, m + "self_attention.linear_qkv.weight", {f.kv_heads * (qpg + 2) * hd, f.hidden}));
-    Planned q{h + "self_attn.q_proj.weight", qkv, {}}, k{h + "self_attn.k_proj.weight", qkv, {}},
-        v{h + "self_attn.v_proj.weight", qkv, {}};
-    for (int64_t g = 0; g < f.kv_heads; ++g) {  // each query group: [its q heads; k; v]
-      const int64_t base = g * (qpg + 2) * hd;
-      q.rows.push_back({base, base + qpg * hd});
-      k.rows.push_back({base + qpg * hd, base + (qpg + 1) * hd});
-      v.rows.push_back({base + (qpg + 1) * hd, base + (qpg + 2) * hd});
+    const std::string layer = " of layer " + std::to_string(l);
+    // q, k and v of the fused QKV (weight rows, or bias elements): each query group's rows.
+    auto split_qkv = [&](const Item* fused, const std::string& suffix) {
+      Planned q{h + "self_attn.q_proj." + suffix, fused, {}}, k{h + "self_attn.k_proj." + suffix, fused, {}},
+          v{h + "self_attn.v_proj." + suffix, fused, {}};
+      for (int64_t g = 0; g < f.kv_heads; ++g) {  // each query group: [its q heads; k; v]
+        const int64_t base = g * (qpg + 2) * hd;
+        q.rows.push_back({base, base + qpg * hd});
+        k.rows.push_back({base + qpg * hd, base + (qpg + 1) * hd});
+        v.rows.push_back({base + (qpg + 1) * hd, base + (qpg + 2) * hd});
+      }
+      out.push_back(std::move(q));
+      out.push_back(std::move(k));
+      out.push_back(std::move(v));
+    };
+    const int64_t qkv_rows = f.kv_heads * (qpg + 2) * hd;
+    UCPFS_ASSIGN_OR_RETURN(const Item* qkv, find({m + names.qkv + ".weight"}, "fused QKV" + layer));
+    UCPFS_RETURN_IF_ERROR(check_shape(qkv, m + names.qkv + ".weight", {qkv_rows, f.hidden}));
+    split_qkv(qkv, "weight");
+    if (f.qkv_bias) {
+      UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.qkv + ".bias"}, "fused QKV bias" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.qkv + ".bias", {qkv_rows}));
+      split_qkv(b, "bias");
     }
-    out.push_back(std::move(q));
-    out.push_back(std::move(k));
-    out.push_back(std::move(v));
-    UCPFS_ASSIGN_OR_RETURN(const Item* proj, find({m + "self_attention.linear_proj.weight"}, "attention output of layer " + std::to_string(l)));
-    UCPFS_RETURN_IF_ERROR(check_shape(proj, m + "self_attention.linear_proj.weight", {f.hidden, f.heads * hd}));
+    UCPFS_ASSIGN_OR_RETURN(const Item* proj, find({m + names.proj + ".weight"}, "attention output" + layer));
+    UCPFS_RETURN_IF_ERROR(check_shape(proj, m + names.proj + ".weight", {f.hidden, f.heads * hd}));
     out.push_back({h + "self_attn.o_proj.weight", proj, {}});
-    UCPFS_ASSIGN_OR_RETURN(const Item* fc1, find({m + "mlp.linear_fc1.weight"}, "MLP input of layer " + std::to_string(l)));
-    UCPFS_RETURN_IF_ERROR(check_shape(fc1, m + "mlp.linear_fc1.weight", {2 * f.ffn, f.hidden}));
-    out.push_back({h + "mlp.gate_proj.weight", fc1, {{0, f.ffn}}});  // SwiGLU: [gate; up]
-    out.push_back({h + "mlp.up_proj.weight", fc1, {{f.ffn, 2 * f.ffn}}});
-    UCPFS_ASSIGN_OR_RETURN(const Item* fc2, find({m + "mlp.linear_fc2.weight"}, "MLP output of layer " + std::to_string(l)));
-    UCPFS_RETURN_IF_ERROR(check_shape(fc2, m + "mlp.linear_fc2.weight", {f.hidden, f.ffn}));
-    out.push_back({h + "mlp.down_proj.weight", fc2, {}});
-    UCPFS_ASSIGN_OR_RETURN(const Item* n1, find({m + "self_attention.linear_qkv.layer_norm_weight", m + "input_layernorm.weight"},
-                                                "attention norm of layer " + std::to_string(l)));
-    UCPFS_RETURN_IF_ERROR(check_shape(n1, m + "input_layernorm.weight", {f.hidden}));
-    out.push_back({h + "input_layernorm.weight", n1, {}});
-    UCPFS_ASSIGN_OR_RETURN(const Item* n2, find({m + "mlp.linear_fc1.layer_norm_weight", m + "pre_mlp_layernorm.weight"},
-                                                "MLP norm of layer " + std::to_string(l)));
-    UCPFS_RETURN_IF_ERROR(check_shape(n2, m + "pre_mlp_layernorm.weight", {f.hidden}));
-    out.push_back({h + "post_attention_layernorm.weight", n2, {}});
+    if (f.attention_bias) {
+      UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.proj + ".bias"}, "attention output bias" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.proj + ".bias", {f.hidden}));
+      out.push_back({h + "self_attn.o_proj.bias", b, {}});
+    }
+    if (f.experts > 0) {  // Mixtral: the router, then each expert's w1 (gate), w2 (down), w3 (up)
+      const std::string moe = h + "block_sparse_moe.";
+      UCPFS_ASSIGN_OR_RETURN(const Item* router, find({m + "mlp.router.weight"}, "MoE router" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(router, m + "mlp.router.weight", {f.experts, f.hidden}));
+      out.push_back({moe + "gate.weight", router, {}});
+      for (int64_t e = 0; e < f.experts; ++e) {
+        const std::string x = m + "mlp.experts.local_experts." + std::to_string(e) + ".";
+        const std::string y = moe + "experts." + std::to_string(e) + ".";
+        UCPFS_ASSIGN_OR_RETURN(const Item* fc1, find({x + "linear_fc1.weight"}, "expert " + std::to_string(e) + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(fc1, x + "linear_fc1.weight", {2 * f.ffn, f.hidden}));
+        UCPFS_ASSIGN_OR_RETURN(const Item* fc2, find({x + "linear_fc2.weight"}, "expert " + std::to_string(e) + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(fc2, x + "linear_fc2.weight", {f.hidden, f.ffn}));
+        out.push_back({y + "w1.weight", fc1, {{0, f.ffn}}});
+        out.push_back({y + "w2.weight", fc2, {}});
+        out.push_back({y + "w3.weight", fc1, {{f.ffn, 2 * f.ffn}}});
+      }
+    } else {
+      UCPFS_ASSIGN_OR_RETURN(const Item* fc1, find({m + names.fc1 + ".weight"}, "MLP input" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(fc1, m + names.fc1 + ".weight", {2 * f.ffn, f.hidden}));
+      out.push_back({h + "mlp.gate_proj.weight", fc1, {{0, f.ffn}}});  // SwiGLU: [gate; up]
+      out.push_back({h + "mlp.up_proj.weight", fc1, {{f.ffn, 2 * f.ffn}}});
+      if (f.mlp_bias) {
+        UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.fc1 + ".bias"}, "MLP input bias" + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.fc1 + ".bias", {2 * f.ffn}));
+        out.push_back({h + "mlp.gate_proj.bias", b, {{0, f.ffn}}});
+        out.push_back({h + "mlp.up_proj.bias", b, {{f.ffn, 2 * f.ffn}}});
+      }
+      UCPFS_ASSIGN_OR_RETURN(const Item* fc2, find({m + names.fc2 + ".weight"}, "MLP output" + layer));
+      UCPFS_RETURN_IF_ERROR(check_shape(fc2, m + names.fc2 + ".weight", {f.hidden, f.ffn}));
+      out.push_back({h + "mlp.down_proj.weight", fc2, {}});
+      if (f.mlp_bias) {
+        UCPFS_ASSIGN_OR_RETURN(const Item* b, find({m + names.fc2 + ".bias"}, "MLP output bias" + layer));
+        UCPFS_RETURN_IF_ERROR(check_shape(b, m + names.fc2 + ".bias", {f.hidden}));
+        out.push_back({h + "mlp.down_proj.bias", b, {}});
+      }
+    }
+    std::vector<std::string> n1, n2;
+    for (const auto& n : names.norm1) n1.push_back(m + n);
+    for (const auto& n : names.norm2) n2.push_back(m + n);
+    UCPFS_ASSIGN_OR_RETURN(const Item* norm1, find(n1, "attention norm" + layer));
+    UCPFS_RETURN_IF_ERROR(check_shape(norm1, n1.back(), {f.hidden}));
+    out.push_back({h + "input_layernorm.weight", norm1, {}});
+    UCPFS_ASSIGN_OR_RETURN(const Item* norm2, find(n2, "MLP norm" + layer));
+    UCPFS_RETURN_IF_ERROR(check_shape(norm2, n2.back(), {f.hidden}));
+    out.push_back({h + "post_attention_layernorm.weight", norm2, {}});
   }
-  UCPFS_ASSIGN_OR_RETURN(const Item* norm, find({"decoder.final_layernorm.weight"}, "final norm"));
-  UCPFS_RETURN_IF_ERROR(check_shape(norm, "decoder.final_layernorm.weight", {f.hidden}));
+  UCPFS_ASSIGN_OR_RETURN(const Item* norm, find(names.final_norm, "final norm"));
+  UCPFS_RETURN_IF_ERROR(check_shape(norm, names.final_norm.front(), {f.hidden}));
   out.push_back({"model.norm.weight", norm, {}});
   if (!f.tied) {
-    UCPFS_ASSIGN_OR_RETURN(const Item* head, find({"output_layer.weight"}, "output layer"));
-    UCPFS_RETURN_IF_ERROR(check_shape(head, "output_layer.weight", emb->layout.shape));
+    UCPFS_ASSIGN_OR_RETURN(const Item* head, find(names.output, "output layer"));
+    UCPFS_RETURN_IF_ERROR(check_shape(head, names.output.front(), emb->layout.shape));
     out.push_back({"lm_head.weight", head, {{0, f.vocab}}});
-  } else if (auto it = weights.find("output_layer.weight"); it != weights.end()) {
-    used[it->first] = true;  // a pipeline's last-stage copy of the tied embedding
+  } else {
+    for (const auto& n : names.output) {
+      if (weights.count(n)) used[n] = true;  // a pipeline's last-stage copy of the tied embedding
+    }
   }
   for (const auto& [name, item] : weights) {
     if (!used.count(name)) {
-      return UnsupportedError("hf/: parameter '" + name + "' has no Hugging Face Llama counterpart (e.g. more layers "
-                              "than args.num_layers, or a module Llama lacks)");
+      return UnsupportedError("hf/: parameter '" + name + "' has no Hugging Face " +
+                              (f.qkv_bias && !f.attention_bias ? "Qwen2" : "Llama") +
+                              " counterpart (e.g. more layers than args.num_layers, a bias the args do not declare, "
+                              "or a module Llama lacks)");
     }
   }
   return out;
+}
+
+// A fused QKV declared as DeepSpeed AutoTP's sub-parameters ([q; k; v], universal_checkpoint_info's
+// parameter_with_sub_params) is not Megatron's per-group layout: refused by name, not guessed.
+Status RefuseAutoTpQkv(const DeepSpeedSourceFacts& ds) {
+  const auto& uc = ds.universal_checkpoint_info;
+  if (uc.is_object() && uc.contains("parameter_with_sub_params") && !uc["parameter_with_sub_params"].empty()) {
+    return UnsupportedError("hf/: universal_checkpoint_info declares parameter_with_sub_params (a fused QKV laid "
+                            "out [q; k; v] as DeepSpeed AutoTP cuts it): not mapped to Hugging Face names yet");
+  }
+  return Status::Ok();
 }
 
 // A Hugging Face source: weights saved by save_pretrained (or the Trainer), whose names are
@@ -471,9 +688,21 @@ Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& c, const 
   std::optional<json> given_config;  // torchtitan: --hf-config's, checked
   std::vector<SafetensorsViewFile> passed;  // the identity's config and tokenizer files
   const auto* dcp = std::get_if<DcpSourceFacts>(&c.facts);
-  if (dcp != nullptr && dcp->megatron_core) {
-    UCPFS_ASSIGN_OR_RETURN(facts, MegatronCoreFacts(*dcp, patterns, weights.count("output_layer.weight") > 0));
-    UCPFS_ASSIGN_OR_RETURN(plan, MegatronCorePlan(weights, facts));
+  const auto* legacy = std::get_if<MegatronSourceFacts>(&c.facts);
+  const auto* ds = std::get_if<DeepSpeedSourceFacts>(&c.facts);
+  if ((dcp != nullptr && dcp->megatron_core) || legacy != nullptr) {
+    const bool has_output = weights.count("output_layer.weight") > 0;
+    UCPFS_ASSIGN_OR_RETURN(facts, dcp != nullptr ? MegatronFacts(dcp->args, "common.pt", patterns, has_output)
+                                                 : MegatronFacts(legacy->args, "model_optim_rng.pt", patterns, has_output));
+    UCPFS_ASSIGN_OR_RETURN(plan, MegatronPlan(weights, facts, MegatronCoreNames(facts.layers)));
+  } else if (ds != nullptr && ds->megatron_args) {
+    // Megatron-DeepSpeed: its args in the client state, its own names.
+    const MegatronNames names = MegatronDeepSpeedNames(weights);
+    bool has_output = false;
+    for (const auto& n : names.output) has_output |= weights.count(n) > 0;
+    UCPFS_RETURN_IF_ERROR(RefuseAutoTpQkv(*ds));
+    UCPFS_ASSIGN_OR_RETURN(facts, MegatronFacts(ds->megatron_args, "the DeepSpeed client state", patterns, has_output));
+    UCPFS_ASSIGN_OR_RETURN(plan, MegatronPlan(weights, facts, names));
   } else if (dcp != nullptr && IsTitanSource(weights)) {
     UCPFS_ASSIGN_OR_RETURN(given_config, TitanConfig(weights, options, &facts));
     UCPFS_ASSIGN_OR_RETURN(plan, TitanPlan(weights, facts));

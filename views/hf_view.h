@@ -5,8 +5,13 @@
 // (sharded as safetensors/ is: ShardSafetensors). Headers and config now; tensor bytes gathered
 // from the source fragments on read, converted to the chosen dtype.
 //
-// Sources and what is done to their weights (all: Hugging Face Llama names, LlamaForCausalLM):
-// - Megatron-Core torch_dist (DcpSourceFacts::megatron_core with the saved args): the fused
+// Sources and what is done to their weights (Hugging Face Llama names, LlamaForCausalLM; Qwen2's
+// where Megatron's args give q/k/v biases alone, add_qkv_bias; Llama's attention_bias and mlp_bias
+// where every linear has one, add_bias_linear; Mixtral's, MixtralForCausalLM, for a Megatron-Core
+// mixture of experts as Mixtral computes it: router → block_sparse_moe.gate, each SequentialMLP
+// expert's linear_fc1 → w1 (gate) and w3 (up), linear_fc2 → w2):
+// - Megatron-Core torch_dist (DcpSourceFacts::megatron_core with the saved args), and the same
+//   model saved by Megatron-LM's legacy format (MegatronSourceFacts::args): the fused
 //   `linear_qkv` split per query group into q/k/v (Megatron keeps each group's [q heads; k; v]
 //   rows together), `linear_fc1` into gate and up (its global form is [gate; up]), the norms
 //   mapped (the local spec's `input_layernorm` / `pre_mlp_layernorm` and the fused
@@ -14,6 +19,13 @@
 //   vocabulary's padding rows stripped to the real vocabulary (MegatronTokenizerVocab), tied
 //   embeddings left to Hugging Face (no lm_head.weight, tie_word_embeddings true). config.json
 //   from the args (MegatronArchitectureArgs).
+// - Megatron-DeepSpeed (DeepSpeedSourceFacts::megatron_args, its client state): the same with its
+//   names (`query_key_value`, `dense`, `dense_h_to_4h` [gate; up], `dense_4h_to_h`,
+//   `input_layernorm`, `post_attention_layernorm`), from GPTModel's `language_model.` or a
+//   PipelineModule's numbered layers (embedding, the layers with a fused QKV, then the final norm's
+//   `<i>.weight` and an untied `<i>.lm_head.weight`); its args' names (normalization "rmsnorm",
+//   use_rotary_position_embeddings, rope_theta, layernorm_epsilon). A QKV declared as AutoTP's
+//   [q; k; v] sub-parameters is refused.
 // - Hugging Face itself (weights-only safetensors or torch folders, the Trainer's checkpoint-N/,
 //   with DeepSpeed too: its engine's module states) with its config.json: the identity. The weights under their own names and dtype, resharded;
 //   config.json, generation_config.json and the tokenizer files (kHfPassThroughFiles) passed
@@ -28,8 +40,8 @@
 //   checked against the tensors.
 //
 // Never guessed: a fact config.json needs that the source does not record, or an architecture
-// the Llama names cannot express (LayerNorm, learned positions, biases, qk norms, interleaved or
-// partial rotary, MoE), is an error naming it; the mount then serves `hf.error` holding it and
+// the Llama names cannot express (LayerNorm, learned positions, qk norms, interleaved or
+// partial rotary, experts Mixtral does not compute: MixtureFacts), is an error naming it; the mount then serves `hf.error` holding it and
 // says it in status.json. Not for: Hugging Face → training names (the reverse).
 #pragma once
 

@@ -40,6 +40,9 @@ FIXTURES = {
     "mcore_tp2_dp2": ("torch213", "gen_megatron_core.py", ["{out}", "--cases", "tp2_dp2", "--steps", "1"]),
     # A Llama-style Megatron-Core job at tp 2, untied and tied, with its live logits (hf_view).
     "megatron_llama": ("torch213", "gen_megatron_llama.py", ["{out}"]),
+    # Megatron-LM legacy tp 2 x pp 2 and Megatron-DeepSpeed's Llama recipe at pp 2 x tp 2 (hf_megatron).
+    "megatron_legacy_tp2_pp2": ("torch213", "gen_megatron_legacy.py", ["save", "{out}", "--tp", "2", "--pp", "2"]),
+    "mds_llama_pp2_tp2": ("torch213", "gen_megatron_deepspeed.py", ["save", "{out}", "--case", "pp2_tp2", "--llama"]),
     # torchtitan 0.3.0's CheckpointManager save of its llama3 debug model (hf_view).
     "torchtitan": ("torch213", "gen_torchtitan.py", ["{out}"]),
     # The corrupt DCP variants (mount_dcp under each torch; verify under torch 1.13).

@@ -1493,5 +1493,35 @@ TEST(SourceFacts, DecodeRefusesWhatNoScannerWrites) {
   EXPECT_FALSE(DecodeSourceFacts(std::string(kMaxSourceFactsBytes + 1, ' ')).ok());
 }
 
+// A Megatron-LM legacy save's decoded args (the hf/ view's config.json) survive the index, and
+// args of the wrong form there are refused like the DCP ones.
+TEST(SourceFacts, MegatronLegacyArgsRoundTrip) {
+  MegatronSourceFacts m;
+  m.tp = 2;
+  m.pp = 2;
+  m.num_layers = 4;
+  m.hidden_size = 16;
+  m.num_attention_heads = 4;
+  m.num_query_groups = 2;
+  m.kv_channels = 4;
+  m.padded_vocab_size = 48;
+  m.checkpoint_version = 3.0;
+  m.args = MegatronCoreArgs{};
+  m.args->num_query_groups = 2;
+  m.args->architecture = {{"normalization", "RMSNorm"}, {"norm_epsilon", 1e-5}, {"add_bias_linear", true}};
+  const std::string stored = EncodeSourceFacts(m);
+  Result<SourceFacts> back = DecodeSourceFacts(stored);
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  const auto* got = std::get_if<MegatronSourceFacts>(&*back);
+  ASSERT_NE(got, nullptr);
+  ASSERT_TRUE(got->args.has_value());
+  EXPECT_EQ(got->args->num_query_groups, 2);
+  EXPECT_EQ(got->args->architecture, m.args->architecture);
+  EXPECT_EQ(EncodeSourceFacts(*back), stored);
+  nlohmann::json bad = nlohmann::json::parse(stored);
+  bad["megatron"]["megatron_args"]["architecture"] = {{"normalization", nlohmann::json::array()}};
+  EXPECT_FALSE(DecodeSourceFacts(bad.dump()).ok());
+}
+
 }  // namespace
 }  // namespace ucpfs::index
