@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "cli/text.h"
+#include "core/xml_text.h"
 
 namespace ucpfs::cli {
 namespace {
@@ -65,24 +66,6 @@ std::vector<Placed> Place(const std::vector<FlowPicture::Node>& nodes, double sc
 }
 
 }  // namespace
-
-std::string XmlEscape(const std::string& text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
-      default:
-        // XML 1.0 forbids most control characters even escaped.
-        out += (static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n') ? '?' : c;
-    }
-  }
-  return out;
-}
 
 std::string RenderFlowSvg(const FlowPicture& pic) {
   uint64_t total = 0;

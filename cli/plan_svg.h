@@ -28,9 +28,6 @@ struct FlowPicture {
   std::vector<Flow> flows;  // n_bytes > 0
 };
 
-// "&amp;" etc. for the five XML specials; control bytes other than tab/newline become '?'.
-std::string XmlEscape(const std::string& text);
-
 // The SVG document.
 std::string RenderFlowSvg(const FlowPicture& picture);
 

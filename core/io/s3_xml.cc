@@ -219,22 +219,6 @@ Result<std::string> ParseCompleteMultipartUpload(std::string_view xml, const std
   return ChildText(t, root, "ETag");
 }
 
-std::string XmlEscape(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
-
 std::string CompleteMultipartUploadBody(const std::vector<CompletedPart>& parts) {
   std::string body = "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">";
   for (const CompletedPart& p : parts) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/xml_text.h"
 
 namespace ucpfs::s3 {
 
@@ -73,8 +74,5 @@ Result<std::string> ParseCompleteMultipartUpload(std::string_view xml, const std
 
 // The body of CompleteMultipartUpload, parts in the order given, text escaped for XML.
 std::string CompleteMultipartUploadBody(const std::vector<CompletedPart>& parts);
-
-// `s` with & < > " ' written as XML entities.
-std::string XmlEscape(std::string_view s);
 
 }  // namespace ucpfs::s3
