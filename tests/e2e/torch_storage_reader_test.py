@@ -46,16 +46,6 @@ import torch.multiprocessing as mp  # noqa: E402
 WORLD = 2
 
 
-def package_site():
-    site = os.environ.get("UCPFS_PYTHON_PACKAGE")
-    if site:
-        return site
-    from python_package_test import package_dir  # noqa: PLC0415
-    site = os.path.join(package_dir(), "site")
-    assert os.path.isdir(site), f"{site}: run the wheel test first (ctest -R e2e_python_wheel)"
-    return site
-
-
 # ---- the models ----
 
 def deepspeed_model():
@@ -303,6 +293,7 @@ def run_job(cfg):
 
 def main():
     from shared_fixtures import fixtures  # noqa: PLC0415
+    from python_package_test import package_site  # noqa: PLC0415
     site = package_site()
     sys.path.insert(0, site)
     import ucpfs  # noqa: PLC0415
