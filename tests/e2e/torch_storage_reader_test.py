@@ -1,4 +1,5 @@
-"""ucpfs.torch.StorageReader: torch.distributed.checkpoint.load of a DeepSpeed and a Megatron save.
+"""ucpfs.torch.StorageReader: torch.distributed.checkpoint.load of a DeepSpeed, a Megatron and a
+Hugging Face Trainer save.
 
 The shared fixtures ds_zero2 (DeepSpeed ZeRO-2, 2 ranks, 3 steps of AdamW in two groups, with the
 engine's truth and the losses of 3 more uninterrupted steps) and mcore_tp2_dp2 (Megatron-Core tp 2
@@ -17,15 +18,21 @@ groups to the live optimizer's; each rank read from the source about half of wha
 states hold (never whole tensors). Each FSDP2 job then trains 2 more steps with the fixture's
 batches: the losses equal the uninterrupted job's bit for bit (DeepSpeed's continue_losses;
 megatron-core's live "resume" losses, from a tp 2 dp 2 job, reproduced at tp 1 under FSDP2).
+The shared fixture hf_trainer (the Trainer's checkpoint-3/: model.safetensors and optimizer.pt,
+its parameters by position, decay and no-decay groups) is loaded the same way into the FSDP2 job
+only: weights and moments equal atomic/ and the live job's, and its next 2 losses (the same
+batch on each rank) the live job's.
 
-The models: DeepSpeed's, the fixture's own TinyGPT (gen_deepspeed.py). Megatron's, under FSDP2 the
+The models: DeepSpeed's, the fixture's own TinyGPT (gen_deepspeed.py); Hugging Face's, the
+fixture's LlamaForCausalLM (gen_hf_trainer.make_model). Megatron's, under FSDP2 the
 fixture's GPTModel at tp 1 (gen_megatron_core.build_model; its `_extra_state` Nones dropped from
 the state), under TP a plain torch module with GPTModel's parameter names and shapes (no forward).
 Megatron's names come through `StorageReader(rename=...)`: the checkpoint's
 `self_attention.linear_qkv.layer_norm_weight` is the model's `input_layernorm.weight`.
 
-Usage: .venv/bin/python torch_storage_reader_test.py (the package from the wheel test's
---target install, or UCPFS_PYTHON_PACKAGE: a directory holding an importable `ucpfs`).
+Usage: .venv/bin/python torch_storage_reader_test.py [JOB...] (only the jobs named, e.g. hf->fsdp2;
+the package from the wheel test's --target install, or UCPFS_PYTHON_PACKAGE: a directory holding
+an importable `ucpfs`).
 """
 import json
 import os
@@ -56,6 +63,13 @@ def deepspeed_model():
     decay = [n for n, _ in trained if n.endswith(".weight") and "layernorm" not in n]
     return model, [decay, [n for n, _ in trained if n not in decay]], \
         dict(lr=1e-2, betas=(0.9, 0.95)), [0.1, 0.0]
+
+
+def hf_model(groups):
+    """The fixture's LlamaForCausalLM (gen_hf_trainer.make_model), its Trainer's two groups."""
+    import gen_hf_trainer as g  # noqa: PLC0415
+    model = g.make_model(seed=1234)  # not the fixture's seed: every value must come from the checkpoint
+    return model, groups, dict(lr=1e-2), [0.01, 0.0]
 
 
 def megatron_model(shapes, groups):
@@ -193,6 +207,8 @@ def run_rank(rank, cfg):
     src, kind = cfg["src"], cfg["kind"]
     if cfg["source"] == "deepspeed":
         model, group_names, opt_kw, decays = deepspeed_model()
+    elif cfg["source"] == "hf":
+        model, group_names, opt_kw, decays = hf_model(cfg["groups"])
     elif kind == "fsdp2":
         model, group_names, opt_kw, decays = megatron_gpt(cfg["groups"])
     else:
@@ -251,6 +267,16 @@ def run_rank(rank, cfg):
     losses = []
     if cfg.get("resume") and cfg["source"] == "megatron":
         losses = megatron_steps(model, optim, cfg["resume"], rank)
+    elif cfg.get("resume") and cfg["source"] == "hf":
+        # The live job's next 2 steps (gen_hf_trainer.save_truth): the same batch on each rank.
+        for b in truth["batches"][:2]:
+            loss = model(**b).loss
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append((mean / WORLD).item())
     elif cfg.get("resume"):
         import gen_deepspeed as g  # noqa: PLC0415
         for s in range(int(cfg["step"]), int(cfg["step"]) + 2):
@@ -274,6 +300,8 @@ def run_rank(rank, cfg):
 def truth_of(source, truth, name, state):
     if source == "deepspeed":
         return truth[name][state]
+    if source == "hf":
+        return truth["weights" if state == "fp32" else state][name]
     plain = truth["plain"]
     prefix = {"fp32": "optimizer.state.param.", "exp_avg": "optimizer.state.exp_avg.",
               "exp_avg_sq": "optimizer.state.exp_avg_sq."}[state]
@@ -299,7 +327,7 @@ def main():
     import ucpfs  # noqa: PLC0415
     work = tempfile.mkdtemp(prefix="torch-storage-reader-", dir="/tmp")
     try:
-        paths = fixtures(["ds_zero2", "mcore_tp2_dp2"], work)
+        paths = fixtures(["ds_zero2", "mcore_tp2_dp2", "hf_trainer"], work)
         ds = paths["ds_zero2"]
         ds_resume = json.load(open(ds + "_resume.json"))
         mc = os.path.join(paths["mcore_tp2_dp2"], "tp2_dp2_fr")
@@ -328,6 +356,16 @@ def main():
                              groups=mc_groups, keys_map=mc_truth["keys_map"],
                              resume=live["resume"] if kind == "fsdp2" else None,
                              resume_losses=live["resume"]["losses"][:2], param_groups=[{k: g[k] for k in fields} for g in live["param_groups"]]))
+        # The Hugging Face Trainer's checkpoint-3/ (model.safetensors, optimizer.pt by position).
+        hf = os.path.join(paths["hf_trainer"], "checkpoint-3")
+        hf_truth = torch.load(os.path.join(paths["hf_trainer"], "truth.pt"), weights_only=False)
+        jobs.append(dict(name="hf->fsdp2", source="hf", kind="fsdp2", src=hf,
+                         truth=os.path.join(paths["hf_trainer"], "truth.pt"), index_dir=os.path.join(work, "index-hf"),
+                         step=3.0, groups=[g["names"] for g in hf_truth["groups"]], resume=True,
+                         resume_losses=hf_truth["losses"][:2],
+                         param_groups=[{k: g[k] for k in fields} for g in hf_truth["groups"]]))
+        if sys.argv[1:]:  # by hand: only the jobs named (e.g. hf->fsdp2)
+            jobs = [cfg for cfg in jobs if cfg["name"] in sys.argv[1:]]
         for cfg in jobs:
             cfg["site"] = site
             cfg["report"] = os.path.join(work, cfg["name"].replace(">", "") + ".json")
