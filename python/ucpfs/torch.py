@@ -16,9 +16,9 @@ described to DCP as if it had been saved from ``get_state_dict`` of the unsharde
   source has one, as ``atomic/<fqn>/fp32.pt``, else the weight in its stored dtype);
 - ``optim.state.<fqn>.exp_avg``, ``.exp_avg_sq`` (Adam's moments, as stored) and ``.step`` (a
   0-d float32 tensor, as torch's Adam keeps it);
-- ``optim.param_groups.<g>.<field>`` (the source's hyper-parameters, each group's ``params`` the
-  fqns of its parameters) and a model's non-tensor values (Megatron-Core's ``_extra_state``) as
-  bytes items.
+- ``optim.param_groups.<g>.<field>`` (the source's hyper-parameters, each group's ``params`` and
+  ``param_names`` the fqns of its parameters) and a model's non-tensor values (Megatron-Core's
+  ``_extra_state``) as bytes items.
 
 ``<fqn>`` is the source's parameter name as ``atomic/`` lists it (after ``rules``), passed
 through ``rename`` when given. Each tensor is one chunk of its whole shape; a rank's ReadItems
@@ -48,7 +48,7 @@ from torch.futures import Future
 from . import _core
 from . import views as _views
 
-# Group fields that name the parameters: the reader writes its own "params" (fqns).
+# Group fields that name the parameters: the reader writes its own (fqns).
 _PARAM_FIELDS = ("params", "param_names")
 
 
@@ -124,6 +124,9 @@ class StorageReader(_StorageReader):
                 if field not in _PARAM_FIELDS:
                     items[f"{optim}.param_groups.{g}.{field}"] = ("bytes", value)
             items[f"{optim}.param_groups.{g}.params"] = ("bytes", list(fqns))
+            # An optimizer built from named parameters (torch >= 2.6; torchtitan's) keeps their
+            # names in each group too, and its state_dict asks for them.
+            items[f"{optim}.param_groups.{g}.param_names"] = ("bytes", list(fqns))
         self.warnings = list(tensors.warnings)
         return items
 
