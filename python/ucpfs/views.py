@@ -247,6 +247,8 @@ class Entry:
         return hashlib.sha256(json.dumps(what).encode()).hexdigest(), size
 
     def _materialize_into(self, stamps, name):
+        if name.startswith(".ucpfs-materialized"):  # a source file named like our own records
+            raise OSError(errno.EINVAL, f"{self.path}: cannot be materialised: its name is ucpfs's ({name})")
         key, size = self._generation_key()
         if stamps.fresh(name, key):
             return
