@@ -432,8 +432,9 @@ def hf_jobs(out, work):
 def torchtitan_jobs(out, work):
     """torchtitan's DCP save (checkpoint/step-3/: FSDP2, fused wqkv)."""
     truth = torch.load(os.path.join(out, "truth.pt"), weights_only=False)
-    return [dict(name="torchtitan->fsdp2", source="torchtitan", kind="fsdp2", src=os.path.join(out, truth["checkpoint"]),
-                 truth=os.path.join(out, "truth.pt"), index_dir=os.path.join(work, "index-titan"))]
+    return [dict(name="torchtitan->fsdp2", source="torchtitan", kind="fsdp2",
+                 src=os.path.join(out, truth["checkpoint"]), truth=os.path.join(out, "truth.pt"),
+                 index_dir=os.path.join(work, "index-titan"))]
 
 
 # source -> (its shared fixture, its jobs)
