@@ -76,6 +76,7 @@ struct Session {
   std::string index_dir;
   std::string index_state;
   std::string status_json;
+  uint64_t fingerprint = 0;  // of the source's files when opened (the index's): a new one when they change
 };
 
 // `f()` with the GIL released (an index build, a layout build, a read), so other Python threads
@@ -122,6 +123,7 @@ Result<std::shared_ptr<Session>> MakeSession(const std::string& src, const std::
   session->index_dir = snapshot->opened.index_dir;
   session->index_state = index::IndexStateName(snapshot->opened.state);
   session->status_json = info.status_json;
+  session->fingerprint = snapshot->opened.fingerprint;
   return session;
 }
 
@@ -396,6 +398,7 @@ NB_MODULE(_core, m) {
       .def_ro("index_dir", &Session::index_dir)
       .def_ro("index_state", &Session::index_state)
       .def_ro("status_json", &Session::status_json)
+      .def_ro("fingerprint", &Session::fingerprint)
       .def_prop_ro("source_bytes_read",
                    [](const Session& s) { return s.snapshot->counters->source_bytes_read.load(); })
       .def("root", [](std::shared_ptr<Session> s) { return Node::Root(std::move(s)); });

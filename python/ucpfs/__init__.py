@@ -3,10 +3,13 @@ resharded views, from Python.
 
 - ``ucpfs.open(SRC)``: the namespace a mount of SRC shows (``atomic/``, ``target/<layout>/``,
   ``<tag>_universal/``, ``safetensors/`` and the source's own files), without FUSE, root or
-  ``/dev/fuse``: every file opens as a seekable read-only binary file object.
+  ``/dev/fuse``: every file opens as a seekable read-only binary file object, and
+  ``.materialize(DIR)`` writes a folder's files as real ones (``from_pretrained(DIR)``,
+  ``torch.load(path, mmap=True)``).
 - ``ucpfs.mount(SRC, MNT, ...)``: a real mount for those who may mount, as a context manager.
 - ``ucpfs.torch.StorageReader(SRC)`` (``import ucpfs.torch``, needs torch): the checkpoint for
-  ``torch.distributed.checkpoint.load``, into FSDP2 or tensor-parallel models.
+  ``torch.distributed.checkpoint.load``, into FSDP2 or tensor-parallel models; and
+  ``ucpfs.torch.LazyStateDict(views.hf)`` for ``from_pretrained(None, state_dict=...)``.
 
 Nothing but ``ucpfs.torch`` needs torch.
 """

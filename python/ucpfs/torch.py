@@ -16,9 +16,9 @@ described to DCP as if it had been saved from ``get_state_dict`` of the unsharde
   source has one, as ``atomic/<fqn>/fp32.pt``, else the weight in its stored dtype);
 - ``optim.state.<fqn>.exp_avg``, ``.exp_avg_sq`` (Adam's moments, as stored) and ``.step`` (a
   0-d float32 tensor, as torch's Adam keeps it);
-- ``optim.param_groups.<g>.<field>`` (the source's hyper-parameters, each group's ``params`` the
-  fqns of its parameters) and a model's non-tensor values (Megatron-Core's ``_extra_state``) as
-  bytes items.
+- ``optim.param_groups.<g>.<field>`` (the source's hyper-parameters, each group's ``params`` and
+  ``param_names`` the fqns of its parameters) and a model's non-tensor values (Megatron-Core's
+  ``_extra_state``) as bytes items.
 
 ``<fqn>`` is the source's parameter name as ``atomic/`` lists it (after ``rules``), passed
 through ``rename`` when given. Each tensor is one chunk of its whole shape; a rank's ReadItems
@@ -33,8 +33,10 @@ Needs torch >= 2.4 (tested with 2.13); the rest of ucpfs does not need torch.
 """
 
 import io
+import json
 import os
 import uuid
+from collections.abc import Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
@@ -46,7 +48,7 @@ from torch.futures import Future
 from . import _core
 from . import views as _views
 
-# Group fields that name the parameters: the reader writes its own "params" (fqns).
+# Group fields that name the parameters: the reader writes its own (fqns).
 _PARAM_FIELDS = ("params", "param_names")
 
 
@@ -122,6 +124,9 @@ class StorageReader(_StorageReader):
                 if field not in _PARAM_FIELDS:
                     items[f"{optim}.param_groups.{g}.{field}"] = ("bytes", value)
             items[f"{optim}.param_groups.{g}.params"] = ("bytes", list(fqns))
+            # An optimizer built from named parameters (torch >= 2.6; torchtitan's) keeps their
+            # names in each group too, and its state_dict asks for them.
+            items[f"{optim}.param_groups.{g}.param_names"] = ("bytes", list(fqns))
         self.warnings = list(tensors.warnings)
         return items
 
@@ -219,3 +224,74 @@ class StorageReader(_StorageReader):
     @property
     def checkpoint_id(self):
         return self.src
+
+
+# safetensors' dtype names.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+# A safetensors header larger than this is refused (the views' are a few KiB per shard; safetensors
+# itself refuses more than 100 MB).
+_MAX_SAFETENSORS_HEADER_N_BYTES = 100_000_000
+
+
+class LazyStateDict(Mapping):
+    """The tensors of a folder of safetensors files of the views (``ucpfs.open(SRC).hf``,
+    ``.safetensors``), as a read-only mapping from name to tensor that reads a tensor's bytes
+    only when it is asked for (the shards' headers are read at once):
+
+        sd = ucpfs.torch.LazyStateDict(ucpfs.open(SRC).hf)
+        model = AutoModelForCausalLM.from_pretrained(None, config=config, state_dict=sd)
+
+    Each value is a new CPU tensor (its own memory); nothing is written to disk.
+    Errors: OSError naming the file (a header that is not safetensors' is EINVAL)."""
+
+    def __init__(self, folder):
+        self._dir = folder
+        self._where = {}  # name -> (shard, dtype, shape, begin byte, end byte)
+        self._files = {}  # shard -> its open ViewFile
+        for shard in sorted(n for n in folder.listdir() if n.endswith(".safetensors")):
+            with folder.open(shard) as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 0 <= n <= _MAX_SAFETENSORS_HEADER_N_BYTES:
+                    raise OSError(22, f"{folder.path}/{shard}: not a safetensors file (header size {n})")
+                try:
+                    header = json.loads(f.read(n))
+                    for name, meta in header.items():
+                        if name == "__metadata__":
+                            continue
+                        begin, end = meta["data_offsets"]
+                        self._where[name] = (shard, _SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]),
+                                             8 + n + begin, 8 + n + end)
+                except (ValueError, KeyError, TypeError) as e:
+                    raise OSError(22, f"{folder.path}/{shard}: a bad safetensors header ({e!r})") from None
+
+    def __getitem__(self, name):
+        shard, dtype, shape, begin, end = self._where[name]
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = self._dir.open(shard, buffering=0)
+        buf = bytearray(end - begin)
+        done = 0
+        f.seek(begin)
+        while done < len(buf):
+            n = f.readinto(memoryview(buf)[done:])
+            if not n:
+                raise OSError(5, f"{self._dir.path}/{shard}: {name} ends past the end of the file")
+            done += n
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
+
+    def close(self):
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

@@ -11,13 +11,18 @@ holds no tensor bytes; its bytes are read from the source as they are asked for)
     with v.target("tp2_pp1_dp4").rank(3).open("model.pt") as f:
         state = torch.load(f, weights_only=True)
     v.open("atomic/decoder.weight/fp32.pt")       # any path of the mount
+    v.hf.materialize("/scratch/hf")               # real files: from_pretrained, torch.load(mmap=True)
 
 Not for: writing (views are read-only, and so are the source's files here); a run directory of
 several checkpoints (open one of its checkpoints).
 """
 
+import builtins
+import errno
+import fcntl
 import hashlib
 import io
+import json
 import os
 import stat as _stat
 import tempfile
@@ -27,6 +32,14 @@ from . import _core
 # A file object reads the source in requests of this size at least (BufferedReader's buffer):
 # torch.load asks for small records and tensors; one request per record would be slow.
 _BUFFER_N_BYTES = 1 << 20
+# A file is materialised in pieces of this size (the mount's --materialize reads the same): the
+# memory it takes is bounded whatever the file's size.
+_MATERIALIZE_CHUNK_N_BYTES = 8 << 20
+# In each directory materialised into: what each file there was made from (its generation key
+# and the file's own stat when written), so an unchanged source is not computed again; and the
+# lock that makes two processes (two ranks) materialising there take turns.
+_STAMP_NAME = ".ucpfs-materialized.json"
+_LOCK_NAME = ".ucpfs-materialized.lock"
 
 
 class ViewFile(io.RawIOBase):
@@ -150,6 +163,22 @@ class Dir:
         mode, size, mtime = self._node.stat()
         return os.stat_result((mode, 0, 0, 1, 0, 0, size, mtime, mtime, mtime))
 
+    def materialize(self, dst_dir):
+        """Writes every file below this directory as a real file under ``dst_dir`` (made when
+        missing; subdirectories alike) and returns ``dst_dir``: what needs a path rather than a
+        file object (``AutoModelForCausalLM.from_pretrained(dst_dir)`` of ``.hf``,
+        ``torch.load(path, mmap=True)``) takes it. See ``Entry.materialize``."""
+        dst_dir = os.fspath(dst_dir)
+        os.makedirs(dst_dir, exist_ok=True)
+        with _Stamps(dst_dir) as stamps:
+            for name in self.listdir():
+                child = self / name
+                if isinstance(child, Dir):
+                    child.materialize(os.path.join(dst_dir, name))
+                else:
+                    child._materialize_into(stamps, name)
+        return dst_dir
+
     # -- the mount's views (the names a mount shows at its root) --
     def target(self, layout):
         """``target/<layout>/`` (e.g. "tp2_pp1_dp4"), built when first asked, as a mount's lookup
@@ -199,6 +228,114 @@ class Entry:
         mode, size, mtime = self._node.stat()
         return os.stat_result((mode, 0, 0, 1, 0, 0, size, mtime, mtime, mtime))
 
+    def materialize(self, path):
+        """This file's bytes as the real file ``path`` (its directory must exist); returns
+        ``path``. Computed through the core as a read of the mount's would be, streamed in 8 MiB
+        pieces, written to a temporary file beside ``path`` and renamed over it (a reader never
+        sees a partial file). Reused, not computed again, while the source is unchanged (the
+        source's fingerprint, this view's path, size and options are what ``path`` was made
+        from, and ``path`` itself was not modified since). Errors: OSError naming the file."""
+        path = os.fspath(path)
+        parent, name = os.path.split(os.path.abspath(path))
+        with _Stamps(parent) as stamps:
+            self._materialize_into(stamps, name)
+        return path
+
+    def _generation_key(self):
+        mode, size, mtime = self._node.stat()
+        what = [self._views.source_dir, self._views.fingerprint, self._views.options_key, self.path, size, mtime]
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest(), size
+
+    def _materialize_into(self, stamps, name):
+        if name.startswith(".ucpfs-materialized"):  # a source file named like our own records
+            raise OSError(errno.EINVAL, f"{self.path}: cannot be materialised: its name is ucpfs's ({name})")
+        key, size = self._generation_key()
+        if stamps.fresh(name, key):
+            return
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".ucpfs-tmp", dir=stamps.dir)
+        try:
+            with os.fdopen(fd, "wb") as out, self.open(buffering=0) as raw:
+                buf = memoryview(bytearray(max(1, min(size, _MATERIALIZE_CHUNK_N_BYTES))))
+                n_bytes = 0
+                while True:
+                    n = raw.readinto(buf)
+                    if not n:
+                        break
+                    out.write(buf[:n])
+                    n_bytes += n
+            if n_bytes != size:
+                raise OSError(errno.EIO, f"{self.path}: {n_bytes} bytes read of {size}")
+            os.chmod(tmp, 0o644 & ~_UMASK)
+            os.replace(tmp, os.path.join(stamps.dir, name))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        stamps.record(name, key)
+
+
+def _read_umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once, at import: os.umask can only be read by setting it
+
+
+class _Stamps:
+    """The stamp file of one directory materialised into, held under its lock (flock) from
+    ``with`` to its end, and written back (temporary file, rename) if it changed."""
+
+    def __init__(self, dst_dir):
+        self.dir = dst_dir
+
+    def __enter__(self):
+        self._lock = os.open(os.path.join(self.dir, _LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o644)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        try:
+            with builtins.open(os.path.join(self.dir, _STAMP_NAME)) as f:
+                self._stamps = json.load(f)
+            if not isinstance(self._stamps, dict):
+                self._stamps = {}
+        except (OSError, ValueError):
+            self._stamps = {}
+        self._changed = False
+        return self
+
+    def fresh(self, name, key):
+        """``name`` here was made from ``key`` and has not been modified or replaced since."""
+        want = self._stamps.get(name)
+        try:
+            st = os.stat(os.path.join(self.dir, name), follow_symlinks=False)
+        except OSError:
+            return False
+        return isinstance(want, dict) and want == _stamp_of(key, st)
+
+    def record(self, name, key):
+        self._stamps[name] = _stamp_of(key, os.stat(os.path.join(self.dir, name), follow_symlinks=False))
+        self._changed = True
+
+    def __exit__(self, *exc):
+        try:
+            if self._changed:
+                fd, tmp = tempfile.mkstemp(prefix=_STAMP_NAME + ".", dir=self.dir)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self._stamps, f)
+                os.replace(tmp, os.path.join(self.dir, _STAMP_NAME))
+        finally:
+            os.close(self._lock)
+
+
+def _stamp_of(key, st):
+    if not _stat.S_ISREG(st.st_mode):
+        return None
+    return {"key": key, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
 
 class Views(Dir):
     """The root of the views of one checkpoint (``ucpfs.open``)."""
@@ -211,10 +348,13 @@ class Views(Dir):
         "hf": "hf",
     }
 
-    def __init__(self, session):
+    def __init__(self, session, options_key=""):
         self._session = session
         super().__init__(self, session.root(), "")
         self.source_dir = session.source_dir
+        # What a materialised file is made from besides the source: the options that shape views.
+        self.fingerprint = session.fingerprint
+        self.options_key = options_key
         self.index_dir = session.index_dir
         self.index_state = session.index_state  # "reused", "built", ...
 
@@ -272,19 +412,30 @@ def open(src, index_dir=None, read_only_index=False, lookup_memory_mib=256,
     args = dict(read_only_index=read_only_index, lookup_memory_mib=lookup_memory_mib,
                 safetensors_shard_n_bytes=safetensors_shard_size,
                 rules=os.fspath(rules) if rules is not None else "")
+    rules_sha = ""
+    if rules is not None:
+        with builtins.open(rules, "rb") as f:
+            rules_sha = hashlib.sha256(f.read()).hexdigest()
+    options_key = json.dumps([safetensors_shard_size, rules_sha, _core_version()])
     if index_dir is not None:
-        return Views(_core.open_session(src, os.fspath(index_dir), **args))
+        return Views(_core.open_session(src, os.fspath(index_dir), **args), options_key)
     try:
-        return Views(_core.open_session(src, "", **args))
+        return Views(_core.open_session(src, "", **args), options_key)
     except PermissionError:
         if read_only_index:
             raise
     # SRC/.ucpfs exists but is not ours to write (e.g. made by a root mount, and stale), or the
     # user's cache is not writable: the user's cache, then a directory of ours in $TMPDIR.
     try:
-        return Views(_core.open_session(src, _core.cache_index_dir(src), **args))
+        return Views(_core.open_session(src, _core.cache_index_dir(src), **args), options_key)
     except PermissionError:
         pass
     fallback = _user_index_dir(src)
     os.makedirs(fallback, mode=0o700, exist_ok=True)
-    return Views(_core.open_session(src, fallback, **args))
+    return Views(_core.open_session(src, fallback, **args), options_key)
+
+
+def _core_version():
+    # A new ucpfs may compute a view's bytes differently: its files are not reused.
+    from . import __version__  # noqa: PLC0415
+    return __version__

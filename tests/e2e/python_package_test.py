@@ -13,7 +13,12 @@
          every file is equal byte for byte to the mount's, torch.load of the file object
          (safetensors.torch.load of its bytes) equals torch.load (safetensors' load_file) of the
          mount's file, and the listings are the mount's. A mount that
-         fails raises MountError with the daemon's text.
+         fails raises MountError with the daemon's text. Materialised as nobody too: a
+         Megatron-Core Llama save's (fixture megatron_llama) `.hf.materialize(DIR)`, which
+         AutoModelForCausalLM.from_pretrained(DIR) loads with logits equal bit for bit to
+         from_pretrained(MNT/hf) of the mount (and to the live job's), and a target model.pt's
+         `.materialize(PATH)`, which torch.load(PATH, mmap=True) loads equal to the mount's; a
+         second materialize reuses the files, and one after the source changed writes them anew.
 
 Usage (ctest runs both, `views` after `wheel`):
   python3 python_package_test.py wheel
@@ -33,6 +38,17 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+
+def package_site():
+    """The directory the `ucpfs` package is imported from: UCPFS_PYTHON_PACKAGE (an in-tree
+    build's <build>/python/pkg), else the wheel test's --target install."""
+    site = os.environ.get("UCPFS_PYTHON_PACKAGE")
+    if site:
+        return site
+    site = os.path.join(package_dir(), "site")
+    assert os.path.isdir(site), f"{site}: run the wheel test first (ctest -R e2e_python_wheel)"
+    return site
 
 
 def package_dir():
@@ -92,6 +108,7 @@ def wheel_test():
 # ---- views: the child, run as nobody with no /dev/fuse ----
 
 def child(out_dir, cases_json):
+    os.environ.update(HF_HUB_OFFLINE="1", HF_HOME=os.path.join(out_dir, "hf-home"))
     import safetensors.torch  # noqa: PLC0415
     import torch  # noqa: PLC0415
     import ucpfs  # noqa: PLC0415
@@ -101,7 +118,8 @@ def child(out_dir, cases_json):
     with open("/proc/self/mounts") as f:
         mounts_before = f.read()
     report = {}
-    for name, src, layouts in json.loads(cases_json):
+    cases = json.loads(cases_json)
+    for name, src, layouts in cases["targets"]:
         v = ucpfs.open(src)
         r = report[name] = {"index_dir": v.index_dir, "root": sorted(v.listdir()),
                             "atomic": sorted(v.atomic.listdir()), "files": {}}
@@ -139,13 +157,113 @@ def child(out_dir, cases_json):
             e = v / p
             assert e.real_path == os.path.join(v.source_dir, p), e.real_path
             torch.load(e.real_path, mmap=True, weights_only=False)
+    report["materialized"] = materialize_child(out_dir, *cases["hf"])
     # Nothing was mounted (other mounts on the machine may come and go: only ours would name SRC).
     with open("/proc/self/mounts") as f:
         mounts = f.read()
-    assert not any(src in mounts and src not in mounts_before for _, src, _ in json.loads(cases_json)), \
+    sources = [src for _, src, _ in cases["targets"]] + [cases["hf"][1]]
+    assert not any(src in mounts and src not in mounts_before for src in sources), \
         "a mount of SRC was made"
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f)
+
+
+def materialize_child(out_dir, name, src, layout):
+    """As nobody: hf/ materialised, loaded by from_pretrained (its logits on the live job's tokens
+    saved); a target model.pt materialised, loaded with mmap=True (saved); then materialised again,
+    which must reuse every file."""
+    import torch  # noqa: PLC0415
+    import ucpfs  # noqa: PLC0415
+    v = ucpfs.open(src)
+    hf = v.hf.materialize(os.path.join(out_dir, "hf"))
+    torch.save(hf_logits(hf, src), os.path.join(out_dir, "hf-logits.pt"))
+    torch.save(hf_logits(None, src, v.hf), os.path.join(out_dir, "hf-lazy-logits.pt"))
+    rel = f"target/{layout}/rank_0/model.pt"
+    pt = v.dir(os.path.dirname(rel))["model.pt"].materialize(os.path.join(out_dir, "model.pt"))
+    torch.save(torch.load(pt, mmap=True, weights_only=True), os.path.join(out_dir, "model-mmap.pt"))
+    files = {f: file_id(os.path.join(hf, f)) for f in os.listdir(hf) if not f.startswith(".")}
+    files["model.pt"] = file_id(pt)
+    assert files["model.pt"][2] == hashlib.sha256(v.open(rel).read()).hexdigest(), "model.pt: bytes differ"
+    # Again, from a new open of the unchanged source: nothing is written.
+    v = ucpfs.open(src)
+    v.hf.materialize(hf)
+    v.dir(os.path.dirname(rel))["model.pt"].materialize(pt)
+    again = {f: file_id(os.path.join(hf, f)) for f in os.listdir(hf) if not f.startswith(".")}
+    again["model.pt"] = file_id(pt)
+    assert again == files, f"{name}: a second materialize of an unchanged source wrote again: {files} {again}"
+    return {"name": name, "hf": hf, "rel": rel, "files": files, "index_dir": v.index_dir}
+
+
+def hf_logits(hf, src, view=None):
+    """The logits of from_pretrained(hf) on the live job's tokens (hf None: of from_pretrained(None,
+    config=, state_dict=) with the config and a ucpfs.torch.LazyStateDict of the views' folder
+    `view`); the model (which maps hf's safetensors files: a mount stays busy while it lives) is
+    gone on return."""
+    import gc  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+    if hf is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    else:
+        import ucpfs.torch  # noqa: PLC0415
+        with view.open("config.json") as f:
+            config = json.load(f)
+        config = transformers.AutoConfig.for_model(**config)
+        model_class = getattr(transformers, config.architectures[0])
+        model, info = model_class.from_pretrained(None, config=config, state_dict=ucpfs.torch.LazyStateDict(view),
+                                                  dtype=torch.float32, output_loading_info=True)
+        assert not any(info.values()), f"from_pretrained(state_dict=LazyStateDict): {info}"
+        model.eval()
+    truth = torch.load(src + "_truth.pt", weights_only=False)
+    with torch.no_grad():
+        logits = model(truth["tokens"]).logits.clone()
+    del model
+    gc.collect()
+    return logits
+
+
+def file_id(path):
+    st = os.stat(path)
+    with open(path, "rb") as f:
+        return [st.st_ino, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest()]
+
+
+def materialize_check(r, src, work, out_dir):
+    """As root: the materialised files against a real mount's, and written anew once SRC changed."""
+    import torch  # noqa: PLC0415
+    from e2e_common import bits_equal  # noqa: PLC0415
+    import ucpfs  # noqa: PLC0415
+    m = r["materialized"]
+    mnt = os.path.join(work, "mnt-" + m["name"])
+    os.makedirs(mnt)
+    with ucpfs.mount(src, mnt, read_only=True) as mo:
+        names = sorted(f for f in os.listdir(mo.path / "hf"))
+        assert names == sorted(f for f in m["files"] if f != "model.pt"), f"hf/ lists {names}: {sorted(m['files'])}"
+        for f in names:
+            digest = hashlib.sha256((mo.path / "hf" / f).read_bytes()).hexdigest()
+            assert digest == m["files"][f][2], f"hf/{f}: the materialised file differs from the mount's"
+        want = hf_logits(mo.path / "hf", src)
+        got = torch.load(os.path.join(out_dir, "hf-logits.pt"), weights_only=True)
+        assert bits_equal(got, want), "from_pretrained of the materialised hf/ differs from the mount's hf/"
+        lazy = torch.load(os.path.join(out_dir, "hf-lazy-logits.pt"), weights_only=True)
+        assert bits_equal(lazy, want), "from_pretrained(state_dict=LazyStateDict(hf)) differs from the mount's hf/"
+        diff = (got - torch.load(src + "_truth.pt", weights_only=False)["logits"]).abs().max().item()
+        assert diff <= 1e-4, f"materialised hf/: logits differ from the live job's by {diff}"
+        mounted_pt = torch.load(mo.path / m["rel"], weights_only=True)
+        assert hashlib.sha256((mo.path / m["rel"]).read_bytes()).hexdigest() == m["files"]["model.pt"][2], m["rel"]
+        deep_equal(mounted_pt, torch.load(os.path.join(out_dir, "model-mmap.pt"), weights_only=True), m["rel"])
+    # The source changes (a file's mtime): a new open materialises every file anew.
+    common = os.path.join(src, "common.pt")
+    st = os.stat(common)
+    os.utime(common, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    ucpfs.open(src, index_dir=os.path.join(work, "index-" + m["name"])).hf.materialize(m["hf"])
+    for f in os.listdir(m["hf"]):
+        if not f.startswith("."):
+            assert file_id(os.path.join(m["hf"], f))[0] != m["files"][f][0], f"hf/{f}: not written anew"
+    print(f"{m['name']}: hf/ materialised as nobody, and as a LazyStateDict: from_pretrained equals the mount's hf/ "
+          f"(logits bit for bit, "
+          f"within {diff:.1e} of the live job's); {m['rel']} with mmap=True equals the mount's; reused while "
+          f"unchanged, written anew after", flush=True)
 
 
 def deep_equal(a, b, what):
@@ -169,24 +287,25 @@ def views_test():
     import safetensors.torch  # noqa: PLC0415
     import torch  # noqa: PLC0415
     from shared_fixtures import fixtures  # noqa: PLC0415
-    site = os.path.join(package_dir(), "site")
-    assert os.path.isdir(site), f"{site}: run the wheel test first (ctest -R e2e_python_wheel)"
+    site = package_site()
     sys.path.insert(0, site)
     import ucpfs  # noqa: PLC0415
     assert ucpfs.__file__.startswith(site), ucpfs.__file__
     work = tempfile.mkdtemp(prefix="pypkg-views-", dir="/tmp")
     index_dirs = []  # nobody's indexes, outside `work`
     try:
-        paths = fixtures(["ds_zero2", "mcore_tp2_dp2"], work)
+        paths = fixtures(["ds_zero2", "mcore_tp2_dp2", "megatron_llama"], work)
         cases = [("deepspeed", paths["ds_zero2"], ["tp1_pp1_dp2", "tp1_pp2_dp1"]),
                  ("megatron", os.path.join(paths["mcore_tp2_dp2"], "tp2_dp2_fr"), ["tp1_pp1_dp2", "tp2_pp1_dp1"])]
+        llama = os.path.join(paths["megatron_llama"], "untied")
         # nobody may read the sources (not write them: the index goes elsewhere).
         run(["chmod", "-R", "go+rX,go-w", work])
         out_dir = os.path.join(work, "child")
         os.makedirs(out_dir)
         os.chmod(out_dir, 0o777)
         env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "PYTHONPATH": f"{site}:{HERE}"}
-        inner = [sys.executable, os.path.abspath(__file__), "child", out_dir, json.dumps(cases)]
+        inner = [sys.executable, os.path.abspath(__file__), "child", out_dir,
+                 json.dumps({"targets": cases, "hf": ["megatron_llama", llama, "tp1_pp1_dp1"]})]
         script = ('[ -e /dev/fuse ] && mount --bind /dev/null /dev/fuse; '
                   'exec setpriv --reuid=nobody --regid=nogroup --clear-groups -- "$@"')
         p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *inner],
@@ -221,6 +340,7 @@ def views_test():
                     n_files += 1
             print(f"{name}: {len(r['files'])} target files equal to the mount's (index of nobody at {r['index_dir']})",
                   flush=True)
+        materialize_check(report, llama, work, out_dir)
         # A mount that fails says why, in the daemon's words.
         try:
             with ucpfs.mount(os.path.join(work, "no-such-source"), os.path.join(work, "mnt-deepspeed")):

@@ -1,4 +1,5 @@
-"""ucpfs.torch.StorageReader: torch.distributed.checkpoint.load of a DeepSpeed and a Megatron save.
+"""ucpfs.torch.StorageReader: torch.distributed.checkpoint.load of a DeepSpeed, a Megatron, a
+Hugging Face Trainer and a torchtitan save.
 
 The shared fixtures ds_zero2 (DeepSpeed ZeRO-2, 2 ranks, 3 steps of AdamW in two groups, with the
 engine's truth and the losses of 3 more uninterrupted steps) and mcore_tp2_dp2 (Megatron-Core tp 2
@@ -17,15 +18,26 @@ groups to the live optimizer's; each rank read from the source about half of wha
 states hold (never whole tensors). Each FSDP2 job then trains 2 more steps with the fixture's
 batches: the losses equal the uninterrupted job's bit for bit (DeepSpeed's continue_losses;
 megatron-core's live "resume" losses, from a tp 2 dp 2 job, reproduced at tp 1 under FSDP2).
+The shared fixture hf_trainer (the Trainer's checkpoint-3/: model.safetensors and optimizer.pt,
+its parameters by position, decay and no-decay groups) is loaded the same way into the FSDP2 job
+only: weights and moments equal atomic/ and the live job's, and its next 2 losses (the same
+batch on each rank) the live job's. The shared fixture torchtitan (torchtitan 0.3.0's DCP save of
+its llama3 debug model under FSDP2: weights as wq/wk/wv, optimizer state under the fused wqkv)
+is loaded into torchtitan's own model and optimizer under FSDP2, the state as its
+CheckpointManager passes it to dcp.load: weights, moments, steps and the group equal atomic/ and
+the live job's bit for bit.
 
-The models: DeepSpeed's, the fixture's own TinyGPT (gen_deepspeed.py). Megatron's, under FSDP2 the
+The models: DeepSpeed's, the fixture's own TinyGPT (gen_deepspeed.py); Hugging Face's, the
+fixture's LlamaForCausalLM (gen_hf_trainer.make_model). Megatron's, under FSDP2 the
 fixture's GPTModel at tp 1 (gen_megatron_core.build_model; its `_extra_state` Nones dropped from
 the state), under TP a plain torch module with GPTModel's parameter names and shapes (no forward).
 Megatron's names come through `StorageReader(rename=...)`: the checkpoint's
 `self_attention.linear_qkv.layer_norm_weight` is the model's `input_layernorm.weight`.
 
-Usage: .venv/bin/python torch_storage_reader_test.py (the package from the wheel test's
---target install, or UCPFS_PYTHON_PACKAGE: a directory holding an importable `ucpfs`).
+Usage: .venv/bin/python torch_storage_reader_test.py [SOURCE...] (deepspeed megatron hf
+torchtitan: the jobs of those sources, by default all; ctest runs the first two as
+e2e_torch_storage_reader, the others as e2e_torch_storage_reader_hf_dcp). The package: the wheel
+test's --target install, or UCPFS_PYTHON_PACKAGE (a directory holding an importable `ucpfs`).
 """
 import json
 import os
@@ -46,16 +58,6 @@ import torch.multiprocessing as mp  # noqa: E402
 WORLD = 2
 
 
-def package_site():
-    site = os.environ.get("UCPFS_PYTHON_PACKAGE")
-    if site:
-        return site
-    from python_package_test import package_dir  # noqa: PLC0415
-    site = os.path.join(package_dir(), "site")
-    assert os.path.isdir(site), f"{site}: run the wheel test first (ctest -R e2e_python_wheel)"
-    return site
-
-
 # ---- the models ----
 
 def deepspeed_model():
@@ -66,6 +68,13 @@ def deepspeed_model():
     decay = [n for n, _ in trained if n.endswith(".weight") and "layernorm" not in n]
     return model, [decay, [n for n, _ in trained if n not in decay]], \
         dict(lr=1e-2, betas=(0.9, 0.95)), [0.1, 0.0]
+
+
+def hf_model(groups):
+    """The fixture's LlamaForCausalLM (gen_hf_trainer.make_model), its Trainer's two groups."""
+    import gen_hf_trainer as g  # noqa: PLC0415
+    model = g.make_model(seed=1234)  # not the fixture's seed: every value must come from the checkpoint
+    return model, groups, dict(lr=1e-2), [0.01, 0.0]
 
 
 def megatron_model(shapes, groups):
@@ -182,10 +191,71 @@ def rank_main(rank, port, cfg):
     sys.path.insert(0, cfg["site"])
     dist.init_process_group("gloo")
     try:
-        run_rank(rank, cfg)
+        (run_titan_rank if cfg["source"] == "torchtitan" else run_rank)(rank, cfg)
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def run_titan_rank(rank, cfg):
+    """torchtitan's own model and optimizer under FSDP2 as its trainer builds them; the state as its
+    CheckpointManager passes it to dcp.load: the model's state_dict() (its hook splits the fused
+    wqkv into wq/wk/wv), the optimizer's by parameter (wqkv); loaded back through the model's own
+    load_state_dict (its hook fuses them again)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,  # noqa: PLC0415
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    from e2e_common import bits_equal  # noqa: PLC0415
+    import gen_torchtitan as g  # noqa: PLC0415
+    import ucpfs  # noqa: PLC0415
+    import ucpfs.torch  # noqa: PLC0415
+    torch.manual_seed(1234)  # not the fixture's seed: every value must come from the checkpoint
+    model = g.build_model()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = g.torch_optimizer(g.make_optimizer(model))
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}
+    reader = ucpfs.torch.StorageReader(cfg["src"], index_dir=cfg["index_dir"])
+    dcp.load(state, storage_reader=reader)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+
+    truth = torch.load(cfg["truth"], weights_only=False)
+    views = ucpfs.open(cfg["src"], index_dir=cfg["index_dir"])
+    n_checked = 0
+
+    def atomic(name, s):
+        with views.atomic.open(f"{name}/{s}.pt") as f:
+            return torch.load(f, weights_only=True)["param"]
+    for name, t in model.state_dict().items():
+        t = full(t)
+        assert bits_equal(t, atomic(name, "fp32")), f"torchtitan: {name} differs from atomic/{name}/fp32.pt"
+        assert bits_equal(t, truth["model"][name]), f"torchtitan: {name} differs from the live job's"
+        n_checked += 1
+    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    assert sorted(osd["state"]) == sorted(truth["optim"]["state"]), "torchtitan: optimizer state names differ"
+    for fqn, st in osd["state"].items():
+        want = truth["optim"]["state"][fqn]
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert bits_equal(st[s], atomic(fqn, s)), f"torchtitan: {fqn} {s} differs from atomic/"
+            assert bits_equal(st[s], want[s]), f"torchtitan: {fqn} {s} differs from the live job's"
+            n_checked += 1
+        assert bits_equal(st["step"], want["step"]), f"torchtitan: {fqn} step {st['step']} != {want['step']}"
+    for got, want in zip(osd["param_groups"], truth["optim"]["param_groups"]):
+        for k, v in want.items():
+            assert got[k] == v, f"torchtitan: group {k}: {got[k]} != {v}"
+    whole = sum(full(p).numel() * 4 * 3 for p in model.parameters())
+    share = reader.bytes_read / whole
+    # wq/wk/wv are whole on each rank (torchtitan's hook gathers wqkv to split it): more than half.
+    assert share < 0.8, f"torchtitan: rank {rank} read {reader.bytes_read} bytes of {whole} ({share:.2f})"
+    if rank == 0:
+        with open(cfg["report"], "w") as f:
+            json.dump({"checked": n_checked, "bytes_read": reader.bytes_read, "whole": whole, "losses": [],
+                       "warnings": reader.warnings}, f)
 
 
 def full(t):
@@ -203,6 +273,8 @@ def run_rank(rank, cfg):
     src, kind = cfg["src"], cfg["kind"]
     if cfg["source"] == "deepspeed":
         model, group_names, opt_kw, decays = deepspeed_model()
+    elif cfg["source"] == "hf":
+        model, group_names, opt_kw, decays = hf_model(cfg["groups"])
     elif kind == "fsdp2":
         model, group_names, opt_kw, decays = megatron_gpt(cfg["groups"])
     else:
@@ -261,6 +333,16 @@ def run_rank(rank, cfg):
     losses = []
     if cfg.get("resume") and cfg["source"] == "megatron":
         losses = megatron_steps(model, optim, cfg["resume"], rank)
+    elif cfg.get("resume") and cfg["source"] == "hf":
+        # The live job's next 2 steps (gen_hf_trainer.save_truth): the same batch on each rank.
+        for b in truth["batches"][:2]:
+            loss = model(**b).loss
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append((mean / WORLD).item())
     elif cfg.get("resume"):
         import gen_deepspeed as g  # noqa: PLC0415
         for s in range(int(cfg["step"]), int(cfg["step"]) + 2):
@@ -284,6 +366,8 @@ def run_rank(rank, cfg):
 def truth_of(source, truth, name, state):
     if source == "deepspeed":
         return truth[name][state]
+    if source == "hf":
+        return truth["weights" if state == "fp32" else state][name]
     plain = truth["plain"]
     prefix = {"fp32": "optimizer.state.param.", "exp_avg": "optimizer.state.exp_avg.",
               "exp_avg_sq": "optimizer.state.exp_avg_sq."}[state]
@@ -301,42 +385,74 @@ def run_job(cfg):
         return json.load(f)
 
 
+FIELDS = ("lr", "betas", "eps", "weight_decay")
+
+
+def deepspeed_jobs(out, work):
+    ds_resume = json.load(open(out + "_resume.json"))
+    return [dict(name=f"deepspeed->{kind}", source="deepspeed", kind=kind, src=out, truth=out + "_truth.pt",
+                 index_dir=os.path.join(work, "index-ds"), step=3.0, seed=ds_resume["seed"], resume=kind == "fsdp2",
+                 resume_losses=ds_resume["continue_losses"][:2],
+                 param_groups=[{"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
+                               {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.0}])
+            for kind in ("fsdp2", "tp")]
+
+
+def megatron_jobs(out, work):
+    import ucpfs  # noqa: PLC0415
+    mc = os.path.join(out, "tp2_dp2_fr")
+    mc_truth = torch.load(mc + "_truth.pt", weights_only=False)
+    # The Megatron model's names and shapes: what ucpfs lists (the same names the truth's
+    # stacked keys unstack to), and its groups from the live optimizer.
+    v = ucpfs.open(mc, index_dir=os.path.join(work, "index-mc"))
+    names = KeysMap(mc_truth["keys_map"])
+    shapes = {}
+    for name in v.atomic.listdir():
+        with v.atomic.open(f"{name}/fp32.pt") as f:
+            shapes[names(name)] = list(torch.load(f, weights_only=True)["param"].shape)
+    live = mc_truth["optimizer"]
+    mc_groups = [[n[len("module."):] if n.startswith("module.") else n for n in names] for names in live["names"]]
+    return [dict(name=f"megatron->{kind}", source="megatron", kind=kind, src=mc, truth=mc + "_truth.pt",
+                 index_dir=os.path.join(work, "index-mc"), step=live["step"], shapes=shapes,
+                 groups=mc_groups, keys_map=mc_truth["keys_map"], resume=live["resume"] if kind == "fsdp2" else None,
+                 resume_losses=live["resume"]["losses"][:2],
+                 param_groups=[{k: g[k] for k in FIELDS} for g in live["param_groups"]])
+            for kind in ("fsdp2", "tp")]
+
+
+def hf_jobs(out, work):
+    """The Hugging Face Trainer's checkpoint-3/ (model.safetensors, optimizer.pt by position)."""
+    truth = torch.load(os.path.join(out, "truth.pt"), weights_only=False)
+    return [dict(name="hf->fsdp2", source="hf", kind="fsdp2", src=os.path.join(out, "checkpoint-3"),
+                 truth=os.path.join(out, "truth.pt"), index_dir=os.path.join(work, "index-hf"), step=3.0,
+                 groups=[g["names"] for g in truth["groups"]], resume=True, resume_losses=truth["losses"][:2],
+                 param_groups=[{k: g[k] for k in FIELDS} for g in truth["groups"]])]
+
+
+def torchtitan_jobs(out, work):
+    """torchtitan's DCP save (checkpoint/step-3/: FSDP2, fused wqkv)."""
+    truth = torch.load(os.path.join(out, "truth.pt"), weights_only=False)
+    return [dict(name="torchtitan->fsdp2", source="torchtitan", kind="fsdp2",
+                 src=os.path.join(out, truth["checkpoint"]), truth=os.path.join(out, "truth.pt"),
+                 index_dir=os.path.join(work, "index-titan"))]
+
+
+# source -> (its shared fixture, its jobs)
+SOURCES = {"deepspeed": ("ds_zero2", deepspeed_jobs), "megatron": ("mcore_tp2_dp2", megatron_jobs),
+           "hf": ("hf_trainer", hf_jobs), "torchtitan": ("torchtitan", torchtitan_jobs)}
+
+
 def main():
     from shared_fixtures import fixtures  # noqa: PLC0415
+    from python_package_test import package_site  # noqa: PLC0415
     site = package_site()
     sys.path.insert(0, site)
-    import ucpfs  # noqa: PLC0415
+    sources = sys.argv[1:] or list(SOURCES)
+    assert all(s in SOURCES for s in sources), f"sources: {', '.join(SOURCES)}"
     work = tempfile.mkdtemp(prefix="torch-storage-reader-", dir="/tmp")
     try:
-        paths = fixtures(["ds_zero2", "mcore_tp2_dp2"], work)
-        ds = paths["ds_zero2"]
-        ds_resume = json.load(open(ds + "_resume.json"))
-        mc = os.path.join(paths["mcore_tp2_dp2"], "tp2_dp2_fr")
-        mc_truth = torch.load(mc + "_truth.pt", weights_only=False)
-        # The Megatron model's names and shapes: what ucpfs lists (the same names the truth's
-        # stacked keys unstack to), and its groups from the live optimizer.
-        v = ucpfs.open(mc, index_dir=os.path.join(work, "index-mc"))
-        names = KeysMap(mc_truth["keys_map"])
-        shapes = {}
-        for name in v.atomic.listdir():
-            with v.atomic.open(f"{name}/fp32.pt") as f:
-                shapes[names(name)] = list(torch.load(f, weights_only=True)["param"].shape)
-        live = mc_truth["optimizer"]
-        mc_groups = [[n[len("module."):] if n.startswith("module.") else n for n in names] for names in live["names"]]
-        fields = ("lr", "betas", "eps", "weight_decay")
-        jobs = []
-        for kind in ("fsdp2", "tp"):
-            jobs.append(dict(name=f"deepspeed->{kind}", source="deepspeed", kind=kind, src=ds,
-                             truth=ds + "_truth.pt", index_dir=os.path.join(work, "index-ds"), step=3.0,
-                             seed=ds_resume["seed"], resume=kind == "fsdp2",
-                             resume_losses=ds_resume["continue_losses"][:2],
-                             param_groups=[{"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
-                                           {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.0}]))
-            jobs.append(dict(name=f"megatron->{kind}", source="megatron", kind=kind, src=mc, truth=mc + "_truth.pt",
-                             index_dir=os.path.join(work, "index-mc"), step=live["step"], shapes=shapes,
-                             groups=mc_groups, keys_map=mc_truth["keys_map"],
-                             resume=live["resume"] if kind == "fsdp2" else None,
-                             resume_losses=live["resume"]["losses"][:2], param_groups=[{k: g[k] for k in fields} for g in live["param_groups"]]))
+        paths = fixtures([SOURCES[s][0] for s in sources], work)
+        jobs = [cfg for s in sources for cfg in SOURCES[s][1](paths[SOURCES[s][0]], work)]
         for cfg in jobs:
             cfg["site"] = site
             cfg["report"] = os.path.join(work, cfg["name"].replace(">", "") + ".json")
@@ -349,7 +465,7 @@ def main():
                     f"{cfg['name']}: losses after the load {r['losses']} != the uninterrupted job's {want}"
                 line += f"; 2 steps after the load equal the uninterrupted job's losses {want}"
             print(line, flush=True)
-        print("torch_storage_reader: ok", flush=True)
+        print(f"torch_storage_reader ({' '.join(sources)}): ok", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
