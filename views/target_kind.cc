@@ -371,7 +371,7 @@ class Target final : public ViewKind {
     // Parameters the optimizer holds fused and the model saves split (views::FusedParam).
     out->status["fused_params"] = nlohmann::ordered_json::array();
     for (const auto& f : target_input->fused) {
-      out->status["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", views::FusedParam::kNote}});
+      out->status["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", f.note}});
     }
     out->status["extra_state"] = nlohmann::ordered_json::array();
     for (const auto& e : target_input->extras) {
