@@ -176,6 +176,8 @@ struct RankFileSet {
   bool info = true;
 };
 
+struct RankParts;  // target.cc: what the ranks of one (tp, pp, ep) coordinate are made from
+
 // The per-layout work done once (preset, model info, patterns, stage bounds), so that the
 // files of many ranks are built without repeating it. Keeps `input` alive.
 class TargetPlan {
@@ -212,6 +214,13 @@ class TargetPlan {
   std::vector<int> stage_bounds_;
   std::vector<layout::ParamPattern> patterns_;  // per input param
   bool has_optim_ = false;
+  // ZeRO layouts: what every data-parallel rank of one (tp, pp, ep) shares (the held parameters'
+  // local layouts, the flat group), made by the first Build of that coordinate and kept for the
+  // plan's life, so a layout of thousands of ZeRO ranks slices each parameter once (target.cc).
+  struct SharedRankParts;
+  std::shared_ptr<SharedRankParts> shared_parts_;
+  // The parts of the ranks at `coords`: shared_parts_'s when kept, else made for this call.
+  Result<std::shared_ptr<const RankParts>> PartsOf(const layout::RankCoords& coords) const;
 };
 
 // One-shot convenience: TargetPlan::Make(input, layout) then Build(rank).
