@@ -31,6 +31,7 @@
 #include "views/safetensors_view.h"
 #include "index/snapshot.h"
 #include "index/catalog.h"
+#include "index/hf_config.h"
 #include "index/key_map.h"
 #include "views/view_inputs.h"
 
@@ -179,7 +180,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   out["not_served"] = std::move(not_served);
   out["fused_params"] = nlohmann::ordered_json::array();
   for (const auto& f : (*input)->fused) {
-    out["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", views::FusedParam::kNote}});
+    out["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", f.note}});
   }
   if (json) {
     std::cout << JsonText(out) << '\n';
@@ -206,9 +207,8 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
   for (const auto& f : (*input)->fused) {
     std::cout << "fused: " << f.param << " (optimizer state; optim.pt) is stored split as";
     for (const auto& n : f.stored_as) std::cout << ' ' << n;
-    std::cout << " (weights; model.pt)\n";
+    std::cout << " (weights; model.pt)\n  note: " << f.note << '\n';
   }
-  if (!(*input)->fused.empty()) std::cout << "  note: " << views::FusedParam::kNote << '\n';
   if (!(*l)->mapping.unmapped_keys.empty()) {
     std::cout << "unmapped keys (" << (*l)->mapping.unmapped_keys.size() << "):\n";
     for (const auto& k : (*l)->mapping.unmapped_keys) std::cout << "  " << k << '\n';
@@ -249,6 +249,7 @@ Result<views::ViewOptions> ParseTargetOptions(const MountArgs& args) {
   t.layouts = std::move(v.layouts);
   t.preset = v.preset;
   t.rules = std::move(v.rules);
+  t.model_facts = v.model_facts;
   t.pp_split = std::move(v.pp_split);
   t.vocab_pad_multiple = v.vocab_pad_multiple;
   if (args.lookup_memory_mib > kMaxLookupMemoryMib) {
@@ -270,6 +271,13 @@ Result<views::ViewOptions> ParseTargetOptions(const MountArgs& args) {
     }
     t.hf.config_text = text.str();
     t.hf.config_path = args.hf_config;
+    // Its heads are facts of the model for every view (a fused QKV's interleave), as a rules
+    // file's "model" gives them; an unreadable config is hf/'s to report (hf.error).
+    const std::string where = "--hf-config " + args.hf_config;
+    if (auto config = index::ParseHfConfig(t.hf.config_text, where); config.ok()) {
+      UCPFS_ASSIGN_OR_RETURN(t.model_facts, layout::MergeAttentionFacts(t.model_facts, "--pattern-rules " + args.pattern_rules,
+                                                                       index::AttentionFactsOf(*config), where));
+    }
   }
   return t;
 }

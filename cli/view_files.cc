@@ -42,7 +42,9 @@ Result<ViewSelection> ParseViewArgs(const ViewArgs& args) {
     if (!f) return NotFoundError(args.pattern_rules + ": cannot open");
     std::stringstream text;
     text << f.rdbuf();
-    UCPFS_ASSIGN_OR_RETURN(out.rules, layout::ParseRules(text.str(), args.pattern_rules));
+    UCPFS_ASSIGN_OR_RETURN(layout::RulesFile file, layout::ParseRulesFile(text.str(), args.pattern_rules));
+    out.rules = std::move(file.rules);
+    out.model_facts = file.model;
   }
   if (!args.pp_split.empty()) {
     UCPFS_ASSIGN_OR_RETURN(auto split, layout::ParsePpSplit(args.pp_split));
@@ -60,7 +62,8 @@ Result<std::shared_ptr<const views::TargetInput>> MakeViewInput(const index::Sna
                                                                  const ViewSelection& selection,
                                                                  const std::function<void(const std::string&)>& warn) {
   const auto& ckpt = snapshot.checkpoint();
-  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules, selection.vocab_pad_multiple));
+  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules,
+                                                                     selection.vocab_pad_multiple, selection.model_facts));
   UCPFS_ASSIGN_OR_RETURN(auto input, index::MakeTargetInput(ckpt, snapshot.mapping, snapshot.files, warn));
   index::ApplyPatterns(*input, patterns, selection.pp_split);
   return std::shared_ptr<const views::TargetInput>(std::move(input));
@@ -69,7 +72,8 @@ Result<std::shared_ptr<const views::TargetInput>> MakeViewInput(const index::Sna
 Result<std::vector<ViewFile>> ListViewFiles(const index::Snapshot& snapshot, const ViewSelection& selection,
                                             const std::function<void(const std::string&)>& warn) {
   const auto& ckpt = snapshot.checkpoint();
-  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules, selection.vocab_pad_multiple));
+  UCPFS_ASSIGN_OR_RETURN(auto patterns, index::PatternOptionsFor(ckpt, selection.preset, selection.rules,
+                                                                     selection.vocab_pad_multiple, selection.model_facts));
   std::vector<ViewFile> out;
   if (!selection.layouts.empty()) {
     UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const views::TargetInput> shared, MakeViewInput(snapshot, selection, warn));

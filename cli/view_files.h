@@ -50,6 +50,7 @@ struct ViewSelection {
   uint64_t safetensors_shard_n_bytes = 0;
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;
+  layout::ModelInfo model_facts;  // the rules file's "model" (layout::RulesFile)
   std::optional<std::vector<int>> pp_split;
   int64_t vocab_pad_multiple = 0;  // 0: the source's make_vocab_size_divisible_by, else 128
 };

@@ -330,8 +330,23 @@ class DeepSpeedScanner {
       }
     }
     const std::string where = builder_.dir() + (tag_dir_.empty() ? "" : "/" + tag_dir_);
+    std::map<std::string, const Item*> averaged;
     for (Item& item : merged_.items()) {
-      if (!item.layout.shape.empty() && Averaged(item.key)) UCPFS_RETURN_IF_ERROR(FoldTpMean(item, tp_, where));
+      if (item.layout.shape.empty() || !Averaged(item.key)) continue;
+      UCPFS_RETURN_IF_ERROR(FoldTpMean(item, tp_, where));
+      averaged[item.key] = &item;
+    }
+    // An averaged parameter's module weight held in a narrower dtype than its fp32 master (bf16,
+    // fp16) is what DeepSpeed's universal loader gives the module: the masters' mean rounded to
+    // the module's dtype (its lp_param.copy_(hp_param)), not the mean of the tp ranks' rounded
+    // copies, which can differ in the last bit. So it reads the masters' mean, converted.
+    for (Item& item : merged_.items()) {
+      if (!item.model_tensor || item.dtype == DType::kFloat32 || averaged.count(item.key) == 0) continue;
+      const auto master = averaged.find("optimizer.state." + item.key + ".fp32_param");
+      if (master == averaged.end() || master->second->layout.shape != item.layout.shape) continue;
+      item.layout = master->second->layout;
+    }
+    for (Item& item : merged_.items()) {
       if (!item.layout.shape.empty()) UCPFS_RETURN_IF_ERROR(builder_.FinishTensor(item, where));
       builder_.AddItem(std::move(item));
     }

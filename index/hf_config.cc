@@ -96,4 +96,12 @@ Result<layout::ModelInfo> MegatronCoreFactsOf(const HfModelConfig& c) {
   return info;
 }
 
+layout::ModelInfo AttentionFactsOf(const HfModelConfig& c) {
+  layout::ModelInfo info;
+  info.num_attention_heads = c.num_attention_heads;
+  info.num_query_groups = c.KvHeads();
+  info.head_dim = c.HeadDim();
+  return info;
+}
+
 }  // namespace ucpfs::index

@@ -47,4 +47,9 @@ Result<HfModelConfig> ParseHfConfig(std::string_view text, const std::string& wh
 // norms add one to their weights, for one, which GPTModel's do not).
 Result<layout::ModelInfo> MegatronCoreFactsOf(const HfModelConfig& config);
 
+// The attention facts a config gives (heads, key-value heads as query groups, head dim; 0 where
+// it gives none), what --hf-config adds to the pattern rules file's "model" (layout::RulesFile):
+// a torchtitan fused QKV's interleave (core/layout/fused_qkv.h) needs them.
+layout::ModelInfo AttentionFactsOf(const HfModelConfig& config);
+
 }  // namespace ucpfs::index

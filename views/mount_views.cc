@@ -33,7 +33,8 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   // Source files by id, opened on first read.
   const std::shared_ptr<IoCounters> counters = snapshot->counters;
   UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
-                         index::PatternOptionsFor(ckpt, options.preset, options.rules, options.vocab_pad_multiple));
+                         index::PatternOptionsFor(ckpt, options.preset, options.rules, options.vocab_pad_multiple,
+                                                   options.model_facts));
   const ViewContext ctx{.snapshot = snapshot,
                         .options = options,
                         .patterns = patterns,
@@ -138,7 +139,8 @@ Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>
     const ViewAccess access = AccessOfSources(snap.source_dir(), ckpt.files);
     UCPFS_ASSIGN_OR_RETURN(Ino dir, tree->AddDir(all, named.name, mtime));
     UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
-                           index::PatternOptionsFor(ckpt, options.preset, options.rules, options.vocab_pad_multiple));
+                           index::PatternOptionsFor(ckpt, options.preset, options.rules, options.vocab_pad_multiple,
+                                                   options.model_facts));
     const ViewContext ctx{.snapshot = named.snapshot,
                           .options = options,
                           .patterns = patterns,

@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <set>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -251,6 +254,7 @@ Result<TargetPlan> TargetPlan::Make(std::shared_ptr<const TargetInput> input, la
   }
   TargetPlan plan;
   plan.layout_ = std::move(layout);
+  if (plan.layout_.zero != 0 && plan.layout_.dp > 1) plan.shared_parts_ = std::make_shared<SharedRankParts>();
   for (const auto& p : input->params) {
     const auto& primary = PrimaryOf(p);
     if (!primary) {
@@ -322,17 +326,30 @@ Result<ModelPatterns> PatternsOf(const std::vector<PatternParam>& params, layout
   return out;
 }
 
-Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
-  if (rank < 0 || rank >= layout_.World()) {
-    return InvalidArgumentError("layout " + layout_.name + ": rank " + std::to_string(rank) +
-                                " out of range [0, " + std::to_string(layout_.World()) + ")");
+// What a rank's files are made from that depends only on its (tp, pp, ep) coordinate: the
+// parameters it holds with their local layouts per state and, for a ZeRO layout, the flat group
+// of their local sizes.
+struct RankParts {
+  std::vector<Held> held;
+  std::optional<layout::ZeroFlatGroup> zero;
+};
+
+struct TargetPlan::SharedRankParts {
+  std::mutex mu;
+  std::map<std::tuple<int, int, int>, std::shared_ptr<const RankParts>> by_coords;  // guarded by mu
+};
+
+Result<std::shared_ptr<const RankParts>> TargetPlan::PartsOf(const layout::RankCoords& coords) const {
+  const std::tuple<int, int, int> key{coords.tp, coords.pp, coords.ep};
+  if (shared_parts_) {
+    std::lock_guard lock(shared_parts_->mu);
+    if (auto it = shared_parts_->by_coords.find(key); it != shared_parts_->by_coords.end()) return it->second;
   }
   const TargetInput& in = *input_;
-  const layout::RankCoords coords = layout::CoordsOf(layout_, rank);
-  const std::string dir = "target/" + layout_.name + "/rank_" + std::to_string(rank) + "/";
-
+  const std::string dir = "target/" + layout_.name + "/rank_" + std::to_string(layout::RankOf(layout_, coords)) + "/";
+  auto parts = std::make_shared<RankParts>();
+  std::vector<Held>& held = parts->held;
   // Which parameters the rank holds, and their local layouts per state.
-  std::vector<Held> held;
   for (size_t i = 0; i < in.params.size(); ++i) {
     const auto& p = in.params[i];
     const auto& primary = PrimaryOf(p);
@@ -369,6 +386,35 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
   std::stable_partition(held.begin(), held.end(), [&](const Held& h) {
     return !(patterns_[h.param].pp == layout::PpPlacement::kTiedFirstLast && h.view.local_name != in.params[h.param].name);
   });
+  if (layout_.zero != 0) {
+    // ZeRO-1 (layout/zero.h): flat = concat of the local tensors in model.pt order, padded to
+    // a multiple of 2·dp, DP rank d holding its window of ps = padded / dp elements.
+    std::vector<uint64_t> numels;
+    for (const auto& h : held) {
+      std::optional<uint64_t> n = 1;
+      for (int64_t d : h.view.local_shape) {
+        if (n) n = CheckedMul(*n, static_cast<uint64_t>(d));
+      }
+      if (!n) return InvalidArgumentError(dir + ": flat size overflows");
+      numels.push_back(*n);
+    }
+    UCPFS_ASSIGN_OR_RETURN(parts->zero, layout::MakeZeroFlatGroup(numels, layout_.dp));
+  }
+  if (!shared_parts_) return std::shared_ptr<const RankParts>(std::move(parts));
+  std::lock_guard lock(shared_parts_->mu);
+  return shared_parts_->by_coords.try_emplace(key, std::move(parts)).first->second;  // a racing build's, if first
+}
+
+Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
+  if (rank < 0 || rank >= layout_.World()) {
+    return InvalidArgumentError("layout " + layout_.name + ": rank " + std::to_string(rank) +
+                                " out of range [0, " + std::to_string(layout_.World()) + ")");
+  }
+  const TargetInput& in = *input_;
+  const layout::RankCoords coords = layout::CoordsOf(layout_, rank);
+  const std::string dir = "target/" + layout_.name + "/rank_" + std::to_string(rank) + "/";
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const RankParts> parts_of_rank, PartsOf(coords));
+  const std::vector<Held>& held = parts_of_rank->held;
 
   nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
   auto add_info = [&](const Held& h, TargetState s, const std::string& file, const std::string& key,
@@ -402,6 +448,8 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
     const int s = p.states[S(TargetState::kWeight)] ? S(TargetState::kWeight) : S(TargetState::kFp32);
     const DType dtype = p.dtypes[s];
     UCPFS_RETURN_IF_ERROR(CheckConvertible(*h.local[s], dtype, p.keys[s]));
+    add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
+    if (!want.model && !want.model_safetensors) continue;  // sizing another file (a ZeRO rank's)
     format::SaveTensor t{dtype, h.view.local_shape, std::make_shared<LayoutProvider>(h.local[s], dtype, in.files)};
     if (safetensors_refused.empty() && format::SafetensorsDTypeName(dtype).empty()) {
       safetensors_refused = "tensor '" + h.view.local_name + "' has dtype " + std::string(TorchName(dtype)) +
@@ -409,7 +457,6 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
     }
     model_tensors.emplace_back(h.view.local_name, t);
     model.Set(h.view.local_name, SaveValue::Tensor(std::move(t)));
-    add_info(h, static_cast<TargetState>(s), "model.pt", h.view.local_name, dtype, nullptr);
     std::string module = h.view.local_name.substr(0, h.view.local_name.rfind('.') + 1);  // "" without a dot
     bool siblings = true;
     if (patterns_[h.param].pp == layout::PpPlacement::kTiedFirstLast) {  // the output layer's (TargetParam)
@@ -484,21 +531,18 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
         }
       }
       optim.Set("state", std::move(state));
-      optim.Set("param_groups", ParamGroups(in, optimizer));
+      if (want.optim) optim.Set("param_groups", ParamGroups(in, optimizer));  // else sizing another file
       if (any_fp32) optim.Set("fp32", std::move(fp32));
     } else {
-      // ZeRO-1 (layout/zero.h): flat = concat of the local tensors in model.pt order, padded to
-      // a multiple of 2·dp, DP rank d holding its window of ps = padded / dp elements.
-      std::vector<uint64_t> numels;
-      for (const auto& h : held) {
-        std::optional<uint64_t> n = 1;
-        for (int64_t d : h.view.local_shape) {
-          if (n) n = CheckedMul(*n, static_cast<uint64_t>(d));
+      // ZeRO-1: the flat group of the held parameters (PartsOf); this rank's window of it.
+      const layout::ZeroFlatGroup& group = *parts_of_rank->zero;
+      // The held parameters' pieces in this rank's window (at most one each), in flat order.
+      std::map<size_t, layout::ZeroFragment> in_window;
+      if (want.info) {
+        for (const layout::IndexedFragment& f : layout::FragmentsInWindow(group, coords.dp)) {
+          in_window.emplace(f.param, f.fragment);
         }
-        if (!n) return InvalidArgumentError(dir + ": flat size overflows");
-        numels.push_back(*n);
       }
-      UCPFS_ASSIGN_OR_RETURN(const layout::ZeroFlatGroup group, layout::MakeZeroFlatGroup(numels, layout_.dp));
       const uint64_t padded = group.padded_elems;
       const uint64_t ps = group.partition_elems;
       const uint64_t lo = group.WindowStart(coords.dp);
@@ -518,10 +562,10 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
               h.local[src] ? h.local[src] : ZeroLayout(h.view.local_shape);
           UCPFS_RETURN_IF_ERROR(CheckConvertible(*part, DType::kFloat32, p.keys[src]));
           parts.push_back(part);
-          for (const layout::ZeroFragment& f : layout::FragmentsOfParam(group, i)) {
-            if (!h.local[src] || f.dp_rank != coords.dp) continue;
+          if (auto f = in_window.find(i); f != in_window.end() && h.local[src]) {
             add_info(h, static_cast<TargetState>(src), "optim.pt", TargetStateName(s), DType::kFloat32,
-                     nlohmann::ordered_json::array({f.partition_elem_offset, f.partition_elem_offset + f.n_elems}));
+                     nlohmann::ordered_json::array({f->second.partition_elem_offset,
+                                                    f->second.partition_elem_offset + f->second.n_elems}));
           }
         }
         optim.Set(TargetStateName(s),
@@ -535,7 +579,7 @@ Result<RankFiles> TargetPlan::Build(int rank, const RankFileSet& want) const {
         add_info(h, TargetState::kStep, "optim.pt", "step", DType::kFloat32, nullptr);
         break;
       }
-      optim.Set("param_groups", ParamGroups(in, optimizer));
+      if (want.optim) optim.Set("param_groups", ParamGroups(in, optimizer));  // else sizing another file
     }
     if (const std::vector<std::string> missing = MissingForAdam(in, optimizer); !missing.empty()) {
       SaveValue names = SaveValue::List();

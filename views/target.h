@@ -104,15 +104,18 @@ struct TargetParam {
 
 // A parameter the optimizer holds fused while the model's state_dict saves its weight split
 // (torchtitan's FusedQKVLinear: optimizer state under `qkv_linear.wqkv.weight`, weights as
-// `qkv_linear.wq|wk|wv.weight`). Listed in status.json and inspect as `fused_params`.
+// `qkv_linear.wq|wk|wv.weight`). Listed in status.json and inspect as `fused_params`. model.pt
+// holds the split weights, optim.pt the fused state (what the model and its optimizer load);
+// atomic/ serves the moments split under the model's names when the interleave is known
+// (layout::FusedQkvOf: the head dimension, from the user), else each side under its own names.
 struct FusedParam {
   std::string param;                   // the optimizer's name (moments and step)
   std::vector<std::string> stored_as;  // the model's names (weights), in source order
-  // What status.json and inspect say about it: each side is served under its own names only.
-  static constexpr const char* kNote =
-      "weights served under the model's split names, moments and step under the optimizer's fused name; "
-      "no fused weight or split moments: how the fused rows interleave the split ones (per kv head group) "
-      "needs the head dimension, which the checkpoint does not store";
+  int64_t rows = 0;                    // the fused state's dim-0 size
+  std::vector<int64_t> stored_rows;    // each stored_as weight's dim-0 size
+  // What status.json and inspect say about it (index::FusedNote): how it is served, or which
+  // fact is missing for atomic/ to serve it under one name.
+  std::string note;
 };
 
 // How each parameter is split, from the one pattern source: layout::PatternFor (the rules,
@@ -173,6 +176,8 @@ struct RankFileSet {
   bool info = true;
 };
 
+struct RankParts;  // target.cc: what the ranks of one (tp, pp, ep) coordinate are made from
+
 // The per-layout work done once (preset, model info, patterns, stage bounds), so that the
 // files of many ranks are built without repeating it. Keeps `input` alive.
 class TargetPlan {
@@ -209,6 +214,13 @@ class TargetPlan {
   std::vector<int> stage_bounds_;
   std::vector<layout::ParamPattern> patterns_;  // per input param
   bool has_optim_ = false;
+  // ZeRO layouts: what every data-parallel rank of one (tp, pp, ep) shares (the held parameters'
+  // local layouts, the flat group), made by the first Build of that coordinate and kept for the
+  // plan's life, so a layout of thousands of ZeRO ranks slices each parameter once (target.cc).
+  struct SharedRankParts;
+  std::shared_ptr<SharedRankParts> shared_parts_;
+  // The parts of the ranks at `coords`: shared_parts_'s when kept, else made for this call.
+  Result<std::shared_ptr<const RankParts>> PartsOf(const layout::RankCoords& coords) const;
 };
 
 // One-shot convenience: TargetPlan::Make(input, layout) then Build(rank).

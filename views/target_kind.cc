@@ -157,6 +157,9 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetP
     int first_rank = -1, first_dp = 0;     // the group's first rank, built in full
     uint64_t info_bytes = 0, extra_bytes = 0;
     bool has_extra = false;
+    // A ZeRO layout's optim.pt: each DP rank's own (its window of the flat states) but of one
+    // size, ps elements of each, so sized from the first rank's; 0 when there is none.
+    uint64_t zero_optim_bytes = 0;
   };
   std::map<std::tuple<int, int, int>, Shared> shared_files;  // (tp,pp,ep) -> the rank files DP replicas share
   for (int rank = 0; rank < l.World(); ++rank) {
@@ -167,7 +170,7 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetP
     // A DP replica links to the files it shares: only its own are built to be sized.
     views::RankFileSet want;
     want.model = want.model_safetensors = shared.first == 0;
-    want.optim = l.zero != 0 || shared.first == 0;
+    want.optim = shared.first == 0;
     views::RankFiles files_of_rank;  // a replica sized from its first rank builds nothing
     if (!sized_from_first) {
       UCPFS_ASSIGN_OR_RETURN(files_of_rank, plan->Build(rank, want));
@@ -178,6 +181,7 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetP
       shared.info_bytes = files_of_rank.info->Size();
       shared.has_extra = files_of_rank.extra != nullptr;
       if (shared.has_extra) shared.extra_bytes = files_of_rank.extra->Size();
+      if (l.zero != 0 && files_of_rank.optim) shared.zero_optim_bytes = files_of_rank.optim->Size();
     }
     UCPFS_ASSIGN_OR_RETURN(Ino rdir, tree.AddDir(ldir, "rank_" + std::to_string(rank), mtime));
     auto lazy = std::make_shared<const LazyRankFiles>(plan, rank);
@@ -206,8 +210,10 @@ Status AddLayoutRanks(Tree& tree, Ino ldir, std::shared_ptr<const views::TargetP
                              tree.AddFile(rdir, "model.safetensors.error", src->Size(), mtime, FixedSource(src)));
       UCPFS_RETURN_IF_ERROR(tree.SetAccess(shared.refused_safetensors, access.mode, access.uid, access.gid));
     }
-    if (files_of_rank.optim || (l.zero == 0 && shared.second != 0)) {
-      UCPFS_RETURN_IF_ERROR(add("optim.pt", RankFile::kOptim, l.zero == 0 ? &shared.second : nullptr));
+    if (l.zero != 0 && shared.zero_optim_bytes != 0) {
+      UCPFS_RETURN_IF_ERROR(add("optim.pt", RankFile::kOptim, nullptr, shared.zero_optim_bytes));
+    } else if (files_of_rank.optim || (l.zero == 0 && shared.second != 0)) {
+      UCPFS_RETURN_IF_ERROR(add("optim.pt", RankFile::kOptim, &shared.second));
     }
     if (sized_from_first) {
       if (shared.has_extra) UCPFS_RETURN_IF_ERROR(add("extra_state.pt", RankFile::kExtra, nullptr, shared.extra_bytes));
@@ -371,7 +377,7 @@ class Target final : public ViewKind {
     // Parameters the optimizer holds fused and the model saves split (views::FusedParam).
     out->status["fused_params"] = nlohmann::ordered_json::array();
     for (const auto& f : target_input->fused) {
-      out->status["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", views::FusedParam::kNote}});
+      out->status["fused_params"].push_back({{"param", f.param}, {"stored_as", f.stored_as}, {"note", f.note}});
     }
     out->status["extra_state"] = nlohmann::ordered_json::array();
     for (const auto& e : target_input->extras) {

@@ -14,6 +14,8 @@
 #include <utility>
 
 #include "core/format/plain_value.h"
+#include "core/layout/fused_qkv.h"
+#include "core/slice/local_view.h"
 #include "views/atomic.h"
 #include "index/dcp_scan.h"
 #include "index/megatron_scan.h"
@@ -129,6 +131,27 @@ const slice::TensorLayout* TensorState(const Checkpoint& c, const ParamEntry& p,
   return &c.items[static_cast<size_t>(i)].layout;
 }
 
+// A fused parameter's optimizer state (FusedParams): its first moment, else its second.
+const slice::TensorLayout* FusedMoment(const Checkpoint& c, const ParamEntry& p) {
+  const slice::TensorLayout* moment = TensorState(c, p, StateKind::kExpAvg);
+  return moment ? moment : TensorState(c, p, StateKind::kExpAvgSq);
+}
+int64_t FusedStateRows(const Checkpoint& c, const ParamEntry& p) { return FusedMoment(c, p)->shape.at(0); }
+
+// How a fused parameter is served, for status.json and inspect (views::FusedParam::note).
+std::string FusedNote(const std::string& param, int64_t rows, const std::vector<std::string>& parts,
+                      const std::vector<int64_t>& part_rows, const layout::ModelInfo& facts) {
+  auto qkv = layout::FusedQkvOf(param, rows, parts, part_rows, facts);
+  if (!qkv.ok()) {
+    return "model.pt holds the split weights and optim.pt the fused state; atomic/ serves the weights under the "
+           "split names and the moments and step under the fused name only: " + qkv.error().message();
+  }
+  return "model.pt holds the split weights and optim.pt the fused state; atomic/ serves the moments and step "
+         "under the split names too, rows grouped per key-value head (" + std::to_string(qkv->n_kv_heads) +
+         " key-value heads of " + std::to_string(qkv->heads_per_kv) + " query heads, head_dim " +
+         std::to_string(qkv->head_dim) + ")";
+}
+
 // Parameters the optimizer holds fused while the model saves the weight split, found by
 // structure: optimizer state `<m>.<a>.<s>` with no weight, and weights with no optimizer state
 // `<m>.<b>.<s>`, `<m>.<c>.<s>`, ... (the same module `<m>`, the same last component `<s>`: at
@@ -136,8 +159,8 @@ const slice::TensorLayout* TensorState(const Checkpoint& c, const ParamEntry& p,
 // FusedQKVLinear: `qkv_linear.wqkv.weight` state [768, 256], `qkv_linear.wq|wk|wv.weight`
 // weights [256, 256] each. Per fused parameter: the indices (into mapping.params) of its split
 // weights, in source order. How the fused rows interleave the split ones (per kv head group:
-// [q heads; k; v]) needs the head dimension, which the checkpoint does not store: each part is
-// served under its own names, and nothing is fused or split.
+// [q heads; k; v]) needs the head dimension, which the checkpoint does not store
+// (layout::FusedQkvOf takes it from the user's facts).
 std::map<size_t, std::vector<size_t>> FusedParams(const Checkpoint& c, const KeyMapping& mapping) {
   auto module_and_last = [](const std::string& name) -> std::optional<std::pair<std::string, std::string>> {
     const size_t last = name.rfind('.');
@@ -161,8 +184,7 @@ std::map<size_t, std::vector<size_t>> FusedParams(const Checkpoint& c, const Key
   for (size_t i = 0; i < mapping.params.size(); ++i) {
     const auto& p = mapping.params[i];
     if (TensorState(c, p, StateKind::kWeight) || TensorState(c, p, StateKind::kFp32)) continue;
-    const slice::TensorLayout* moment = TensorState(c, p, StateKind::kExpAvg);
-    if (!moment) moment = TensorState(c, p, StateKind::kExpAvgSq);
+    const slice::TensorLayout* moment = FusedMoment(c, p);
     if (!moment || moment->shape.empty()) continue;
     auto ms = module_and_last(p.name);
     if (!ms) continue;
@@ -193,6 +215,9 @@ void ApplyPatterns(views::TargetInput& input, const PatternOptions& patterns, st
   input.vocab_size = patterns.vocab_size;
   input.model_facts = patterns.model_facts;
   input.pp_split = std::move(pp_split);
+  for (views::FusedParam& f : input.fused) {
+    f.note = FusedNote(f.param, f.rows, f.stored_as, f.stored_rows, patterns.model_facts);
+  }
 }
 
 Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
@@ -377,11 +402,15 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
   std::vector<size_t> order;
   std::vector<char> split_weight(mapping.params.size(), 0);
   for (const auto& [f, parts] : fused) {
-    views::FusedParam fp{mapping.params[f].name, {}};
+    views::FusedParam fp;
+    fp.param = mapping.params[f].name;
+    fp.rows = FusedStateRows(c, mapping.params[f]);
     for (size_t w : parts) {
       split_weight[w] = 1;
       fp.stored_as.push_back(mapping.params[w].name);
+      fp.stored_rows.push_back(TensorState(c, mapping.params[w], StateKind::kWeight)->shape[0]);
     }
+    fp.note = FusedNote(fp.param, fp.rows, fp.stored_as, fp.stored_rows, {});
     in->fused.push_back(std::move(fp));
   }
   for (size_t i = 0; i < mapping.params.size(); ++i) {
@@ -438,7 +467,8 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
 }
 
 Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
-                                         std::vector<layout::Rule> user_rules, int64_t vocab_pad_multiple) {
+                                         std::vector<layout::Rule> user_rules, int64_t vocab_pad_multiple,
+                                         const layout::ModelInfo& user_facts) {
   PatternOptions o;
   o.preset = preset;
   o.rules = std::move(user_rules);
@@ -460,6 +490,7 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
     }
   }
   if (vocab_pad_multiple > 0) o.model_facts.vocab_pad_multiple = vocab_pad_multiple;  // the user's wins
+  layout::ApplyModelFacts(user_facts, &o.model_facts);
   return o;
 }
 
@@ -489,26 +520,68 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
   const AtomicState kStates[] = {{"fp32.pt", StateKind::kFp32, static_cast<int>(StateKind::kWeight)},
                                  {"exp_avg.pt", StateKind::kExpAvg, -1},
                                  {"exp_avg_sq.pt", StateKind::kExpAvgSq, -1}};
+  // A fused parameter whose interleave is known (layout::FusedQkvOf, from the user's facts) is
+  // served under its split weights' names only: each takes its rows of the fused optimizer
+  // state, and the fused step. Otherwise each side keeps its own names (FusedNote says why).
+  struct SplitState {
+    size_t fused;                                      // index into mapping.params
+    std::vector<std::pair<int64_t, int64_t>> rows;     // of the fused state, per key-value head
+  };
+  std::map<size_t, SplitState> split_of;               // a split weight's index -> its state
+  std::unordered_set<size_t> served_split;             // fused parameters served that way
+  for (const auto& [f, parts] : FusedParams(c, mapping)) {
+    std::vector<std::string> names;
+    std::vector<int64_t> rows;
+    for (size_t w : parts) {
+      names.push_back(mapping.params[w].name);
+      rows.push_back(TensorState(c, mapping.params[w], StateKind::kWeight)->shape[0]);
+    }
+    auto qkv = layout::FusedQkvOf(mapping.params[f].name, FusedStateRows(c, mapping.params[f]), names, rows,
+                                  patterns.model_facts);
+    if (!qkv.ok()) continue;
+    served_split.insert(f);
+    for (size_t i = 0; i < parts.size(); ++i) split_of[parts[i]] = {f, qkv->FusedRowsOf(i)};
+  }
   std::vector<AtomicView> out;
   for (size_t pi = 0; pi < mapping.params.size(); ++pi) {
+    if (served_split.count(pi) != 0) continue;
     const auto& p = mapping.params[pi];
+    const auto split = split_of.find(pi);
     const views::AtomicPattern pattern =
         pattern_of[pi] == SIZE_MAX ? views::AtomicPattern{} : views::AtomicPatternOf(mp.patterns[pattern_of[pi]]);
     for (const auto& s : kStates) {
-      int32_t item = p.item[static_cast<int>(s.primary)];
+      const ParamEntry& holder = split != split_of.end() && s.primary != StateKind::kFp32 ? mapping.params[split->second.fused] : p;
+      int32_t item = holder.item[static_cast<int>(s.primary)];
       if (item < 0 && s.fallback >= 0) item = p.item[s.fallback];
       if (item < 0) continue;
       const auto& it = c.items[static_cast<size_t>(item)];
       if (it.kind != ItemKind::kTensor) continue;
       AtomicView v{views::AtomicDirName(p.name), s.file, nullptr};
-      auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
+      std::shared_ptr<const slice::TensorLayout> layout;
+      if (&holder != &p) {  // this weight's rows of the fused state
+        std::vector<slice::Box> pieces;
+        std::vector<int64_t> shape = it.layout.shape;
+        shape[0] = 0;
+        for (const auto& [row_lo, n_rows] : split->second.rows) {
+          slice::Box b{std::vector<int64_t>(shape.size(), 0), it.layout.shape};
+          b.offsets[0] = row_lo;
+          b.sizes[0] = n_rows;
+          shape[0] += n_rows;
+          pieces.push_back(std::move(b));
+        }
+        UCPFS_ASSIGN_OR_RETURN(slice::TensorLayout local, slice::LocalLayout(it.layout, shape, 0, pieces));
+        layout = std::make_shared<const slice::TensorLayout>(std::move(local));
+      } else {
+        layout = std::make_shared<const slice::TensorLayout>(it.layout);
+      }
       UCPFS_ASSIGN_OR_RETURN(v.source, views::BuildAtomicFile(layout, pattern,
                                                               files, "atomic/" + v.dir + "/" + v.file));
       out.push_back(std::move(v));
     }
     // step.pt: the optimizer step as saved (a tensor, or a Python number), as DeepSpeed's
     // universal checkpoint keeps it.
-    const int32_t step = p.item[static_cast<int>(StateKind::kStep)];
+    const ParamEntry& step_holder = split != split_of.end() ? mapping.params[split->second.fused] : p;
+    const int32_t step = step_holder.item[static_cast<int>(StateKind::kStep)];
     if (step < 0) continue;
     auto value = ItemValue(c.items[static_cast<size_t>(step)], files);
     if (!value.ok()) continue;  // target views report it (MakeTargetInput)

@@ -48,7 +48,8 @@ struct PatternOptions {
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;  // the user's rules, then the checkpoint's own
   std::optional<int64_t> vocab_size;  // the checkpoint's unpadded vocabulary, when recorded
-  layout::ModelInfo model_facts;      // what the checkpoint records about its model (Megatron-LM args)
+  // What the checkpoint records about its model (Megatron-LM args), then what the user gave.
+  layout::ModelInfo model_facts;
 };
 
 // The user's preset and rules, then the patterns the checkpoint records itself (DeepSpeed's
@@ -56,8 +57,11 @@ struct PatternOptions {
 // `vocab_pad_multiple` (--make-vocab-size-divisible-by; 0: not given) replaces the checkpoint's
 // make_vocab_size_divisible_by.
 // Errors: kCorrupt when the checkpoint's own patterns do not compile (names the file).
+// `user_facts` (the rules file's "model" and --hf-config's heads: ViewOptions::model_facts) replace
+// the checkpoint's own where given (layout::ApplyModelFacts).
 Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::Preset preset,
-                                         std::vector<layout::Rule> user_rules, int64_t vocab_pad_multiple = 0);
+                                         std::vector<layout::Rule> user_rules, int64_t vocab_pad_multiple = 0,
+                                         const layout::ModelInfo& user_facts = {});
 
 // Sets what decides the target views' splits on `input`: the preset, rules, unpadded vocabulary
 // and model facts of `patterns`, and the pipeline split (--pp-split; none: even).

@@ -40,6 +40,9 @@ struct ViewOptions {
   std::vector<layout::Layout> layouts;   // --layout (may repeat)
   layout::Preset preset = layout::Preset::kAuto;
   std::vector<layout::Rule> rules;       // --pattern-rules
+  // The attention facts the user gave: --pattern-rules' "model", with --hf-config's heads
+  // (layout::MergeAttentionFacts); over the checkpoint's own (index::PatternOptionsFor).
+  layout::ModelInfo model_facts;
   std::optional<std::vector<int>> pp_split;
   int64_t vocab_pad_multiple = 0;        // --make-vocab-size-divisible-by (0: the source's, else 128)
   // Memory that layouts built on lookup may take together (--lookup-memory-mib). A layout keeps

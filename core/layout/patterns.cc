@@ -537,6 +537,24 @@ void ApplyModelFacts(const ModelInfo& facts, ModelInfo* info) {
   if (facts.vocab_pad_repeat_last) info->vocab_pad_repeat_last = true;
 }
 
+Result<ModelInfo> MergeAttentionFacts(const ModelInfo& a, const std::string& a_source, const ModelInfo& b,
+                                      const std::string& b_source) {
+  ModelInfo out = a;
+  const std::pair<const char*, int64_t ModelInfo::*> kFacts[] = {
+      {"num_attention_heads", &ModelInfo::num_attention_heads},
+      {"num_key_value_heads", &ModelInfo::num_query_groups},
+      {"head_dim", &ModelInfo::head_dim}};
+  for (const auto& [name, field] : kFacts) {
+    if (b.*field <= 0) continue;
+    if (a.*field > 0 && a.*field != b.*field) {
+      return InvalidArgumentError(std::string(name) + ": " + a_source + " gives " + std::to_string(a.*field) + ", " +
+                                  b_source + " gives " + std::to_string(b.*field));
+    }
+    out.*field = b.*field;
+  }
+  return out;
+}
+
 Status CheckLayoutForModel(const Layout& layout, const ModelInfo& info,
                            const std::optional<std::vector<int>>& layers_per_stage) {
   auto fail = [&layout](const std::string& why) {

@@ -17,7 +17,7 @@
 //   mlp.dense_h_to_4h / dense_4h_to_h, encoder.final_layernorm) with the same semantics;
 // - Hugging Face (Llama/Mistral/Mixtral): divisibility required, fused qkv_proj [Q; K; V]
 //   with GQA sizes and gate_up_proj [gate; up] as Shard-NC.
-// User rules (ParseRules, the --rules FILE) are tried before the preset; the first match wins.
+// User rules (ParseRules, the --pattern-rules FILE) are tried before the preset; the first match wins.
 // What the source geometry proves wins over any rule: CheckGeometry reports a conflict as an
 // error naming the parameter.
 //
@@ -148,6 +148,12 @@ ModelInfo DetectModelInfo(Preset preset, const std::vector<ParamInfo>& params);
 // shapes proved: every non-zero number and every set optional of `facts` replaces info's.
 void ApplyModelFacts(const ModelInfo& facts, ModelInfo* info);
 
+// The attention facts (num_attention_heads, num_query_groups, head_dim) of `a` and `b` together,
+// from two places the user gave them (a rules file's "model", --hf-config): each given by one or
+// by both alike. Errors: kInvalidArgument naming the fact and both sources when they differ.
+Result<ModelInfo> MergeAttentionFacts(const ModelInfo& a, const std::string& a_source, const ModelInfo& b,
+                                      const std::string& b_source);
+
 // Whole-model checks of a layout, so that an invalid layout is refused with one reason before
 // any parameter is sliced: pp vs the layer count (PipelineSplit, with `layers_per_stage` from
 // --pp-split), experts divisible by ep, and, where the config gave them, attention heads and
@@ -191,11 +197,24 @@ bool RuleMatches(const Rule& rule, std::string_view name);
 // They compile under MakeRule (a unit test checks every one).
 std::vector<std::string> PresetPatterns(Preset preset);
 
+// A pattern rules file (--pattern-rules): its rules, and the model facts it gives.
+struct RulesFile {
+  std::vector<Rule> rules;
+  // "model": {"head_dim": N, "num_attention_heads": N, "num_key_value_heads": N} (any of them):
+  // the attention facts a checkpoint does not store (fused_qkv.h; the Hugging Face fused
+  // qkv_proj and Megatron's linear_qkv splits). num_key_value_heads is num_query_groups here.
+  ModelInfo model;
+};
+
 // Parses a rules file's text: {"patterns": [{"pattern": "<RE2 regex>", "tp":
 // "column|row|vocab|replicate|partial", "tp_dim": d, "sub_sizes": [..], "pp":
-// "layer|first|last|tied|all", "vocab_pad_multiple": N, "expert_dim": d}, ...]}. Only
-// "pattern" and "tp" are required; unknown keys are errors (a typo must not be ignored).
-// Errors: kInvalidArgument naming `source` (the file name), the entry index and the problem.
+// "layer|first|last|tied|all", "vocab_pad_multiple": N, "expert_dim": d}, ...], "model": {...}}.
+// Only "pattern" and "tp" are required; unknown keys are errors (a typo must not be ignored);
+// "patterns" may be empty when "model" is given.
+// Errors: kInvalidArgument naming `source` (the file name), the entry index or model field and
+// the problem.
+Result<RulesFile> ParseRulesFile(std::string_view json_text, const std::string& source);
+// ParseRulesFile's rules alone.
 Result<std::vector<Rule>> ParseRules(std::string_view json_text, const std::string& source);
 
 // The pattern of parameter `name` (a model fqn) of `global_shape`: the first matching user rule,

@@ -1,4 +1,4 @@
-// The --rules FILE parser (see patterns.h ParseRules). Kept apart from patterns.cc so that only
+// The --pattern-rules FILE parser (see patterns.h ParseRulesFile). Kept apart from patterns.cc so that only
 // this file depends on nlohmann_json.
 #include <nlohmann/json.hpp>
 
@@ -14,18 +14,46 @@ Status EntryError(const std::string& source, size_t index, const std::string& wh
 }  // namespace
 
 Result<std::vector<Rule>> ParseRules(std::string_view json_text, const std::string& source) {
+  UCPFS_ASSIGN_OR_RETURN(RulesFile file, ParseRulesFile(json_text, source));
+  return std::move(file.rules);
+}
+
+Result<RulesFile> ParseRulesFile(std::string_view json_text, const std::string& source) {
   nlohmann::json doc = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgumentError(source + ": not valid JSON");
-  if (!doc.is_object() || !doc.contains("patterns") || !doc["patterns"].is_array()) {
-    return InvalidArgumentError(source + ": expected {\"patterns\": [...]}");
+  const bool has_model = doc.is_object() && doc.contains("model");
+  if (!doc.is_object() || (!doc.contains("patterns") && !has_model) ||
+      (doc.contains("patterns") && !doc["patterns"].is_array())) {
+    return InvalidArgumentError(source + ": expected {\"patterns\": [...]} (and/or \"model\": {...})");
   }
+  RulesFile file;
   for (auto it = doc.begin(); it != doc.end(); ++it) {
-    if (it.key() != "patterns") {
+    if (it.key() != "patterns" && it.key() != "model") {
       return InvalidArgumentError(source + ": unknown top-level key '" + it.key() + "'");
     }
   }
-  std::vector<Rule> rules;
-  const nlohmann::json& list = doc["patterns"];
+  if (has_model) {
+    const nlohmann::json& m = doc["model"];
+    if (!m.is_object()) return InvalidArgumentError(source + ": model: must be an object");
+    for (auto it = m.begin(); it != m.end(); ++it) {
+      int64_t* into = it.key() == "head_dim"              ? &file.model.head_dim
+                      : it.key() == "num_attention_heads" ? &file.model.num_attention_heads
+                      : it.key() == "num_key_value_heads" ? &file.model.num_query_groups
+                                                          : nullptr;
+      if (into == nullptr) {
+        return InvalidArgumentError(source + ": model: unknown key '" + it.key() +
+                                    "' (head_dim, num_attention_heads, num_key_value_heads)");
+      }
+      const nlohmann::json& v = it.value();
+      if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > (int64_t{1} << 40)) {
+        return InvalidArgumentError(source + ": model: '" + it.key() + "' must be a positive integer");
+      }
+      *into = v.get<int64_t>();
+    }
+  }
+  std::vector<Rule>& rules = file.rules;
+  static const nlohmann::json kNoPatterns = nlohmann::json::array();
+  const nlohmann::json& list = doc.contains("patterns") ? doc["patterns"] : kNoPatterns;
   for (size_t i = 0; i < list.size(); ++i) {
     const nlohmann::json& e = list[i];
     if (!e.is_object()) return EntryError(source, i, "not an object");
@@ -91,7 +119,7 @@ Result<std::vector<Rule>> ParseRules(std::string_view json_text, const std::stri
     if (!made.ok()) return made.error().WithContext(source + ": patterns[" + std::to_string(i) + "]");
     rules.push_back(std::move(made).value());
   }
-  return rules;
+  return file;
 }
 
 }  // namespace ucpfs::layout

@@ -9,12 +9,19 @@ truth from the live job: producers_common.py):
   accelerate_fsdp Accelerate's FSDP save_state folder (pytorch_model_fsdp_0/ + optimizer_0/);
   lightning_fsdp, lightning_model_parallel  Lightning's sharded checkpoint directory (FSDPStrategy
                   with state_dict_type="sharded"; ModelParallelStrategy with FSDP2);
-  torchtitan      torchtitan 0.3.0's CheckpointManager, llama3 debug model under FSDP2, mounted at
-                  its checkpoint/step-K/: weights saved split (qkv_linear.wq|wk|wv), optimizer state
-                  fused (qkv_linear.wqkv), served each under its own names (status fused_params);
-                  resumed with its LR scheduler's last_epoch from extra_state.pt; second layout tp2
-                  (its TP plan: colwise chunks of wqkv and wq/wk/wv, rowwise wo/w2);
-  torchtitan_run  the same save mounted at its run folder checkpoint/ (the newest step-K served).
+  torchtitan      torchtitan 0.3.0's CheckpointManager, llama3 debug model under FSDP2 (the shared
+                  fixture "torchtitan"), mounted at its checkpoint/step-K/ with the head dimension
+                  given in a --pattern-rules file's "model": weights saved split
+                  (qkv_linear.wq|wk|wv), optimizer state fused (qkv_linear.wqkv); model.pt split,
+                  optim.pt fused (what its model and optimizer load), atomic/ all under the split
+                  names, the moments split per key-value head as torchtitan's own
+                  _split_qkv_on_save splits the weight; resumed with its LR scheduler's last_epoch
+                  from extra_state.pt; second layout tp2 (its TP plan: colwise chunks of wqkv and
+                  wq/wk/wv, rowwise wo/w2);
+  torchtitan_run  the same save mounted at its run folder checkpoint/ (the newest step-K served),
+                  the heads given by --hf-config (a config.json of the model's heads);
+  torchtitan_bare the same with no head facts: atomic/ keeps each side under its own names and
+                  status.json's fused_params note names the missing fact.
 Per case:
  1. .ucpfs/status.json: no unmapped keys, no ambiguity; the model prefix it names is stripped;
  2. atomic/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt equal the live job's full weights and moments;
@@ -28,6 +35,7 @@ Per case:
 Run by hand: UCPFS_BIN=build/cli/ucpfs .venv/bin/python tests/e2e/producers_dcp_test.py [CASE...]
 """
 import importlib
+import json
 import os
 import sys
 
@@ -35,6 +43,7 @@ import torch
 
 from e2e_common import Results, run, tmpdir
 from mount_common import FIXTURES, PY, mounted, status
+from shared_fixtures import fixture
 
 sys.path.insert(0, FIXTURES)
 
@@ -46,8 +55,13 @@ class Case:
     generator module (model class, optimizer, data and step); the second layout and how a rank's
     slice of the truth is cut; the folder mounted (default: the truth's "checkpoint")."""
 
-    def __init__(self, label, script, args, second_layout, slicer=None, mount=None):
+    def __init__(self, label, script, args, second_layout, slicer=None, mount=None, facts=None, shared=None,
+                 views_only=False):
         self.label, self.script, self.args, self.mount = label, script, args, mount
+        self.views_only = views_only  # status and atomic/ only (the rank files are checked by another case)
+        # facts: how the head facts reach the mount ("rules", "hf-config", or None: not given);
+        # shared: the shared fixture (e2e/shared_fixtures.py) that is this generator run.
+        self.facts, self.shared = facts, shared
         self.second_layout, self.slicer = second_layout, slicer or (lambda t, fqn, rank: t)
         self.module = importlib.import_module(script[:-3])
 
@@ -72,8 +86,10 @@ CASES = [
     Case("lightning_fsdp", "gen_lightning_fsdp.py", ["--strategy", "fsdp"], "tp1_pp1_dp2", dp_replica),
     Case("lightning_model_parallel", "gen_lightning_fsdp.py", ["--strategy", "model_parallel"], "tp1_pp1_dp2",
          dp_replica),
-    Case("torchtitan", "gen_torchtitan.py", [], "tp2_pp1_dp1", titan_tp2),
-    Case("torchtitan_run", "gen_torchtitan.py", [], "tp1_pp1_dp2", dp_replica, mount="checkpoint"),
+    Case("torchtitan", "gen_torchtitan.py", [], "tp2_pp1_dp1", titan_tp2, facts="rules", shared="torchtitan"),
+    Case("torchtitan_run", "gen_torchtitan.py", [], "tp1_pp1_dp2", dp_replica, mount="checkpoint",
+         facts="hf-config", shared="torchtitan"),
+    Case("torchtitan_bare", "gen_torchtitan.py", [], "tp1_pp1_dp2", dp_replica, shared="torchtitan", views_only=True),
 ]
 
 
@@ -83,7 +99,33 @@ def same(a, b, what):
     assert torch.equal(a, b), f"{what}: values differ (max |d| {(a.double() - b.double()).abs().max().item()})"
 
 
-def check_status(mnt, truth):
+def split_truth(truth, case):
+    """{split fqn: state} of the fused parameters, split by the framework's own rule, when the
+    mount was given the facts to split them; else {}."""
+    if not case.facts:
+        return {}
+    return case.module.split_fused_state(case.module.build_model(), truth["optim"]["state"])
+
+
+def mount_facts(case, work):
+    """The mount options that give the head facts as the case says (written into work)."""
+    if not case.facts:
+        return []
+    facts = case.module.attention_facts()
+    if case.facts == "rules":
+        path = os.path.join(work, case.label + "-rules.json")
+        with open(path, "w") as f:
+            json.dump({"model": {"head_dim": facts["head_dim"]}}, f)
+        return ["--pattern-rules", path]
+    path = os.path.join(work, case.label + "-config.json")
+    with open(path, "w") as f:  # a config.json of the model's heads (hidden_size / heads = head_dim)
+        json.dump({"model_type": "llama", "num_attention_heads": facts["num_attention_heads"],
+                   "num_key_value_heads": facts["num_key_value_heads"],
+                   "hidden_size": facts["num_attention_heads"] * facts["head_dim"]}, f)
+    return ["--hf-config", path]
+
+
+def check_status(mnt, truth, case):
     st = status(mnt)
     assert st["unmapped_keys"] == [], f"unmapped keys: {st['unmapped_keys']}"
     ks = st["key_structure"]
@@ -93,21 +135,32 @@ def check_status(mnt, truth):
     # Optimizer state of no weight name: a parameter the model saves split (torchtitan's wqkv).
     fused = sorted(set(truth["optim"]["state"]) - set(truth["model"]))
     assert sorted(f["param"] for f in st["fused_params"]) == fused, st["fused_params"]
+    for f in st["fused_params"]:
+        want = "key-value heads" if case.facts else "head_dim"
+        assert want in f["note"], f["note"]
 
 
-def check_atomic(mnt, truth):
+def check_atomic(mnt, truth, case):
+    split = split_truth(truth, case)
+    state = {**truth["optim"]["state"], **split}
     for fqn in dict.fromkeys([*truth["model"], *truth["optim"]["state"]]):
         d = os.path.join(mnt, "atomic", fqn.replace("/", "%2F"))
         w = truth["model"].get(fqn)
         if w is None:  # held fused by the optimizer, stored split: no weight under this name
             assert not os.path.exists(os.path.join(d, "fp32.pt")), f"atomic/{fqn}/fp32.pt exists"
+            if split:  # served under the split names only
+                assert not os.path.exists(d), f"atomic/{fqn} exists beside its split parts"
+                continue
         else:
             same(torch.load(os.path.join(d, "fp32.pt"))["param"], w.float(), f"atomic/{fqn}/fp32.pt")
-        st = truth["optim"]["state"].get(fqn)
+        st = state.get(fqn)
         if st is None:
+            assert not os.path.exists(os.path.join(d, "exp_avg.pt")), f"atomic/{fqn}/exp_avg.pt exists"
             continue
         for k in ("exp_avg", "exp_avg_sq"):
             same(torch.load(os.path.join(d, k + ".pt"))["param"], st[k].float(), f"atomic/{fqn}/{k}.pt")
+        if fqn in split:
+            same(torch.load(os.path.join(d, "step.pt")), st["step"], f"atomic/{fqn}/step.pt")
 
 
 def group_fields(g):
@@ -181,7 +234,10 @@ def main():
             if key not in generated:
                 out = os.path.join(tmp, f"gen{len(generated)}")
                 try:
-                    run([PY, os.path.join(FIXTURES, case.script), out, *case.args], timeout=300)
+                    if case.shared:
+                        out = fixture(case.shared, os.path.join(tmp, f"gen{len(generated)}"))
+                    else:
+                        run([PY, os.path.join(FIXTURES, case.script), out, *case.args], timeout=300)
                     generated[key] = out
                 except AssertionError as e:
                     generated[key] = None
@@ -192,11 +248,14 @@ def main():
             truth = torch.load(os.path.join(out, "truth.pt"), weights_only=False)
             src = os.path.join(out, case.mount or truth["checkpoint"])
             mnt = os.path.join(tmp, case.label + "-mnt")
-            with mounted(src, mnt, "--layout", "tp1_pp1_dp1", "--layout", case.second_layout) as (m, _):
+            with mounted(src, mnt, "--layout", "tp1_pp1_dp1", "--layout", case.second_layout,
+                         *mount_facts(case, tmp)) as (m, _):
                 res.check(f"{case.label}: status names no unmapped key and no ambiguity",
-                          lambda: check_status(m, truth))
+                          lambda: check_status(m, truth, case))
                 res.check(f"{case.label}: atomic weights and moments equal the live job's",
-                          lambda: check_atomic(m, truth))
+                          lambda: check_atomic(m, truth, case))
+                if case.views_only:
+                    continue
                 res.check(f"{case.label}: tp1 model.pt loads strictly, optim.pt loads and resumes the same losses",
                           lambda: check_resume(m, truth, case.module))
                 res.check(f"{case.label}: {case.second_layout} equals the truth's slices",

@@ -17,6 +17,7 @@
 #include <iostream>
 #include <random>
 
+#include "core/layout/fused_qkv.h"
 #include "core/layout/patterns.h"
 
 namespace ucpfs::slice {
@@ -319,6 +320,70 @@ TEST(Rules, Errors) {
         << c.json << " -> " << r.status().message();
     EXPECT_NE(r.status().message().find("r.json"), std::string::npos) << r.status().message();
   }
+}
+
+// A rules file's "model": the attention facts a checkpoint does not store; alone or with patterns.
+TEST(Rules, ModelFacts) {
+  Result<RulesFile> f = ParseRulesFile(R"({"model": {"head_dim": 16, "num_key_value_heads": 4}})", "m.json");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_TRUE(f->rules.empty());
+  EXPECT_EQ(f->model.head_dim, 16);
+  EXPECT_EQ(f->model.num_query_groups, 4);
+  EXPECT_EQ(f->model.num_attention_heads, 0);
+  for (const char* bad : {R"({"model": {"heads": 4}})", R"({"model": {"head_dim": 0}})", R"({"model": [1]})",
+                          R"({"model": {"head_dim": "16"}})"}) {
+    Result<RulesFile> r = ParseRulesFile(bad, "m.json");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("m.json: model"), std::string::npos) << r.status().message();
+  }
+  // Two places the user gave them: equal or one-sided facts merge, differing ones are named.
+  ModelInfo rules, config;
+  rules.head_dim = 16;
+  config.num_attention_heads = 8;
+  config.head_dim = 16;
+  Result<ModelInfo> both = MergeAttentionFacts(rules, "--pattern-rules r.json", config, "--hf-config c.json");
+  ASSERT_TRUE(both.ok());
+  EXPECT_EQ(both->num_attention_heads, 8);
+  config.head_dim = 32;
+  Result<ModelInfo> clash = MergeAttentionFacts(rules, "--pattern-rules r.json", config, "--hf-config c.json");
+  ASSERT_FALSE(clash.ok());
+  EXPECT_NE(clash.status().message().find("head_dim: --pattern-rules r.json gives 16, --hf-config c.json gives 32"),
+            std::string::npos)
+      << clash.status().message();
+}
+
+// torchtitan's FusedQKVLinear rows, [n_kv, heads_per_kv + 2, head_dim]: group g is its query
+// heads, its key head, its value head (its _split_qkv_on_save). The parts are found by name in
+// any order; the head dimension comes from any one fact, and a missing or misfitting one is named.
+TEST(FusedQkv, RowsPerKeyValueHead) {
+  ModelInfo facts;
+  facts.head_dim = 2;
+  const std::vector<std::string> names = {"l.wk.weight", "l.wq.weight", "l.wv.weight"};
+  // 3 kv heads of 2 query heads, head_dim 2: q 12 rows, k = v = 6 rows, fused 24.
+  Result<FusedQkv> q = FusedQkvOf("l.wqkv.weight", 24, names, {6, 12, 6}, facts);
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->n_kv_heads, 3);
+  EXPECT_EQ(q->heads_per_kv, 2);
+  using Rows = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(q->FusedRowsOf(1), (Rows{{0, 4}, {8, 4}, {16, 4}}));  // wq
+  EXPECT_EQ(q->FusedRowsOf(0), (Rows{{4, 2}, {12, 2}, {20, 2}}));  // wk
+  EXPECT_EQ(q->FusedRowsOf(2), (Rows{{6, 2}, {14, 2}, {22, 2}}));  // wv
+  ModelInfo groups;
+  groups.num_query_groups = 3;
+  EXPECT_EQ(FusedQkvOf("l.wqkv.weight", 24, names, {6, 12, 6}, groups)->head_dim, 2);
+  ModelInfo heads;
+  heads.num_attention_heads = 6;
+  EXPECT_EQ(FusedQkvOf("l.wqkv.weight", 24, names, {6, 12, 6}, heads)->head_dim, 2);
+
+  Result<FusedQkv> none = FusedQkvOf("l.wqkv.weight", 24, names, {6, 12, 6}, {});
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("'l.wqkv.weight'"), std::string::npos);
+  EXPECT_NE(none.status().message().find("head_dim"), std::string::npos);
+  heads.head_dim = 3;
+  EXPECT_FALSE(FusedQkvOf("l.wqkv.weight", 24, names, {6, 12, 6}, heads).ok());  // 3 vs 6 heads' 2
+  EXPECT_FALSE(FusedQkvOf("l.wqkv.weight", 24, {"l.wa.weight", "l.wq.weight", "l.wv.weight"}, {6, 12, 6}, facts).ok());
+  EXPECT_FALSE(FusedQkvOf("l.wqkv.weight", 22, names, {6, 12, 6}, facts).ok());
+  EXPECT_FALSE(FusedQkvOf("l.wqkv.weight", 12, {"l.wq.weight", "l.wk.weight"}, {6, 6}, facts).ok());
 }
 
 // ---------------------------------------------------------------- the regex engine (RE2)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -328,6 +329,82 @@ TEST(MakeTargetInput, FusedOptimizerStateOfSplitWeights) {
   // weights take none.
   EXPECT_EQ(optim_keys, (std::vector<std::string>{"state.0.exp_avg", "state.0.exp_avg_sq", "state.3.exp_avg",
                                                   "state.3.exp_avg_sq"}));
+}
+
+
+// The same in grouped-query form (2 key-value heads of 2 query heads, head_dim 1): with the head
+// dimension given, atomic/ serves the fused moments under the split names, rows picked per
+// key-value head as torchtitan's _split_qkv_on_save picks them ([q q k v] per group), and no
+// atomic/<wqkv>; without it, each side keeps its own names and the note names the missing fact.
+TEST(BuildAtomicViews, FusedMomentsSplitPerKeyValueHead) {
+  Source s;
+  s.Tensor("attn.qkv.wq.weight", 4, 1.0f, {4, 1});
+  s.Tensor("attn.qkv.wk.weight", 2, 5.0f, {2, 1});
+  s.Tensor("attn.qkv.wv.weight", 2, 7.0f, {2, 1});
+  s.Tensor("optimizer.state.attn.qkv.wqkv.weight.exp_avg", 8, 10.0f, {8, 1});
+  s.Tensor("optimizer.state.attn.qkv.wqkv.weight.exp_avg_sq", 8, 20.0f, {8, 1});
+  s.Blob("optimizer.state.attn.qkv.wqkv.weight.step", SaveValue::Int(3));
+  s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
+  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+  files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
+  auto mapping = MapKeys(s.ckpt, {});
+  ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
+
+  auto listing = [&](const layout::ModelInfo& facts) {
+    PatternOptions o;
+    o.model_facts = facts;
+    auto views = BuildAtomicViews(s.ckpt, *mapping, files, o);
+    EXPECT_TRUE(views.ok()) << views.error().ToString();
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& v : views.value()) {
+      auto f = format::TorchFile::Open(v.source);
+      EXPECT_TRUE(f.ok()) << f.error().ToString();
+      std::vector<float> values;
+      for (const auto& t : f->tensors()) {
+        if (t.key != "param") continue;
+        values.resize(t.n_elems);
+        std::vector<std::byte> raw(t.n_bytes);
+        EXPECT_TRUE(v.source->ReadAt(t.data_offset, raw).ok());
+        std::memcpy(values.data(), raw.data(), raw.size());
+      }
+      out[v.dir + "/" + v.file] = values;
+    }
+    return out;
+  };
+
+  const auto bare = listing({});
+  EXPECT_EQ(bare.count("attn.qkv.wqkv.weight/exp_avg.pt"), 1u);
+  EXPECT_EQ(bare.count("attn.qkv.wq.weight/exp_avg.pt"), 0u);
+  auto in = MakeTargetInput(s.ckpt, *mapping, files, nullptr);
+  ASSERT_TRUE(in.ok());
+  ASSERT_EQ((*in)->fused.size(), 1u);
+  EXPECT_NE((*in)->fused[0].note.find("head_dim"), std::string::npos) << (*in)->fused[0].note;
+
+  layout::ModelInfo facts;
+  facts.head_dim = 1;
+  const auto split = listing(facts);
+  EXPECT_EQ(split.count("attn.qkv.wqkv.weight/exp_avg.pt"), 0u);
+  EXPECT_EQ(split.at("attn.qkv.wq.weight/fp32.pt"), (std::vector<float>{1, 2, 3, 4}));
+  EXPECT_EQ(split.at("attn.qkv.wq.weight/exp_avg.pt"), (std::vector<float>{10, 11, 14, 15}));
+  EXPECT_EQ(split.at("attn.qkv.wk.weight/exp_avg.pt"), (std::vector<float>{12, 16}));
+  EXPECT_EQ(split.at("attn.qkv.wv.weight/exp_avg_sq.pt"), (std::vector<float>{23, 27}));
+  EXPECT_EQ(split.count("attn.qkv.wv.weight/step.pt"), 1u);
+  PatternOptions o;
+  o.model_facts = facts;
+  ApplyPatterns(**in, o, std::nullopt);
+  EXPECT_NE((*in)->fused[0].note.find("2 key-value heads of 2 query heads, head_dim 1"), std::string::npos)
+      << (*in)->fused[0].note;
+
+  // The same from the heads alone; facts that disagree are named, and nothing is split.
+  layout::ModelInfo heads;
+  heads.num_attention_heads = 4;
+  EXPECT_EQ(listing(heads), split);
+  layout::ModelInfo wrong = heads;
+  wrong.head_dim = 2;
+  EXPECT_EQ(listing(wrong).count("attn.qkv.wqkv.weight/exp_avg.pt"), 1u);
+  o.model_facts = wrong;
+  ApplyPatterns(**in, o, std::nullopt);
+  EXPECT_NE((*in)->fused[0].note.find("head_dim 2"), std::string::npos) << (*in)->fused[0].note;
 }
 
 }  // namespace
