@@ -45,8 +45,10 @@ namespace ucpfs::fs {
 class Materializer {
  public:
   // Errors: kInvalidArgument (max_bytes 0; DIR a symlink, not a directory, or owned by another
-  // user), kIo naming DIR.
-  static Result<std::unique_ptr<Materializer>> Make(const std::string& dir, uint64_t max_bytes);
+  // user), kIo naming DIR. `read_ahead_bytes`: how far ahead of a build's reads the source is
+  // announced (ByteSource::Prefetch, as --prefetch does for reads through the mount; 0: not).
+  static Result<std::unique_ptr<Materializer>> Make(const std::string& dir, uint64_t max_bytes,
+                                                    uint64_t read_ahead_bytes = 0);
   ~Materializer();
 
   // A read-only descriptor (the caller closes it) of the file holding `source`'s bytes, the view
@@ -66,7 +68,7 @@ class Materializer {
     bool ready = false;     // built; false while being built
     std::list<const void*>::iterator lru;
   };
-  Materializer(int dir_fd, std::string dir, uint64_t max_bytes);
+  Materializer(int dir_fd, std::string dir, uint64_t max_bytes, uint64_t read_ahead_bytes);
   // Computes `source` into a new file; returns its name. No lock held.
   Result<std::string> Build(const ByteSource& source, uint64_t id);
   // Unlinks least recently used ready entries until `n_bytes` more fit. mu_ held.
@@ -76,6 +78,7 @@ class Materializer {
   const int dir_fd_;
   const std::string dir_;
   const uint64_t max_bytes_;
+  const uint64_t read_ahead_bytes_;
   mutable std::mutex mu_;
   std::condition_variable built_;
   std::map<const void*, Entry> entries_;  // guarded by mu_

@@ -249,7 +249,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     // Checked by RunMount before the daemon started: a size that parses, a directory outside MNT.
     auto max_bytes = io::ParseByteSize(args.materialize_size);
     if (!max_bytes.ok()) return report("materialize", max_bytes.error());
-    auto materializer = fs::Materializer::Make(args.materialize_dir, *max_bytes);
+    auto materializer = fs::Materializer::Make(args.materialize_dir, *max_bytes, read_ahead->prefetch_n_bytes);
     if (!materializer.ok()) return report("materialize", materializer.error());
     mo.materialize = std::shared_ptr<fs::Materializer>(std::move(*materializer));
   }

@@ -1091,34 +1091,37 @@ void PrefetchTensorBytes(const TensorLayout& layout, DType dst_dtype,
   if (elem_lo >= elem_hi) return;
   auto ops = PlanRead(layout, dst_dtype, elem_lo, elem_hi);
   if (!ops.ok()) return;
-  // Coalesce runs of one file that lie close together (strided or gathered rows) into one hint.
+  // Coalesce runs of one file that lie close together (strided or gathered rows) into one hint,
+  // one pending run per file: a tensor split by columns alternates files every row (a run of
+  // file 0, then of file 1, ...), and a run broken at each change of file gave one hint per row
+  // (thousands of fadvise calls and prefetch ranges per window, most dropped).
   constexpr uint64_t kGapBytes = 1u << 20;
-  uint32_t file = kZeroFileId;
-  uint64_t lo = 0, hi = 0;
-  auto flush = [&] {
-    if (file != kZeroFileId && file < files.size() && hi > lo) files[file]->Prefetch(lo, hi - lo);
+  struct Pending {
+    uint64_t lo = 0, hi = 0;  // hi == 0: none
+  };
+  std::vector<Pending> pending(files.size());
+  auto add = [&](uint32_t file, uint64_t a, uint64_t b) {
+    if (file >= files.size() || b <= a) return;
+    Pending& run = pending[file];
+    if (run.hi != 0 && a >= run.lo && a <= run.hi + kGapBytes) {
+      run.hi = std::max(run.hi, b);
+      return;
+    }
+    if (run.hi != 0) files[file]->Prefetch(run.lo, run.hi - run.lo);
+    run = Pending{a, b};
   };
   for (const CopyOp& op : *ops) {
     if (op.file_id == kZeroFileId || op.n_elems == 0) continue;
     const uint64_t src_isz = ItemSize(op.src_dtype);
     const uint64_t stride = static_cast<uint64_t>(std::max<int64_t>(1, op.src_elem_stride));
     for (const MeanPart& part : op.mean_with) {  // the other copies of an averaged run
-      if (part.file_id < files.size()) {
-        files[part.file_id]->Prefetch(part.byte_offset, ((op.n_elems - 1) * stride + 1) * ItemSize(part.dtype));
-      }
+      add(part.file_id, part.byte_offset, part.byte_offset + ((op.n_elems - 1) * stride + 1) * ItemSize(part.dtype));
     }
-    const uint64_t extent = ((op.n_elems - 1) * stride + 1) * src_isz;
-    const uint64_t a = op.src_byte_offset, b = op.src_byte_offset + extent;
-    if (op.file_id == file && a <= hi + kGapBytes && a >= lo) {
-      hi = std::max(hi, b);
-      continue;
-    }
-    flush();
-    file = op.file_id;
-    lo = a;
-    hi = b;
+    add(op.file_id, op.src_byte_offset, op.src_byte_offset + ((op.n_elems - 1) * stride + 1) * src_isz);
   }
-  flush();
+  for (size_t f = 0; f < pending.size(); ++f) {
+    if (pending[f].hi != 0) files[f]->Prefetch(pending[f].lo, pending[f].hi - pending[f].lo);
+  }
 }
 
 Status DescribeTensorReads(const TensorLayout& layout, DType dst_dtype,

@@ -8,12 +8,16 @@ The checkpoint and its on-disk views are torch_load_bench.py's (gen_bench_dcp.py
 variant: a fresh mount, every rank file loaded once (the warm-up: for --materialize this is the
 first open that computes the copies), then --rounds rounds, each loading every rank file from
 disk and then through the mount, plain and mmap=True, in this python (touching every tensor: a
-sum); figures are medians, ratios disk time / mount time (1.0 = parity). --baseline-ucpfs adds
+sum); figures are medians, ratios disk time / mount time (1.0 = parity). Before that, --cold-rounds
+rounds of a cold load (the source, the on-disk files and, with --materialize, the cache evicted
+or emptied; a fresh mount each time, so its first open computes the copies) on both sides. The
+daemon's peak RSS (VmHWM) is read before each unmount. --baseline-ucpfs adds
 the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
 `tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`).
 
 Usage: .venv/bin/python tests/bench/fast_paths_bench.py [--ucpfs build/cli/ucpfs]
-       [--baseline-ucpfs build314/cli/ucpfs] [--workdir DIR] [--rounds 7] [--layout tp2_pp1_dp1]
+       [--baseline-ucpfs build314/cli/ucpfs] [--workdir DIR] [--rounds 7] [--cold-rounds 3]
+       [--layout tp2_pp1_dp1] [--tensors 28] [--gen-python .venv/bin/python]
 """
 import argparse
 import json
@@ -28,6 +32,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+from atomic_read_bench import evict, files_under  # noqa: E402
+from bench_common import daemon_figures, daemon_pid  # noqa: E402
 
 
 def load_seconds(paths, mmap):
@@ -48,13 +55,17 @@ def main():
     ap.add_argument("--baseline-ucpfs")
     ap.add_argument("--workdir", default="/tmp/ucpfs-fastpaths-bench")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--cold-rounds", type=int, default=3)
     ap.add_argument("--layout", default="tp2_pp1_dp1")
     ap.add_argument("--tensors", type=int, default=28)
+    ap.add_argument("--gen-python", default="/usr/bin/python3",
+                    help="the python that saves the checkpoint: torch 1.13's save_state_dict, or torch >= 2.2's "
+                         "dcp.save (e.g. .venv/bin/python)")
     a = ap.parse_args()
     src, disk, mnt, cache = (os.path.join(a.workdir, x) for x in ("ckpt", "disk", "mnt", "cache"))
     ucpfs = os.path.abspath(a.ucpfs)
     if not os.path.exists(os.path.join(src, ".metadata")):
-        subprocess.run(["/usr/bin/python3", os.path.join(HERE, "gen_bench_dcp.py"), src, "--tensors", str(a.tensors)],
+        subprocess.run([a.gen_python, os.path.join(HERE, "gen_bench_dcp.py"), src, "--tensors", str(a.tensors)],
                        check=True)
     if not os.path.exists(os.path.join(disk, "target", a.layout)):
         shutil.rmtree(disk, ignore_errors=True)
@@ -71,11 +82,38 @@ def main():
         variants.append(("baseline build", os.path.abspath(a.baseline_ucpfs), []))
     rows = []
     os.makedirs(mnt, exist_ok=True)
+    on_disk = [os.path.join(disk, r) for r in rel]
+    on_mnt = [os.path.join(mnt, r) for r in rel]
+    sources = files_under(src)
+
+    def mount(binary, extra):
+        argv = [binary, "mount", src, mnt, "--read-only", f"--layout={a.layout}", *extra]
+        subprocess.run(argv, check=True)
+        return daemon_pid(argv)
+
+    def report(row):
+        rows.append(row)
+        print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x", flush=True)
+
     for name, binary, extra in variants:
-        subprocess.run([binary, "mount", src, mnt, "--read-only", f"--layout={a.layout}", *extra], check=True)
+        peak_mib = 0.0
+        for mmap in (False, True):
+            d, m = [], []
+            for _ in range(a.cold_rounds):
+                evict(sources + on_disk)
+                d.append(load_seconds(on_disk, mmap))
+                evict(sources)
+                pid = mount(binary, extra)  # a fresh daemon empties the --materialize cache
+                try:
+                    m.append(load_seconds(on_mnt, mmap))
+                    peak_mib = max(peak_mib, daemon_figures(pid)[0])
+                finally:
+                    subprocess.run([binary, "umount", mnt], check=False)
+            if d:
+                report((f"{name}: cold torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
+                        statistics.median(m)))
+        pid = mount(binary, extra)
         try:
-            on_disk = [os.path.join(disk, r) for r in rel]
-            on_mnt = [os.path.join(mnt, r) for r in rel]
             for mmap in (False, True):
                 load_seconds(on_disk, mmap)
                 load_seconds(on_mnt, mmap)  # warm-up (computes the copies with --materialize)
@@ -83,16 +121,17 @@ def main():
                 for _ in range(a.rounds):
                     d.append(load_seconds(on_disk, mmap))
                     m.append(load_seconds(on_mnt, mmap))
-                row = (f"{name}: warm torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
-                       statistics.median(m))
-                rows.append(row)
-                print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x",
-                      flush=True)
+                report((f"{name}: warm torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
+                        statistics.median(m)))
             with open(os.path.join(mnt, ".ucpfs", "stats.json")) as f:
                 kernel = json.load(f).get("kernel", {})
             print(f"  {name}: kernel {json.dumps(kernel)}", flush=True)
+            peak_mib = max(peak_mib, daemon_figures(pid)[0])
         finally:
             subprocess.run([binary, "umount", mnt], check=False)
+        print(f"  {name}: daemon peak RSS {peak_mib:.1f} MiB", flush=True)
+        rows.append((f"{name}: daemon peak RSS MiB", peak_mib, peak_mib))
+    print(f"load average {os.getloadavg()}", flush=True)
     print(json.dumps({"rows": rows}))
 
 

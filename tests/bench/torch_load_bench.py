@@ -108,6 +108,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--layout", default="tp2_pp1_dp1")
     ap.add_argument("--tensors", type=int, default=28)
+    ap.add_argument("--gen-python", default="/usr/bin/python3",
+                    help="the python that saves the checkpoint: torch 1.13's save_state_dict, or torch >= 2.2's "
+                         "dcp.save (e.g. .venv/bin/python)")
     ap.add_argument("--python", action="append")
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument("--only", action="append", choices=["target", "mmap", "atomic", "cat", "concurrent", "first"],
@@ -121,7 +124,7 @@ def main():
     src, disk, mnt = (os.path.join(work, x) for x in ("ckpt", "disk", "mnt"))
     if not os.path.exists(os.path.join(src, ".metadata")):
         print(f"generating the benchmark checkpoint in {src} ...", flush=True)
-        subprocess.run(["/usr/bin/python3", os.path.join(HERE, "gen_bench_dcp.py"), src, "--tensors",
+        subprocess.run([a.gen_python, os.path.join(HERE, "gen_bench_dcp.py"), src, "--tensors",
                         str(a.tensors)], check=True)
     subprocess.run([ucpfs, "index", src], check=True, stdout=subprocess.DEVNULL)
     wide = f"tp{a.concurrent}_pp1_dp1"

@@ -319,6 +319,88 @@ TEST_F(FilePieces, BatchThroughFaultEngine) {
   EXPECT_EQ((*plain)->ReadPieces(past).code(), StatusCode::kOutOfRange);
 }
 
+// Pieces that follow each other in the file are read as one op (a column-split tensor's rows),
+// scattered into their places, or straight into memory they tile; an error inside such a run
+// still names the piece and offset, and a file that shrank is still kDataLoss.
+TEST_F(FilePieces, AdjacentPiecesReadAsOne) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 8);
+  const auto bytes = RandomBytes(rng, 1 << 20);
+  const std::string path = Write("cols.bin", bytes);
+  // Counts the read ops that reach the engine.
+  class Counting final : public io::IoEngine {
+   public:
+    Counting(std::unique_ptr<io::IoEngine> inner, std::shared_ptr<std::atomic<int>> n) : inner_(std::move(inner)), n_(std::move(n)) {}
+    std::string Name() const override { return "counting(" + inner_->Name() + ")"; }
+    Status Submit(std::span<const io::IoOp> ops) override {
+      *n_ += static_cast<int>(ops.size());
+      return inner_->Submit(ops);
+    }
+    Result<size_t> Reap(std::span<io::IoCompletion> out, bool wait) override { return inner_->Reap(out, wait); }
+    size_t InFlight() const override { return inner_->InFlight(); }
+    unsigned QueueDepth() const override { return inner_->QueueDepth(); }
+    Status RegisterBuffers(std::span<const iovec> r) override { return inner_->RegisterBuffers(r); }
+    Status RegisterBufferSlots(unsigned n) override { return inner_->RegisterBufferSlots(n); }
+    Status UpdateBuffer(unsigned i, const iovec& r) override { return inner_->UpdateBuffer(i, r); }
+
+   private:
+    std::unique_ptr<io::IoEngine> inner_;
+    std::shared_ptr<std::atomic<int>> n_;
+  };
+  auto n_ops = std::make_shared<std::atomic<int>>(0);
+  for (const bool faulty : {false, true}) {
+    std::vector<io::Fault> faults;
+    if (faulty) {  // shorts and EINTR inside the merged runs: resumed, the bytes are right
+      for (int i = 0; i < 8; ++i) {
+        faults.push_back({.kind = io::OpKind::kRead, .byte_offset = rng() % 200000,
+                          .effect = i % 2 ? io::Fault::Effect::kShort : io::Fault::Effect::kEintr, .times = -1});
+      }
+    }
+    auto plan = std::make_shared<io::FaultPlan>(faults);
+    auto file = FileSource::Open(path, [plan, n_ops] {
+      return std::make_unique<Counting>(io::MakeFaultEngine(io::MakePreadEngine(), plan), n_ops);
+    });
+    ASSERT_TRUE(file.ok());
+    // 24 rows of 8000 bytes adjacent in the file, every other slot of `out` (two files' columns
+    // interleave in a view row); then 5 pieces adjacent in the file and in memory; then a lone one.
+    std::vector<std::byte> out(64 * 8000, std::byte{0x55});
+    std::vector<ReadPiece> pieces;
+    for (int r = 0; r < 24; ++r) pieces.push_back({static_cast<uint64_t>(r) * 8000, std::span(out).subspan(2 * r * 8000, 8000)});
+    for (int r = 0; r < 5; ++r) {
+      pieces.push_back({500000 + static_cast<uint64_t>(r) * 3000, std::span(out).subspan(48 * 8000 + r * 3000, 3000)});
+    }
+    pieces.push_back({900000, std::span(out).subspan(60 * 8000, 100)});
+    n_ops->store(0);
+    ASSERT_TRUE((*file)->ReadPieces(pieces).ok());
+    EXPECT_EQ(n_ops->load(), 3) << "30 pieces in 3 runs of the file";
+    for (const auto& p : pieces) ASSERT_EQ(0, std::memcmp(p.out.data(), bytes.data() + p.byte_offset, p.out.size()));
+    for (int r = 0; r < 24; ++r) ASSERT_EQ(out[(2 * r + 1) * 8000], std::byte{0x55}) << "wrote outside a piece";
+  }
+  // EIO inside the 7th row of a merged run: the 7th piece is named, at the failing offset.
+  auto eio = std::make_shared<io::FaultPlan>(std::vector<io::Fault>{
+      {.kind = io::OpKind::kRead, .byte_offset = 6 * 8000 + 123, .effect = io::Fault::Effect::kError, .sys_errno = EIO, .times = -1}});
+  auto failing = FileSource::Open(path, [eio] { return io::MakeFaultEngine(io::MakePreadEngine(), eio); });
+  ASSERT_TRUE(failing.ok());
+  std::vector<std::byte> out(24 * 16000);
+  std::vector<ReadPiece> rows;
+  for (int r = 0; r < 24; ++r) rows.push_back({static_cast<uint64_t>(r) * 8000, std::span(out).subspan(2 * r * 8000, 8000)});
+  size_t failed = 99;
+  Status s = (*failing)->ReadPieces(rows, &failed);
+  EXPECT_EQ(s.code(), StatusCode::kIo);
+  EXPECT_EQ(s.sys_errno(), EIO);
+  EXPECT_EQ(failed, 6u);
+  EXPECT_NE(s.message().find(path + ": pread at offset 48123"), std::string::npos) << s.message();
+  // The file shrinks under an open source: the merged read is short, the last piece past the new
+  // end is the one reported, as kDataLoss.
+  auto plain = FileSource::Open(path);
+  ASSERT_TRUE(plain.ok());
+  ASSERT_EQ(::truncate(path.c_str(), 20 * 8000 + 10), 0);
+  failed = 99;
+  s = (*plain)->ReadPieces(rows, &failed);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_EQ(failed, 20u);
+  EXPECT_NE(s.message().find("file shrank: short read at offset 160010"), std::string::npos) << s.message();
+}
+
 TEST_F(FilePieces, LazyBatchCatchesAnEditInPlace) {
   std::mt19937_64 rng(ucpfs::testing::TestSeed() + 6);
   const auto bytes = RandomBytes(rng, 65536);
