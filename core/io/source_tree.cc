@@ -108,6 +108,10 @@ Result<std::vector<TreeEntry>> LocalTree::List(std::string_view rel_dir) const {
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name == "." || name == "..") continue;
+    if (out.size() == kMaxTreeListEntries) {
+      ::closedir(d);
+      return ResourceExhaustedError(path + ": more than " + std::to_string(kMaxTreeListEntries) + " names");
+    }
     struct stat st;
     if (::fstatat(::dirfd(d), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // vanished
     out.push_back(EntryOf(name, st));

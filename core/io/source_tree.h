@@ -14,6 +14,7 @@
 // Thread-safe (every call may come from any FUSE worker thread).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -55,6 +56,10 @@ struct OpenedFile {
   FileIdentity identity;
 };
 
+// The most names one List returns: a checkpoint directory is untrusted, and a listing's memory
+// must stay bounded (a million names is far past any real checkpoint's).
+inline constexpr size_t kMaxTreeListEntries = size_t{1} << 20;
+
 // Whether `rel` may be asked of a tree (see above): "" or a clean relative path.
 bool SafeTreePath(std::string_view rel);
 
@@ -71,7 +76,8 @@ class SourceTree {
   // The names directly under `rel_dir`, sorted by name, without "." and "..", never following a
   // symlink (a symlink is listed as kSymlink). A name that vanishes while listing is left out.
   // Errors: kInvalidArgument (a bad path); kNotFound when `rel_dir` is missing or not a
-  // directory (a symlink to one included); kIo (sys_errno set). Messages name the directory.
+  // directory (a symlink to one included); kResourceExhausted past kMaxTreeListEntries names;
+  // kIo (sys_errno set). Messages name the directory.
   virtual Result<std::vector<TreeEntry>> List(std::string_view rel_dir) const = 0;
 
   // lstat of `rel` ("" is the root). Errors: kInvalidArgument (a bad path); kNotFound; kIo.
