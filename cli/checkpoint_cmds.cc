@@ -51,15 +51,16 @@ namespace {
 
 // The snapshot options of SRC (rules loaded).
 Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress) {
-  struct stat st;
-  if (::stat(args.src.c_str(), &st) != 0) {
+  Result<TreeEntry> st = LocalTree(args.src).Stat("");
+  if (!st.ok()) {
     return NotFoundError(args.src + ": no such directory");
   }
-  if (!S_ISDIR(st.st_mode)) {
+  if (st->kind != EntryKind::kDirectory) {
     return InvalidArgumentError(args.src + ": not a directory (for a torch.save file use `ucpfs inspect FILE`)");
   }
   index::SnapshotOptions o;
   o.source_dir = AbsPath(args.src);
+  o.tree = LocalTree::Make(o.source_dir);
   o.index_dir = args.index_dir;
   o.read_only_index = args.read_only_index;
   if (progress) o.progress = IndexingProgress(args.quiet);

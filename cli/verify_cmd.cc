@@ -70,23 +70,23 @@ std::optional<index::Checkpoint> CheckIndex(const std::string& index_dir, Report
     return std::nullopt;
   }
   const size_t before = r.problems.size();
+  const LocalTree source(r.src);
   for (const auto& f : loaded->files) {
-    const std::string path = r.src + "/" + f.rel_path;
-    struct stat st;
-    if (!index::SafeRelativePath(f.rel_path) || ::lstat(path.c_str(), &st) != 0) {
+    Result<TreeEntry> st = index::SafeRelativePath(f.rel_path) ? source.Stat(f.rel_path) : Result<TreeEntry>(NotFoundError(f.rel_path));
+    if (!st.ok()) {
       r.Add(f.rel_path, "named by the index but missing");
       continue;
     }
-    if (!S_ISREG(st.st_mode)) {
+    if (st->kind != EntryKind::kFile) {
       r.Add(f.rel_path, "named by the index but not a regular file");
       continue;
     }
     // The comparison the mount makes before serving a byte (dev not compared: a shared index).
-    const std::string changed = f.Identity().Differences(FileIdentity::Of(st));
+    const std::string changed = f.Identity().Differences(st->identity);
     if (!changed.empty()) r.Add(f.rel_path, "changed since it was indexed: " + changed + " (the index is stale)");
   }
   if (r.problems.size() == before) {
-    auto fp = index::FingerprintSource(r.src);
+    auto fp = index::FingerprintSource(source);
     if (fp.ok() && *fp != stored_fp) {
       r.Add(r.src, "changed since it was indexed (a file added or removed, or a metadata file rewritten): "
                    "the index is stale");
@@ -285,8 +285,7 @@ int RunVerify(const VerifyArgs& args) {
     std::cerr << "ucpfs verify: " << selection.error().ToString() << '\n';
     return 2;
   }
-  struct stat st;
-  if (::stat(args.source.src.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+  if (!LocalTree(args.source.src).IsDirectory("")) {
     std::cerr << "ucpfs verify: " << args.source.src << ": not a checkpoint directory\n";
     return 1;
   }
@@ -294,6 +293,7 @@ int RunVerify(const VerifyArgs& args) {
   r.src = AbsPath(args.source.src);
   index::SnapshotOptions so;
   so.source_dir = r.src;
+  so.tree = LocalTree::Make(r.src);
   if (!args.source.rules.empty()) {
     auto rules = index::LoadRules(args.source.rules);
     if (!rules.ok()) {
@@ -314,7 +314,7 @@ int RunVerify(const VerifyArgs& args) {
   index::OpenedIndex opened;
   opened.index_dir = index_dir;
   auto scanned = index::ScanCheckpoint(
-      r.src, ScanProgressOf(std::make_shared<Progress>(
+      *so.tree, ScanProgressOf(std::make_shared<Progress>(
                  StderrProgressOptions("ucpfs verify: scanning", ProgressUnit::kItems, args.source.quiet))));
   if (scanned.ok()) {
     opened.checkpoint = std::move(scanned).value();

@@ -462,23 +462,20 @@ void HashU64(XXH3_state_t* state, uint64_t v) {
   XXH3_64bits_update(state, b, sizeof(b));
 }
 
-Status HashFileBytes(XXH3_state_t* state, const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return IoError("fingerprint: opening " + path + ": " + std::strerror(errno), errno);
-  std::vector<char> buf(1 << 20);
-  Status status;
-  for (;;) {
-    ssize_t n = ::read(fd, buf.data(), buf.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      status = IoError("fingerprint: reading " + path + ": " + std::strerror(errno), errno);
-      break;
-    }
-    if (n == 0) break;
-    XXH3_64bits_update(state, buf.data(), static_cast<size_t>(n));
+// The bytes of the source file `rel`, as they are when it is opened.
+Status HashFileBytes(XXH3_state_t* state, const SourceTree& tree, const std::string& rel) {
+  Result<OpenedFile> file = tree.Open(rel);
+  if (!file.ok()) return Status(file.error().code(), "fingerprint: opening " + file.error().message(), file.error().sys_errno());
+  const ByteSource& src = *file->bytes;
+  std::vector<std::byte> buf(1 << 20);
+  for (uint64_t at = 0; at < src.Size();) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), src.Size() - at));
+    Status read = src.ReadAt(at, std::span(buf.data(), n));
+    if (!read.ok()) return Status(read.code(), "fingerprint: reading " + read.message(), read.sys_errno());
+    XXH3_64bits_update(state, buf.data(), n);
+    at += n;
   }
-  ::close(fd);
-  return status;
+  return Status::Ok();
 }
 
 
@@ -519,18 +516,17 @@ const char* IndexStateName(IndexState state) {
   return "unknown";
 }
 
-Result<uint64_t> FingerprintSource(const std::string& dir) {
-  struct stat root_st;
-  if (::stat(dir.c_str(), &root_st) != 0) {
-    int err = errno;
-    if (err == ENOENT || err == ENOTDIR) return NotFoundError("fingerprint: no directory " + dir);
-    return IoError("fingerprint: " + dir + ": " + std::strerror(err), err);
+Result<uint64_t> FingerprintSource(const SourceTree& tree) {
+  const std::string& dir = tree.Root();
+  Result<TreeEntry> root = tree.Stat("");
+  if (!root.ok()) {
+    if (root.error().code() == StatusCode::kNotFound) return NotFoundError("fingerprint: no directory " + dir);
+    return IoError("fingerprint: " + root.error().message(), root.error().sys_errno());
   }
-  if (!S_ISDIR(root_st.st_mode)) return NotFoundError("fingerprint: " + dir + " is not a directory");
+  if (root->kind != EntryKind::kDirectory) return NotFoundError("fingerprint: " + dir + " is not a directory");
 
   struct Entry {
     std::string rel_path;
-    std::string path;
     uint64_t n_bytes;
     int64_t mtime_ns;
     int64_t ctime_ns;
@@ -538,32 +534,28 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
     bool is_metadata;
   };
   std::vector<Entry> entries;
-  std::error_code ec;
-  fs::recursive_directory_iterator it(dir, ec);
-  if (ec) return IoError("fingerprint: listing " + dir + ": " + ec.message(), ec.value());
-  for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (ec) break;
-    const fs::path& p = it->path();
-    std::string name = p.filename().string();
-    if (name == kIndexDirName) {
-      it.disable_recursion_pending();
-      continue;
+  // Depth first through real directories: List never follows a symlink (the scan refuses one by
+  // name), and FIFOs, sockets and devices are never opened.
+  std::vector<std::string> pending = {""};
+  while (!pending.empty()) {
+    const std::string rel_dir = std::move(pending.back());
+    pending.pop_back();
+    Result<std::vector<TreeEntry>> listed = tree.List(rel_dir);
+    if (!listed.ok()) {
+      if (!rel_dir.empty() && listed.error().code() == StatusCode::kNotFound) continue;  // vanished while walking
+      return IoError("fingerprint: listing " + listed.error().message(), listed.error().sys_errno());
     }
-    // lstat: a symlink is not followed (the scan refuses it by name); FIFOs, sockets and
-    // devices are never opened.
-    struct stat st;
-    if (::lstat(p.c_str(), &st) != 0) {
-      if (errno == ENOENT) continue;  // vanished while walking
-      return IoError("fingerprint: stat " + p.string() + ": " + std::strerror(errno), errno);
+    for (TreeEntry& e : *listed) {
+      if (e.name == kIndexDirName) continue;
+      std::string rel = rel_dir.empty() ? e.name : rel_dir + "/" + e.name;
+      if (e.kind == EntryKind::kDirectory) {
+        pending.push_back(std::move(rel));
+      } else if (e.kind == EntryKind::kFile) {
+        entries.push_back(Entry{std::move(rel), e.identity.n_bytes, e.identity.mtime_ns, e.identity.ctime_ns,
+                                e.identity.ino, IsMetadataFile(e.name)});
+      }
     }
-    if (!S_ISREG(st.st_mode)) continue;
-    entries.push_back(Entry{p.lexically_relative(dir).string(), p.string(),
-                            static_cast<uint64_t>(st.st_size),
-                            static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
-                            static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec,
-                            static_cast<uint64_t>(st.st_ino), IsMetadataFile(name)});
   }
-  if (ec) return IoError("fingerprint: listing " + dir + ": " + ec.message(), ec.value());
   std::sort(entries.begin(), entries.end(),
             [](const Entry& a, const Entry& b) { return a.rel_path < b.rel_path; });
 
@@ -580,7 +572,7 @@ Result<uint64_t> FingerprintSource(const std::string& dir) {
     // restored) is re-indexed, so a remount clears the EIO its changed bytes gave.
     HashU64(state.get(), static_cast<uint64_t>(e.ctime_ns));
     HashU64(state.get(), e.ino);
-    if (e.is_metadata) UCPFS_RETURN_IF_ERROR(HashFileBytes(state.get(), e.path));
+    if (e.is_metadata) UCPFS_RETURN_IF_ERROR(HashFileBytes(state.get(), tree, e.rel_path));
   }
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
 }
@@ -946,21 +938,23 @@ Result<Checkpoint> LoadCheckpoint(const std::string& index_dir, bool /*read_only
   return LoadFrom(*dir, fingerprint);
 }
 
-Status ValidateIndexRecords(const std::string& src_dir, const std::string& index_dir, const Checkpoint& c) {
+Status ValidateIndexRecords(const SourceTree& tree, const std::string& index_dir, const Checkpoint& c) {
+  const std::string& src_dir = tree.Root();
   auto bad = [&](const std::string& what) {
     return Status(StatusCode::kDataLoss, "index " + index_dir + " does not match " + src_dir + ": " + what);
   };
   std::vector<uint64_t> sizes;
   sizes.reserve(c.files.size());
   for (const SourceFile& f : c.files) {
-    if (!SafeRelativePath(f.rel_path)) return bad("file path '" + f.rel_path + "' leaves the checkpoint");
-    struct stat st;
-    const std::string path = src_dir + "/" + f.rel_path;
-    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (!SafeRelativePath(f.rel_path) || !SafeTreePath(f.rel_path)) {
+      return bad("file path '" + f.rel_path + "' leaves the checkpoint");
+    }
+    Result<TreeEntry> st = tree.Stat(f.rel_path);
+    if (!st.ok() || st->kind != EntryKind::kFile) {
       return bad("'" + f.rel_path + "' is not a regular file of the checkpoint");
     }
-    if (static_cast<uint64_t>(st.st_size) != f.n_bytes) {
-      return bad("'" + f.rel_path + "' has " + std::to_string(st.st_size) + " bytes, the index says " +
+    if (st->identity.n_bytes != f.n_bytes) {
+      return bad("'" + f.rel_path + "' has " + std::to_string(st->identity.n_bytes) + " bytes, the index says " +
                  std::to_string(f.n_bytes));
     }
     sizes.push_back(f.n_bytes);
@@ -1012,7 +1006,8 @@ Status ValidateIndexRecords(const std::string& src_dir, const std::string& index
 
 Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
-  UCPFS_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintSource(src_dir));
+  const std::shared_ptr<const SourceTree> tree = options.tree ? options.tree : LocalTree::Make(src_dir);
+  UCPFS_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintSource(*tree));
 
   OpenedIndex out;
   out.fingerprint = fingerprint;
@@ -1037,7 +1032,7 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
     }
     // A prebuilt index is untrusted like the rest of the checkpoint: every record is checked
     // against the real files before it is used.
-    Status valid = ValidateIndexRecords(src_dir, out.index_dir, loaded.value());
+    Status valid = ValidateIndexRecords(*tree, out.index_dir, loaded.value());
     if (!valid.ok()) return Status(StatusCode::kDataLoss, valid.message() + hint);
     out.checkpoint = std::move(loaded).value();
     out.state = IndexState::kReused;
@@ -1049,7 +1044,7 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
   bool crafted = false;  // records that do not match the real files: rebuilt, never served
   auto try_reuse = [&](Result<Checkpoint>& loaded, uint64_t stored) -> bool {
     if (!loaded.ok() || stored != fingerprint) return false;
-    crafted = !ValidateIndexRecords(src_dir, out.index_dir, loaded.value()).ok();
+    crafted = !ValidateIndexRecords(*tree, out.index_dir, loaded.value()).ok();
     if (crafted) return false;
     out.checkpoint = std::move(loaded).value();
     out.state = IndexState::kReused;
@@ -1091,7 +1086,7 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
 
   const CheckpointScanner& scanner = options.scanner;
   Result<Checkpoint> scanned = scanner ? scanner(src_dir, options.progress)
-                                       : ScanCheckpoint(src_dir, options.progress);
+                                       : ScanCheckpoint(*tree, options.progress);
   if (!scanned.ok()) return scanned.error();
   UCPFS_RETURN_IF_ERROR(CheckStorable(out.index_dir, scanned.value()));
   UCPFS_RETURN_IF_ERROR(StoreIn(dir, scanned.value(), fingerprint));

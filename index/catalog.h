@@ -46,9 +46,10 @@ inline constexpr uint32_t kCatalogSchemaVersion = 12;
 // followed or opened) and the bytes of its metadata files (`.metadata`, `__*.metadata`,
 // `metadata.json`). A file replaced or edited in place changes it, so the index is rebuilt.
 // Errors: kNotFound, kIo.
-Result<uint64_t> FingerprintSource(const std::string& dir);
+Result<uint64_t> FingerprintSource(const SourceTree& tree);
+inline Result<uint64_t> FingerprintSource(const std::string& dir) { return FingerprintSource(LocalTree(dir)); }
 
-// Produces the Checkpoint of a source directory (ScanCheckpoint's signature).
+// Produces the Checkpoint of a source directory given by its path (tests inject their own).
 using CheckpointScanner = std::function<Result<Checkpoint>(const std::string& dir,
                                                            const ScanProgress& progress)>;
 
@@ -57,6 +58,9 @@ struct IndexOptions {
   bool read_only = false;     // never write; fail if the index is missing or stale
   ScanProgress progress;      // forwarded to the scanner
   CheckpointScanner scanner;  // empty: ScanCheckpoint (the format registry); tests inject their own
+  // What the source is read through (fingerprint, record checks, scan); empty: a LocalTree over
+  // the source directory. The index directory is local either way.
+  std::shared_ptr<const SourceTree> tree;
 };
 
 enum class IndexState { kReused, kBuilt, kRebuiltChanged, kRebuiltCorrupt };
@@ -93,7 +97,10 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
 // a regular file of the recorded size, every byte item and every fragment (strides included)
 // lies inside its file, and every tensor's fragments cover it exactly once. `index_dir` only
 // names the index in messages. Errors: kDataLoss naming the first record that does not match.
-Status ValidateIndexRecords(const std::string& src_dir, const std::string& index_dir, const Checkpoint& c);
+Status ValidateIndexRecords(const SourceTree& tree, const std::string& index_dir, const Checkpoint& c);
+inline Status ValidateIndexRecords(const std::string& src_dir, const std::string& index_dir, const Checkpoint& c) {
+  return ValidateIndexRecords(LocalTree(src_dir), index_dir, c);
+}
 
 // Lower-level: write / read a checkpoint to / from an LMDB environment at `index_dir`.
 // Load errors: kNotFound (no index), kDataLoss (schema mismatch or undecodable records:

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "core/checked.h"
-#include "core/io/file_source.h"
 #include "core/slice/slice.h"
 
 namespace ucpfs::index {
@@ -27,19 +26,14 @@ std::string JoinInts(const std::vector<int64_t>& v) {
   return s + "]";
 }
 
-CheckpointBuilder::CheckpointBuilder(std::string dir) : dir_(std::move(dir)) {
-  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
-}
-
 Result<uint32_t> CheckpointBuilder::AddFile(const std::string& rel_path) {
   if (auto it = file_ids_.find(rel_path); it != file_ids_.end()) return it->second;
-  if (!SafeRelativePath(rel_path)) {
-    return CorruptError(dir_ + ": file path '" + rel_path + "' leaves the checkpoint directory");
+  if (!SafeRelativePath(rel_path) || !SafeTreePath(rel_path)) {
+    return CorruptError(dir() + ": file path '" + rel_path + "' leaves the checkpoint directory");
   }
-  const std::string path = dir_ + "/" + rel_path;
-  auto src = FileSource::Open(path);
+  auto src = tree_.Open(rel_path);
   if (!src.ok()) return src.status();
-  const FileIdentity& ident = (*src)->identity();  // fstat of the descriptor that is read
+  const FileIdentity& ident = src->identity;  // of the version opened
   SourceFile f;
   f.rel_path = rel_path;
   f.n_bytes = ident.n_bytes;
@@ -50,7 +44,8 @@ Result<uint32_t> CheckpointBuilder::AddFile(const std::string& rel_path) {
   const auto id = static_cast<uint32_t>(ckpt_.files.size());
   // Read through the scan's bounded descriptor cache (a checkpoint may have more files than
   // the open-file limit); the descriptor opened here closes now.
-  sources_.push_back(std::make_shared<LazyFileSource>(path, f.Identity(), nullptr, fd_cache_));
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const LazySource> lazy, tree_.OpenLazy(rel_path, f.Identity(), nullptr, fd_cache_));
+  sources_.push_back(std::move(lazy));
   ckpt_.files.push_back(std::move(f));
   file_ids_.emplace(rel_path, id);
   return id;

@@ -1,6 +1,6 @@
-// CheckpointBuilder: what every Scanner shares while it turns a source directory into a
-// Checkpoint: the file table (each file opened once, without following a symlink, its identity
-// recorded, then read through a bounded descriptor cache), torch.save files opened for their
+// CheckpointBuilder: what every Scanner shares while it turns a source directory (a SourceTree)
+// into a Checkpoint: the file table (each file opened once through the tree, without following a
+// symlink, its identity recorded, then read through a bounded descriptor cache), torch.save files opened for their
 // tensors, and the finishing of each tensor item (coverage exactly once; replicas, i.e. the same
 // box stored twice, must hold equal bytes and only the first is kept).
 //
@@ -18,6 +18,7 @@
 #include "core/byte_source.h"
 #include "core/format/torch_file.h"
 #include "core/io/lazy_file_source.h"
+#include "core/io/source_tree.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
 
@@ -25,14 +26,18 @@ namespace ucpfs::index {
 
 class CheckpointBuilder {
  public:
-  explicit CheckpointBuilder(std::string dir);
+  // `tree` must outlive the builder.
+  explicit CheckpointBuilder(const SourceTree& tree) : tree_(tree) {}
 
-  const std::string& dir() const { return dir_; }
+  // The tree's root, for messages.
+  const std::string& dir() const { return tree_.Root(); }
+  const SourceTree& tree() const { return tree_; }
   Checkpoint& checkpoint() { return ckpt_; }
 
-  // Registers (once) and opens `rel_path` (relative to dir(), checked by SafeRelativePath) and
-  // returns its file id. Errors: kCorrupt when the path leaves the directory; kNotFound when
-  // missing; kInvalidArgument for a symlink or a special file (FileSource::Open); kIo.
+  // Registers (once) and opens `rel_path` (relative to the tree, checked by SafeRelativePath and
+  // SafeTreePath) and returns its file id. Errors: kCorrupt when the path leaves the directory;
+  // kNotFound when missing; kInvalidArgument for a symlink or a special file (SourceTree::Open);
+  // kIo.
   Result<uint32_t> AddFile(const std::string& rel_path);
   const std::shared_ptr<const ByteSource>& source(uint32_t file_id) const { return sources_.at(file_id); }
   const std::vector<std::shared_ptr<const ByteSource>>& sources() const { return sources_; }
@@ -59,7 +64,7 @@ class CheckpointBuilder {
  private:
   Status DropReplicas(Item& item, const std::vector<std::pair<size_t, size_t>>& replicas);
 
-  std::string dir_;
+  const SourceTree& tree_;
   Checkpoint ckpt_;
   std::vector<std::shared_ptr<const ByteSource>> sources_;  // by file id
   std::shared_ptr<FdCache> fd_cache_ = std::make_shared<FdCache>(FdCache::DefaultCapacity());

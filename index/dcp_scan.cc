@@ -11,12 +11,9 @@
 // (a metadata file or a data file with its slice) and the item's fqn.
 #include "index/dcp_scan.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <charconv>
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -51,8 +48,6 @@ bool SafeRelativePath(const std::string& p) {
 
 namespace {
 
-namespace fs = std::filesystem;
-
 constexpr uint64_t kMaxMetadataBytes = 4ull << 30;
 
 
@@ -69,19 +64,17 @@ int64_t RankLocalMetadataRank(const std::string& name) {
   return rank;
 }
 
-bool IsRegularFile(const std::string& path) {
-  std::error_code ec;
-  return fs::is_regular_file(path, ec);
-}
+// "dir/name", or `name` when `dir` is the root ("").
+std::string Join(const std::string& dir, const std::string& name) { return dir.empty() ? name : dir + "/" + name; }
 
-// Rank-local metadata names sorted by rank.
-std::vector<std::string> RankLocalMetadataFiles(const std::string& dir) {
+// Rank-local metadata names of `dir` (relative to the tree) sorted by rank.
+std::vector<std::string> RankLocalMetadataFiles(const SourceTree& tree, const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> found;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    const int64_t rank = RankLocalMetadataRank(name);
-    if (rank >= 0 && IsRegularFile(it->path().string())) found.emplace_back(rank, name);
+  Result<std::vector<TreeEntry>> entries = tree.List(dir);
+  if (!entries.ok()) return {};
+  for (const TreeEntry& e : *entries) {
+    const int64_t rank = RankLocalMetadataRank(e.name);
+    if (rank >= 0 && e.kind == EntryKind::kFile) found.emplace_back(rank, e.name);
   }
   std::sort(found.begin(), found.end());
   std::vector<std::string> out;
@@ -100,9 +93,9 @@ std::vector<int64_t> StripLeadingOnes(const std::vector<int64_t>& v) {
 bool HasZero(const std::vector<int64_t>& v) { return std::find(v.begin(), v.end(), 0) != v.end(); }
 
 // The metadata files of a DCP directory: `.metadata`, else the rank-local ones by rank.
-std::vector<std::string> MetadataFiles(const std::string& dir) {
-  if (IsRegularFile(dir + "/.metadata")) return {".metadata"};
-  return RankLocalMetadataFiles(dir);
+std::vector<std::string> MetadataFiles(const SourceTree& tree, const std::string& dir) {
+  if (tree.IsFile(Join(dir, ".metadata"))) return {".metadata"};
+  return RankLocalMetadataFiles(tree, dir);
 }
 
 // A composite DCP directory (IsDcpCompositeDirectory): at most this many parts, each recognised
@@ -111,37 +104,36 @@ constexpr size_t kMaxParts = 16;
 constexpr uint64_t kMaxPartMetadataBytes = 64ull << 20;
 
 // The DCP subdirectories of `dir` (real directories, never a symlink, no dot names), by name.
-std::vector<std::string> DcpSubdirectories(const std::string& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.empty() || name[0] == '.' || !it->is_directory(ec) || it->is_symlink(ec)) continue;
-    if (IsRegularFile(it->path().string() + "/.metadata") || !RankLocalMetadataFiles(it->path().string()).empty()) {
-      out.push_back(name);
-    }
+std::vector<std::string> DcpSubdirectories(const SourceTree& tree, const std::string& dir) {
+  std::vector<std::string> out;  // sorted, as List gives them
+  Result<std::vector<TreeEntry>> entries = tree.List(dir);
+  if (!entries.ok()) return out;
+  for (const TreeEntry& e : *entries) {
+    const std::string& name = e.name;
+    if (name.empty() || name[0] == '.' || e.kind != EntryKind::kDirectory) continue;
+    const std::string sub = Join(dir, name);
+    if (tree.IsFile(sub + "/.metadata") || !RankLocalMetadataFiles(tree, sub).empty()) out.push_back(name);
   }
-  std::sort(out.begin(), out.end());
   return out;
 }
 
 // The parts of `dir` when it is one checkpoint saved as several DCP directories whose keys are
 // disjoint (Accelerate's save_state: `pytorch_model_fsdp_0/` holds the model, `optimizer_0/` the
 // optimizer); empty otherwise. Saves of one model at several steps repeat their keys: a run.
-std::vector<std::string> CompositeParts(const std::string& dir) {
-  if (IsRegularFile(dir + "/.metadata") || !RankLocalMetadataFiles(dir).empty()) return {};
-  std::vector<std::string> parts = DcpSubdirectories(dir);
+std::vector<std::string> CompositeParts(const SourceTree& tree, const std::string& dir) {
+  if (tree.IsFile(Join(dir, ".metadata")) || !RankLocalMetadataFiles(tree, dir).empty()) return {};
+  std::vector<std::string> parts = DcpSubdirectories(tree, dir);
   if (parts.size() < 2 || parts.size() > kMaxParts) return {};
   std::set<std::string> keys;  // of the parts before
   for (const std::string& part : parts) {
-    const std::string sub = dir + "/" + part;
+    const std::string sub = Join(dir, part);
     std::set<std::string> mine;  // a rank-local part's files may list a key each
-    for (const std::string& name : MetadataFiles(sub)) {
-      auto src = FileSource::Open(sub + "/" + name);
-      if (!src.ok() || (*src)->Size() > kMaxPartMetadataBytes) return {};
-      auto bytes = ReadRange(**src, 0, (*src)->Size(), kMaxPartMetadataBytes);
+    for (const std::string& name : MetadataFiles(tree, sub)) {
+      auto src = tree.Open(sub + "/" + name);
+      if (!src.ok() || src->bytes->Size() > kMaxPartMetadataBytes) return {};
+      auto bytes = ReadRange(*src->bytes, 0, src->bytes->Size(), kMaxPartMetadataBytes);
       if (!bytes.ok()) return {};
-      auto md = ParseDcpMetadata(*bytes, sub + "/" + name);
+      auto md = ParseDcpMetadata(*bytes, src->bytes->Name());
       if (!md.ok()) return {};
       for (const DcpEntry& e : md->entries) mine.insert(e.fqn);
     }
@@ -155,9 +147,7 @@ std::vector<std::string> CompositeParts(const std::string& dir) {
 
 class DcpScan {
  public:
-  explicit DcpScan(std::string dir) : dir_(std::move(dir)), builder_(dir_) {
-    while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
-  }
+  explicit DcpScan(const SourceTree& tree) : tree_(tree), dir_(tree.Root()), builder_(tree) {}
 
   Result<Checkpoint> Run(const ScanProgress& progress) {
     UCPFS_RETURN_IF_ERROR(ReadMegatronMarker());
@@ -166,7 +156,7 @@ class DcpScan {
     if (megatron_) builder_.checkpoint().flavor = "megatron-torch_dist";
     facts_.megatron_core = megatron_;
 
-    const bool with_common = megatron_ && IsRegularFile(dir_ + "/common.pt");
+    const bool with_common = megatron_ && tree_.IsFile("common.pt");
     const uint64_t total = entries_.size() + (with_common ? 1 : 0);
     uint64_t done = 0;
     for (const Merged& m : entries_) {
@@ -229,11 +219,11 @@ class DcpScan {
   // ---- directory and metadata ------------------------------------------------------------
 
   Status ReadMegatronMarker() {
-    const std::string path = dir_ + "/metadata.json";
-    if (!IsRegularFile(path)) return Status::Ok();
-    UCPFS_ASSIGN_OR_RETURN(auto src, FileSource::Open(path));
+    const std::string path = tree_.PathOf("metadata.json");
+    if (!tree_.IsFile("metadata.json")) return Status::Ok();
+    UCPFS_ASSIGN_OR_RETURN(OpenedFile src, tree_.Open("metadata.json"));
     UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
-                           ReadRange(*src, 0, src->Size(), 16u << 20));
+                           ReadRange(*src.bytes, 0, src.bytes->Size(), 16u << 20));
     const auto* begin = reinterpret_cast<const char*>(bytes.data());
     nlohmann::json j = nlohmann::json::parse(begin, begin + bytes.size(), nullptr, false);
     if (j.is_discarded()) return CorruptError(path + ": not valid JSON");
@@ -249,15 +239,14 @@ class DcpScan {
   }
 
   Status ReadMetadata() {
-    std::error_code ec;
-    if (!fs::is_directory(dir_, ec)) return NotFoundError(dir_ + ": no such directory");
+    if (!tree_.IsDirectory("")) return NotFoundError(dir_ + ": no such directory");
     // (part directory with its '/', metadata file name): the directory's own metadata, or each
     // part's of a composite directory (CompositeParts), whose data paths are relative to the part.
     std::vector<std::pair<std::string, std::string>> names;
-    for (const std::string& name : MetadataFiles(dir_)) names.emplace_back("", name);
+    for (const std::string& name : MetadataFiles(tree_, "")) names.emplace_back("", name);
     if (names.empty() && !megatron_) {
-      for (const std::string& part : CompositeParts(dir_)) {
-        for (const std::string& name : MetadataFiles(dir_ + "/" + part)) names.emplace_back(part + "/", name);
+      for (const std::string& part : CompositeParts(tree_, "")) {
+        for (const std::string& name : MetadataFiles(tree_, part)) names.emplace_back(part + "/", name);
       }
     }
     if (names.empty()) {
@@ -595,7 +584,8 @@ class DcpScan {
     return local;
   }
 
-  std::string dir_;
+  const SourceTree& tree_;
+  std::string dir_;  // the tree's root, for messages
   bool megatron_ = false;
   DcpSourceFacts facts_;
   CheckpointBuilder builder_;
@@ -608,14 +598,14 @@ class DcpScan {
 
 }  // namespace
 
-bool IsDcpDirectory(const std::string& dir) {
-  return IsRegularFile(dir + "/.metadata") || !RankLocalMetadataFiles(dir).empty();
+bool IsDcpDirectory(const SourceTree& tree) {
+  return tree.IsFile(".metadata") || !RankLocalMetadataFiles(tree, "").empty();
 }
 
-std::vector<std::string> DcpCompositeParts(const std::string& dir) { return CompositeParts(dir); }
+std::vector<std::string> DcpCompositeParts(const SourceTree& tree) { return CompositeParts(tree, ""); }
 
-Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress) {
-  return DcpScan(dir).Run(progress);
+Result<Checkpoint> ScanDcp(const SourceTree& tree, const ScanProgress& progress) {
+  return DcpScan(tree).Run(progress);
 }
 
 MegatronCoreOptimizerFacts MegatronCoreOptimizerFactsOf(const Checkpoint& c, const KeyMapping& mapping,

@@ -4,9 +4,6 @@
 // then the optimizer files by dp rank; every message names the file and the key.
 #include "index/deepspeed_scan.h"
 
-#include <dirent.h>
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cctype>
 #include <map>
@@ -34,11 +31,6 @@ namespace {
 
 constexpr uint64_t kMaxLatestBytes = 4096;
 
-bool IsRegular(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
 // The files of one tag directory, by role.
 struct TagFiles {
   std::map<int, std::string> model;                       // mp rank -> mp_rank_XX_model_states.pt
@@ -48,25 +40,24 @@ struct TagFiles {
   std::vector<std::string> unsupported;                    // MoE expert files
 };
 
-Result<TagFiles> ListTag(const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return NotFoundError("DeepSpeed tag directory " + dir + " cannot be listed");
+// The tag directory `rel` of the tree ("": its root).
+Result<TagFiles> ListTag(const SourceTree& tree, const std::string& rel) {
+  const std::string dir = tree.PathOf(rel);  // for messages
+  Result<std::vector<TreeEntry>> entries = tree.List(rel);
+  if (!entries.ok()) return NotFoundError("DeepSpeed tag directory " + dir + " cannot be listed");
   static const std::regex kModel(R"(mp_rank_(\d+)_model_states\.pt)");
   static const std::regex kZero3Model(R"(zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
   static const std::regex kOptim(R"((?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
   static const std::regex kLayer(R"(layer_(\d+)-model_(\d+)-model_states\.pt)");
   static const std::regex kExpert(R"((layer_\d+_expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt)");
   TagFiles out;
-  std::vector<std::string> names;
-  while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
   auto num = [](const std::ssub_match& m) -> int {
     const std::string s = m.str();
     return s.size() > 6 ? -1 : std::stoi(s);
   };
-  for (const std::string& name : names) {
-    if (name.size() > 255 || !IsRegular(dir + "/" + name)) continue;
+  for (const TreeEntry& e : *entries) {  // by name
+    const std::string& name = e.name;
+    if (name.size() > 255 || e.kind != EntryKind::kFile) continue;
     std::smatch m;
     if (std::regex_match(name, m, kZero3Model)) {
       if (num(m[1]) < 0 || num(m[2]) < 0) return CorruptError(dir + "/" + name + ": rank number too large");
@@ -211,11 +202,11 @@ nlohmann::json PlainJson(const pickle::PickleGraph& g, pickle::NodeId n, int dep
 
 class DeepSpeedScanner {
  public:
-  explicit DeepSpeedScanner(const std::string& dir) : builder_(dir) {}
+  explicit DeepSpeedScanner(const SourceTree& tree) : builder_(tree) {}
 
   Result<Checkpoint> Run(const ScanProgress& progress) {
     UCPFS_RETURN_IF_ERROR(FindTag());
-    UCPFS_ASSIGN_OR_RETURN(files_, ListTag(builder_.dir() + "/" + tag_dir_));
+    UCPFS_ASSIGN_OR_RETURN(files_, ListTag(builder_.tree(), tag_dir_));
     UCPFS_RETURN_IF_ERROR(CheckNames());
     zero3_ = !files_.zero3_model.empty();
     Checkpoint& cp = builder_.checkpoint();
@@ -590,8 +581,7 @@ class DeepSpeedScanner {
   std::string Rel(const std::string& name) const { return tag_dir_.empty() ? name : tag_dir_ + "/" + name; }
 
   Status FindTag() {
-    const std::string latest = builder_.dir() + "/latest";
-    if (!IsRegular(latest)) return Status::Ok();  // the directory is the tag
+    if (!builder_.tree().IsFile("latest")) return Status::Ok();  // the directory is the tag
     UCPFS_ASSIGN_OR_RETURN(uint32_t id, builder_.AddFile("latest"));
     const ByteSource& src = *builder_.source(id);
     if (src.Size() > kMaxLatestBytes) return CorruptError(src.Name() + ": " + std::to_string(src.Size()) + " bytes, not a tag name");
@@ -603,9 +593,7 @@ class DeepSpeedScanner {
         text.find('\0') != std::string::npos) {
       return CorruptError(src.Name() + ": '" + text + "' is not a tag directory name");
     }
-    struct stat st;
-    const std::string tag_path = builder_.dir() + "/" + text;
-    if (::lstat(tag_path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    if (!builder_.tree().IsDirectory(text)) {
       return CorruptError(src.Name() + ": names tag '" + text + "', which is not a directory of " + builder_.dir());
     }
     tag_ = text;
@@ -1007,14 +995,14 @@ class DeepSpeedScanner {
 
 }  // namespace
 
-bool IsDeepSpeedDirectory(const std::string& dir) {
-  if (IsRegular(dir + "/latest")) return true;
-  Result<TagFiles> files = ListTag(dir);
+bool IsDeepSpeedDirectory(const SourceTree& tree) {
+  if (tree.IsFile("latest")) return true;
+  Result<TagFiles> files = ListTag(tree, "");
   return files.ok() && (!files->model.empty() || !files->zero3_model.empty());
 }
 
-Result<Checkpoint> ScanDeepSpeed(const std::string& dir, const ScanProgress& progress) {
-  return DeepSpeedScanner(dir).Run(progress);
+Result<Checkpoint> ScanDeepSpeed(const SourceTree& tree, const ScanProgress& progress) {
+  return DeepSpeedScanner(tree).Run(progress);
 }
 
 }  // namespace ucpfs::index

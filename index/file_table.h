@@ -10,15 +10,17 @@
 
 #include "core/byte_source.h"
 #include "core/io/lazy_file_source.h"
+#include "core/io/source_tree.h"
 #include "index/checkpoint.h"
 
 namespace ucpfs::index {
 
 using FileTable = std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>>;
 
-// The checkpoint's files by id, all sharing one bounded descriptor cache
-// (core/io/lazy_file_source.h). `counters` may be null.
-FileTable OpenFileTable(const std::string& source_dir, const Checkpoint& checkpoint,
-                        std::shared_ptr<IoCounters> counters);
+// The checkpoint's files by id, opened lazily through `tree` (SourceTree::OpenLazy), all sharing
+// one bounded descriptor cache (core/io/lazy_file_source.h). `counters` may be null.
+// Errors: kInvalidArgument for a file path the tree refuses (a record names the file).
+Result<FileTable> OpenFileTable(const SourceTree& tree, const Checkpoint& checkpoint,
+                                std::shared_ptr<IoCounters> counters);
 
 }  // namespace ucpfs::index

@@ -4,8 +4,6 @@
 // rank 0's args, then each rank's file in (pp, tp) order; every message names the file.
 #include "index/megatron_scan.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cctype>
 #include <map>
@@ -32,16 +30,6 @@ constexpr uint64_t kMaxTrackerBytes = 64;
 constexpr int64_t kMaxDegree = 4096;
 constexpr int64_t kMaxLayers = 1 << 20;
 constexpr int64_t kMaxDim = int64_t{1} << 40;
-
-bool IsRegular(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-bool IsDirectory(const std::string& path) {  // a real directory, not a symlink to one
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
 
 std::string Pad(int64_t v, int width) {
   std::string s = std::to_string(v);
@@ -248,14 +236,14 @@ std::optional<std::pair<size_t, size_t>> LayerNumberAt(const std::string& name) 
 
 class MegatronScanner {
  public:
-  explicit MegatronScanner(const std::string& dir) : builder_(dir) {}
+  explicit MegatronScanner(const SourceTree& tree) : builder_(tree) {}
 
   Result<Checkpoint> Run(const ScanProgress& progress) {
     UCPFS_RETURN_IF_ERROR(FindIteration());
     // Rank 0's args decide the degrees; then every rank's directory must be there.
     std::string rank0;
     for (const std::string& candidate : {RankDir(0, 0, 1), RankDir(0, 0, 2)}) {
-      if (IsRegular(Abs(candidate + "/" + std::string(kModelFile)))) {
+      if (tree().IsFile(Rel(candidate + "/" + std::string(kModelFile)))) {
         rank0 = candidate;
         break;
       }
@@ -279,7 +267,7 @@ class MegatronScanner {
     for (int s = 0; s < args_.pp; ++s) {
       for (int t = 0; t < args_.tp; ++t) {
         const std::string d = RankDir(t, s, args_.pp);
-        if (!IsDirectory(Abs(d))) {
+        if (!tree().IsDirectory(Rel(d))) {
           return CorruptError(Abs(d) + ": the directory of tp rank " + std::to_string(t) + ", pipeline stage " +
                               std::to_string(s) + " is missing (or not a directory)");
         }
@@ -288,7 +276,7 @@ class MegatronScanner {
     // A rank directory beyond the degrees means args and files disagree.
     for (const std::string& extra : {RankDir(args_.tp, 0, args_.pp), RankDir(0, args_.pp, args_.pp)}) {
       if (args_.pp > 1 || extra != RankDir(0, args_.pp, args_.pp)) {
-        if (IsDirectory(Abs(extra))) {
+        if (tree().IsDirectory(Rel(extra))) {
           return CorruptError(Abs(extra) + ": a rank directory beyond args' tp " + std::to_string(args_.tp) + " x pp " +
                               std::to_string(args_.pp));
         }
@@ -315,6 +303,8 @@ class MegatronScanner {
   }
 
  private:
+  // Symlinks are not followed (a symlinked rank directory or file is "missing").
+  const SourceTree& tree() const { return builder_.tree(); }
   std::string Rel(const std::string& p) const { return iter_dir_.empty() || p.empty() ? iter_dir_ + p : iter_dir_ + "/" + p; }
   std::string Abs(const std::string& p) const {
     const std::string rel = Rel(p);
@@ -323,7 +313,7 @@ class MegatronScanner {
 
   // The tracker names the iteration directory; without one the directory is it.
   Status FindIteration() {
-    if (!IsRegular(builder_.dir() + "/" + std::string(kTracker))) return Status::Ok();
+    if (!tree().IsFile(kTracker)) return Status::Ok();
     UCPFS_ASSIGN_OR_RETURN(const uint32_t id, builder_.AddFile(std::string(kTracker)));
     const ByteSource& src = *builder_.source(id);
     if (src.Size() > kMaxTrackerBytes) {
@@ -343,7 +333,7 @@ class MegatronScanner {
       return CorruptError(src.Name() + ": '" + text.substr(0, 32) + "' is neither an iteration number nor 'release'");
     }
     iteration_ = text;
-    if (!IsDirectory(Abs(""))) {
+    if (!tree().IsDirectory(Rel(""))) {
       return CorruptError(src.Name() + ": names iteration " + text + ", but " + Abs("") +
                           " is not a directory (missing, or a symlink)");
     }
@@ -353,7 +343,7 @@ class MegatronScanner {
   // One rank's model tensors and optimizer state, placed in the global tensors.
   Status ScanRank(int t, int s) {
     const std::string rel = RankDir(t, s, args_.pp) + "/" + std::string(kModelFile);
-    if (!IsRegular(Abs(rel))) {
+    if (!tree().IsFile(Rel(rel))) {
       return CorruptError(Abs(rel) + ": missing (or not a regular file) for tp rank " + std::to_string(t) +
                           ", pipeline stage " + std::to_string(s));
     }
@@ -647,7 +637,7 @@ class MegatronScanner {
     }
 
     const std::string rel = RankDir(t, s, args_.pp) + "/distrib_optim.pt";
-    if (!IsRegular(Abs(rel))) {
+    if (!tree().IsFile(Rel(rel))) {
       return CorruptError(Abs(rel) + ": missing (or not a regular file); args.use_distributed_optimizer is set and " +
                           where + " holds an optimizer");
     }
@@ -848,16 +838,16 @@ class MegatronScanner {
 
 }  // namespace
 
-bool IsMegatronLegacyDirectory(const std::string& dir) {
-  if (IsRegular(dir + "/" + std::string(kTracker))) return true;
+bool IsMegatronLegacyDirectory(const SourceTree& tree) {
+  if (tree.IsFile(kTracker)) return true;
   for (const std::string& d : {RankDir(0, 0, 1), RankDir(0, 0, 2)}) {
-    if (IsDirectory(dir + "/" + d) && IsRegular(dir + "/" + d + "/" + std::string(kModelFile))) return true;
+    if (tree.IsDirectory(d) && tree.IsFile(d + "/" + std::string(kModelFile))) return true;
   }
   return false;
 }
 
-Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress& progress) {
-  return MegatronScanner(dir).Run(progress);
+Result<Checkpoint> ScanMegatronLegacy(const SourceTree& tree, const ScanProgress& progress) {
+  return MegatronScanner(tree).Run(progress);
 }
 
 Result<layout::ModelInfo> MegatronModelFacts(const Checkpoint& c) {

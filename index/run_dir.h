@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/io/source_tree.h"
 #include "core/status.h"
 
 namespace ucpfs::index {
@@ -34,7 +35,9 @@ struct RunCheckpoints {
   size_t n_left_out = 0;                   // subdirectories with a marker beyond the limit
 };
 
-// Errors: kIo when `dir` cannot be listed.
-Result<RunCheckpoints> FindRunCheckpoints(const std::string& dir);
+// The checkpoints of the run folder at the root of `tree`. Errors: SourceTree::List's when the
+// root cannot be listed (kNotFound, kIo).
+Result<RunCheckpoints> FindRunCheckpoints(const SourceTree& tree);
+inline Result<RunCheckpoints> FindRunCheckpoints(const std::string& dir) { return FindRunCheckpoints(LocalTree(dir)); }
 
 }  // namespace ucpfs::index

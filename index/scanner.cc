@@ -15,47 +15,47 @@ namespace {
 class DcpScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "dcp"; }
-  bool Recognizes(const std::string& dir) const override {
-    return IsDcpDirectory(dir) || !DcpCompositeParts(dir).empty();
+  bool Recognizes(const SourceTree& tree) const override {
+    return IsDcpDirectory(tree) || !DcpCompositeParts(tree).empty();
   }
-  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
-    return ScanDcp(dir, progress);
+  Result<Checkpoint> Scan(const SourceTree& tree, const ScanProgress& progress) const override {
+    return ScanDcp(tree, progress);
   }
 };
 
 class DeepSpeedFormatScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "deepspeed"; }
-  bool Recognizes(const std::string& dir) const override { return IsDeepSpeedDirectory(dir); }
-  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
-    return ScanDeepSpeed(dir, progress);
+  bool Recognizes(const SourceTree& tree) const override { return IsDeepSpeedDirectory(tree); }
+  Result<Checkpoint> Scan(const SourceTree& tree, const ScanProgress& progress) const override {
+    return ScanDeepSpeed(tree, progress);
   }
 };
 
 class MegatronLegacyScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "megatron"; }
-  bool Recognizes(const std::string& dir) const override { return IsMegatronLegacyDirectory(dir); }
-  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
-    return ScanMegatronLegacy(dir, progress);
+  bool Recognizes(const SourceTree& tree) const override { return IsMegatronLegacyDirectory(tree); }
+  Result<Checkpoint> Scan(const SourceTree& tree, const ScanProgress& progress) const override {
+    return ScanMegatronLegacy(tree, progress);
   }
 };
 
 class TorchStateScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "torch_state"; }
-  bool Recognizes(const std::string& dir) const override { return IsTorchStateDirectory(dir); }
-  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
-    return ScanTorchState(dir, progress);
+  bool Recognizes(const SourceTree& tree) const override { return IsTorchStateDirectory(tree); }
+  Result<Checkpoint> Scan(const SourceTree& tree, const ScanProgress& progress) const override {
+    return ScanTorchState(tree, progress);
   }
 };
 
 class WeightsScanner final : public Scanner {
  public:
   std::string_view Name() const override { return "weights"; }
-  bool Recognizes(const std::string& dir) const override { return IsWeightsDirectory(dir); }
-  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const override {
-    return ScanWeights(dir, progress);
+  bool Recognizes(const SourceTree& tree) const override { return IsWeightsDirectory(tree); }
+  Result<Checkpoint> Scan(const SourceTree& tree, const ScanProgress& progress) const override {
+    return ScanWeights(tree, progress);
   }
 };
 
@@ -73,20 +73,20 @@ std::span<const Scanner* const> Scanners() {
   return all;
 }
 
-Result<const Scanner*> ScannerFor(const std::string& dir) {
+Result<const Scanner*> ScannerFor(const SourceTree& tree) {
   for (const Scanner* s : Scanners()) {
-    if (s->Recognizes(dir)) return s;
+    if (s->Recognizes(tree)) return s;
   }
-  return NotFoundError(dir + " is not a checkpoint ucpfs reads: no DCP metadata (.metadata, __<r>.metadata), "
+  return NotFoundError(tree.Root() + " is not a checkpoint ucpfs reads: no DCP metadata (.metadata, __<r>.metadata), "
                        "no DeepSpeed save (latest, mp_rank_XX_model_states.pt), no Megatron-LM save "
                        "(latest_checkpointed_iteration.txt, mp_rank_XX/model_optim_rng.pt), no optimizer state "
                        "dict or Lightning .ckpt and no weights "
                        "(*.safetensors, model.safetensors.index.json, a .pt/.pth/.bin state dict)");
 }
 
-Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress) {
-  UCPFS_ASSIGN_OR_RETURN(const Scanner* scanner, ScannerFor(dir));
-  return scanner->Scan(dir, progress);
+Result<Checkpoint> ScanCheckpoint(const SourceTree& tree, const ScanProgress& progress) {
+  UCPFS_ASSIGN_OR_RETURN(const Scanner* scanner, ScannerFor(tree));
+  return scanner->Scan(tree, progress);
 }
 
 }  // namespace ucpfs::index

@@ -1,5 +1,8 @@
 // Scanner: one per source format, behind one interface, each turning a checkpoint directory into
-// an index::Checkpoint with the shared CheckpointBuilder (checkpoint_builder.h). The registry
+// an index::Checkpoint with the shared CheckpointBuilder (checkpoint_builder.h). The directory is
+// a SourceTree (core/io/source_tree.h): scanners list, stat and open the source only through it,
+// so a local directory and an object store scan alike. Each format's functions (ScanDcp, ...)
+// also take a path: a LocalTree over it, for tests and tools. The registry
 // (Scanners) lists them in the order they are tried; ScannerFor picks the first that recognises
 // a directory.
 //
@@ -18,6 +21,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/io/source_tree.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
 
@@ -31,19 +35,28 @@ class Scanner {
   virtual ~Scanner() = default;
   // The format's name, as in Checkpoint::format.
   virtual std::string_view Name() const = 0;
-  // Whether `dir` looks like this format. Cheap: it looks at names and small marker files only.
-  virtual bool Recognizes(const std::string& dir) const = 0;
+  // Whether the tree's root looks like this format. Cheap: it looks at names and small marker
+  // files only.
+  virtual bool Recognizes(const SourceTree& tree) const = 0;
+  bool Recognizes(const std::string& dir) const { return Recognizes(LocalTree(dir)); }
   // Errors: the format's own (kNotFound, kCorrupt, kUnsupported, ...), naming the file.
-  virtual Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const = 0;
+  virtual Result<Checkpoint> Scan(const SourceTree& tree, const ScanProgress& progress) const = 0;
+  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const {
+    return Scan(LocalTree(dir), progress);
+  }
 };
 
 // Every format, in the order they are tried.
 std::span<const Scanner* const> Scanners();
 
-// The scanner of `dir`. Errors: kNotFound naming the directory and what was looked for.
-Result<const Scanner*> ScannerFor(const std::string& dir);
+// The scanner of the tree. Errors: kNotFound naming the directory and what was looked for.
+Result<const Scanner*> ScannerFor(const SourceTree& tree);
+inline Result<const Scanner*> ScannerFor(const std::string& dir) { return ScannerFor(LocalTree(dir)); }
 
-// ScannerFor(dir)->Scan(dir, progress).
-Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress = nullptr);
+// ScannerFor(tree)->Scan(tree, progress).
+Result<Checkpoint> ScanCheckpoint(const SourceTree& tree, const ScanProgress& progress = nullptr);
+inline Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress = nullptr) {
+  return ScanCheckpoint(LocalTree(dir), progress);
+}
 
 }  // namespace ucpfs::index

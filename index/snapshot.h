@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/io/lazy_file_source.h"
+#include "core/io/source_tree.h"
 #include "core/status.h"
 #include "index/catalog.h"
 #include "index/key_map.h"
@@ -22,7 +23,9 @@
 namespace ucpfs::index {
 
 struct SnapshotOptions {
-  std::string source_dir;        // absolute
+  std::string source_dir;        // absolute: where the index lives and what messages name
+  // What the source is read through; empty: a LocalTree over source_dir.
+  std::shared_ptr<const SourceTree> tree;
   std::string index_dir;         // empty: the default location
   bool read_only_index = false;
   std::vector<KeyRule> key_rules;  // --rules, loaded
@@ -39,6 +42,8 @@ struct Snapshot {
 
   const Checkpoint& checkpoint() const { return opened.checkpoint; }
   const std::string& source_dir() const { return options.source_dir; }
+  // The source the files are read through (options.tree, or the LocalTree made for it).
+  const SourceTree& tree() const { return *options.tree; }
 };
 
 // Indexes (or reuses the index of) options.source_dir and maps its keys. Errors: those of
@@ -51,7 +56,7 @@ Result<std::shared_ptr<const Snapshot>> OpenSnapshot(const SnapshotOptions& opti
 Result<std::shared_ptr<const Snapshot>> SnapshotOf(OpenedIndex opened, const SnapshotOptions& options,
                                                    uint64_t generation);
 
-// Opens the source file `rel_path` of the snapshot now (LazyFileSource::Open), if it has one:
+// Opens the source file `rel_path` of the snapshot now (LazySource::Open), if it has one:
 // called before a save replaces it, so the snapshot's views keep reading the bytes indexed.
 void OpenSourceFile(const Snapshot& snapshot, const std::string& rel_path);
 

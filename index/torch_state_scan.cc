@@ -1,9 +1,6 @@
 // See torch_state_scan.h.
 #include "index/torch_state_scan.h"
 
-#include <dirent.h>
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -130,38 +127,27 @@ std::optional<std::pair<int64_t, std::string>> SplitState(const std::string& res
   return std::make_pair(std::stoll(rest.substr(0, dot)), rest.substr(dot + 1));
 }
 
-bool IsRealDir(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-bool IsRealFile(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
 constexpr std::string_view kRecipeState = "recipe_state/recipe_state.pt";
 
 // torchtune's output_dir: `recipe_state/recipe_state.pt` and the checkpointer's `epoch_<N>/`
 // folders (real directories); the newest epoch's name, or "" when it is not one.
-std::string TorchtuneEpochDir(const std::string& dir) {
-  if (!IsRealDir(dir + "/recipe_state") || !IsRealFile(dir + "/" + std::string(kRecipeState))) return "";
+std::string TorchtuneEpochDir(const SourceTree& tree) {
+  if (!tree.IsDirectory("recipe_state") || !tree.IsFile(kRecipeState)) return "";
   std::string best;
   int64_t best_n = -1;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return "";
+  Result<std::vector<TreeEntry>> entries = tree.List("");
+  if (!entries.ok()) return "";
   size_t seen = 0;
-  while (const dirent* e = ::readdir(d)) {
+  for (const TreeEntry& e : *entries) {
     if (++seen > 100000) break;
-    const std::string name = e->d_name;
+    const std::string& name = e.name;
     if (!name.starts_with("epoch_") || name.size() > 6 + 9 || name.size() == 6) continue;
     const std::string digits = name.substr(6);
     if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
-    if (!IsRealDir(dir + "/" + name)) continue;
+    if (e.kind != EntryKind::kDirectory) continue;
     const int64_t n = std::stoll(digits);
     if (n > best_n) best_n = n, best = name;
   }
-  ::closedir(d);
   return best;
 }
 
@@ -199,11 +185,11 @@ bool PlaceRotaryRows(Item* item, const format::TensorRecord& rec, int64_t heads)
 
 class TorchStateScan {
  public:
-  explicit TorchStateScan(const std::string& dir) : builder_(dir) {}
+  explicit TorchStateScan(const SourceTree& tree) : builder_(tree) {}
 
   Result<Checkpoint> Run(const ScanProgress& progress) {
     const std::string& dir = builder_.dir();
-    const std::vector<std::string> names = RegularFileNames(dir);
+    const std::vector<std::string> names = RegularFileNames(builder_.tree(), "");
     std::vector<std::string> ckpts, torch;
     for (const auto& n : names) {
       if (EndsWith(n, ".ckpt")) ckpts.push_back(n);
@@ -212,7 +198,7 @@ class TorchStateScan {
     std::string holder;
     std::set<std::string> not_weights;  // torch files that are not the weights
     std::vector<std::string> schedulers;
-    const std::string epoch_dir = TorchtuneEpochDir(dir);
+    const std::string epoch_dir = TorchtuneEpochDir(builder_.tree());
     if (!epoch_dir.empty()) {
       holder = std::string(kRecipeState);
     } else if (!ckpts.empty()) {
@@ -226,7 +212,7 @@ class TorchStateScan {
       }
     } else {
       std::vector<std::string> holders;
-      CheckpointBuilder probe(dir);
+      CheckpointBuilder probe(builder_.tree());
       for (size_t i = 0; i < torch.size() && i < kMaxProbedFiles; ++i) {
         auto id = probe.AddFile(torch[i]);
         if (!id.ok()) continue;
@@ -297,7 +283,7 @@ class TorchStateScan {
       info.framework = "torchtune";
       rules = {GroupingRule::kInOrder};
       config = Config(epoch_dir + "/config.json");
-    } else if (!lightning && IsRealFile(dir + "/trainer_state.json")) {
+    } else if (!lightning && builder_.tree().IsFile("trainer_state.json")) {
       // The Trainer's decay / no-decay groups.
       info.framework = "hf_trainer";
       rules = {GroupingRule::kTrainerDecay, GroupingRule::kTrainerDecayLayerNorm};
@@ -601,11 +587,11 @@ void AddExtras(const TorchStateSourceFacts& info, const format::TorchFile& tf, c
 
 }  // namespace
 
-bool IsTorchStateDirectory(const std::string& dir) {
-  if (!TorchtuneEpochDir(dir).empty()) return true;
+bool IsTorchStateDirectory(const SourceTree& tree) {
+  if (!TorchtuneEpochDir(tree).empty()) return true;
   size_t probed = 0;
-  CheckpointBuilder probe(dir);
-  const std::vector<std::string> names = RegularFileNames(dir);
+  CheckpointBuilder probe(tree);
+  const std::vector<std::string> names = RegularFileNames(tree, "");
   const size_t torch_files = static_cast<size_t>(
       std::count_if(names.begin(), names.end(), [](const std::string& n) { return IsTorchName(n); }));
   for (const std::string& name : names) {
@@ -625,8 +611,8 @@ bool IsTorchStateDirectory(const std::string& dir) {
   return false;
 }
 
-Result<Checkpoint> ScanTorchState(const std::string& dir, const ScanProgress& progress) {
-  return TorchStateScan(dir).Run(progress);
+Result<Checkpoint> ScanTorchState(const SourceTree& tree, const ScanProgress& progress) {
+  return TorchStateScan(tree).Run(progress);
 }
 
 TorchStateFacts TorchStateFactsOf(const Checkpoint& c, const KeyMapping& mapping, const FileTable& files) {

@@ -1,9 +1,6 @@
 // See weights_scan.h.
 #include "index/weights_scan.h"
 
-#include <dirent.h>
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -25,11 +22,6 @@ constexpr std::string_view kPytorchModel = "pytorch_model.bin";
 constexpr uint64_t kMaxIndexBytes = 256ull << 20;
 constexpr size_t kMaxListedNames = 100000;
 
-bool IsRegular(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
 bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
@@ -40,19 +32,17 @@ bool IsTorchName(std::string_view name) {
 
 }  // namespace
 
-std::vector<std::string> RegularFileNames(const std::string& dir) {
-  std::vector<std::string> names;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return names;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
+std::vector<std::string> RegularFileNames(const SourceTree& tree, const std::string& rel_dir) {
+  std::vector<std::string> names;  // sorted, as List gives them
+  Result<std::vector<TreeEntry>> entries = tree.List(rel_dir);
+  if (!entries.ok()) return names;
+  for (const TreeEntry& e : *entries) {
+    const std::string& name = e.name;
     if (name.empty() || name[0] == '.' || name.size() > 255) continue;
-    if (!IsRegular(dir + "/" + name)) continue;
+    if (e.kind != EntryKind::kFile) continue;
     names.push_back(name);
     if (names.size() >= kMaxListedNames) break;
   }
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
   return names;
 }
 
@@ -66,9 +56,9 @@ struct Listing {
   std::vector<std::string> torch;        // *.pt, *.pth, *.bin
 };
 
-Listing List(const std::string& dir) {
+Listing ListWeights(const SourceTree& tree, const std::string& rel_dir) {
   Listing l;
-  for (const std::string& name : RegularFileNames(dir)) {
+  for (const std::string& name : RegularFileNames(tree, rel_dir)) {
     if (name == kSafetensorsIndex) l.safetensors_index = true;
     else if (name == kTorchIndex) l.torch_index = true;
     else if (EndsWith(name, ".safetensors")) l.safetensors.push_back(name);
@@ -87,7 +77,7 @@ class WeightsScan {
   Result<WeightsFound> Run(const ScanProgress& progress) {
     progress_ = progress;
     const std::string dir = options_.sub_dir.empty() ? builder_.dir() : builder_.dir() + "/" + options_.sub_dir;
-    Listing l = List(dir);
+    Listing l = ListWeights(builder_.tree(), options_.sub_dir);
     std::erase_if(l.torch, [&](const std::string& n) { return options_.exclude.count(n) != 0; });
     l.pytorch_model = std::find(l.torch.begin(), l.torch.end(), std::string(kPytorchModel)) != l.torch.end();
     WeightsFound found;
@@ -289,8 +279,8 @@ class WeightsScan {
 
 }  // namespace
 
-bool IsWeightsDirectory(const std::string& dir) {
-  const Listing l = List(dir);
+bool IsWeightsDirectory(const SourceTree& tree) {
+  const Listing l = ListWeights(tree, "");
   return l.safetensors_index || l.torch_index || !l.safetensors.empty() || !l.torch.empty();
 }
 
@@ -299,8 +289,8 @@ Result<WeightsFound> AddWeights(CheckpointBuilder& builder, const WeightsOptions
   return WeightsScan(builder, options).Run(progress);
 }
 
-Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress) {
-  CheckpointBuilder builder(dir);
+Result<Checkpoint> ScanWeights(const SourceTree& tree, const ScanProgress& progress) {
+  CheckpointBuilder builder(tree);
   UCPFS_ASSIGN_OR_RETURN(WeightsFound found, AddWeights(builder, WeightsOptions{}, progress));
   Checkpoint& c = builder.checkpoint();
   c.format = "weights";
@@ -332,7 +322,7 @@ Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progr
   }
   c.facts = std::move(info);
   if (EncodeSourceFacts(c.facts).size() > kMaxSourceFactsBytes) {
-    return ResourceExhaustedError(dir + ": too many weight files to record");
+    return ResourceExhaustedError(tree.Root() + ": too many weight files to record");
   }
   return builder.Take();
 }

@@ -38,12 +38,17 @@ namespace ucpfs::index {
 // True when `dir` holds (regular files, not symlinks) a weights index, a `*.safetensors` file,
 // or a torch.save candidate (`*.pt`, `*.pth`, `*.bin`; ScanWeights refuses several without an
 // index). Tried after every other format, whose directories may hold such files too.
-bool IsWeightsDirectory(const std::string& dir);
+bool IsWeightsDirectory(const SourceTree& tree);
+inline bool IsWeightsDirectory(const std::string& dir) { return IsWeightsDirectory(LocalTree(dir)); }
 
-// The regular files of `dir` (no symlinks, no hidden names), sorted; at most 100000.
-std::vector<std::string> RegularFileNames(const std::string& dir);
+// The regular files of `rel_dir` of the tree (no symlinks, no hidden names), sorted; at most
+// 100000.
+std::vector<std::string> RegularFileNames(const SourceTree& tree, const std::string& rel_dir);
 
-Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress = nullptr);
+Result<Checkpoint> ScanWeights(const SourceTree& tree, const ScanProgress& progress = nullptr);
+inline Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress = nullptr) {
+  return ScanWeights(LocalTree(dir), progress);
+}
 
 // The weights of one directory, read as ScanWeights reads them, into another scanner's builder
 // (torch_state_scan.h: the weights beside an optimizer's state).

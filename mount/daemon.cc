@@ -175,14 +175,18 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     Result<std::shared_ptr<const index::Snapshot>> snapshot = index::OpenSnapshot(o, generation);
     if (!snapshot.ok() && snapshot.error().code() == StatusCode::kNotFound) {
       // Not a checkpoint itself: a run directory holding several (index/run_dir.h)?
-      UCPFS_ASSIGN_OR_RETURN(const index::RunCheckpoints found, index::FindRunCheckpoints(o.source_dir));
+      const std::shared_ptr<const SourceTree> source = o.tree ? o.tree : LocalTree::Make(o.source_dir);
+      UCPFS_ASSIGN_OR_RETURN(const index::RunCheckpoints found, index::FindRunCheckpoints(*source));
       std::vector<views::NamedSnapshot> run;
       nlohmann::ordered_json listed = nlohmann::ordered_json::array();
       for (const auto& c : found.checkpoints) {
         index::SnapshotOptions sub = o;
         sub.source_dir = o.source_dir + "/" + c.name;
         if (!o.index_dir.empty()) sub.index_dir = o.index_dir + "/" + c.name;
-        auto opened = index::OpenSnapshot(sub, generation);
+        Result<std::shared_ptr<const SourceTree>> sub_tree = source->Subtree(c.name);
+        if (sub_tree.ok()) sub.tree = *sub_tree;
+        auto opened = sub_tree.ok() ? index::OpenSnapshot(sub, generation)
+                                    : Result<std::shared_ptr<const index::Snapshot>>(sub_tree.error());
         nlohmann::ordered_json entry = {{"name", c.name}, {"marker", c.marker}};
         if (opened.ok()) {
           run.push_back({c.name, std::move(*opened)});

@@ -10,15 +10,7 @@
 
 #include "views/deepspeed_tags.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <string_view>
 #include <utility>
 
@@ -38,20 +30,20 @@ bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-// One tag directory → its view. Errors name the tag directory.
-Result<UniversalView> BuildTagView(const std::string& tag_dir, const std::string& name,
+// One tag directory (the root of `tag`) → its view. Errors name the tag directory.
+Result<UniversalView> BuildTagView(const SourceTree& tag, const std::string& name,
                                    std::shared_ptr<IoCounters> counters, std::vector<SourceFile>* files_out) {
-  struct stat st;
-  if (::lstat((tag_dir + "/latest").c_str(), &st) == 0) {
+  const std::string& tag_dir = tag.Root();
+  if (tag.Stat("latest").ok()) {
     return UnsupportedError(tag_dir + ": holds its own `latest`: a save directory, not a tag");
   }
   if (name.size() + kUniversalSuffix.size() > kMaxNameBytes) {
     return InvalidArgumentError(tag_dir + ": the name is too long for " + std::string(kUniversalSuffix) +
                                 " to be added (at most " + std::to_string(kMaxNameBytes) + " bytes)");
   }
-  UCPFS_ASSIGN_OR_RETURN(Checkpoint ckpt, ScanDeepSpeed(tag_dir));
+  UCPFS_ASSIGN_OR_RETURN(Checkpoint ckpt, ScanDeepSpeed(tag));
   UCPFS_ASSIGN_OR_RETURN(const KeyMapping mapping, MapKeys(ckpt, {}));
-  const FileTable files = OpenFileTable(tag_dir, ckpt, std::move(counters));
+  UCPFS_ASSIGN_OR_RETURN(const FileTable files, OpenFileTable(tag, ckpt, std::move(counters)));
   UCPFS_ASSIGN_OR_RETURN(std::optional<UniversalView> view, BuildUniversalView(ckpt, mapping, files, name));
   // The directory is the tag, so the view is named after it and has no latest_universal.
   if (!view || view->dir != name + std::string(kUniversalSuffix) || !view->latest_universal.empty()) {
@@ -63,40 +55,31 @@ Result<UniversalView> BuildTagView(const std::string& tag_dir, const std::string
 
 }  // namespace
 
-Result<std::vector<std::string>> ListDeepSpeedTags(const std::string& save_dir, const std::string& latest_tag,
+Result<std::vector<std::string>> ListDeepSpeedTags(const SourceTree& save_dir, const std::string& latest_tag,
                                                    size_t max_tags, size_t* n_left_out) {
   if (n_left_out != nullptr) *n_left_out = 0;
-  const int dfd = ::open(save_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return IoError(save_dir + ": open: " + std::strerror(errno), errno);
-  DIR* d = ::fdopendir(dfd);
-  if (d == nullptr) {
-    const int err = errno;
-    ::close(dfd);
-    return IoError(save_dir + ": opendir: " + std::strerror(err), err);
-  }
-  // Candidates: real subdirectories (never a symlink's target), in name order.
+  UCPFS_ASSIGN_OR_RETURN(const std::vector<TreeEntry> entries, save_dir.List(""));
+  // Candidates: real subdirectories (never a symlink's target), in name order (List's).
   std::vector<std::string> candidates;
-  while (struct dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
+  for (const TreeEntry& e : entries) {
+    const std::string& name = e.name;
     if (name.empty() || name[0] == '.' || name == latest_tag || EndsWith(name, kUniversalSuffix)) continue;
-    struct stat st;
-    if (::fstatat(dfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) continue;
+    if (e.kind != EntryKind::kDirectory) continue;
     candidates.push_back(name);
   }
-  ::closedir(d);  // closes dfd
-  std::sort(candidates.begin(), candidates.end());
   std::vector<std::string> tags;
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (tags.size() == max_tags) {
       if (n_left_out != nullptr) *n_left_out = candidates.size() - i;
       break;
     }
-    if (IsDeepSpeedDirectory(save_dir + "/" + candidates[i])) tags.push_back(candidates[i]);
+    Result<std::shared_ptr<const SourceTree>> tag = save_dir.Subtree(candidates[i]);
+    if (tag.ok() && IsDeepSpeedDirectory(**tag)) tags.push_back(candidates[i]);
   }
   return tags;
 }
 
-Result<DeepSpeedTags> BuildDeepSpeedTagViews(const std::string& save_dir, const Checkpoint& latest,
+Result<DeepSpeedTags> BuildDeepSpeedTagViews(const SourceTree& save_dir, const Checkpoint& latest,
                                              std::shared_ptr<IoCounters> counters) {
   DeepSpeedTags out;
   const auto* info = std::get_if<DeepSpeedSourceFacts>(&latest.facts);
@@ -108,7 +91,9 @@ Result<DeepSpeedTags> BuildDeepSpeedTagViews(const std::string& save_dir, const 
   for (const auto& name : names) {
     DeepSpeedTag tag;
     tag.name = name;
-    auto built = BuildTagView(save_dir + "/" + name, name, counters, &tag.files);
+    Result<std::shared_ptr<const SourceTree>> tag_tree = save_dir.Subtree(name);
+    auto built = tag_tree.ok() ? BuildTagView(**tag_tree, name, counters, &tag.files)
+                               : Result<UniversalView>(tag_tree.error());
     if (built.ok()) {
       tag.view = std::move(*built);
     } else {

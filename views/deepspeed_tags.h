@@ -9,7 +9,8 @@
 // LMDB: each is scanned again when a mount is built.
 //
 // Invariants:
-//  - Only real directories count: each entry is lstat'ed, a symlink is never followed. Skipped
+//  - Only real directories count: the save directory is listed through its SourceTree, a
+//    symlink is never followed. Skipped
 //    unexamined: names starting with '.', names ending in `_universal` (what ds_to_universal
 //    writes beside the tags), the `latest` tag, anything that is not a directory, directories
 //    without model states (IsDeepSpeedDirectory false).
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "core/io/lazy_file_source.h"
+#include "core/io/source_tree.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
 #include "views/universal_view.h"
@@ -53,18 +55,19 @@ struct DeepSpeedTags {
   size_t n_left_out = 0;           // subdirectories not examined once kMaxDeepSpeedTags were found
 };
 
-// The tag directories of `save_dir` besides `latest_tag`, in name order, at most `max_tags`;
-// `*n_left_out` (may be null) counts the candidate subdirectories not examined beyond them.
-// Errors: kIo naming `save_dir` when it cannot be listed.
-Result<std::vector<std::string>> ListDeepSpeedTags(const std::string& save_dir, const std::string& latest_tag,
+// The tag directories of the save directory (the root of `save_dir`) besides `latest_tag`, in
+// name order, at most `max_tags`; `*n_left_out` (may be null) counts the candidate
+// subdirectories not examined beyond them. Errors: SourceTree::List's (naming the directory)
+// when it cannot be listed.
+Result<std::vector<std::string>> ListDeepSpeedTags(const SourceTree& save_dir, const std::string& latest_tag,
                                                    size_t max_tags, size_t* n_left_out);
 
 // The universal view of every other tag of `save_dir`, the directory `latest` was indexed from
 // (`latest`: its Checkpoint). Nothing when `latest` is not a DeepSpeed checkpoint or its facts
 // name no tag (a tag directory mounted by itself). `counters` (may be null) counts the reads of
-// the tags' files. Errors: kIo when `save_dir` cannot be listed. Each tag's own failure is in its
+// the tags' files. Errors: those of ListDeepSpeedTags. Each tag's own failure is in its
 // DeepSpeedTag::error.
-Result<DeepSpeedTags> BuildDeepSpeedTagViews(const std::string& save_dir, const Checkpoint& latest,
+Result<DeepSpeedTags> BuildDeepSpeedTagViews(const SourceTree& save_dir, const Checkpoint& latest,
                                              std::shared_ptr<IoCounters> counters);
 
 }  // namespace ucpfs::index

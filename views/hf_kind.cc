@@ -19,7 +19,7 @@ using fs::Tree;
 Status AddHfView(Tree& tree, Ino parent, const index::Snapshot& snap, const index::PatternOptions& patterns,
                  const index::HfViewOptions& options, struct timespec mtime, const ViewAccess& access, size_t* n_files,
                  std::string* error) {
-  auto built = index::BuildHfView(snap.checkpoint(), snap.mapping, snap.files, patterns, snap.source_dir(), options);
+  auto built = index::BuildHfView(snap.checkpoint(), snap.mapping, snap.files, patterns, snap.tree(), options);
   if (!built.ok()) {
     *error = built.error().message();
     auto src = std::make_shared<MemorySource>(

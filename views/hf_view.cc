@@ -13,7 +13,7 @@
 
 #include "core/checked.h"
 #include "core/format/safetensors.h"
-#include "core/io/file_source.h"
+#include "core/io/source_tree.h"
 #include "core/slice/local_view.h"
 #include "views/atomic.h"
 #include "index/hf_config.h"
@@ -495,9 +495,9 @@ Status RefuseAutoTpQkv(const DeepSpeedSourceFacts& ds) {
 // A Hugging Face source: weights saved by save_pretrained (or the Trainer), whose names are
 // already the architecture's; also the Trainer's DeepSpeed checkpoint-N/ (its config.json beside
 // the DeepSpeed tag: the engine's module is the Hugging Face model, under its own names).
-bool IsHuggingFaceSource(const Checkpoint& c, const std::string& source_dir) {
+bool IsHuggingFaceSource(const Checkpoint& c, const SourceTree& source) {
   if (std::holds_alternative<WeightsSourceFacts>(c.facts)) return true;
-  if (std::holds_alternative<DeepSpeedSourceFacts>(c.facts)) return FileSource::Open(source_dir + "/config.json").ok();
+  if (std::holds_alternative<DeepSpeedSourceFacts>(c.facts)) return source.Open("config.json").ok();
   const auto* ts = std::get_if<TorchStateSourceFacts>(&c.facts);
   return ts != nullptr && ts->framework == "hf_trainer";
 }
@@ -670,7 +670,7 @@ Result<DType> ParseHfDType(const std::string& text) {
 
 Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& c, const KeyMapping& mapping,
                                                      const FileTable& files, const PatternOptions& patterns,
-                                                     const std::string& source_dir, const HfViewOptions& options) {
+                                                     const SourceTree& source, const HfViewOptions& options) {
   // Each parameter's weight, else its fp32 master (as safetensors/ takes them), in source order.
   std::map<std::string, const Item*> weights;
   std::vector<Planned> in_order;
@@ -706,12 +706,12 @@ Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& c, const 
   } else if (dcp != nullptr && IsTitanSource(weights)) {
     UCPFS_ASSIGN_OR_RETURN(given_config, TitanConfig(weights, options, &facts));
     UCPFS_ASSIGN_OR_RETURN(plan, TitanPlan(weights, facts));
-  } else if (IsHuggingFaceSource(c, source_dir)) {
+  } else if (IsHuggingFaceSource(c, source)) {
     for (const char* name : kHfPassThroughFiles) {
-      auto opened = FileSource::Open(source_dir + "/" + name);
+      auto opened = source.Open(name);
       if (!opened.ok() && opened.error().code() == StatusCode::kNotFound) continue;
       if (!opened.ok()) return opened.error();
-      std::shared_ptr<const ByteSource> file = *opened;
+      std::shared_ptr<const ByteSource> file = opened->bytes;
       if (options.dtype && std::string_view(name) == "config.json") {
         UCPFS_ASSIGN_OR_RETURN(std::string text, RetypedConfig(*file, *options.dtype));
         file = TextFile("hf/config.json", text);

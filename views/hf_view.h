@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/io/source_tree.h"
 #include "core/status.h"
 #include "index/checkpoint.h"
 #include "index/key_map.h"
@@ -84,6 +85,6 @@ inline constexpr const char* kHfPassThroughFiles[] = {
 // parameter; ShardSafetensors's.
 Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& checkpoint, const KeyMapping& mapping,
                                                      const FileTable& files, const PatternOptions& patterns,
-                                                     const std::string& source_dir, const HfViewOptions& options);
+                                                     const SourceTree& source, const HfViewOptions& options);
 
 }  // namespace ucpfs::index

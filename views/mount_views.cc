@@ -1,10 +1,5 @@
 #include "views/mount_views.h"
 
-#include <sys/stat.h>
-
-#include <cerrno>
-#include <cstring>
-
 #include <nlohmann/json.hpp>
 
 #include "core/json_text.h"
@@ -24,11 +19,9 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   const index::OpenedIndex& opened = snapshot->opened;
   const index::KeyMapping& mapping = snapshot->mapping;
   const auto& ckpt = opened.checkpoint;
-  struct stat src_st;
-  if (::stat(source_dir.c_str(), &src_st) != 0) {
-    return IoError(source_dir + ": stat: " + std::strerror(errno), errno);
-  }
-  const struct timespec mtime = src_st.st_mtim;
+  UCPFS_ASSIGN_OR_RETURN(const TreeEntry src_st, snapshot->tree().Stat(""));
+  const struct timespec mtime = {static_cast<time_t>(src_st.identity.mtime_ns / 1000000000),
+                                 static_cast<long>(src_st.identity.mtime_ns % 1000000000)};
 
   // Source files by id, opened on first read.
   const std::shared_ptr<IoCounters> counters = snapshot->counters;
@@ -41,7 +34,7 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
                         .tree = *tree,
                         .parent = kRootIno,
                         .mtime = mtime,
-                        .access = AccessOfSources(source_dir, ckpt.files)};
+                        .access = AccessOfSources(snapshot->tree(), ckpt.files)};
   // Every view kind, in registry order (inode numbers follow it).
   const std::vector<const ViewKind*>& kinds = ViewKinds();
   std::vector<ViewOutput> outs(kinds.size());
@@ -136,7 +129,7 @@ Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>
   for (const NamedSnapshot& named : run) {
     const index::Snapshot& snap = *named.snapshot;
     const index::Checkpoint& ckpt = snap.checkpoint();
-    const ViewAccess access = AccessOfSources(snap.source_dir(), ckpt.files);
+    const ViewAccess access = AccessOfSources(snap.tree(), ckpt.files);
     UCPFS_ASSIGN_OR_RETURN(Ino dir, tree->AddDir(all, named.name, mtime));
     UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
                            index::PatternOptionsFor(ckpt, options.preset, options.rules, options.vocab_pad_multiple,

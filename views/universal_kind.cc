@@ -2,14 +2,12 @@
 // views/universal_view.h) and `latest_universal`, for the tag the checkpoint is, and in a save
 // directory for every other tag (views/deepspeed_tags.h). A checkpoint the view cannot serve is
 // still mounted, without it: the reason goes to the log and status.json ("universal").
-#include <sys/stat.h>
-
 #include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "core/io/file_source.h"
+#include "core/io/source_tree.h"
 #include "fs/namespace.h"
 #include "views/deepspeed_tags.h"
 #include "views/universal_view.h"
@@ -25,27 +23,26 @@ using fs::Opener;
 using fs::Tree;
 
 // <dir>/ with the universal view's files, and `latest_universal` naming it. Checkpoint files
-// (the model states ds_to_universal copies) are served from `source_dir` + `source_prefix` +
-// source_rel, opened at open(2) and checked against the size seen now. Every one is resolved
-// before the first node is added, so a missing source file or a taken name fails with the tree
-// unchanged.
-Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string& source_dir,
+// (the model states ds_to_universal copies) are served from `source_prefix` + source_rel of
+// `source`, opened at open(2) (SourceTree::Open). Every one is resolved before the first node is
+// added, so a missing source file or a taken name fails with the tree unchanged.
+Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::shared_ptr<const SourceTree>& source,
                     const std::string& source_prefix, struct timespec mtime, const ViewAccess& access,
                     size_t* n_files) {
   struct Copied {
-    std::string path;
-    struct stat st;
+    std::string rel;
+    TreeEntry st;
   };
   std::vector<Copied> copies;  // each checkpoint file, in order
   for (const auto& f : u.files) {
     if (f.source != nullptr) continue;
-    const std::string path = source_dir + "/" + source_prefix + f.source_rel;
-    struct stat st = {};
-    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    const std::string rel = source_prefix + f.source_rel;
+    Result<TreeEntry> st = source->Stat(rel);
+    if (!st.ok() || st->kind != EntryKind::kFile) {
       return NotFoundError(u.dir + "/" + f.rel_path + ": source file " + source_prefix + f.source_rel +
                            " is not a regular file in the source");
     }
-    copies.push_back({path, st});
+    copies.push_back({rel, std::move(*st)});
   }
   if (tree.Lookup(kRootIno, u.dir) != nullptr) return InternalError(u.dir + ": the name is taken in the mount");
   UCPFS_ASSIGN_OR_RETURN(Ino udir, tree.AddDir(kRootIno, u.dir, mtime));
@@ -59,13 +56,14 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::string
     const std::string name = f.rel_path.substr(slash == std::string::npos ? 0 : slash + 1);
     if (f.source == nullptr) {
       const Copied& c = copies[next_link++];
-      Opener open = [path = c.path]() -> Result<std::shared_ptr<const ByteSource>> {
-        UCPFS_ASSIGN_OR_RETURN(auto file, FileSource::Open(path));
-        return std::shared_ptr<const ByteSource>(std::move(file));
+      Opener open = [source, rel = c.rel]() -> Result<std::shared_ptr<const ByteSource>> {
+        UCPFS_ASSIGN_OR_RETURN(OpenedFile file, source->Open(rel));
+        return std::move(file.bytes);
       };
-      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, name, static_cast<uint64_t>(c.st.st_size), c.st.st_mtim,
-                                                   std::move(open)));
-      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, c.st.st_mode, c.st.st_uid, c.st.st_gid));
+      const int64_t mtime_ns = c.st.identity.mtime_ns;
+      const struct timespec file_mtime = {static_cast<time_t>(mtime_ns / 1000000000), static_cast<long>(mtime_ns % 1000000000)};
+      UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, name, c.st.identity.n_bytes, file_mtime, std::move(open)));
+      UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, c.st.mode, c.st.uid, c.st.gid));
       continue;
     }
     const uint64_t n_bytes = f.source->Size();
@@ -90,6 +88,7 @@ class Universal final : public ViewKind {
   Status Add(const ViewContext& ctx, ViewOutput* out) const override {
     if (ctx.run_member) return Status::Ok();  // served for the run's newest checkpoint only, at the root
     const std::string& source_dir = ctx.snapshot->source_dir();
+    const std::shared_ptr<const SourceTree>& source = ctx.snapshot->options.tree;
     const index::KeyMapping& mapping = ctx.snapshot->mapping;
     const auto& ckpt = ctx.snapshot->checkpoint();
     const index::FileTable& files = ctx.snapshot->files;
@@ -117,7 +116,7 @@ class Universal final : public ViewKind {
     index::DeepSpeedTags other_tags;
     std::string other_tags_error;
     {
-      auto built = index::BuildDeepSpeedTagViews(source_dir, ckpt, counters);
+      auto built = index::BuildDeepSpeedTagViews(*source, ckpt, counters);
       if (built.ok()) {
         other_tags = std::move(*built);
       } else {
@@ -135,13 +134,15 @@ class Universal final : public ViewKind {
 
     size_t n_universal = 0;
     if (universal) {
-      UCPFS_RETURN_IF_ERROR(AddUniversal(*tree, *universal, source_dir, "", mtime, access, &n_universal));
+      UCPFS_RETURN_IF_ERROR(AddUniversal(*tree, *universal, source, "", mtime, access, &n_universal));
     }
     for (auto& t : other_tags.tags) {
       if (!t.view) continue;
-      const std::string tag_dir = source_dir + "/" + t.name;
+      Result<std::shared_ptr<const SourceTree>> tag_tree = source->Subtree(t.name);
       const Status added =
-          AddUniversal(*tree, *t.view, source_dir, t.name + "/", mtime, AccessOfSources(tag_dir, t.files), &n_universal);
+          tag_tree.ok() ? AddUniversal(*tree, *t.view, source, t.name + "/", mtime, AccessOfSources(**tag_tree, t.files),
+                                       &n_universal)
+                        : tag_tree.error();
       if (!added.ok()) {
         t.error = added.message();
         std::fprintf(stderr, "ucpfs: warning: no %s: %s\n", t.view->dir.c_str(), t.error.c_str());

@@ -62,7 +62,7 @@ struct ViewAccess {
   int64_t uid = -1;
   int64_t gid = -1;
 };
-ViewAccess AccessOfSources(const std::string& source_dir, const std::vector<index::SourceFile>& sources);
+ViewAccess AccessOfSources(const SourceTree& source, const std::vector<index::SourceFile>& sources);
 
 // What a kind is given. Valid for the call to ViewKind::Add only; what a kind's files need later
 // (the snapshot) it keeps by shared_ptr in their openers.

@@ -1,7 +1,5 @@
 // The registry of view kinds (view_kind.h): the one place a kind is listed. Their order is the
 // order they are added to a mount's tree, so inode numbers follow it: a new kind goes last.
-#include <sys/stat.h>
-
 #include "views/view_kind.h"
 
 namespace ucpfs::views {
@@ -17,24 +15,24 @@ const std::vector<const ViewKind*>& ViewKinds() {
   return kinds;
 }
 
-ViewAccess AccessOfSources(const std::string& source_dir, const std::vector<index::SourceFile>& sources) {
+ViewAccess AccessOfSources(const SourceTree& source, const std::vector<index::SourceFile>& sources) {
   ViewAccess a;
   bool all_other = true, all_user = true, all_group = true, first = true;
   int64_t uid = -1, gid = -1;
   bool same_uid = true, same_gid = true;
   for (const auto& f : sources) {
-    struct stat st;
-    if (::lstat((source_dir + "/" + f.rel_path).c_str(), &st) != 0) continue;  // read fails later
-    all_other = all_other && (st.st_mode & S_IROTH);
-    all_user = all_user && (st.st_mode & S_IRUSR);
-    all_group = all_group && (st.st_mode & S_IRGRP);
+    Result<TreeEntry> st = source.Stat(f.rel_path);
+    if (!st.ok()) continue;  // read fails later
+    all_other = all_other && (st->mode & 0004);
+    all_user = all_user && (st->mode & 0400);
+    all_group = all_group && (st->mode & 0040);
     if (first) {
-      uid = st.st_uid;
-      gid = st.st_gid;
+      uid = st->uid;
+      gid = st->gid;
       first = false;
     }
-    same_uid = same_uid && uid == static_cast<int64_t>(st.st_uid);
-    same_gid = same_gid && gid == static_cast<int64_t>(st.st_gid);
+    same_uid = same_uid && uid == st->uid;
+    same_gid = same_gid && gid == st->gid;
   }
   if (all_other) return a;
   a.mode = 0;

@@ -64,7 +64,16 @@ class FdCache {
 // do at start); returns the soft limit in force afterwards.
 uint64_t RaiseOpenFileLimit();
 
-class LazyFileSource final : public ByteSource {
+// A source file opened on first read and checked against the identity it was indexed with
+// (SourceTree::OpenLazy makes them: LazyFileSource for a local directory).
+class LazySource : public ByteSource {
+ public:
+  // Opens the file now, as a first read would (checked against the indexed identity), so that
+  // reads keep reaching it once another file is renamed over its name. Errors: as a read's open.
+  virtual Status Open() const = 0;
+};
+
+class LazyFileSource final : public LazySource {
  public:
   // `cache` null: the file keeps its own descriptor once opened.
   LazyFileSource(std::string path, FileIdentity expected, std::shared_ptr<IoCounters> counters = nullptr,
@@ -81,9 +90,8 @@ class LazyFileSource final : public ByteSource {
   Status ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index = nullptr) const override;
   // FileSource::Prefetch on the file (opened first if need be; an open that fails is ignored).
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
-  // Opens the file now, as a first read would (checked against the indexed identity), so that
-  // reads keep reaching it once another file is renamed over its name. Errors: as ReadAt's open.
-  Status Open() const { return Get().status(); }
+  // LazySource::Open (through the cache when there is one).
+  Status Open() const override { return Get().status(); }
 
  private:
   Result<std::shared_ptr<FileSource>> Get() const;

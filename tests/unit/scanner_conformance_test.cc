@@ -10,7 +10,12 @@
 //  - a corrupt-file catalogue (each file of the sample truncated, bit-flipped, emptied, grown to
 //    a huge sparse size, replaced by a symlink) scans in a child process under a memory and time
 //    limit: it ends with an error naming the directory or the file, or with a checkpoint that
-//    still keeps the contract and never reads through the symlink.
+//    still keeps the contract and never reads through the symlink;
+//  - the source is read only through its SourceTree (core/io/source_tree.h): each sample, and a
+//    run folder of Hugging Face Trainer-style `checkpoint-N/` directories, is scanned once
+//    through a LocalTree and once through an in-memory copy (memory_tree.h) while the directory
+//    on disk is moved away, and both give the same checkpoint (files, items, replicas, facts),
+//    the same catalog once stored and loaded, and the same file bytes.
 // Samples are written at test time by torch 1.13 (/usr/bin/python3: DCP, Megatron-LM legacy,
 // torch.save training state), unpacked from the DeepSpeed fuzz seed (a real DeepSpeed save,
 // tests/fuzz/seeds/deepspeed_zero1.bin) or copied from tests/data/safetensors.
@@ -34,8 +39,12 @@
 #include <vector>
 
 #include "index/catalog.h"
+#include "index/catalog_codec.h"
+#include "index/file_table.h"
+#include "index/run_dir.h"
 #include "index/scanner.h"
 #include "index/source_facts.h"
+#include "tests/unit/memory_tree.h"
 
 namespace ucpfs::index {
 namespace {
@@ -276,6 +285,145 @@ TEST_F(ScannerConformance, ScansKeepTheContract) {
     ASSERT_TRUE(c.ok()) << row.scanner << ": " << c.error().message();
     EXPECT_FALSE(std::holds_alternative<std::monostate>(c->facts)) << row.scanner << " hands over no facts";
     ExpectContract(*own, dir, *c, row.scanner);
+  }
+}
+
+// ---- one seam: the same checkpoint through any SourceTree -----------------------------------
+
+// The catalog's content of a checkpoint, as comparable text: every file (path, size, mtime:
+// device, inode and ctime are the store's own), every item and replica as the catalog encodes
+// it (and whether it is a model tensor), and the facts in their stored form.
+std::vector<std::string> CatalogContent(const Checkpoint& c) {
+  std::vector<std::string> out = {"format " + c.format, "flavor " + c.flavor, "facts " + EncodeSourceFacts(c.facts)};
+  for (const SourceFile& f : c.files) {
+    out.push_back("file " + f.rel_path + " " + std::to_string(f.n_bytes) + " " + std::to_string(f.mtime_ns));
+  }
+  for (const Item& it : c.items) out.push_back("item " + codec::EncodeItem(it) + (it.model_tensor ? " model" : ""));
+  for (const Item& it : c.replicas) out.push_back("replica " + codec::EncodeItem(it));
+  return out;
+}
+
+// Every file of the checkpoint read whole through a file table.
+std::vector<std::vector<std::byte>> FileBytes(const FileTable& table) {
+  std::vector<std::vector<std::byte>> out;
+  for (const auto& src : *table) {
+    Result<std::vector<std::byte>> bytes = ReadRange(*src, 0, src->Size());
+    EXPECT_TRUE(bytes.ok()) << src->Name() << ": " << (bytes.ok() ? "" : bytes.error().message());
+    out.push_back(bytes.ok() ? std::move(*bytes) : std::vector<std::byte>{});
+  }
+  return out;
+}
+
+// Moves `dir` away for its lifetime, so nothing can read it by path.
+class MovedAway {
+ public:
+  explicit MovedAway(fs::path dir) : dir_(std::move(dir)), away_(dir_.string() + ".away") { fs::rename(dir_, away_); }
+  ~MovedAway() { fs::rename(away_, dir_); }
+
+ private:
+  fs::path dir_, away_;
+};
+
+// Scans `dir` through a LocalTree, then through an in-memory copy of it with the directory
+// moved away (Root() the same path, so messages and facts may name it), and requires the same
+// catalog content; then stores both through the catalog (IndexOptions::tree), loads them back and
+// reads every file through OpenFileTable.
+void ExpectSameThroughMemory(const Scanner& scanner, const fs::path& dir, const fs::path& index_root,
+                             const std::string& what) {
+  const LocalTree local(dir.string());
+  Result<Checkpoint> on_disk = scanner.Scan(local, nullptr);
+  ASSERT_TRUE(on_disk.ok()) << what << ": " << on_disk.error().message();
+  Result<FileTable> disk_table = OpenFileTable(local, *on_disk, nullptr);
+  ASSERT_TRUE(disk_table.ok()) << what;
+  const std::vector<std::vector<std::byte>> disk_bytes = FileBytes(*disk_table);
+
+  const std::shared_ptr<const testing::MemoryTree> memory = testing::MemoryTree::CopyOf(dir, dir.string());
+  MovedAway away(dir);
+  ASSERT_FALSE(local.IsDirectory("")) << what << ": the directory is still there";
+  EXPECT_TRUE(scanner.Recognizes(*memory)) << what << ": not recognised in memory";
+  Result<const Scanner*> picked = ScannerFor(*memory);
+  ASSERT_TRUE(picked.ok()) << what << ": " << picked.error().message();
+  EXPECT_EQ((*picked)->Name(), scanner.Name()) << what;
+  Result<Checkpoint> in_memory = scanner.Scan(*memory, nullptr);
+  ASSERT_TRUE(in_memory.ok()) << what << " (in memory): " << in_memory.error().message();
+  EXPECT_EQ(CatalogContent(*in_memory), CatalogContent(*on_disk)) << what;
+  EXPECT_GT(memory->opens.load(), 0u) << what;
+
+  // The catalog through the tree: fingerprint, scan, store; then reuse (records checked against
+  // the tree's files).
+  IndexOptions io;
+  io.index_dir = (index_root / scanner.Name()).string();
+  io.tree = memory;
+  Result<OpenedIndex> built = OpenOrBuildIndex(dir.string(), io);
+  ASSERT_TRUE(built.ok()) << what << ": " << built.error().message();
+  EXPECT_EQ(built->state, IndexState::kBuilt) << what;
+  Result<OpenedIndex> reused = OpenOrBuildIndex(dir.string(), io);
+  ASSERT_TRUE(reused.ok()) << what << ": " << reused.error().message();
+  EXPECT_EQ(reused->state, IndexState::kReused) << what;
+  EXPECT_EQ(CatalogContent(reused->checkpoint), CatalogContent(*on_disk)) << what;
+
+  Result<FileTable> memory_table = OpenFileTable(*memory, reused->checkpoint, nullptr);
+  ASSERT_TRUE(memory_table.ok()) << what;
+  EXPECT_TRUE(FileBytes(*memory_table) == disk_bytes) << what << ": the files read differ";
+}
+
+TEST_F(ScannerConformance, ScansReadTheSourceOnlyThroughItsTree) {
+  for (const Sample& row : Samples()) {
+    const fs::path dir = SampleDir(row);
+    const Scanner* own = ByName(row.scanner);
+    ASSERT_NE(own, nullptr);
+    ExpectSameThroughMemory(*own, dir, *root_ / "tree-index", row.scanner);
+  }
+}
+
+// A run folder (index/run_dir.h) of two Hugging Face Trainer-style `checkpoint-N/` directories
+// (weights and trainer_state.json, the Trainer's completion marker): the same checkpoints, the
+// newest last, through both trees, and each scans the same through its subtree.
+TEST_F(ScannerConformance, RunFoldersAreTheSameThroughAnyTree) {
+  const Sample* weights = nullptr;
+  for (const Sample& row : Samples()) {
+    if (std::string_view(row.scanner) == "weights") weights = &row;
+  }
+  ASSERT_NE(weights, nullptr);
+  const fs::path sample = SampleDir(*weights);
+  const fs::path run = *root_ / "run";
+  fs::remove_all(run);
+  for (int step : {1, 2}) {
+    const fs::path c = run / ("checkpoint-" + std::to_string(step));
+    fs::create_directories(c);
+    fs::copy(sample, c, fs::copy_options::recursive);
+    std::ofstream(c / "trainer_state.json") << "{\"global_step\": " << step << "}\n";
+    // checkpoint-1 older, whatever the clock did while copying.
+    fs::last_write_time(c / "trainer_state.json", fs::file_time_type::clock::now() + std::chrono::hours(step));
+  }
+  const LocalTree local(run.string());
+  Result<RunCheckpoints> on_disk = FindRunCheckpoints(local);
+  ASSERT_TRUE(on_disk.ok()) << on_disk.error().message();
+  ASSERT_EQ(on_disk->checkpoints.size(), 2u);
+  EXPECT_EQ(on_disk->checkpoints.back().name, "checkpoint-2");
+  std::vector<Checkpoint> scanned;
+  for (const RunCheckpoint& c : on_disk->checkpoints) {
+    Result<Checkpoint> one = ScanCheckpoint(run / c.name);
+    ASSERT_TRUE(one.ok()) << c.name << ": " << one.error().message();
+    scanned.push_back(std::move(*one));
+  }
+
+  const std::shared_ptr<const testing::MemoryTree> memory = testing::MemoryTree::CopyOf(run, run.string());
+  MovedAway away(run);
+  Result<RunCheckpoints> in_memory = FindRunCheckpoints(*memory);
+  ASSERT_TRUE(in_memory.ok()) << in_memory.error().message();
+  ASSERT_EQ(in_memory->checkpoints.size(), on_disk->checkpoints.size());
+  for (size_t i = 0; i < in_memory->checkpoints.size(); ++i) {
+    const RunCheckpoint& m = in_memory->checkpoints[i];
+    const RunCheckpoint& d = on_disk->checkpoints[i];
+    EXPECT_EQ(m.name, d.name);
+    EXPECT_EQ(m.marker, d.marker);
+    EXPECT_EQ(m.marker_mtime_ns, d.marker_mtime_ns);
+    Result<std::shared_ptr<const SourceTree>> sub = memory->Subtree(m.name);
+    ASSERT_TRUE(sub.ok());
+    Result<Checkpoint> one = ScanCheckpoint(**sub);
+    ASSERT_TRUE(one.ok()) << m.name << ": " << one.error().message();
+    EXPECT_EQ(CatalogContent(*one), CatalogContent(scanned[i])) << m.name;
   }
 }
 
