@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/io/pinned_cache.h"
+#include "core/io/s3_tree.h"
 #include "core/io/write_capture.h"
 #include "fs/filesystem.h"
 #include "fs/fuse_mount.h"
@@ -138,6 +139,13 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   hooks.report = mount_report;
   // Who serves the mount: after a plain umount(8) it drains the write cache, then exits.
   hooks.status_extra["daemon_pid"] = static_cast<int64_t>(::getpid());
+  if (auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree)) {
+    hooks.s3_stats = [client = s3_tree->client()] {
+      const s3::CounterValues c = client->counters();
+      return nlohmann::ordered_json{{"requests", c.requests}, {"retries", c.retries}, {"failures", c.failures},
+                                    {"bytes_get", c.bytes_get}, {"connects", c.connects}};
+    };
+  }
   if (object_store) {
     hooks.status_extra["object_store"] = {
         {"url", source_dir},

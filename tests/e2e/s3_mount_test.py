@@ -110,18 +110,21 @@ def main():
                                    "--index-dir", os.path.join(index_dir, "ds")]).stdout)
             with mounted(url, os.path.join(work, "mnt-share"), f"--layout={LAYOUT}",
                          "--index-dir", os.path.join(index_dir, "ds")) as (m, _):
-                before = stats(m)["source_bytes_read"]
+                before, before_get = stats(m)["source_bytes_read"], stats(m)["s3"]["bytes_get"]
                 rank = os.path.join(m, "target", LAYOUT, "rank_0")
                 for f in rank0_files(plan):  # model.pt, optim.pt (model.safetensors repeats model.pt's bytes)
                     with open(os.path.join(rank, f), "rb") as fh:
                         while fh.read(1 << 20):
                             pass
                 got = stats(m)["source_bytes_read"] - before
+                got_get = stats(m)["s3"]["bytes_get"] - before_get  # the client's own count of GET bodies
             want = rank0_bytes(plan)
             distinct = plan["totals"]["distinct_bytes"]  # the tensor bytes of every rank together
             assert want > 0 and abs(got - want) <= 0.10 * want, f"rank 0 read {got} bytes from S3, its plan {want}"
             assert got < 0.75 * distinct, f"rank 0 read {got} bytes of the checkpoint's {distinct}"
-            print(f"rank_0 of {LAYOUT}: {got} bytes read from S3, plan {want}, all ranks' {distinct}", flush=True)
+            assert abs(got_get - want) <= 0.10 * want, f"rank 0: the client GET {got_get} bytes, its plan {want}"
+            print(f"rank_0 of {LAYOUT}: {got} bytes read from S3 ({got_get} GET by the client), plan {want}, "
+                  f"all ranks' {distinct}", flush=True)
         res.check("a target rank reads about its share", rank_share)
 
         def replaced_object():
