@@ -1,9 +1,11 @@
 #include "cli/checkpoint_cmds.h"
 #include "core/json_text.h"
+#include "core/io/s3_tree.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <functional>
@@ -47,21 +49,61 @@ std::string AbsPathOrJoined(const std::string& p) {
   return out;
 }
 
+bool IsS3Source(const std::string& src) { return src.starts_with("s3://"); }
+
+std::string S3IndexDir(const std::string& endpoint_url, const std::string& url) {
+  std::string base;
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  if (::geteuid() == 0) {
+    base = "/var/cache/ucpfs";
+  } else if (xdg != nullptr && xdg[0] == '/') {
+    base = std::string(xdg) + "/ucpfs";
+  } else {
+    const char* home = std::getenv("HOME");
+    base = std::string(home != nullptr && home[0] == '/' ? home : "/tmp") + "/.cache/ucpfs";
+  }
+  std::string key = endpoint_url + " " + url;
+  while (key.size() > 1 && key.back() == '/') key.pop_back();
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH3_64bits(key.data(), key.size())));
+  return base + "/s3-index/" + hex;
+}
+
+Result<std::shared_ptr<const SourceTree>> SourceTreeOf(const SourceArgs& args, std::string* source_dir) {
+  if (IsS3Source(args.src)) {
+    s3::Overrides overrides;
+    overrides.endpoint_url = args.s3_endpoint;
+    UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const S3Tree> tree, S3Tree::FromEnvironment(args.src, overrides));
+    *source_dir = tree->Root();
+    return std::shared_ptr<const SourceTree>(std::move(tree));
+  }
+  if (!args.s3_endpoint.empty()) {
+    return InvalidArgumentError("--s3-endpoint is for an s3:// source, not " + args.src);
+  }
+  *source_dir = AbsPath(args.src);
+  return std::shared_ptr<const SourceTree>(LocalTree::Make(*source_dir));
+}
+
 namespace {
 
 // The snapshot options of SRC (rules loaded).
 Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress) {
-  Result<TreeEntry> st = LocalTree(args.src).Stat("");
+  index::SnapshotOptions o;
+  UCPFS_ASSIGN_OR_RETURN(o.tree, SourceTreeOf(args, &o.source_dir));
+  Result<TreeEntry> st = o.tree->Stat("");
   if (!st.ok()) {
-    return NotFoundError(args.src + ": no such directory");
+    if (IsS3Source(args.src) && st.error().code() != StatusCode::kNotFound) return st.error();
+    return NotFoundError(args.src + (IsS3Source(args.src) ? ": no object under this prefix" : ": no such directory"));
   }
   if (st->kind != EntryKind::kDirectory) {
     return InvalidArgumentError(args.src + ": not a directory (for a torch.save file use `ucpfs inspect FILE`)");
   }
-  index::SnapshotOptions o;
-  o.source_dir = AbsPath(args.src);
-  o.tree = LocalTree::Make(o.source_dir);
   o.index_dir = args.index_dir;
+  if (o.index_dir.empty() && IsS3Source(args.src)) {
+    // Never next to the data here: the bucket is read-only to ucpfs (the index stays local).
+    const auto& client = std::static_pointer_cast<const S3Tree>(o.tree)->client();
+    o.index_dir = S3IndexDir(client->options().endpoint_url, o.source_dir);
+  }
   o.read_only_index = args.read_only_index;
   if (progress) o.progress = IndexingProgress(args.quiet);
   if (!args.rules.empty()) {
@@ -288,7 +330,7 @@ Result<views::ViewOptions> ParseTargetOptions(const MountArgs& args) {
 int RunMount(const MountArgs& mount_args) {
   // The daemon changes to "/": make every path absolute first.
   MountArgs args = mount_args;
-  args.source.src = AbsPath(args.source.src);
+  if (!IsS3Source(args.source.src)) args.source.src = AbsPath(args.source.src);
   args.mountpoint = AbsPathOrJoined(args.mountpoint);
   if (!args.source.index_dir.empty()) args.source.index_dir = AbsPath(args.source.index_dir);
   if (!args.source.rules.empty()) args.source.rules = AbsPath(args.source.rules);
@@ -328,7 +370,9 @@ int RunMount(const MountArgs& mount_args) {
     std::cerr << "ucpfs mount: " << args.mountpoint << ": mount point is not a directory\n";
     return 1;
   }
-  if (Status apart = fs::CheckMountPointAgainstSource(args.source.src, args.mountpoint); !apart.ok()) {
+  if (Status apart = IsS3Source(args.source.src) ? Status::Ok()
+                                                  : fs::CheckMountPointAgainstSource(args.source.src, args.mountpoint);
+      !apart.ok()) {
     return Fail("mount", apart);
   }
   auto snapshot_options = SnapshotOptionsOf(args.source, /*progress=*/args.foreground);
@@ -338,6 +382,14 @@ int RunMount(const MountArgs& mount_args) {
   }
   mount::DaemonOptions daemon;
   daemon.snapshot = std::move(*snapshot_options);
+  if (IsS3Source(args.source.src)) {
+    // The daemon is forked: its client must not share a connection this process opened (the
+    // checks above), or both would talk over one socket. A fresh client has none yet.
+    std::string url;
+    auto fresh = SourceTreeOf(args.source, &url);
+    if (!fresh.ok()) return Fail("mount", fresh.error());
+    daemon.snapshot.tree = std::move(*fresh);
+  }
   daemon.views = std::move(*targets);
   daemon.mountpoint = args.mountpoint;
   daemon.fuse_options = args.fuse_options;
@@ -346,7 +398,7 @@ int RunMount(const MountArgs& mount_args) {
   daemon.write_stall_timeout_s = args.write_stall_timeout_s;
   daemon.readahead = args.readahead;
   daemon.prefetch = args.prefetch;
-  daemon.read_only = args.read_only;
+  daemon.read_only = args.read_only || IsS3Source(args.source.src);  // saves to a bucket: not yet
   daemon.foreground = args.foreground;
   daemon.no_passthrough = args.no_passthrough;
   daemon.materialize_dir = args.materialize_dir;

@@ -19,7 +19,22 @@ struct SourceArgs {
   std::string rules;
   bool read_only_index = false;
   bool quiet = false;  // -q, --quiet: no progress on stderr
+  std::string s3_endpoint;  // --s3-endpoint: the S3 endpoint URL for an s3:// SRC (no secrets)
 };
+
+// Whether SRC names a bucket prefix (s3://BUCKET/PREFIX) rather than a directory.
+bool IsS3Source(const std::string& src);
+
+// The tree SRC is read through: for s3:// an S3Tree whose client takes its endpoint, region and
+// credentials from the AWS environment variables and ~/.aws (--s3-endpoint above them), else a
+// LocalTree over AbsPath(src). *source_dir: the URL (no trailing '/') or the absolute path.
+Result<std::shared_ptr<const SourceTree>> SourceTreeOf(const SourceArgs& args, std::string* source_dir);
+
+// Where the index of an s3:// source lives unless --index-dir says: always local, as
+// /var/cache/ucpfs/s3-index/<16 hex digits> for root, else
+// ${XDG_CACHE_HOME:-$HOME/.cache}/ucpfs/s3-index/<16 hex digits>, the digits an XXH3-64 of the
+// endpoint and the URL.
+std::string S3IndexDir(const std::string& endpoint_url, const std::string& url);
 
 // `p` with symlinks resolved and made absolute (realpath); `p` itself when that fails.
 std::string AbsPath(const std::string& p);

@@ -27,6 +27,9 @@ void AddSourceOptions(CLI::App* cmd, ucpfs::cli::SourceArgs& a) {
   cmd->add_flag("--read-only-index", a.read_only_index,
                 "never write the index; fail if it is missing or stale (shared, prebuilt indexes)");
   cmd->add_flag("-q,--quiet", a.quiet, "no progress on stderr");
+  cmd->add_option("--s3-endpoint", a.s3_endpoint,
+                  "S3 endpoint URL for an s3://BUCKET/PREFIX source (else AWS_ENDPOINT_URL, ~/.aws/config; "
+                  "credentials only from the AWS environment and files)");
 }
 
 }  // namespace
@@ -183,7 +186,7 @@ int main(int argc, char** argv) {
   if (plan->parsed()) return ucpfs::cli::RunPlan(plan_args);
   if (inspect->parsed()) {
     struct stat st;
-    if (::stat(inspect_args.src.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    if (ucpfs::cli::IsS3Source(inspect_args.src) || (::stat(inspect_args.src.c_str(), &st) == 0 && S_ISDIR(st.st_mode))) {
       return ucpfs::cli::RunInspectCheckpoint(inspect_args, inspect_json);
     }
     return ucpfs::cli::RunInspect(inspect_args.src, inspect_json, std::cout, std::cerr);

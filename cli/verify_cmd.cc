@@ -17,6 +17,7 @@
 #include "core/format/safetensors.h"
 #include "core/format/torch_file.h"
 #include "core/format/zip_reader.h"
+#include "core/io/s3_tree.h"
 #include "core/json_text.h"
 #include "core/slice/slice.h"
 #include "index/catalog.h"
@@ -57,7 +58,7 @@ struct Report {
 };
 
 // The stored index, if any, against the files on disk. Returns the stored checkpoint.
-std::optional<index::Checkpoint> CheckIndex(const std::string& index_dir, Report& r) {
+std::optional<index::Checkpoint> CheckIndex(const std::string& index_dir, const SourceTree& source, Report& r) {
   uint64_t stored_fp = 0;
   auto loaded = index::LoadCheckpoint(index_dir, /*read_only=*/true, &stored_fp);
   if (!loaded.ok()) {
@@ -70,7 +71,6 @@ std::optional<index::Checkpoint> CheckIndex(const std::string& index_dir, Report
     return std::nullopt;
   }
   const size_t before = r.problems.size();
-  const LocalTree source(r.src);
   for (const auto& f : loaded->files) {
     Result<TreeEntry> st = index::SafeRelativePath(f.rel_path) ? source.Stat(f.rel_path) : Result<TreeEntry>(NotFoundError(f.rel_path));
     if (!st.ok()) {
@@ -285,15 +285,19 @@ int RunVerify(const VerifyArgs& args) {
     std::cerr << "ucpfs verify: " << selection.error().ToString() << '\n';
     return 2;
   }
-  if (!LocalTree(args.source.src).IsDirectory("")) {
+  Report r;
+  index::SnapshotOptions so;
+  auto tree = SourceTreeOf(args.source, &r.src);
+  if (!tree.ok()) {
+    std::cerr << "ucpfs verify: " << tree.error().ToString() << '\n';
+    return 2;
+  }
+  if (!(*tree)->IsDirectory("")) {
     std::cerr << "ucpfs verify: " << args.source.src << ": not a checkpoint directory\n";
     return 1;
   }
-  Report r;
-  r.src = AbsPath(args.source.src);
-  index::SnapshotOptions so;
   so.source_dir = r.src;
-  so.tree = LocalTree::Make(r.src);
+  so.tree = *tree;
   if (!args.source.rules.empty()) {
     auto rules = index::LoadRules(args.source.rules);
     if (!rules.ok()) {
@@ -304,11 +308,13 @@ int RunVerify(const VerifyArgs& args) {
   }
   // The stored index, where it is: never created, built or rebuilt here.
   std::string index_dir = args.source.index_dir;
-  if (index_dir.empty()) {
+  if (index_dir.empty() && IsS3Source(r.src)) {
+    index_dir = S3IndexDir(std::static_pointer_cast<const S3Tree>(so.tree)->client()->options().endpoint_url, r.src);
+  } else if (index_dir.empty()) {
     struct stat ist;
     index_dir = ::stat((r.src + "/.ucpfs").c_str(), &ist) == 0 ? r.src + "/.ucpfs" : index::CacheIndexDir(r.src);
   }
-  std::optional<index::Checkpoint> stored = CheckIndex(index_dir, r);
+  std::optional<index::Checkpoint> stored = CheckIndex(index_dir, *so.tree, r);
 
   // A fresh scan: the builders validate coverage and compare replicas as they go.
   index::OpenedIndex opened;

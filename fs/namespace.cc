@@ -47,12 +47,13 @@ Status AddMetaDir(Tree& tree, struct timespec mtime, const std::string& status_t
     UCPFS_RETURN_IF_ERROR(
         tree.AddFile(meta, "status.json", status_n_bytes, Now(), FixedSource(std::move(status_src))).status());
   }
-  Opener stats_open = [counters, capture = hooks.capture_stats,
+  Opener stats_open = [counters, capture = hooks.capture_stats, s3 = hooks.s3_stats,
                        report = hooks.report]() -> Result<std::shared_ptr<const ByteSource>> {
     nlohmann::ordered_json j;
     if (counters) counters(j);
     if (report) report->AddTo(j);
     if (capture) j["capture"] = capture();
+    if (s3) j["s3"] = s3();
     std::string text = JsonText(j) + "\n";
     if (text.size() > kStatsJsonBytes) return InternalError("stats.json outgrew its " + std::to_string(kStatsJsonBytes) + " bytes");
     text.resize(kStatsJsonBytes, ' ');

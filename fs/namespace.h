@@ -48,6 +48,8 @@ struct MountHooks {
   std::function<Status()> sync;
   // The write capture's counters, as stats.json's "capture".
   std::function<nlohmann::ordered_json()> capture_stats;
+  // The object store's client counters (requests, bytes GET...), as stats.json's "s3".
+  std::function<nlohmann::ordered_json()> s3_stats;
   // View reads and errors so far, as stats.json's "views" and "errors" (MountReport::AddTo).
   std::shared_ptr<MountReport> report;
   // More top-level keys of status.json (e.g. "run": the checkpoints of a run directory).

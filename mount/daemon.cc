@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/io/pinned_cache.h"
+#include "core/io/s3_tree.h"
 #include "core/io/write_capture.h"
 #include "fs/filesystem.h"
 #include "fs/fuse_mount.h"
@@ -60,6 +61,10 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   auto read_ahead = ParseReadAhead(args.readahead, args.prefetch);
   if (!read_ahead.ok()) return report("options", read_ahead.error());
   const std::string source_dir = args.snapshot.source_dir;
+  // A bucket prefix (s3://BUCKET/PREFIX, read through an S3Tree): only the views are served;
+  // what needs a local source directory (write capture, the passthrough of the source's own
+  // files, reindexing after a save) is off, and status.json says so.
+  const bool object_store = source_dir.starts_with("s3://");
 
   // The write capture first: its recovery finishes what a killed daemon left before indexing.
   std::shared_ptr<io::WriteCapture> capture;
@@ -84,7 +89,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   auto mount_report = std::make_shared<fs::MountReport>();
   // --read-only-index writes nothing into SRC or the index (a shared, prebuilt index: saves
   // could never be indexed either): the mount is read-only, with no write capture.
-  bool read_only = args.read_only || args.snapshot.read_only_index;
+  bool read_only = args.read_only || args.snapshot.read_only_index || object_store;
   if (!read_only) {
     io::PinnedCacheOptions co;
     auto size = io::ParseByteSize(args.cache_size);
@@ -134,6 +139,19 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   hooks.report = mount_report;
   // Who serves the mount: after a plain umount(8) it drains the write cache, then exits.
   hooks.status_extra["daemon_pid"] = static_cast<int64_t>(::getpid());
+  if (auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree)) {
+    hooks.s3_stats = [client = s3_tree->client()] {
+      const s3::CounterValues c = client->counters();
+      return nlohmann::ordered_json{{"requests", c.requests}, {"retries", c.retries}, {"failures", c.failures},
+                                    {"bytes_get", c.bytes_get}, {"connects", c.connects}};
+    };
+  }
+  if (object_store) {
+    hooks.status_extra["object_store"] = {
+        {"url", source_dir},
+        {"off", {"write capture (the mount is read-only)", "the source's own files (no passthrough)",
+                 "reindex on a change of the source (remount after a new save)"}}};
+  }
   if (capture) {
     hooks.sync = [capture] { return capture->Sync(); };
     hooks.capture_stats = [capture] {
@@ -244,10 +262,12 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   mo.dynamic_dir = info.target_dir;
   mo.resolve = info.resolve_target;
   mo.list = info.list_target;
-  auto passthrough = fs::Passthrough::Make(source_dir, capture);
-  if (!passthrough.ok()) return report("source", passthrough.error());
-  if (reindexer) (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
-  mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+  if (!object_store) {
+    auto passthrough = fs::Passthrough::Make(source_dir, capture);
+    if (!passthrough.ok()) return report("source", passthrough.error());
+    if (reindexer) (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
+    mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+  }
   mo.kernel_passthrough = !args.no_passthrough;
   if (!args.materialize_dir.empty()) {
     // Checked by RunMount before the daemon started: a size that parses, a directory outside MNT.
