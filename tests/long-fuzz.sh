@@ -8,10 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-1000000}
-targets=(fuzz_zip_reader fuzz_pickle fuzz_torch_file fuzz_dcp_metadata fuzz_index_record fuzz_plain_value
-  fuzz_deepspeed_scan fuzz_capture_journal fuzz_safetensors fuzz_s3_xml)
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
-cmake --build build-fuzz -j"$(nproc)" --target "${targets[@]}"
+cmake --build build-fuzz -j"$(nproc)" --target fuzz_targets   # every ucpfs_fuzz target
+# The targets' names: the fuzz-labelled tests (one per target, named as it).
+mapfile -t targets < <(ctest --test-dir build-fuzz -N -L fuzz | sed -n 's/^ *Test *#[0-9]*: \(fuzz_[a-z0-9_]*\)$/\1/p')
+(( ${#targets[@]} > 0 )) || { echo "long-fuzz: no fuzz targets found"; exit 1; }
 for t in "${targets[@]}"; do
   corpus=build-fuzz/fuzz-corpus/$t
   mkdir -p "$corpus"

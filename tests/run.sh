@@ -40,7 +40,6 @@ if [ "$tier" != --quick ]; then
   # Everything the quick tier did not run (one regex: CTest takes a single -LE).
   timed ctest --test-dir build --output-on-failure -j2 -LE 'fuzz|unit|property|index|quick'
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
-  cmake --build build-fuzz -j"$(nproc)" --target fuzz_zip_reader fuzz_pickle fuzz_torch_file fuzz_dcp_metadata \
-    fuzz_index_record fuzz_plain_value fuzz_deepspeed_scan fuzz_capture_journal fuzz_safetensors
+  cmake --build build-fuzz -j"$(nproc)" --target fuzz_targets   # every ucpfs_fuzz target
   ctest --test-dir build-fuzz --output-on-failure -j"$(nproc)" -L fuzz   # each target is one process: run them side by side
 fi
