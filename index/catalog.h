@@ -47,7 +47,6 @@ inline constexpr uint32_t kCatalogSchemaVersion = 12;
 // `metadata.json`). A file replaced or edited in place changes it, so the index is rebuilt.
 // Errors: kNotFound, kIo.
 Result<uint64_t> FingerprintSource(const SourceTree& tree);
-inline Result<uint64_t> FingerprintSource(const std::string& dir) { return FingerprintSource(LocalTree(dir)); }
 
 // Produces the Checkpoint of a source directory given by its path (tests inject their own).
 using CheckpointScanner = std::function<Result<Checkpoint>(const std::string& dir,
@@ -98,9 +97,6 @@ Result<OpenedIndex> OpenOrBuildIndex(const std::string& src_dir, const IndexOpti
 // lies inside its file, and every tensor's fragments cover it exactly once. `index_dir` only
 // names the index in messages. Errors: kDataLoss naming the first record that does not match.
 Status ValidateIndexRecords(const SourceTree& tree, const std::string& index_dir, const Checkpoint& c);
-inline Status ValidateIndexRecords(const std::string& src_dir, const std::string& index_dir, const Checkpoint& c) {
-  return ValidateIndexRecords(LocalTree(src_dir), index_dir, c);
-}
 
 // Lower-level: write / read a checkpoint to / from an LMDB environment at `index_dir`.
 // Load errors: kNotFound (no index), kDataLoss (schema mismatch or undecodable records:

@@ -26,7 +26,6 @@ namespace ucpfs::index {
 // True when `dir` holds `.metadata` or any `__<r>.metadata` (DCP), possibly with
 // metadata.json (Megatron torch_dist).
 bool IsDcpDirectory(const SourceTree& tree);
-inline bool IsDcpDirectory(const std::string& dir) { return IsDcpDirectory(LocalTree(dir)); }
 
 // The parts, by name, when `dir` is not a DCP directory itself but one checkpoint saved as
 // several (2 to 16; else empty):
@@ -36,14 +35,10 @@ inline bool IsDcpDirectory(const std::string& dir) { return IsDcpDirectory(Local
 // checkpoints (run_dir.h), not one. ScanDcp scans such a directory as one checkpoint whose file
 // paths name the part (`optimizer_0/__0_0.distcp`).
 std::vector<std::string> DcpCompositeParts(const SourceTree& tree);
-inline std::vector<std::string> DcpCompositeParts(const std::string& dir) { return DcpCompositeParts(LocalTree(dir)); }
 
 // Scans `dir`. Errors: kNotFound (no metadata), kCorrupt (metadata or blob malformed, a chunk
 // whose stored shape disagrees with the metadata, coverage gaps/overlaps), kUnsupported.
 Result<Checkpoint> ScanDcp(const SourceTree& tree, const ScanProgress& progress = nullptr);
-inline Result<Checkpoint> ScanDcp(const std::string& dir, const ScanProgress& progress = nullptr) {
-  return ScanDcp(LocalTree(dir), progress);
-}
 
 // What the target views need from a Megatron-Core torch_dist checkpoint beyond its items: the
 // optimizer's param groups and step, which Megatron-LM's save keeps in common.pt

@@ -54,13 +54,9 @@ namespace ucpfs::index {
 
 // True when `dir` holds a regular file `latest`, or `*model_states.pt` files.
 bool IsDeepSpeedDirectory(const SourceTree& tree);
-inline bool IsDeepSpeedDirectory(const std::string& dir) { return IsDeepSpeedDirectory(LocalTree(dir)); }
 
 // Errors: kNotFound (no tag, no model states), kCorrupt, kUnsupported (see above).
 Result<Checkpoint> ScanDeepSpeed(const SourceTree& tree, const ScanProgress& progress = nullptr);
-inline Result<Checkpoint> ScanDeepSpeed(const std::string& dir, const ScanProgress& progress = nullptr) {
-  return ScanDeepSpeed(LocalTree(dir), progress);
-}
 
 // DeepSpeed's deepspeed.runtime.zero.config.ZeroStageEnum, an (int, Enum) the optimizer files
 // pickle as `zero_stage`.

@@ -73,13 +73,9 @@ namespace ucpfs::index {
 // True when `dir` holds a regular `latest_checkpointed_iteration.txt`, or is itself an
 // iteration directory (a directory `mp_rank_00` or `mp_rank_00_000` with `model_optim_rng.pt`).
 bool IsMegatronLegacyDirectory(const SourceTree& tree);
-inline bool IsMegatronLegacyDirectory(const std::string& dir) { return IsMegatronLegacyDirectory(LocalTree(dir)); }
 
 // Errors: kNotFound, kCorrupt, kUnsupported (see above), naming the file.
 Result<Checkpoint> ScanMegatronLegacy(const SourceTree& tree, const ScanProgress& progress = nullptr);
-inline Result<Checkpoint> ScanMegatronLegacy(const std::string& dir, const ScanProgress& progress = nullptr) {
-  return ScanMegatronLegacy(LocalTree(dir), progress);
-}
 
 // The model facts a Megatron-LM legacy checkpoint's MegatronSourceFacts record (heads, query
 // groups, head dim, hidden size, SwiGLU, layers, unpadded vocabulary, vocabulary pad multiple);

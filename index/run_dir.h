@@ -38,6 +38,5 @@ struct RunCheckpoints {
 // The checkpoints of the run folder at the root of `tree`. Errors: SourceTree::List's when the
 // root cannot be listed (kNotFound, kIo).
 Result<RunCheckpoints> FindRunCheckpoints(const SourceTree& tree);
-inline Result<RunCheckpoints> FindRunCheckpoints(const std::string& dir) { return FindRunCheckpoints(LocalTree(dir)); }
 
 }  // namespace ucpfs::index

@@ -38,12 +38,8 @@ class Scanner {
   // Whether the tree's root looks like this format. Cheap: it looks at names and small marker
   // files only.
   virtual bool Recognizes(const SourceTree& tree) const = 0;
-  bool Recognizes(const std::string& dir) const { return Recognizes(LocalTree(dir)); }
   // Errors: the format's own (kNotFound, kCorrupt, kUnsupported, ...), naming the file.
   virtual Result<Checkpoint> Scan(const SourceTree& tree, const ScanProgress& progress) const = 0;
-  Result<Checkpoint> Scan(const std::string& dir, const ScanProgress& progress) const {
-    return Scan(LocalTree(dir), progress);
-  }
 };
 
 // Every format, in the order they are tried.
@@ -51,12 +47,8 @@ std::span<const Scanner* const> Scanners();
 
 // The scanner of the tree. Errors: kNotFound naming the directory and what was looked for.
 Result<const Scanner*> ScannerFor(const SourceTree& tree);
-inline Result<const Scanner*> ScannerFor(const std::string& dir) { return ScannerFor(LocalTree(dir)); }
 
 // ScannerFor(tree)->Scan(tree, progress).
 Result<Checkpoint> ScanCheckpoint(const SourceTree& tree, const ScanProgress& progress = nullptr);
-inline Result<Checkpoint> ScanCheckpoint(const std::string& dir, const ScanProgress& progress = nullptr) {
-  return ScanCheckpoint(LocalTree(dir), progress);
-}
 
 }  // namespace ucpfs::index

@@ -46,14 +46,10 @@ inline constexpr size_t kMaxProbedFiles = 16;
 // True when `dir` is torchtune's output_dir, holds a Lightning `.ckpt`, or a torch.save file (`*.pt`, `*.pth`, `*.bin`) whose
 // pickle holds an optimizer state dict (probing at most kMaxProbedFiles files).
 bool IsTorchStateDirectory(const SourceTree& tree);
-inline bool IsTorchStateDirectory(const std::string& dir) { return IsTorchStateDirectory(LocalTree(dir)); }
 
 // Errors: kNotFound (no optimizer state), kUnsupported (several optimizer files or .ckpt files),
 // kCorrupt naming the file; the weights scanner's errors for the weights beside it.
 Result<Checkpoint> ScanTorchState(const SourceTree& tree, const ScanProgress& progress = nullptr);
-inline Result<Checkpoint> ScanTorchState(const std::string& dir, const ScanProgress& progress = nullptr) {
-  return ScanTorchState(LocalTree(dir), progress);
-}
 
 // What the target views need from a "torch_state" checkpoint beyond its items, read again from
 // its pickles: each param group's hyper-parameters and parameter names (positions named by the

@@ -39,16 +39,12 @@ namespace ucpfs::index {
 // or a torch.save candidate (`*.pt`, `*.pth`, `*.bin`; ScanWeights refuses several without an
 // index). Tried after every other format, whose directories may hold such files too.
 bool IsWeightsDirectory(const SourceTree& tree);
-inline bool IsWeightsDirectory(const std::string& dir) { return IsWeightsDirectory(LocalTree(dir)); }
 
 // The regular files of `rel_dir` of the tree (no symlinks, no hidden names), sorted; at most
 // 100000.
 std::vector<std::string> RegularFileNames(const SourceTree& tree, const std::string& rel_dir);
 
 Result<Checkpoint> ScanWeights(const SourceTree& tree, const ScanProgress& progress = nullptr);
-inline Result<Checkpoint> ScanWeights(const std::string& dir, const ScanProgress& progress = nullptr) {
-  return ScanWeights(LocalTree(dir), progress);
-}
 
 // The weights of one directory, read as ScanWeights reads them, into another scanner's builder
 // (torch_state_scan.h: the weights beside an optimizer's state).

@@ -100,7 +100,7 @@ void WriteFile(const std::string& path, std::string_view bytes) {
 // What a successful scan must satisfy beyond returning.
 void CheckScan(const std::string& dir, const ucpfs::index::Checkpoint& cp) {
   using namespace ucpfs::index;
-  if (ucpfs::Status valid = ValidateIndexRecords(dir, "(fuzz scan)", cp); !valid.ok()) Fail(valid.message());
+  if (ucpfs::Status valid = ValidateIndexRecords(ucpfs::LocalTree(dir), "(fuzz scan)", cp); !valid.ok()) Fail(valid.message());
   const std::string facts = EncodeSourceFacts(cp.facts);
   if (facts.size() > kMaxSourceFactsBytes || !DecodeSourceFacts(facts).ok()) {
     Fail("the scanner's facts do not round-trip in at most kMaxSourceFactsBytes");
@@ -138,7 +138,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (done > total || done <= last_done) Fail("progress " + std::to_string(done) + "/" + std::to_string(total));
     last_done = done;
   };
-  ucpfs::Result<ucpfs::index::Checkpoint> cp = ucpfs::index::ScanDeepSpeed(dir, progress);
+  ucpfs::Result<ucpfs::index::Checkpoint> cp = ucpfs::index::ScanDeepSpeed(ucpfs::LocalTree(dir), progress);
   if (cp.ok()) CheckScan(dir, *cp);
 
   for (const auto& [path, bytes] : files) ::unlink(path.c_str());

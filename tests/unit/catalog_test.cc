@@ -528,19 +528,19 @@ TEST(Fingerprint, ChangesWithSizeMtimeAndMetadataBytesOnly) {
                         "/metadata.json", "/nested/dir/extra.bin"}) {
     SetMtime(src + f, 1700000000, 5);
   }
-  Result<uint64_t> base = FingerprintSource(src);
+  Result<uint64_t> base = FingerprintSource(LocalTree(src));
   ASSERT_TRUE(base.ok()) << base.status().ToString();
-  EXPECT_EQ(*FingerprintSource(src), *base);  // deterministic
+  EXPECT_EQ(*FingerprintSource(LocalTree(src)), *base);  // deterministic
 
   // The index directory never counts.
   WriteFile(src + "/.ucpfs/data.mdb", "anything");
   WriteFile(src + "/nested/.ucpfs/lock", "");
-  EXPECT_EQ(*FingerprintSource(src), *base);
+  EXPECT_EQ(*FingerprintSource(LocalTree(src)), *base);
 
   // Every change below moves some file's ctime, so each gives a new fingerprint; `prev` follows.
   uint64_t prev = *base;
   auto changed = [&](const char* what) {
-    Result<uint64_t> now = FingerprintSource(src);
+    Result<uint64_t> now = FingerprintSource(LocalTree(src));
     ASSERT_TRUE(now.ok()) << now.status().ToString();
     EXPECT_NE(*now, prev) << what;
     prev = *now;
@@ -575,9 +575,9 @@ TEST(Fingerprint, ChangesWithSizeMtimeAndMetadataBytesOnly) {
   fs::remove(src + "/__2_1.distcp");
   changed("removed");
   // Nothing changed: the same fingerprint.
-  EXPECT_EQ(*FingerprintSource(src), prev);
+  EXPECT_EQ(*FingerprintSource(LocalTree(src)), prev);
 
-  Result<uint64_t> missing = FingerprintSource(tmp / "nope");
+  Result<uint64_t> missing = FingerprintSource(LocalTree(tmp / "nope"));
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.error().code(), StatusCode::kNotFound);
 }
@@ -639,7 +639,7 @@ TEST(OpenOrBuild, BuildReuseRebuildOnChange) {
   ASSERT_TRUE(first.ok()) << first.status().ToString();
   EXPECT_EQ(first->state, IndexState::kBuilt);
   EXPECT_EQ(first->index_dir, src + "/.ucpfs");  // writable source: index beside it
-  EXPECT_EQ(first->fingerprint, *FingerprintSource(src));
+  EXPECT_EQ(first->fingerprint, *FingerprintSource(LocalTree(src)));
   EXPECT_EQ(*scanner.calls, 1);
   EXPECT_EQ(progress_calls, 1u);
   ExpectCheckpointEq(SourceCheckpoint(src), first->checkpoint);
@@ -791,7 +791,7 @@ TEST(OpenOrBuild, ReadOnlyNeverWrites) {
 
   // Built elsewhere (as `ucpfs index` would), then only data.mdb is published, read-only.
   const std::string builder_dir = tmp / "builder";
-  ASSERT_TRUE(StoreCheckpoint(builder_dir, SourceCheckpoint(src), *FingerprintSource(src)).ok());
+  ASSERT_TRUE(StoreCheckpoint(builder_dir, SourceCheckpoint(src), *FingerprintSource(LocalTree(src))).ok());
   fs::create_directories(opts.index_dir);
   fs::copy_file(builder_dir + "/data.mdb", opts.index_dir + "/data.mdb");
   fs::permissions(opts.index_dir + "/data.mdb", fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read);
@@ -923,7 +923,7 @@ TEST(OpenOrBuild, RealDcpDirectories) {
                             " --variant " + variant + " >" + log + " 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd << "\n" << ReadFile(log);
     const char* name = variant;
-    Result<Checkpoint> direct = ScanDcp(src);
+    Result<Checkpoint> direct = ScanDcp(LocalTree(src));
     ASSERT_TRUE(direct.ok()) << direct.status().ToString();
 
     std::vector<std::pair<uint64_t, uint64_t>> progress;
@@ -974,7 +974,7 @@ TEST(OpenOrBuild, RealDcpDirectories) {
     Result<OpenedIndex> changed = OpenOrBuildIndex(src, opts);
     ASSERT_TRUE(changed.ok()) << changed.status().ToString();
     EXPECT_EQ(changed->state, IndexState::kRebuiltChanged);
-    Result<Checkpoint> rescanned = ScanDcp(src);  // its SourceFile carries the new mtime
+    Result<Checkpoint> rescanned = ScanDcp(LocalTree(src));  // its SourceFile carries the new mtime
     ASSERT_TRUE(rescanned.ok());
     ExpectCheckpointEq(*rescanned, changed->checkpoint);
   }
@@ -989,7 +989,7 @@ TEST(OpenOrBuild, CraftedIndexRecordsAreRebuiltOrRefused) {
   const std::string src = MakeSource(tmp);
   const std::string outside = tmp / "outside";
   WriteFile(outside, "secret bytes");
-  const uint64_t fp = *FingerprintSource(src);
+  const uint64_t fp = *FingerprintSource(LocalTree(src));
   struct Craft {
     const char* what;
     std::function<void(Checkpoint&)> edit;

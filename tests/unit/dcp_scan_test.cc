@@ -320,9 +320,9 @@ fs::path CopyOf(const fs::path& src, const std::string& name) {
 TEST(DcpScan, Torch2xLayoutAndData) {
   REQUIRE_X2();
   const fs::path dir = x2;
-  EXPECT_TRUE(IsDcpDirectory(dir.string()));
+  EXPECT_TRUE(IsDcpDirectory(LocalTree(dir.string())));
   std::vector<std::pair<uint64_t, uint64_t>> calls;
-  auto r = ScanDcp(dir.string(),
+  auto r = ScanDcp(LocalTree(dir.string()),
                    [&](uint64_t done, uint64_t total) { calls.emplace_back(done, total); });
   ASSERT_TRUE(r.ok()) << r.error().ToString();
   const Checkpoint& c = *r;
@@ -392,11 +392,11 @@ TEST(DcpScan, RankLocalMetadataMergedAndReplicasDropped) {
   REQUIRE_X2();
   const fs::path dir = Sibling(x2, "ranklocal");
   ASSERT_FALSE(fs::exists(dir / ".metadata"));
-  EXPECT_TRUE(IsDcpDirectory(dir.string()));
-  auto r = ScanDcp(dir.string());
+  EXPECT_TRUE(IsDcpDirectory(LocalTree(dir.string())));
+  auto r = ScanDcp(LocalTree(dir.string()));
   ASSERT_TRUE(r.ok()) << r.error().ToString();
   EXPECT_EQ(r->flavor, "torch-2.x");
-  auto base = ScanDcp(x2.string());
+  auto base = ScanDcp(LocalTree(x2.string()));
   ASSERT_TRUE(base.ok());
   EXPECT_EQ(Keys(*r), Keys(*base));
   size_t n_meta = 0;
@@ -416,8 +416,8 @@ TEST(DcpScan, RankLocalMetadataMergedAndReplicasDropped) {
 TEST(DcpScan, MegatronTorchDistFlattenedRange) {
   REQUIRE_X2();
   const fs::path dir = Sibling(x2, "megatron");
-  EXPECT_TRUE(IsDcpDirectory(dir.string()));
-  auto r = ScanDcp(dir.string());
+  EXPECT_TRUE(IsDcpDirectory(LocalTree(dir.string())));
+  auto r = ScanDcp(LocalTree(dir.string()));
   ASSERT_TRUE(r.ok()) << r.error().ToString();
   const Checkpoint& c = *r;
   EXPECT_EQ(c.flavor, "megatron-torch_dist");
@@ -482,7 +482,7 @@ void CheckTorch113(int ranks, bool single, int seed) {
     GTEST_SKIP() << "no torch at " << kPython;
   const auto* d = Fixtures::Get().Torch113(ranks, single, seed);
   ASSERT_NE(d, nullptr) << "gen_dcp113_llama.py failed:\n" << Fixtures::Get().log();
-  auto r = ScanDcp(d->dir.string());
+  auto r = ScanDcp(LocalTree(d->dir.string()));
   ASSERT_TRUE(r.ok()) << r.error().ToString();
   const Checkpoint& c = *r;
   EXPECT_EQ(c.flavor, "torch-1.13");
@@ -532,9 +532,9 @@ TEST(DcpScan, SubdirectoriesRepeatingKeysAreARunNotOneCheckpoint) {
   fs::create_directories(run);
   fs::copy(x2, run / "step-10", fs::copy_options::recursive);
   fs::copy(Sibling(x2, "ranklocal"), run / "step-20", fs::copy_options::recursive);
-  EXPECT_FALSE(IsDcpDirectory(run.string()));
-  EXPECT_TRUE(DcpCompositeParts(run.string()).empty());
-  auto found = FindRunCheckpoints(run.string());
+  EXPECT_FALSE(IsDcpDirectory(LocalTree(run.string())));
+  EXPECT_TRUE(DcpCompositeParts(LocalTree(run.string())).empty());
+  auto found = FindRunCheckpoints(LocalTree(run.string()));
   ASSERT_TRUE(found.ok()) << found.error().ToString();
   ASSERT_EQ(found->checkpoints.size(), 2u);
   // One DCP subdirectory alone is not a composite either, and a symlinked one is never followed.
@@ -542,41 +542,41 @@ TEST(DcpScan, SubdirectoriesRepeatingKeysAreARunNotOneCheckpoint) {
   fs::create_directories(one);
   fs::copy(x2, one / "pytorch_model_fsdp_0", fs::copy_options::recursive);
   fs::create_directory_symlink(Sibling(x2, "ranklocal"), one / "optimizer_0");
-  EXPECT_TRUE(DcpCompositeParts(one.string()).empty());
-  ExpectError(ScanDcp(one.string()), StatusCode::kNotFound, {"DCP subdirectories with disjoint keys"});
+  EXPECT_TRUE(DcpCompositeParts(LocalTree(one.string())).empty());
+  ExpectError(ScanDcp(LocalTree(one.string())), StatusCode::kNotFound, {"DCP subdirectories with disjoint keys"});
 }
 
 // ------------------------------------------------------------------------ errors
 
 TEST(DcpScan, MissingDirectoryOrMetadata) {
   REQUIRE_X2();
-  ExpectError(ScanDcp((Sibling(x2, "does-not-exist")).string()), StatusCode::kNotFound,
+  ExpectError(ScanDcp(LocalTree((Sibling(x2, "does-not-exist")).string())), StatusCode::kNotFound,
               {"does-not-exist"});
   fs::path d = CopyOf(x2, "nometa");
   fs::remove(d / ".metadata");
-  EXPECT_FALSE(IsDcpDirectory(d.string()));
-  ExpectError(ScanDcp(d.string()), StatusCode::kNotFound, {".metadata"});
+  EXPECT_FALSE(IsDcpDirectory(LocalTree(d.string())));
+  ExpectError(ScanDcp(LocalTree(d.string())), StatusCode::kNotFound, {".metadata"});
 }
 
 TEST(DcpScan, TruncatedMetadata) {
   REQUIRE_X2();
   fs::path d = CopyOf(x2, "truncmeta");
   fs::resize_file(d / ".metadata", fs::file_size(d / ".metadata") / 2);
-  ExpectError(ScanDcp(d.string()), StatusCode::kCorrupt, {".metadata"});
+  ExpectError(ScanDcp(LocalTree(d.string())), StatusCode::kCorrupt, {".metadata"});
 }
 
 TEST(DcpScan, StorageEntryPastEndOfFile) {
   REQUIRE_X2();
   fs::path d = CopyOf(x2, "pasteof");
   fs::resize_file(d / "__1_0.distcp", 100);
-  ExpectError(ScanDcp(d.string()), StatusCode::kCorrupt, {"__1_0.distcp", "past the end"});
+  ExpectError(ScanDcp(LocalTree(d.string())), StatusCode::kCorrupt, {"__1_0.distcp", "past the end"});
 }
 
 TEST(DcpScan, MissingDataFile) {
   REQUIRE_X2();
   fs::path d = CopyOf(x2, "nofile");
   fs::remove(d / "__2_1.distcp");
-  ExpectError(ScanDcp(d.string()), StatusCode::kCorrupt, {"__2_1.distcp", "missing"});
+  ExpectError(ScanDcp(LocalTree(d.string())), StatusCode::kCorrupt, {"__2_1.distcp", "missing"});
 }
 
 TEST(DcpScan, CorruptCatalogue) {
@@ -608,7 +608,7 @@ TEST(DcpScan, CorruptCatalogue) {
     SCOPED_TRACE(k.kind);
     const fs::path d = Sibling(x2, "corrupt") / k.kind;
     ASSERT_TRUE(fs::exists(d));
-    ExpectError(ScanDcp(d.string()), k.code, k.needles);
+    ExpectError(ScanDcp(LocalTree(d.string())), k.code, k.needles);
   }
 }
 
@@ -617,9 +617,9 @@ TEST(DcpScan, MegatronOtherBackendUnsupported) {
   fs::path d = CopyOf(Sibling(x2, "megatron"), "zarr");
   std::ofstream(d / "metadata.json")
       << R"({"sharded_backend": "zarr", "sharded_backend_version": 1})";
-  ExpectError(ScanDcp(d.string()), StatusCode::kUnsupported, {"zarr", "metadata.json"});
+  ExpectError(ScanDcp(LocalTree(d.string())), StatusCode::kUnsupported, {"zarr", "metadata.json"});
   std::ofstream(d / "metadata.json") << "{not json";
-  ExpectError(ScanDcp(d.string()), StatusCode::kCorrupt, {"metadata.json"});
+  ExpectError(ScanDcp(LocalTree(d.string())), StatusCode::kCorrupt, {"metadata.json"});
 }
 
 TEST(DcpMetadata, RootMustBeAMetadataObject) {
@@ -668,7 +668,7 @@ TEST(DcpScan, EveryMetadataPrefixFailsCleanly) {
       std::ofstream out(d / ".metadata", std::ios::binary | std::ios::trunc);
       out.write(reinterpret_cast<const char*>(full.data()), static_cast<std::streamsize>(n));
     }
-    auto r = ScanDcp(d.string());
+    auto r = ScanDcp(LocalTree(d.string()));
     ASSERT_FALSE(r.ok()) << n;
     EXPECT_TRUE(r.error().code() == StatusCode::kCorrupt) << n << ": " << r.error().ToString();
   }
@@ -701,7 +701,7 @@ TEST(DcpScan, RandomDamageNeverCrashes) {
       out.write(reinterpret_cast<const char*>(damaged.data()),
                 static_cast<std::streamsize>(damaged.size()));
     }
-    auto r = ScanDcp(d.string());
+    auto r = ScanDcp(LocalTree(d.string()));
     failures += !r.ok();
     {
       std::ofstream out(victim, std::ios::binary | std::ios::trunc);
@@ -710,7 +710,7 @@ TEST(DcpScan, RandomDamageNeverCrashes) {
     }
   }
   std::printf("%d of 60 damaged scans failed cleanly\n", failures);
-  EXPECT_TRUE(ScanDcp(d.string()).ok());
+  EXPECT_TRUE(ScanDcp(LocalTree(d.string())).ok());
 }
 
 }  // namespace

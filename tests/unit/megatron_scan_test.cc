@@ -214,11 +214,11 @@ std::vector<float> Gather(const Checkpoint& c, const Item& item, const std::stri
 
 TEST_F(MegatronScanTest, GlobalTensorsFromEveryRank) {
   const fs::path dir = Save("good");
-  ASSERT_TRUE(IsMegatronLegacyDirectory(dir.string()));
-  auto scanner = ScannerFor(dir.string());
+  ASSERT_TRUE(IsMegatronLegacyDirectory(LocalTree(dir.string())));
+  auto scanner = ScannerFor(LocalTree(dir.string()));
   ASSERT_TRUE(scanner.ok());
   EXPECT_EQ((*scanner)->Name(), "megatron");
-  auto c = ScanMegatronLegacy(dir.string());
+  auto c = ScanMegatronLegacy(LocalTree(dir.string()));
   ASSERT_TRUE(c.ok()) << c.error().message();
   EXPECT_EQ(c->format, "megatron");
   EXPECT_EQ(c->flavor, "megatron-lm-legacy tp2 pp2 iter_0000003");
@@ -272,7 +272,7 @@ TEST_F(MegatronScanTest, TpReplicatedCopiesAreCompared) {
     return files;
   };
   const fs::path good = Save("good");
-  auto c = ScanMegatronLegacy(good.string());
+  auto c = ScanMegatronLegacy(LocalTree(good.string()));
   ASSERT_TRUE(c.ok()) << c.error().message();
   std::set<std::string> keys;
   for (const Item& r : c->replicas) keys.insert(r.key);
@@ -300,7 +300,7 @@ TEST_F(MegatronScanTest, TpReplicatedCopiesAreCompared) {
     const float other = 12345.0f;
     file.write(reinterpret_cast<const char*>(&other), sizeof(other));
   }
-  auto b = ScanMegatronLegacy(broken.string());
+  auto b = ScanMegatronLegacy(LocalTree(broken.string()));
   ASSERT_TRUE(b.ok()) << "the scan itself does not read the copies: " << b.error().message();
   const std::vector<Status> problems = CheckTpReplicas(*b, open_all(*b, broken));
   ASSERT_EQ(problems.size(), 1u);
@@ -322,77 +322,77 @@ TEST_F(MegatronScanTest, NullTokenizerAddsItsEodRow) {
   EXPECT_EQ(MegatronTokenizerVocab(7, "NullTokenizer"), 8);
   EXPECT_EQ(MegatronTokenizerVocab(7, "GPT2BPETokenizer"), 7);
   EXPECT_EQ(MegatronTokenizerVocab(0, "NullTokenizer"), 0) << "an unknown vocabulary stays unknown";
-  auto c = ScanMegatronLegacy(Save("nulltok").string());
+  auto c = ScanMegatronLegacy(LocalTree(Save("nulltok").string()));
   ASSERT_TRUE(c.ok()) << c.error().message();
   auto facts = MegatronModelFacts(*c);
   ASSERT_TRUE(facts.ok());
   EXPECT_EQ(facts->vocab_size, 8);
-  ExpectError(ScanMegatronLegacy(Save("nulltok_over").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("nulltok_over").string())), StatusCode::kCorrupt,
               {"model_optim_rng.pt", "exceeds padded_vocab_size 8"});
 }
 
 TEST_F(MegatronScanTest, BadArgs) {
-  ExpectError(ScanMegatronLegacy(Save("noargs").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("noargs").string())), StatusCode::kCorrupt,
               {"mp_rank_00_000/model_optim_rng.pt", "no 'args'"});
-  ExpectError(ScanMegatronLegacy(Save("tp0").string()), StatusCode::kCorrupt, {"tensor_model_parallel_size = 0"});
-  ExpectError(ScanMegatronLegacy(Save("tphuge").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("tp0").string())), StatusCode::kCorrupt, {"tensor_model_parallel_size = 0"});
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("tphuge").string())), StatusCode::kCorrupt,
               {"model_optim_rng.pt", "tensor_model_parallel_size = 1099511627776 is out of range"});
-  ExpectError(ScanMegatronLegacy(Save("moe").string()), StatusCode::kUnsupported, {"mixture-of-experts"});
-  ExpectError(ScanMegatronLegacy(Save("version2").string()), StatusCode::kUnsupported, {"checkpoint_version 2"});
-  ExpectError(ScanMegatronLegacy(Save("mismatch").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("moe").string())), StatusCode::kUnsupported, {"mixture-of-experts"});
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("version2").string())), StatusCode::kUnsupported, {"checkpoint_version 2"});
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("mismatch").string())), StatusCode::kCorrupt,
               {"mp_rank_01_001/model_optim_rng.pt", "differ from rank 0's"});
-  ExpectError(ScanMegatronLegacy(Save("layers").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("layers").string())), StatusCode::kCorrupt,
               {"mp_rank_00_000/model_optim_rng.pt", "args give it 2"});
 }
 
 TEST_F(MegatronScanTest, ShapesThatDoNotMakeOneTensor) {
-  ExpectError(ScanMegatronLegacy(Save("shape").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("shape").string())), StatusCode::kCorrupt,
               {"mp_rank_01_000/model_optim_rng.pt", "linear_fc2.weight"});
 }
 
 TEST_F(MegatronScanTest, MissingRankAndTruncatedFile) {
   fs::path d = Copy("missing");
   fs::remove_all(d / "iter_0000003" / "mp_rank_01_001");
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_01_001", "is missing"});
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt, {"mp_rank_01_001", "is missing"});
 
   d = Copy("nofile");
   fs::remove(d / "iter_0000003" / "mp_rank_01_000" / "model_optim_rng.pt");
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_01_000/model_optim_rng.pt", "missing"});
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt, {"mp_rank_01_000/model_optim_rng.pt", "missing"});
 
   d = Copy("truncated");
   const fs::path f = d / "iter_0000003" / "mp_rank_01_000" / "model_optim_rng.pt";
   fs::resize_file(f, fs::file_size(f) / 2);
-  auto r = ScanMegatronLegacy(d.string());
+  auto r = ScanMegatronLegacy(LocalTree(d.string()));
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message().find("mp_rank_01_000/model_optim_rng.pt"), std::string::npos) << r.error().message();
 
   d = Copy("extra");
   fs::create_directory(d / "iter_0000003" / "mp_rank_02_000");
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_02_000", "beyond args' tp 2"});
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt, {"mp_rank_02_000", "beyond args' tp 2"});
 }
 
 TEST_F(MegatronScanTest, TrackerFile) {
   fs::path d = Copy("nowhere");
   std::ofstream(d / "latest_checkpointed_iteration.txt") << "7";
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt,
               {"latest_checkpointed_iteration.txt", "iteration 7", "iter_0000007"});
 
   d = Copy("garbage");
   std::ofstream(d / "latest_checkpointed_iteration.txt") << "../etc";
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt,
               {"latest_checkpointed_iteration.txt", "neither an iteration number nor 'release'"});
 
   d = Copy("symlink");
   fs::rename(d / "iter_0000003", d / "elsewhere");
   fs::create_directory_symlink("elsewhere", d / "iter_0000003");
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"iter_0000003", "symlink"});
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt, {"iter_0000003", "symlink"});
 
   d = Copy("huge");
   std::ofstream(d / "latest_checkpointed_iteration.txt") << std::string(100, '1');
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"latest_checkpointed_iteration.txt", "100 bytes"});
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt, {"latest_checkpointed_iteration.txt", "100 bytes"});
 
   // Without a tracker, the iteration directory itself is a checkpoint.
-  auto c = ScanMegatronLegacy((Save("good") / "iter_0000003").string());
+  auto c = ScanMegatronLegacy(LocalTree((Save("good") / "iter_0000003").string()));
   ASSERT_TRUE(c.ok()) << c.error().message();
   EXPECT_FALSE(c->items.empty());
 }
@@ -403,7 +403,7 @@ TEST_F(MegatronScanTest, TrackerFile) {
 TEST_F(MegatronScanTest, DistributedOptimizer) {
   for (const std::string variant : {"do", "do_buckets"}) {
     const fs::path dir = Save(variant);
-    auto c = ScanMegatronLegacy(dir.string());
+    auto c = ScanMegatronLegacy(LocalTree(dir.string()));
     ASSERT_TRUE(c.ok()) << variant << ": " << c.error().message();
     EXPECT_EQ(c->flavor, "megatron-lm-legacy tp2 pp2 distributed-optimizer iter_0000003");
     EXPECT_EQ(MegatronOptimizerStep(*c), 3.0);
@@ -438,22 +438,22 @@ TEST_F(MegatronScanTest, DistributedOptimizer) {
 }
 
 TEST_F(MegatronScanTest, BrokenDistributedOptimizerFiles) {
-  ExpectError(ScanMegatronLegacy(Save("do_numel").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("do_numel").string())), StatusCode::kCorrupt,
               {"mp_rank_00_000/distrib_optim.pt", "numel_unpadded is 400", "take 336 elements"});
-  ExpectError(ScanMegatronLegacy(Save("do_trunc").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("do_trunc").string())), StatusCode::kCorrupt,
               {"mp_rank_00_000/distrib_optim.pt", "'exp_avg' of grad buffer 0", "not a contiguous float32 vector"});
-  ExpectError(ScanMegatronLegacy(Save("do_nogbuf").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("do_nogbuf").string())), StatusCode::kCorrupt,
               {"mp_rank_00_000/distrib_optim.pt", "grad buffer 0 is missing"});
-  ExpectError(ScanMegatronLegacy(Save("do_dtype").string()), StatusCode::kCorrupt,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("do_dtype").string())), StatusCode::kCorrupt,
               {"mp_rank_00_000/distrib_optim.pt", "bfloat16 parameters, the model's are float32"});
-  ExpectError(ScanMegatronLegacy(Save("do_lists").string()), StatusCode::kUnsupported,
+  ExpectError(ScanMegatronLegacy(LocalTree(Save("do_lists").string())), StatusCode::kUnsupported,
               {"mp_rank_00_000/distrib_optim.pt", "buckets_coalesced"});
 
   const fs::path d = *root_ / "do-missing";
   fs::remove_all(d);
   fs::copy(Save("do"), d, fs::copy_options::recursive);
   fs::remove(d / "iter_0000003" / "mp_rank_01_001" / "distrib_optim.pt");
-  ExpectError(ScanMegatronLegacy(d.string()), StatusCode::kCorrupt, {"mp_rank_01_001/distrib_optim.pt", "missing"});
+  ExpectError(ScanMegatronLegacy(LocalTree(d.string())), StatusCode::kCorrupt, {"mp_rank_01_001/distrib_optim.pt", "missing"});
 
   // A file cut short: the archive no longer holds what its directory says.
   const fs::path t = *root_ / "do-short";
@@ -461,7 +461,7 @@ TEST_F(MegatronScanTest, BrokenDistributedOptimizerFiles) {
   fs::copy(Save("do"), t, fs::copy_options::recursive);
   const fs::path f = t / "iter_0000003" / "mp_rank_01_000" / "distrib_optim.pt";
   fs::resize_file(f, fs::file_size(f) - 100);
-  auto r = ScanMegatronLegacy(t.string());
+  auto r = ScanMegatronLegacy(LocalTree(t.string()));
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message().find("mp_rank_01_000/distrib_optim.pt"), std::string::npos) << r.error().message();
 }

@@ -240,7 +240,7 @@ void ExpectContract(const Scanner& scanner, const fs::path& dir, const Checkpoin
   std::set<std::string> keys;
   for (const Item& it : c.items) EXPECT_TRUE(keys.insert(it.key).second) << what << ": key '" << it.key << "' twice";
   for (const SourceFile& f : c.files) EXPECT_TRUE(SafeRelativePath(f.rel_path)) << what << ": " << f.rel_path;
-  const Status valid = ValidateIndexRecords(dir.string(), "(conformance)", c);
+  const Status valid = ValidateIndexRecords(LocalTree(dir.string()), "(conformance)", c);
   EXPECT_TRUE(valid.ok()) << what << ": " << valid.message();
   const std::string stored = EncodeSourceFacts(c.facts);
   EXPECT_LE(stored.size(), kMaxSourceFactsBytes) << what;
@@ -265,12 +265,12 @@ TEST_F(ScannerConformance, RecognisesItsOwnAndEarlierScannersDeclineIt) {
     const fs::path dir = SampleDir(row);
     const Scanner* own = ByName(row.scanner);
     ASSERT_NE(own, nullptr) << row.scanner;
-    EXPECT_TRUE(own->Recognizes(dir.string())) << row.scanner << " does not recognise its own sample";
+    EXPECT_TRUE(own->Recognizes(LocalTree(dir.string()))) << row.scanner << " does not recognise its own sample";
     for (const Scanner* s : Scanners()) {
       if (s == own) break;
-      EXPECT_FALSE(s->Recognizes(dir.string())) << s->Name() << " recognises " << row.scanner << "'s sample";
+      EXPECT_FALSE(s->Recognizes(LocalTree(dir.string()))) << s->Name() << " recognises " << row.scanner << "'s sample";
     }
-    Result<const Scanner*> picked = ScannerFor(dir.string());
+    Result<const Scanner*> picked = ScannerFor(LocalTree(dir.string()));
     ASSERT_TRUE(picked.ok()) << row.scanner << ": " << picked.error().message();
     EXPECT_EQ((*picked)->Name(), own->Name()) << row.scanner << "'s sample";
   }
@@ -281,7 +281,7 @@ TEST_F(ScannerConformance, ScansKeepTheContract) {
     const fs::path dir = SampleDir(row);
     const Scanner* own = ByName(row.scanner);
     ASSERT_NE(own, nullptr);
-    Result<Checkpoint> c = own->Scan(dir.string(), nullptr);
+    Result<Checkpoint> c = own->Scan(LocalTree(dir.string()), nullptr);
     ASSERT_TRUE(c.ok()) << row.scanner << ": " << c.error().message();
     EXPECT_FALSE(std::holds_alternative<std::monostate>(c->facts)) << row.scanner << " hands over no facts";
     ExpectContract(*own, dir, *c, row.scanner);
@@ -403,7 +403,7 @@ TEST_F(ScannerConformance, RunFoldersAreTheSameThroughAnyTree) {
   EXPECT_EQ(on_disk->checkpoints.back().name, "checkpoint-2");
   std::vector<Checkpoint> scanned;
   for (const RunCheckpoint& c : on_disk->checkpoints) {
-    Result<Checkpoint> one = ScanCheckpoint(run / c.name);
+    Result<Checkpoint> one = ScanCheckpoint(LocalTree(run / c.name));
     ASSERT_TRUE(one.ok()) << c.name << ": " << one.error().message();
     scanned.push_back(std::move(*one));
   }
@@ -509,7 +509,7 @@ ChildScan ScanInChild(const Scanner& scanner, const fs::path& dir, const std::st
     }
     ::alarm(kChildSeconds);
     std::string out;
-    Result<Checkpoint> c = scanner.Scan(dir.string(), nullptr);
+    Result<Checkpoint> c = scanner.Scan(LocalTree(dir.string()), nullptr);
     if (!c.ok()) {
       out = "error: " + c.error().message();
     } else {
@@ -518,7 +518,7 @@ ChildScan ScanInChild(const Scanner& scanner, const fs::path& dir, const std::st
       for (const Item& it : c->items) {
         if (!keys.insert(it.key).second) out = "contract: key '" + it.key + "' twice";
       }
-      const Status valid = ValidateIndexRecords(dir.string(), "(conformance)", *c);
+      const Status valid = ValidateIndexRecords(LocalTree(dir.string()), "(conformance)", *c);
       if (!valid.ok()) out = "contract: " + valid.message();
       if (!DecodeSourceFacts(EncodeSourceFacts(c->facts)).ok()) out = "contract: the facts do not round-trip";
       for (const SourceFile& f : c->files) {

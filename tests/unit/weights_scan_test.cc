@@ -105,8 +105,8 @@ class WeightsScanTest : public ::testing::Test {
 
 TEST_F(WeightsScanTest, ShardedSafetensorsWithIndex) {
   Sharded();
-  ASSERT_TRUE(IsWeightsDirectory(dir_));
-  auto c = ScanWeights(dir_);
+  ASSERT_TRUE(IsWeightsDirectory(LocalTree(dir_)));
+  auto c = ScanWeights(LocalTree(dir_));
   ASSERT_TRUE(c.ok()) << c.error().ToString();
   EXPECT_EQ(c->format, "weights");
   EXPECT_EQ(c->flavor, "safetensors");
@@ -133,7 +133,7 @@ TEST_F(WeightsScanTest, HfConfigBesideTheWeights) {
             R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": null, "intermediate_size": 48,
                 "num_hidden_layers": 2, "vocab_size": 250, "hidden_act": "silu", "tie_word_embeddings": false})");
-  auto c = ScanWeights(dir_);
+  auto c = ScanWeights(LocalTree(dir_));
   ASSERT_TRUE(c.ok()) << c.error().ToString();
   const auto* w = std::get_if<WeightsSourceFacts>(&c->facts);
   ASSERT_NE(w, nullptr);
@@ -153,7 +153,7 @@ TEST_F(WeightsScanTest, HfConfigBesideTheWeights) {
   EXPECT_EQ(facts->vocab_size, 250);
 
   WriteText(dir_ / "config.json", R"({"model_type": "llama", "num_attention_heads": "four"})");
-  c = ScanWeights(dir_);
+  c = ScanWeights(LocalTree(dir_));
   ASSERT_TRUE(c.ok()) << c.error().ToString();
   w = std::get_if<WeightsSourceFacts>(&c->facts);
   EXPECT_FALSE(w->hf_config.has_value());
@@ -174,7 +174,7 @@ TEST_F(WeightsScanTest, TorchStateDict) {
   auto f = format::LazyTorchFile::Build(sd, "pytorch_model.bin");
   ASSERT_TRUE(f.ok());
   WriteSource(**f, dir_ / "pytorch_model.bin");
-  auto c = ScanWeights(dir_);
+  auto c = ScanWeights(LocalTree(dir_));
   ASSERT_TRUE(c.ok()) << c.error().ToString();
   ASSERT_EQ(c->items.size(), 2u);
   EXPECT_EQ(c->items[0].key, "model.embed_tokens.weight");
@@ -185,7 +185,7 @@ TEST_F(WeightsScanTest, TorchStateDict) {
   // A Hugging Face Trainer's files beside pytorch_model.bin do not make it ambiguous.
   WriteText(dir_ / "optimizer.pt", "not read");
   WriteText(dir_ / "training_args.bin", "not read");
-  c = ScanWeights(dir_);
+  c = ScanWeights(LocalTree(dir_));
   ASSERT_TRUE(c.ok()) << c.error().ToString();
   EXPECT_EQ(c->items.size(), 2u);
   ASSERT_EQ(c->files.size(), 1u);
@@ -237,7 +237,7 @@ TEST_F(WeightsScanTest, DisagreementsAreRefused) {
     fs::create_directory(dir_);
     Sharded();
     b.apply(dir_);
-    auto c = ScanWeights(dir_);
+    auto c = ScanWeights(LocalTree(dir_));
     ASSERT_FALSE(c.ok());
     EXPECT_EQ(c.error().code(), b.code) << c.error().ToString();
     EXPECT_NE(c.error().message().find(b.needle), std::string::npos) << c.error().ToString();
@@ -245,12 +245,12 @@ TEST_F(WeightsScanTest, DisagreementsAreRefused) {
 }
 
 TEST_F(WeightsScanTest, AmbiguousOrEmptyDirectories) {
-  EXPECT_FALSE(IsWeightsDirectory(dir_));
-  EXPECT_EQ(ScanWeights(dir_).error().code(), StatusCode::kNotFound);
+  EXPECT_FALSE(IsWeightsDirectory(LocalTree(dir_)));
+  EXPECT_EQ(ScanWeights(LocalTree(dir_)).error().code(), StatusCode::kNotFound);
   // The same name in two un-indexed safetensors files.
   WriteSafetensors(dir_ / "a.safetensors", {{"w", F32({1}, 0)}});
   WriteSafetensors(dir_ / "b.safetensors", {{"w", F32({1}, 0)}});
-  auto c = ScanWeights(dir_);
+  auto c = ScanWeights(LocalTree(dir_));
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.error().code(), StatusCode::kCorrupt);
   EXPECT_NE(c.error().message().find("'w' is stored twice"), std::string::npos) << c.error().ToString();
@@ -259,8 +259,8 @@ TEST_F(WeightsScanTest, AmbiguousOrEmptyDirectories) {
   fs::create_directory(dir_);
   WriteText(dir_ / "a.pt", "x");
   WriteText(dir_ / "b.pt", "y");
-  ASSERT_TRUE(IsWeightsDirectory(dir_));
-  c = ScanWeights(dir_);
+  ASSERT_TRUE(IsWeightsDirectory(LocalTree(dir_)));
+  c = ScanWeights(LocalTree(dir_));
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.error().code(), StatusCode::kUnsupported);
 }
