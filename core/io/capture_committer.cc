@@ -136,6 +136,13 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
   std::vector<IoCompletion> synced = engine.RunAll(std::span<const IoOp>(&sync, 1));
   UCPFS_RETURN_IF_ERROR(FirstError(synced));
   if (placed) {
+    if (closed_before && options.before_settled) {
+      struct stat st = {};
+      if (fstat(f->fd, &st) != 0) return Errno("stat " + PartPath(*f), errno);
+      std::string rel = RelPath(*f);  // where it is now (a rename may have moved it since)
+      if (rel.empty()) return Status(StatusCode::kIo, "'" + f->name + "' was moved out of the source", EIO);
+      UCPFS_RETURN_IF_ERROR(options.before_settled(rel, st));
+    }
     {
       std::lock_guard lock(f->mu);
       f->settled = closed_before;
@@ -153,6 +160,14 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
   const int dir = *place;
   Status late_attrs;
   if (options.before_replace) options.before_replace(rel);
+  if (closed_before && options.before_settled) {
+    struct stat st = {};
+    Status queued = fstat(f->fd, &st) == 0 ? options.before_settled(rel, st) : Errno("stat " + PartPath(*f), errno);
+    if (!queued.ok()) {
+      close(dir);
+      return queued;
+    }
+  }
   {
     // Under the file's lock: an unlink (Discard) either comes first, and the file is never
     // placed, or after, and finds it placed.
