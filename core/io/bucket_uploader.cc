@@ -69,6 +69,11 @@ struct BucketUploader::Impl {
   struct Item {
     PendingUpload what;
     uint64_t n_bytes = 0;
+    // Queued by write capture's commit before the file shows under its name: taken up only once
+    // it does (`visible`), or skipped once a later commit's file shows (the committer is serial:
+    // this commit ended without placing it, e.g. the file was unlinked while pending).
+    bool from_capture = false;
+    bool visible = true;
   };
   std::mutex journal_mu;  // taken before mu, never after
   mutable std::mutex mu;
@@ -84,6 +89,8 @@ struct BucketUploader::Impl {
   uint64_t uploaded_files = 0, uploaded_bytes = 0, deleted_objects = 0, skipped = 0;
   // Uploaded staged files (path -> inode, size, mtime): removed at Stop when still the same.
   std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> uploaded;
+  // The version last queued at each path (this mount's life).
+  std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
   std::thread thread;
 
   void Log(const std::string& line) const {
@@ -106,11 +113,20 @@ struct BucketUploader::Impl {
     return Status::Ok();
   }
 
-  Status Enqueue(PendingUpload p) {
+  Status Enqueue(PendingUpload p, bool from_capture = false) {
     UCPFS_RETURN_IF_ERROR(CheckPlacePath(p.path));
     std::lock_guard journal_lock(journal_mu);
     {
       std::lock_guard lock(mu);
+      // The same version queued again (an fsync, then the close of an unchanged file): once.
+      const auto last = last_queued.find(p.path);
+      const std::tuple<uint64_t, uint64_t, int64_t> version{p.ino, p.size, p.mtime_ns};
+      if (!p.is_delete && last != last_queued.end() && last->second == version) return Status::Ok();
+      if (p.is_delete) {
+        last_queued.erase(p.path);
+      } else {
+        last_queued[p.path] = version;
+      }
       p.id = next_id++;
     }
     UploadRecord r;
@@ -120,11 +136,15 @@ struct BucketUploader::Impl {
     r.ino = p.ino;
     r.mtime_ns = p.mtime_ns;
     r.path = p.path;
-    UCPFS_RETURN_IF_ERROR(Append(r));
+    if (Status s = Append(r); !s.ok()) {
+      std::lock_guard lock(mu);
+      last_queued.erase(p.path);  // not queued: a later call must not be taken for a repeat
+      return s;
+    }
     {
       std::lock_guard lock(mu);
       const uint64_t n = p.size;
-      queue.push_back({std::move(p), n});
+      queue.push_back({std::move(p), n, from_capture, !from_capture});
       ++n_enqueued;
     }
     cv.notify_all();
@@ -238,6 +258,54 @@ struct BucketUploader::Impl {
     return s;
   }
 
+  // Whether the staging path names the item's inode now.
+  bool Visible(const PendingUpload& p) const {
+    const int fd = OpenUnder(stage_fd, p.path, O_PATH | O_NOFOLLOW);
+    if (fd < 0) return false;
+    struct stat st = {};
+    const bool same = fstat(fd, &st) == 0 && st.st_ino == p.ino;
+    close(fd);
+    return same;
+  }
+
+  // Waits until the head may be taken up (see Item::visible). *gone: skip it. False: stopping.
+  // A head that shows neither itself nor a sign that its commit ended is skipped after 60 s (a
+  // commit whose rename keeps failing: when it places the file later, its commit queues it again).
+  bool WaitVisible(bool* gone) {
+    const auto since = Clock::now();
+    for (;;) {
+      if (Clock::now() - since > std::chrono::seconds(60)) {
+        std::lock_guard lock(mu);
+        last_queued.erase(queue.front().what.path);
+        *gone = true;
+        return true;
+      }
+      std::vector<Item> snapshot;
+      {
+        std::unique_lock lock(mu);
+        if (stopping) return false;
+        if (queue.front().visible) return true;
+        snapshot.assign(queue.begin(), queue.end());
+      }
+      if (Visible(snapshot[0].what)) {
+        std::lock_guard lock(mu);
+        queue.front().visible = true;
+        return true;
+      }
+      for (size_t i = 1; i < snapshot.size(); ++i) {
+        // A later commit's file shows, or the name was renamed away or unlinked since (the
+        // passthrough renames and unlinks only files that show).
+        const bool renamed_away = snapshot[i].what.is_delete && snapshot[i].what.path == snapshot[0].what.path;
+        if (renamed_away || (snapshot[i].from_capture && (snapshot[i].visible || Visible(snapshot[i].what)))) {
+          *gone = true;
+          return true;
+        }
+      }
+      std::unique_lock lock(mu);
+      cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return stopping; });
+    }
+  }
+
   void Loop() {
     auto backoff = std::chrono::milliseconds(1000);
     std::string last_logged;
@@ -247,12 +315,25 @@ struct BucketUploader::Impl {
         std::unique_lock lock(mu);
         cv.wait(lock, [&] { return stopping || !queue.empty(); });
         if (stopping) return;
-        item = queue.front();
       }
       bool skip = false;
-      const Status s = Do(item, &skip);
+      if (!WaitVisible(&skip)) return;
+      {
+        std::lock_guard lock(mu);
+        item = queue.front();
+      }
+      Status s;
+      if (skip) {
+        Log("ucpfs: upload: " + options.stage_dir + "/" + item.what.path +
+            " does not show under its name (renamed or unlinked since, or never placed): skipped");
+      } else {
+        s = Do(item, &skip);
+      }
       if (!s.ok()) {
-        const std::string line = "ucpfs: upload of " + Url(item.what.path) + " failed: " + s.ToString() +
+        // Once per item and error (a request id differs on every try).
+        std::string error = s.ToString();
+        if (const size_t at = error.find(" (request "); at != std::string::npos) error.resize(at);
+        const std::string line = "ucpfs: upload of " + Url(item.what.path) + " failed: " + error +
                                  " (kept staged; tried again, every later file waits behind it)";
         if (line != last_logged) Log(line);
         last_logged = line;
@@ -362,7 +443,8 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
     return fail(m.options.state_dir + " is not owned by this user", EPERM);
   }
   m.journal_path = m.options.state_dir + "/journal";
-  m.journal_fd = openat(m.state_fd, "journal", O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  // O_APPEND: every record lands at the end, also after the journal is truncated.
+  m.journal_fd = openat(m.state_fd, "journal", O_RDWR | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (m.journal_fd < 0) return fail("open " + m.journal_path, errno);
   if (flock(m.journal_fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
@@ -396,8 +478,7 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
   }
   // Afresh: the items not done are written again (same order, new ids) after the magic.
   if (ftruncate(m.journal_fd, 0) != 0) return fail("truncate " + m.journal_path, errno);
-  if (lseek(m.journal_fd, 0, SEEK_SET) != 0 ||
-      write(m.journal_fd, kUploadJournalMagic, sizeof(kUploadJournalMagic)) != sizeof(kUploadJournalMagic)) {
+  if (write(m.journal_fd, kUploadJournalMagic, sizeof(kUploadJournalMagic)) != sizeof(kUploadJournalMagic)) {
     return fail("write " + m.journal_path, errno);
   }
   if (fdatasync(m.journal_fd) != 0 || fsync(m.state_fd) != 0) return fail("fsync " + m.journal_path, errno);
@@ -433,13 +514,19 @@ BucketUploader::~BucketUploader() {
   close(impl_->stage_fd);
 }
 
-Status BucketUploader::Queue(const std::string& rel_path, const struct stat& st) {
+namespace {
+PendingUpload UploadOf(const std::string& rel_path, const struct stat& st) {
   PendingUpload p;
   p.path = Clean(rel_path);
   p.size = static_cast<uint64_t>(st.st_size);
   p.ino = st.st_ino;
   p.mtime_ns = MtimeNs(st);
-  return impl_->Enqueue(std::move(p));
+  return p;
+}
+}  // namespace
+
+Status BucketUploader::Queue(const std::string& rel_path, const struct stat& st) {
+  return impl_->Enqueue(UploadOf(rel_path, st), /*from_capture=*/true);
 }
 
 Status BucketUploader::Changed(const std::string& rel_path) {
@@ -462,7 +549,7 @@ Status BucketUploader::Changed(const std::string& rel_path) {
   const int rc = fstat(fd, &st);
   close(fd);
   if (rc != 0) return IoError("stat " + m.options.stage_dir + "/" + rel, errno);
-  if (S_ISREG(st.st_mode)) return Queue(rel, st);
+  if (S_ISREG(st.st_mode)) return m.Enqueue(UploadOf(rel, st));
   if (!S_ISDIR(st.st_mode)) return Status::Ok();
   // A directory renamed into place: its files, in name order, depth first (bounded).
   size_t budget = 100000;
@@ -492,7 +579,7 @@ Status BucketUploader::Changed(const std::string& rel_path) {
       close(cfd);
       if (crc != 0) continue;
       if (S_ISREG(cst.st_mode)) {
-        UCPFS_RETURN_IF_ERROR(Queue(child, cst));
+        UCPFS_RETURN_IF_ERROR(m.Enqueue(UploadOf(child, cst)));
       } else if (S_ISDIR(cst.st_mode)) {
         UCPFS_RETURN_IF_ERROR(walk(child));
       }

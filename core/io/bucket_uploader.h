@@ -79,8 +79,11 @@ class BucketUploader {
   BucketUploader(const BucketUploader&) = delete;
   BucketUploader& operator=(const BucketUploader&) = delete;
 
-  // Queues the staged file `rel_path` (its stat now: inode, size, mtime) for upload; returns once
-  // the record is durable. Errors: kIo (the journal cannot be written), kInvalidArgument (a path
+  // Queues the staged file `rel_path` (its stat: inode, size, mtime) for upload; returns once the
+  // record is durable. Called by write capture's commit (before_settled) before the file shows
+  // under that name: it is taken up once the name shows that inode (or skipped once a file
+  // queued after it shows: its commit ended without placing it). The version queued last at that path (same inode, size and mtime) is
+  // not queued again (an fsync, then the close of the unchanged file). Errors: kIo (the journal cannot be written), kInvalidArgument (a path
   // that is not clean).
   Status Queue(const std::string& rel_path, const struct stat& st);
   // Something changed at `rel_path` in the staging directory outside write capture (a rename's

@@ -89,12 +89,12 @@ struct WriteCaptureOptions {
   // Called on the committer thread just before a file is renamed over `rel_path` (whatever is
   // there is replaced): what still reads the old file can open it now.
   std::function<void(const std::string& rel_path)> before_replace;
-  // Called on the committer thread for each commit of a closed file (not for an fsync of one
-  // still open), with its path and its inode's stat once its bytes, size, owner, mode and times
-  // are durable: for a file not yet under its final name just before the rename (so what this
+  // Called on the committer thread for each commit (a close, or an fsync of a file still open),
+  // with its path and its inode's stat (size, owner, mode, times as placed): for a file not yet
+  // under its final name once its bytes are durable and just before the rename (so what this
   // records durably comes first: the file is never visible under its name unrecorded), for one
-  // placed already (an fsync before the close) right after its last fdatasync. Recovery calls it
-  // too, before it places a closed file a killed daemon left. An error fails that commit (the
+  // placed already (an earlier fsync) just before the fdatasync of its new bytes. Recovery calls
+  // it too, before it places a closed file a killed daemon left. An error fails that commit (the
   // file is kept and tried again, as after any commit error; recovery keeps it for the next
   // mount). The bucket uploader (bucket_uploader.h) queues the file here.
   std::function<Status(const std::string& rel_path, const struct stat& st)> before_settled;
