@@ -407,8 +407,10 @@ int RunMount(const MountArgs& mount_args) {
   daemon.prefetch = args.prefetch;
   daemon.read_only = args.read_only;
   if (s3_writable) {
-    // Default: beside the mount's local index (S3IndexDir, or --index-dir).
-    daemon.stage_dir = args.stage_dir.empty() ? daemon.snapshot.index_dir + "/stage" : AbsPathOrJoined(args.stage_dir);
+    // Default: in the mount's local index directory (S3IndexDir, or --index-dir), as `.stage`:
+    // a run directory's checkpoints are indexed in subdirectories named after them, and a
+    // checkpoint's name never starts with '.' (index/run_dir.h).
+    daemon.stage_dir = args.stage_dir.empty() ? daemon.snapshot.index_dir + "/.stage" : AbsPathOrJoined(args.stage_dir);
     if (daemon.stage_dir == args.mountpoint || daemon.stage_dir.starts_with(args.mountpoint + "/")) {
       return Fail("mount", InvalidArgumentError("--stage-dir " + daemon.stage_dir + " is inside the mount point"));
     }
