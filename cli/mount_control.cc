@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -97,15 +98,8 @@ size_t ReportUnplaced(const std::string& mnt, const std::string& who, size_t* in
   return list.size();
 }
 
-// SyncMount(mnt), and while it waits on uploads to a bucket (an s3:// mount's stats.json
-// `s3.upload`), a progress line every 2 s; after a failed sync, each object not uploaded named.
-// Returns SyncMount's status and how many objects are not uploaded.
-Status SyncWithUploads(const std::string& mnt, const std::string& who, size_t* not_uploaded) {
-  auto upload = [&mnt] {
-    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
-    if (stats.is_discarded() || !stats.contains("s3") || !stats["s3"].contains("upload")) return nlohmann::json();
-    return stats["s3"]["upload"];
-  };
+// SyncMount(mnt) on a thread, calling `tick` every `period` while it waits; its status.
+Status SyncTicking(const std::string& mnt, std::chrono::milliseconds period, const std::function<void()>& tick) {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -119,17 +113,34 @@ Status SyncWithUploads(const std::string& mnt, const std::string& who, size_t* n
   });
   {
     std::unique_lock lock(mu);
-    while (!cv.wait_for(lock, std::chrono::seconds(2), [&] { return done; })) {
-      const nlohmann::json u = upload();
-      if (u.is_object() && u.value("queued_files", uint64_t{0}) > 0) {
-        std::cerr << who << ": uploading " << u.value("queued_files", uint64_t{0}) << " file(s), "
-                  << HumanBytes(static_cast<double>(u.value("queued_bytes", uint64_t{0}))) << " to go"
-                  << (u.value("failing", std::string()).empty() ? "" : " (failing: " + u.value("failing", std::string()) + ")")
-                  << '\n';
-      }
+    while (!cv.wait_for(lock, period, [&] { return done; })) {
+      lock.unlock();
+      tick();
+      lock.lock();
     }
   }
   syncer.join();
+  return s;
+}
+
+// SyncMount(mnt), and while it waits on uploads to a bucket (an s3:// mount's stats.json
+// `s3.upload`), a progress line every 2 s; after a failed sync, each object not uploaded named.
+// Returns SyncMount's status and how many objects are not uploaded.
+Status SyncWithUploads(const std::string& mnt, const std::string& who, size_t* not_uploaded) {
+  auto upload = [&mnt] {
+    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
+    if (stats.is_discarded() || !stats.contains("s3") || !stats["s3"].contains("upload")) return nlohmann::json();
+    return stats["s3"]["upload"];
+  };
+  const Status s = SyncTicking(mnt, std::chrono::seconds(2), [&] {
+    const nlohmann::json u = upload();
+    if (u.is_object() && u.value("queued_files", uint64_t{0}) > 0) {
+      std::cerr << who << ": uploading " << u.value("queued_files", uint64_t{0}) << " file(s), "
+                << HumanBytes(static_cast<double>(u.value("queued_bytes", uint64_t{0}))) << " to go"
+                << (u.value("failing", std::string()).empty() ? "" : " (failing: " + u.value("failing", std::string()) + ")")
+                << '\n';
+    }
+  });
   *not_uploaded = 0;
   if (!s.ok()) {
     const nlohmann::json u = upload();
@@ -159,17 +170,6 @@ int RunSync(const SyncArgs& args) {
   const auto [flushed0, dirty0] = counters();
   // The open of MNT/.ucpfs/sync blocks until everything is durable; meanwhile the counters are
   // shown: bytes flushed since the call, of those plus the bytes still dirty.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  Status s;
-  std::thread syncer([&] {
-    Status r = SyncMount(mnt);
-    std::lock_guard lock(mu);
-    s = std::move(r);
-    done = true;
-    cv.notify_all();
-  });
   Progress progress(StderrProgressOptions("ucpfs sync:", ProgressUnit::kBytes, args.quiet));
   uint64_t flushed = 0, dirty = dirty0;
   auto draw = [&](bool final) {
@@ -183,15 +183,7 @@ int RunSync(const SyncArgs& args) {
       progress.Update(flushed, flushed + dirty, note);
     }
   };
-  {
-    std::unique_lock lock(mu);
-    while (!cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return done; })) {
-      lock.unlock();
-      draw(false);
-      lock.lock();
-    }
-  }
-  syncer.join();
+  const Status s = SyncTicking(mnt, std::chrono::milliseconds(100), [&] { draw(false); });
   if (!s.ok()) {
     size_t in_memory = 0;
     ReportUnplaced(mnt, "ucpfs sync", &in_memory);
