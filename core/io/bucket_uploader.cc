@@ -349,6 +349,8 @@ struct BucketUploader::Impl {
       }
       backoff = std::chrono::milliseconds(1000);
       last_logged.clear();
+      // Before it counts as finished: whoever waits for it (WaitUploaded) finds it reported.
+      if (!skip && options.on_uploaded) options.on_uploaded(item.what.path);
       {
         std::lock_guard journal_lock(journal_mu);
         UploadRecord r;
@@ -378,7 +380,6 @@ struct BucketUploader::Impl {
         }
       }
       done_cv.notify_all();
-      if (!skip && options.on_uploaded) options.on_uploaded(item.what.path);
     }
   }
 
