@@ -224,6 +224,7 @@ TEST_F(WriteCaptureTest, BeforeSettledRecordsEveryCommitBeforeItsBytesShowAndIts
   ASSERT_TRUE(capture_->Write(*shard, 0, std::as_bytes(std::span(a.data(), a.size()))).ok());
   ASSERT_TRUE(capture_->Fsync(*shard).ok());  // placed while open: recorded first
   ASSERT_TRUE(capture_->Close(*shard).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
   refuse = true;
   auto latest = Create("latest");
   ASSERT_TRUE(capture_->Write(*latest, 0, std::as_bytes(std::span(b.data(), b.size()))).ok());
@@ -646,7 +647,16 @@ TEST_F(WriteCaptureTest, RecoveryFinishesCompleteFilesInOrderAndSetsAsideWholeOn
                 CommitRecord(3, s3.size(), "shard_3"), ChunkRecord(4, 0, latest), CommitRecord(4, latest.size(), "latest"),
                 ChunkRecord(6, 0, after), CommitRecord(6, after.size(), "sub/after"), ChunkRecord(7, 0, half_a),
                 CommitRecord(7, half.size(), "half")});
+  // The bucket uploader's hook sees exactly the files recovery places, in order, each before it
+  // shows under its name.
+  std::vector<std::pair<std::string, bool>> settled;
+  before_settled_ = [&](const std::string& rel, const struct stat& st) {
+    struct stat now = {};
+    settled.emplace_back(rel, ::stat((dir_ / rel).c_str(), &now) == 0 && now.st_ino == st.st_ino);
+    return Status::Ok();
+  };
   Start(4);
+  EXPECT_EQ(settled, (std::vector<std::pair<std::string, bool>>{{"sub/shard_1", false}, {"shard_2", false}}));
   EXPECT_EQ(ReadFile((dir_ / "sub" / "shard_1").string()), s1);
   EXPECT_EQ(ReadFile((dir_ / "shard_2").string()), s2);
   EXPECT_FALSE(stdfs::exists(dir_ / "shard_3"));  // torn: discarded
