@@ -241,6 +241,15 @@ int RunStatus(const std::string& mountpoint, bool json) {
     }
     if (num(run, "left_out") > 0) std::cout << "  (" << num(run, "left_out") << " more left out)\n";
   }
+  if (stats.contains("s3") && stats["s3"].contains("upload")) {
+    // A writable s3:// mount: its saves, staged and uploaded in close order.
+    const auto& u = stats["s3"]["upload"];
+    std::cout << "uploads:     " << num(u, "queued_files") << " queued ("
+              << mib(u.value("queued_bytes", uint64_t{0})) << "), " << num(u, "uploaded_files") << " uploaded ("
+              << mib(u.value("uploaded_bytes", uint64_t{0})) << "), staged in "
+              << status.value("object_store", nlohmann::json::object()).value("stage_dir", "?") << '\n';
+    if (!u.value("failing", std::string()).empty()) std::cout << "  failing:   " << u["failing"].get<std::string>() << '\n';
+  }
   std::string layouts;
   for (const auto& l : status.value("target_layouts", nlohmann::json::array())) {
     layouts += (layouts.empty() ? "" : ", ") + l.get<std::string>() + " (given)";

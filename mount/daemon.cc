@@ -211,13 +211,11 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   // Saves into a bucket mount: `ucpfs sync` (and umount) return once they are in the bucket too,
   // or fail naming what is not after 30 s of failures without progress.
   constexpr uint64_t kUploadStuckMs = 30000;
-  if (capture && uploader) {
+  if (capture) {
     hooks.sync = [capture, uploader] {
       UCPFS_RETURN_IF_ERROR(capture->Sync());
-      return uploader->WaitUploaded(kUploadStuckMs, nullptr);
+      return uploader ? uploader->WaitUploaded(kUploadStuckMs, nullptr) : Status::Ok();
     };
-  } else if (capture) {
-    hooks.sync = [capture] { return capture->Sync(); };
     hooks.capture_stats = [capture] {
       const io::CaptureStats s = capture->Stats();
       nlohmann::ordered_json j;
