@@ -87,10 +87,15 @@ Result<std::shared_ptr<const SourceTree>> SourceTreeOf(const SourceArgs& args, s
 namespace {
 
 // The snapshot options of SRC (rules loaded).
-Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress) {
+// `empty_s3_ok`: a bucket prefix with no object under it yet is taken (a mount that saves into it).
+Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress, bool empty_s3_ok = false) {
   index::SnapshotOptions o;
   UCPFS_ASSIGN_OR_RETURN(o.tree, SourceTreeOf(args, &o.source_dir));
   Result<TreeEntry> st = o.tree->Stat("");
+  if (!st.ok() && empty_s3_ok && IsS3Source(args.src) && st.error().code() == StatusCode::kNotFound) {
+    st = TreeEntry{};
+    st->kind = EntryKind::kDirectory;
+  }
   if (!st.ok()) {
     if (IsS3Source(args.src) && st.error().code() != StatusCode::kNotFound) return st.error();
     return NotFoundError(args.src + (IsS3Source(args.src) ? ": no object under this prefix" : ": no such directory"));
@@ -375,7 +380,9 @@ int RunMount(const MountArgs& mount_args) {
       !apart.ok()) {
     return Fail("mount", apart);
   }
-  auto snapshot_options = SnapshotOptionsOf(args.source, /*progress=*/args.foreground);
+  // Saves into a bucket prefix go through a local staging directory (uploaded in close order).
+  const bool s3_writable = IsS3Source(args.source.src) && !args.read_only && !args.source.read_only_index;
+  auto snapshot_options = SnapshotOptionsOf(args.source, /*progress=*/args.foreground, /*empty_s3_ok=*/s3_writable);
   if (!snapshot_options.ok()) {
     std::cerr << "ucpfs mount: source: " << snapshot_options.error().ToString() << '\n';
     return 1;
@@ -398,7 +405,28 @@ int RunMount(const MountArgs& mount_args) {
   daemon.write_stall_timeout_s = args.write_stall_timeout_s;
   daemon.readahead = args.readahead;
   daemon.prefetch = args.prefetch;
-  daemon.read_only = args.read_only || IsS3Source(args.source.src);  // saves to a bucket: not yet
+  daemon.read_only = args.read_only;
+  if (s3_writable) {
+    // Default: in the mount's local index directory (S3IndexDir, or --index-dir), as `.stage`:
+    // a run directory's checkpoints are indexed in subdirectories named after them, and a
+    // checkpoint's name never starts with '.' (index/run_dir.h).
+    daemon.stage_dir = args.stage_dir.empty() ? daemon.snapshot.index_dir + "/.stage" : AbsPathOrJoined(args.stage_dir);
+    if (daemon.stage_dir == args.mountpoint || daemon.stage_dir.starts_with(args.mountpoint + "/")) {
+      return Fail("mount", InvalidArgumentError("--stage-dir " + daemon.stage_dir + " is inside the mount point"));
+    }
+    // The index directory (its parent by default) is made here when missing, the mounting user's.
+    const std::string parent = daemon.stage_dir.substr(0, daemon.stage_dir.rfind('/'));
+    std::string made;
+    for (size_t at = 1; at != std::string::npos && !parent.empty();) {
+      at = parent.find('/', at + 1);
+      made = parent.substr(0, at);
+      if (::mkdir(made.c_str(), 0700) != 0 && errno != EEXIST) {
+        return Fail("mount", IoError("mkdir " + made + " (for --stage-dir)", errno));
+      }
+    }
+  } else if (!args.stage_dir.empty()) {
+    return Fail("mount", InvalidArgumentError("--stage-dir is for a writable s3:// source"));
+  }
   daemon.foreground = args.foreground;
   daemon.no_passthrough = args.no_passthrough;
   daemon.materialize_dir = args.materialize_dir;

@@ -85,6 +85,9 @@ int main(int argc, char** argv) {
                         "disk) before it fails with the disk's error (default 30)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{86400}));
   mount_cmd->add_flag("--read-only", mount.read_only, "serve read-only: no writes, no write capture");
+  mount_cmd->add_option("--stage-dir", mount.stage_dir,
+                        "an s3:// mount's local staging directory: saves land there (durable, crash-ordered) and "
+                        "are uploaded to the bucket in close order (default: beside the mount's local index)");
   mount_cmd->add_option("--readahead", mount.readahead,
                         "the mount's kernel readahead window (default 1M, the request size; e.g. 16M)");
   mount_cmd->add_option("--prefetch", mount.prefetch,

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -97,6 +98,62 @@ size_t ReportUnplaced(const std::string& mnt, const std::string& who, size_t* in
   return list.size();
 }
 
+// SyncMount(mnt) on a thread, calling `tick` every `period` while it waits; its status.
+Status SyncTicking(const std::string& mnt, std::chrono::milliseconds period, const std::function<void()>& tick) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status s;
+  std::thread syncer([&] {
+    Status r = SyncMount(mnt);
+    std::lock_guard lock(mu);
+    s = std::move(r);
+    done = true;
+    cv.notify_all();
+  });
+  {
+    std::unique_lock lock(mu);
+    while (!cv.wait_for(lock, period, [&] { return done; })) {
+      lock.unlock();
+      tick();
+      lock.lock();
+    }
+  }
+  syncer.join();
+  return s;
+}
+
+// SyncMount(mnt), and while it waits on uploads to a bucket (an s3:// mount's stats.json
+// `s3.upload`), a progress line every 2 s; after a failed sync, each object not uploaded named.
+// Returns SyncMount's status and how many objects are not uploaded.
+Status SyncWithUploads(const std::string& mnt, const std::string& who, size_t* not_uploaded) {
+  auto upload = [&mnt] {
+    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
+    if (stats.is_discarded() || !stats.contains("s3") || !stats["s3"].contains("upload")) return nlohmann::json();
+    return stats["s3"]["upload"];
+  };
+  const Status s = SyncTicking(mnt, std::chrono::seconds(2), [&] {
+    const nlohmann::json u = upload();
+    if (u.is_object() && u.value("queued_files", uint64_t{0}) > 0) {
+      std::cerr << who << ": uploading " << u.value("queued_files", uint64_t{0}) << " file(s), "
+                << HumanBytes(static_cast<double>(u.value("queued_bytes", uint64_t{0}))) << " to go"
+                << (u.value("failing", std::string()).empty() ? "" : " (failing: " + u.value("failing", std::string()) + ")")
+                << '\n';
+    }
+  });
+  *not_uploaded = 0;
+  if (!s.ok()) {
+    const nlohmann::json u = upload();
+    if (u.is_object()) {
+      for (const auto& w : u.value("waiting", nlohmann::json::array())) {
+        std::cerr << who << ": not uploaded: " << w.get<std::string>() << '\n';
+        ++*not_uploaded;
+      }
+    }
+  }
+  return s;
+}
+
 }  // namespace
 
 int RunSync(const SyncArgs& args) {
@@ -113,17 +170,6 @@ int RunSync(const SyncArgs& args) {
   const auto [flushed0, dirty0] = counters();
   // The open of MNT/.ucpfs/sync blocks until everything is durable; meanwhile the counters are
   // shown: bytes flushed since the call, of those plus the bytes still dirty.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  Status s;
-  std::thread syncer([&] {
-    Status r = SyncMount(mnt);
-    std::lock_guard lock(mu);
-    s = std::move(r);
-    done = true;
-    cv.notify_all();
-  });
   Progress progress(StderrProgressOptions("ucpfs sync:", ProgressUnit::kBytes, args.quiet));
   uint64_t flushed = 0, dirty = dirty0;
   auto draw = [&](bool final) {
@@ -137,15 +183,7 @@ int RunSync(const SyncArgs& args) {
       progress.Update(flushed, flushed + dirty, note);
     }
   };
-  {
-    std::unique_lock lock(mu);
-    while (!cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return done; })) {
-      lock.unlock();
-      draw(false);
-      lock.lock();
-    }
-  }
-  syncer.join();
+  const Status s = SyncTicking(mnt, std::chrono::milliseconds(100), [&] { draw(false); });
   if (!s.ok()) {
     size_t in_memory = 0;
     ReportUnplaced(mnt, "ucpfs sync", &in_memory);
@@ -202,6 +240,15 @@ int RunStatus(const std::string& mountpoint, bool json) {
                 << '\n';
     }
     if (num(run, "left_out") > 0) std::cout << "  (" << num(run, "left_out") << " more left out)\n";
+  }
+  if (stats.contains("s3") && stats["s3"].contains("upload")) {
+    // A writable s3:// mount: its saves, staged and uploaded in close order.
+    const auto& u = stats["s3"]["upload"];
+    std::cout << "uploads:     " << num(u, "queued_files") << " queued ("
+              << mib(u.value("queued_bytes", uint64_t{0})) << "), " << num(u, "uploaded_files") << " uploaded ("
+              << mib(u.value("uploaded_bytes", uint64_t{0})) << "), staged in "
+              << status.value("object_store", nlohmann::json::object()).value("stage_dir", "?") << '\n';
+    if (!u.value("failing", std::string()).empty()) std::cout << "  failing:   " << u["failing"].get<std::string>() << '\n';
   }
   std::string layouts;
   for (const auto& l : status.value("target_layouts", nlohmann::json::array())) {
@@ -279,9 +326,13 @@ int RunUmount(const std::string& mountpoint) {
   // fail, naming each: those durable in their parts are placed by the next mount (the mount
   // goes); while some file's bytes are only in memory, the mount stays, so nothing accepted is
   // lost (free space, or unlink the file through the mount, and run it again).
+  // An s3:// mount's saves are uploaded first, in order, with progress; what cannot be (30 s of
+  // failures without progress) is named, stays staged for the next mount, and makes it exit 1.
   const std::string mnt = AbsPathOrJoined(mountpoint);
   size_t unplaced = 0;
-  if (Status synced = SyncMount(mnt); !synced.ok() && synced.code() != StatusCode::kNotFound) {
+  size_t not_uploaded = 0;
+  if (Status synced = SyncWithUploads(mnt, "ucpfs umount", &not_uploaded);
+      !synced.ok() && synced.code() != StatusCode::kNotFound) {
     std::cerr << "ucpfs umount: " << synced.ToString() << '\n';
     size_t in_memory = 0;
     unplaced = ReportUnplaced(mnt, "ucpfs umount", &in_memory);
@@ -291,7 +342,7 @@ int RunUmount(const std::string& mountpoint) {
                                        " file(s) above have bytes only in memory (make room in the source, or unlink "
                                        "them through the mount, and run it again)"));
     }
-    if (unplaced == 0) unplaced = 1;  // the sync failed all the same
+    if (unplaced == 0 && not_uploaded == 0) unplaced = 1;  // the sync failed all the same
   }
   // Only ucpfs mounts: `ucpfs umount` of another filesystem is refused, naming its type.
   // Returns once the daemon has exited, so that nothing of the mount still touches SRC (its
@@ -317,6 +368,12 @@ int RunUmount(const std::string& mountpoint) {
   if (unplaced > 0) {
     std::cerr << "ucpfs umount: unmounted, but " << unplaced
               << " file(s) above are not placed; the next mount of the source tries again\n";
+    return 1;
+  }
+  if (not_uploaded > 0) {
+    std::cerr << "ucpfs umount: unmounted, but " << not_uploaded
+              << " file(s) above are not in the bucket; they stay staged, and the next mount with the same "
+                 "--stage-dir uploads them\n";
     return 1;
   }
   return 0;

@@ -85,6 +85,8 @@ Result<std::shared_ptr<Tree>> BuildEmptyNamespace(const std::string& source_dir,
   status["format"] = "none";
   status["no_checkpoint"] = why;
   status["generation"] = generation;
+  // What the daemon adds (its pid, which `ucpfs umount` waits on; an object store's staging).
+  for (const auto& [key, value] : hooks.status_extra.items()) status[key] = value;
   const std::string status_text = JsonText(status) + "\n";
   UCPFS_RETURN_IF_ERROR(AddMetaDir(*tree, mtime, status_text, nullptr, hooks));
   if (info != nullptr) {

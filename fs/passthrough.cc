@@ -767,6 +767,21 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
   struct stat st = {};
   if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "rename " + name);
   if (!Shown(st.st_mode)) return PosixError(ENOENT, name + " is not shown");
+  // A placed file still being captured (written since, or closed with its last commit pending).
+  std::shared_ptr<io::CapturedFile> captured;
+  bool closed = false;
+  {
+    std::lock_guard lock(mu_);
+    if (const auto it = by_file_.find({st.st_dev, st.st_ino}); it != by_file_.end()) {
+      const Node& node = *nodes_.at(it->second);
+      if (CapturedNow(node)) {
+        captured = node.captured;
+        closed = node.open_writers == 0;
+      }
+    }
+  }
+  // Closed: its last commit lands under the name it was closed with, before the rename.
+  if (captured && closed) UCPFS_RETURN_IF_ERROR(capture_->Fsync(*captured));
   {
     AsCaller as(caller);
     UCPFS_RETURN_IF_ERROR(as.status());
@@ -774,6 +789,8 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
       return Sys(errno, "rename " + name + " to " + new_name);
     }
   }
+  // Still written: its later commits go by the new name.
+  if (captured && !closed) (void)capture_->Moved(*captured, new_dir->fd, new_name);
   {
     std::lock_guard lock(mu_);
     if (const auto it = by_file_.find({st.st_dev, st.st_ino}); it != by_file_.end()) {
@@ -782,7 +799,11 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
       node.name = new_name;
     }
   }
-  if (changed_) changed_(PathOf(InoOf(*new_dir)) + "/" + new_name);
+  if (changed_) {
+    // Both ends, the new name first (an s3:// mount uploads it, then deletes the old object).
+    changed_(PathOf(InoOf(*new_dir)) + "/" + new_name);
+    changed_(PathOf(InoOf(*dir)) + "/" + name);
+  }
   return Status::Ok();
 }
 

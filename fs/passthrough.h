@@ -141,7 +141,8 @@ class Passthrough {
   // The directory's entries (files and directories only), sorted by name.
   Result<std::vector<DirItem>> List(Ino dir);
   struct statvfs StatFs() const;
-  // Called after a rename, unlink or rmdir changed the source (relative path of the name).
+  // Called after a rename (for the new name, then the old one), unlink or rmdir changed the source
+  // (relative path of the name).
   void SetChanged(std::function<void(const std::string&)> changed) { changed_ = std::move(changed); }
   // "/a/b" of a node, for messages.
   std::string PathOf(Ino ino) const;

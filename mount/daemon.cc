@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/bucket_uploader.h"
 #include "core/io/pinned_cache.h"
 #include "core/io/s3_tree.h"
 #include "core/io/write_capture.h"
@@ -61,10 +62,15 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   auto read_ahead = ParseReadAhead(args.readahead, args.prefetch);
   if (!read_ahead.ok()) return report("options", read_ahead.error());
   const std::string source_dir = args.snapshot.source_dir;
-  // A bucket prefix (s3://BUCKET/PREFIX, read through an S3Tree): only the views are served;
-  // what needs a local source directory (write capture, the passthrough of the source's own
-  // files, reindexing after a save) is off, and status.json says so.
+  // A bucket prefix (s3://BUCKET/PREFIX, read through an S3Tree): the views read the bucket.
+  // Read-only, only the views are served. Else the read-write area is the local staging
+  // directory (args.stage_dir), captured as a local SRC is, and every file made durable there is
+  // uploaded to the bucket in close order (the BucketUploader); the views are indexed again from
+  // the bucket once uploads land.
   const bool object_store = source_dir.starts_with("s3://");
+  const bool staged = object_store && !args.stage_dir.empty() && !args.read_only && !args.snapshot.read_only_index;
+  // What write capture and the passthrough serve: SRC, or the staging directory.
+  const std::string write_dir = staged ? args.stage_dir : source_dir;
 
   // The write capture first: its recovery finishes what a killed daemon left before indexing.
   std::shared_ptr<io::WriteCapture> capture;
@@ -89,7 +95,37 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   auto mount_report = std::make_shared<fs::MountReport>();
   // --read-only-index writes nothing into SRC or the index (a shared, prebuilt index: saves
   // could never be indexed either): the mount is read-only, with no write capture.
-  bool read_only = args.read_only || args.snapshot.read_only_index || object_store;
+  bool read_only = args.read_only || args.snapshot.read_only_index || (object_store && !staged);
+  std::shared_ptr<io::BucketUploader> uploader;
+  if (staged) {
+    auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree);
+    if (!s3_tree) return report("stage", InvalidArgumentError(source_dir + ": no S3 tree"));
+    // The staging directory and its state directory: the mounting user's, 0700, never a symlink.
+    for (const std::string& dir : {args.stage_dir, args.stage_dir + "/.ucpfs"}) {
+      if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return report("--stage-dir", IoError("mkdir " + dir, errno));
+      struct stat st = {};
+      if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
+        return report("--stage-dir", InvalidArgumentError(dir + " is not a directory (not a symbolic link) owned by this user"));
+      }
+    }
+    io::BucketUploaderOptions uo;
+    uo.client = s3_tree->client();
+    uo.bucket = s3_tree->bucket();
+    uo.prefix = s3_tree->prefix();
+    uo.stage_dir = args.stage_dir;
+    uo.state_dir = args.stage_dir + "/.ucpfs/upload";
+    uo.log = [mount_report](const std::string& line) {
+      std::cerr << line << std::endl;
+      if (line.find(" failed: ") != std::string::npos || line.find("journal") != std::string::npos) {
+        mount_report->RecordError(line.starts_with("ucpfs: ") ? line.substr(7) : line);
+      }
+    };
+    // Once an object is in the bucket, the views are indexed again from it.
+    uo.on_uploaded = [changed](const std::string& rel) { (*changed)(rel); };
+    auto started = io::BucketUploader::Start(std::move(uo));
+    if (!started.ok()) return report("upload", started.error());
+    uploader = std::shared_ptr<io::BucketUploader>(std::move(*started));
+  }
   if (!read_only) {
     io::PinnedCacheOptions co;
     auto size = io::ParseByteSize(args.cache_size);
@@ -105,7 +141,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     co.lock_on_first_use = true;  // no second-long populate of the whole cache before a save
     co.warn = [](const std::string& line) { std::cerr << "ucpfs: warning: " << line << std::endl; };
     io::WriteCaptureOptions wo;
-    wo.source_dir = source_dir;
+    wo.source_dir = write_dir;
     wo.cache_options = co;  // made when the first file is saved: a mount only read pins no memory
     wo.write_stall_timeout_ms = args.write_stall_timeout_s * 1000;
     wo.log = [mount_report](const std::string& line) {
@@ -116,10 +152,16 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
         mount_report->RecordError(line.starts_with("ucpfs: ") ? line.substr(7) : line);
       }
     };
-    wo.on_durable = [changed](const std::string& rel) { (*changed)(rel); };
-    wo.before_replace = [served](const std::string& rel) { served->BeforeReplace(rel); };
-    const int src_fd = ::open(source_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (src_fd < 0) return report("source", IoError("open " + source_dir, errno));
+    if (uploader) {
+      // Queued (durably) before the file shows under its name in the staging directory; the
+      // views change when the upload lands (on_uploaded), not now.
+      wo.before_settled = [uploader](const std::string& rel, const struct stat& st) { return uploader->Queue(rel, st); };
+    } else {
+      wo.on_durable = [changed](const std::string& rel) { (*changed)(rel); };
+      wo.before_replace = [served](const std::string& rel) { served->BeforeReplace(rel); };
+    }
+    const int src_fd = ::open(write_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (src_fd < 0) return report("source", IoError("open " + write_dir, errno));
     wo.source_dirfd = src_fd;
     auto started = io::WriteCapture::Start(std::move(wo));
     const int err = started.ok() ? 0 : started.error().sys_errno();
@@ -140,20 +182,40 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   // Who serves the mount: after a plain umount(8) it drains the write cache, then exits.
   hooks.status_extra["daemon_pid"] = static_cast<int64_t>(::getpid());
   if (auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree)) {
-    hooks.s3_stats = [client = s3_tree->client()] {
+    hooks.s3_stats = [client = s3_tree->client(), uploader] {
       const s3::CounterValues c = client->counters();
-      return nlohmann::ordered_json{{"requests", c.requests}, {"retries", c.retries}, {"failures", c.failures},
-                                    {"bytes_get", c.bytes_get}, {"connects", c.connects}};
+      nlohmann::ordered_json j{{"requests", c.requests}, {"retries", c.retries}, {"failures", c.failures},
+                               {"bytes_get", c.bytes_get}, {"bytes_put", c.bytes_put}, {"connects", c.connects}};
+      if (uploader) {
+        const io::UploaderStats u = uploader->Stats();
+        j["upload"] = {{"queued_files", u.queued_files}, {"queued_bytes", u.queued_bytes},
+                       {"uploaded_files", u.uploaded_files}, {"uploaded_bytes", u.uploaded_bytes},
+                       {"deleted_objects", u.deleted_objects}, {"skipped", u.skipped}, {"failing", u.failing},
+                       {"waiting", u.waiting}};
+      }
+      return j;
     };
   }
-  if (object_store) {
+  if (object_store && !staged) {
     hooks.status_extra["object_store"] = {
         {"url", source_dir},
         {"off", {"write capture (the mount is read-only)", "the source's own files (no passthrough)",
                  "reindex on a change of the source (remount after a new save)"}}};
+  } else if (staged) {
+    hooks.status_extra["object_store"] = {
+        {"url", source_dir},
+        {"stage_dir", args.stage_dir},
+        {"saves", "staged on local disk, uploaded to the bucket in close order"},
+        {"off", nlohmann::ordered_json::array()}};
   }
+  // Saves into a bucket mount: `ucpfs sync` (and umount) return once they are in the bucket too,
+  // or fail naming what is not after 30 s of failures without progress.
+  constexpr uint64_t kUploadStuckMs = 30000;
   if (capture) {
-    hooks.sync = [capture] { return capture->Sync(); };
+    hooks.sync = [capture, uploader] {
+      UCPFS_RETURN_IF_ERROR(capture->Sync());
+      return uploader ? uploader->WaitUploaded(kUploadStuckMs, nullptr) : Status::Ok();
+    };
     hooks.capture_stats = [capture] {
       const io::CaptureStats s = capture->Stats();
       nlohmann::ordered_json j;
@@ -194,7 +256,10 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     if (!snapshot.ok() && snapshot.error().code() == StatusCode::kNotFound) {
       // Not a checkpoint itself: a run directory holding several (index/run_dir.h)?
       const std::shared_ptr<const SourceTree> source = o.tree ? o.tree : LocalTree::Make(o.source_dir);
-      UCPFS_ASSIGN_OR_RETURN(const index::RunCheckpoints found, index::FindRunCheckpoints(*source));
+      Result<index::RunCheckpoints> run_found = index::FindRunCheckpoints(*source);
+      // An empty bucket prefix lists as no directory at all: no checkpoint yet.
+      if (!run_found.ok() && !(allow_empty && run_found.error().code() == StatusCode::kNotFound)) return run_found.error();
+      const index::RunCheckpoints found = run_found.ok() ? *run_found : index::RunCheckpoints{};
       std::vector<views::NamedSnapshot> run;
       nlohmann::ordered_json listed = nlohmann::ordered_json::array();
       for (const auto& c : found.checkpoints) {
@@ -262,10 +327,17 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   mo.dynamic_dir = info.target_dir;
   mo.resolve = info.resolve_target;
   mo.list = info.list_target;
-  if (!object_store) {
-    auto passthrough = fs::Passthrough::Make(source_dir, capture);
+  if (!object_store || capture) {
+    auto passthrough = fs::Passthrough::Make(write_dir, capture);
     if (!passthrough.ok()) return report("source", passthrough.error());
-    if (reindexer) (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
+    if (uploader) {
+      // A rename or unlink in the staging directory: the new name uploaded, what is gone deleted.
+      (*passthrough)->SetChanged([uploader](const std::string& rel) {
+        if (Status s = uploader->Changed(rel); !s.ok()) std::cerr << "ucpfs: upload: " << s.ToString() << std::endl;
+      });
+    } else if (reindexer) {
+      (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
+    }
     mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
   }
   mo.kernel_passthrough = !args.no_passthrough;
@@ -299,8 +371,19 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   reindexer.reset();
   mo.passthrough.reset();
   capture.reset();  // drains: everything captured is made durable before the daemon exits
+  int rc = 0;
+  if (uploader) {
+    // Then in the bucket, in order; what cannot be (30 s of failures without progress) stays
+    // staged for the next mount with this staging directory, each file named.
+    const Status up = uploader->Stop(kUploadStuckMs, [](const std::string& line) { std::cerr << "ucpfs: " << line << std::endl; });
+    if (!up.ok()) {
+      std::cerr << "ucpfs mount: not all saves are in the bucket: " << up.ToString() << std::endl;
+      rc = 1;
+    }
+    uploader.reset();
+  }
   if (!s.ok()) return report("serve", s);
-  return 0;
+  return rc;
 }
 
 int StartMount(const DaemonOptions& args) {

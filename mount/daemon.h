@@ -38,6 +38,10 @@ struct DaemonOptions {
   std::string readahead;                  // --readahead (ParseReadAhead)
   std::string prefetch;                   // --prefetch (ParseReadAhead)
   bool read_only = false;                 // --read-only: no writes, no capture
+  // An s3:// source that is not read-only: the local staging directory (absolute; made 0700 when
+  // missing) whose files are the mount's read-write area, captured as a local SRC is and
+  // uploaded to the bucket in close order (core/io/bucket_uploader.h). Empty: read-only.
+  std::string stage_dir;
   bool foreground = false;                // serve in this process
   bool no_passthrough = false;            // --no-passthrough: the kernel's passthrough off
   std::string materialize_dir;            // --materialize (absolute, checked); empty: off

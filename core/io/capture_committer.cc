@@ -130,6 +130,15 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
   }
   if (ftruncate(f->fd, static_cast<off_t>(size)) != 0) return Errno("truncate " + PartPath(*f), errno);
   UCPFS_RETURN_IF_ERROR(ApplyAttributes(*f));
+  if (placed && options.before_settled) {
+    // Visible under its name already (an earlier fsync): recorded before its new bytes are
+    // durable, so no crash leaves them durable and unrecorded.
+    struct stat st = {};
+    if (fstat(f->fd, &st) != 0) return Errno("stat " + PartPath(*f), errno);
+    const std::string rel = RelPath(*f);  // where it is now (WriteCapture::Moved follows renames)
+    if (rel.empty()) return Status(StatusCode::kIo, "'" + f->name + "' was moved out of the source", EIO);
+    UCPFS_RETURN_IF_ERROR(options.before_settled(rel, st));
+  }
   IoOp sync;
   sync.kind = OpKind::kFdatasync;
   sync.fd = f->fd;
@@ -153,6 +162,14 @@ Status WriteCapture::Impl::CommitFile(const std::shared_ptr<CapturedFile>& f, Io
   const int dir = *place;
   Status late_attrs;
   if (options.before_replace) options.before_replace(rel);
+  if (options.before_settled) {
+    struct stat st = {};
+    Status queued = fstat(f->fd, &st) == 0 ? options.before_settled(rel, st) : Errno("stat " + PartPath(*f), errno);
+    if (!queued.ok()) {
+      close(dir);
+      return queued;
+    }
+  }
   {
     // Under the file's lock: an unlink (Discard) either comes first, and the file is never
     // placed, or after, and finds it placed.

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -12,15 +13,8 @@
 namespace ucpfs::io {
 namespace {
 
-void Put(std::vector<std::byte>& out, uint64_t v, int n_bytes) {
-  for (int i = 0; i < n_bytes; ++i) out.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xff));
-}
-
-uint64_t Get(std::span<const std::byte> in, size_t at, int n_bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < n_bytes; ++i) v |= static_cast<uint64_t>(in[at + static_cast<size_t>(i)]) << (8 * i);
-  return v;
-}
+constexpr auto Put = PutLittleEndian;
+constexpr auto Get = GetLittleEndian;
 
 // Decodes one payload; false when it is malformed.
 bool DecodePayload(std::span<const std::byte> p, JournalRecord* r) {
@@ -93,46 +87,71 @@ std::vector<std::byte> EncodeJournalRecord(const JournalRecord& r) {
     case JournalType::kDiscard:
       break;
   }
+  return FrameJournalPayload(payload);
+}
+
+Result<ParsedJournal> ParseJournal(std::span<const std::byte> bytes) {
+  ParsedJournal out;
+  UCPFS_ASSIGN_OR_RETURN(out.n_bytes_used,
+                         SplitJournal(bytes, kJournalMagic, kMaxJournalBytes, &out.stopped,
+                                      [&](std::span<const std::byte> payload) {
+                                        JournalRecord r;
+                                        if (!DecodePayload(payload, &r)) return false;
+                                        out.records.push_back(std::move(r));
+                                        return true;
+                                      }));
+  return out;
+}
+
+void PutLittleEndian(std::vector<std::byte>& out, uint64_t v, int n_bytes) {
+  for (int i = 0; i < n_bytes; ++i) out.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xff));
+}
+
+uint64_t GetLittleEndian(std::span<const std::byte> in, size_t at, int n_bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < n_bytes; ++i) v |= static_cast<uint64_t>(in[at + static_cast<size_t>(i)]) << (8 * i);
+  return v;
+}
+
+std::vector<std::byte> FrameJournalPayload(std::span<const std::byte> payload) {
   std::vector<std::byte> out;
   out.reserve(12 + payload.size());
-  Put(out, payload.size(), 4);
-  Put(out, XXH64(payload.data(), payload.size(), 0), 8);
+  PutLittleEndian(out, payload.size(), 4);
+  PutLittleEndian(out, XXH64(payload.data(), payload.size(), 0), 8);
   out.insert(out.end(), payload.begin(), payload.end());
   return out;
 }
 
-Result<ParsedJournal> ParseJournal(std::span<const std::byte> bytes) {
-  if (bytes.size() > kMaxJournalBytes) {
+Result<size_t> SplitJournal(std::span<const std::byte> bytes, const char (&magic)[8], size_t max_bytes,
+                            std::string* stopped, const std::function<bool(std::span<const std::byte>)>& decode) {
+  const std::string shown(magic, sizeof(magic));
+  if (bytes.size() > max_bytes) {
     return CorruptError("journal of " + std::to_string(bytes.size()) + " bytes is larger than the limit of " +
-                        std::to_string(kMaxJournalBytes));
+                        std::to_string(max_bytes));
   }
-  if (bytes.size() < sizeof(kJournalMagic) || std::memcmp(bytes.data(), kJournalMagic, sizeof(kJournalMagic)) != 0) {
-    return CorruptError("journal does not start with the magic UCPFSJ01");
+  if (bytes.size() < sizeof(magic) || std::memcmp(bytes.data(), magic, sizeof(magic)) != 0) {
+    return CorruptError("journal does not start with the magic " + shown);
   }
-  ParsedJournal out;
-  size_t at = sizeof(kJournalMagic);
+  size_t at = sizeof(magic);
   while (at < bytes.size()) {
     if (bytes.size() - at < 12) {
-      out.stopped = "torn record header at byte " + std::to_string(at);
+      *stopped = "torn record header at byte " + std::to_string(at);
       break;
     }
-    const uint64_t len = Get(bytes, at, 4);
-    const uint64_t hash = Get(bytes, at + 4, 8);
+    const uint64_t len = GetLittleEndian(bytes, at, 4);
+    const uint64_t hash = GetLittleEndian(bytes, at + 4, 8);
     if (len > bytes.size() - at - 12) {
-      out.stopped = "torn record at byte " + std::to_string(at);
+      *stopped = "torn record at byte " + std::to_string(at);
       break;
     }
     const std::span<const std::byte> payload = bytes.subspan(at + 12, static_cast<size_t>(len));
-    JournalRecord r;
-    if (XXH64(payload.data(), payload.size(), 0) != hash || !DecodePayload(payload, &r)) {
-      out.stopped = "damaged record at byte " + std::to_string(at);
+    if (XXH64(payload.data(), payload.size(), 0) != hash || !decode(payload)) {
+      *stopped = "damaged record at byte " + std::to_string(at);
       break;
     }
-    out.records.push_back(std::move(r));
     at += 12 + static_cast<size_t>(len);
   }
-  out.n_bytes_used = at;
-  return out;
+  return at;
 }
 
 Status CheckPlacePath(const std::string& rel) {

@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -51,6 +52,21 @@ struct JournalRecord {
   std::string path;          // kCommit
   CapturedAttrs attrs = {};  // kCommit
 };
+
+// The framing every append-only journal of ucpfs shares (this one, the bucket uploader's:
+// upload_journal.h): a magic, then records of u32 payload length | u64 XXH64(payload) | payload.
+// Little-endian integers of n_bytes (1..8) appended to / read from a payload (GetLittleEndian:
+// the caller checked that [at, at + n_bytes) lies inside `in`).
+void PutLittleEndian(std::vector<std::byte>& out, uint64_t v, int n_bytes);
+uint64_t GetLittleEndian(std::span<const std::byte> in, size_t at, int n_bytes);
+// One framed record of `payload`, ready to append.
+std::vector<std::byte> FrameJournalPayload(std::span<const std::byte> payload);
+// Calls `decode` on each whole record's payload whose checksum holds, in order, and stops at the
+// first torn or damaged one (or one `decode` refuses: returns false), saying why in *stopped
+// (left alone when every byte was a whole record). Returns the bytes used (magic included).
+// Errors: kCorrupt when `bytes` is larger than max_bytes or does not start with `magic`.
+Result<size_t> SplitJournal(std::span<const std::byte> bytes, const char (&magic)[8], size_t max_bytes,
+                            std::string* stopped, const std::function<bool(std::span<const std::byte>)>& decode);
 
 // One encoded record, ready to append.
 std::vector<std::byte> EncodeJournalRecord(const JournalRecord& record);

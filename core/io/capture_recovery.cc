@@ -256,7 +256,18 @@ Status WriteCapture::Impl::FinishRecovered(const RecoveryStep& step, int dir_fd,
                                             bool* placing_failed) {
   const std::string part = PartName(step.seq);
   UCPFS_ASSIGN_OR_RETURN(const int fd, OpenVerified(step, dir_fd, shown));
+  struct stat st = {};
+  const int stat_rc = fstat(fd, &st);
+  const int stat_err = errno;
   close(fd);
+  if (options.before_settled) {
+    // Recorded first (the bucket uploader's queue), as a commit does: never visible unrecorded.
+    Status queued = stat_rc == 0 ? options.before_settled(step.path, st) : Errno("stat " + shown + "/" + part, stat_err);
+    if (!queued.ok()) {
+      *placing_failed = true;
+      return queued;
+    }
+  }
   const size_t slash = step.path.rfind('/');
   const std::string parent = slash == std::string::npos ? "." : step.path.substr(0, slash);
   const std::string name = slash == std::string::npos ? step.path : step.path.substr(slash + 1);

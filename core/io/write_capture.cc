@@ -422,6 +422,20 @@ Status WriteCapture::Error(const CapturedFile& file) const {
   return f.error;
 }
 
+Status WriteCapture::Moved(CapturedFile& file, int new_parent_dirfd, const std::string& new_name) {
+  const int dup_fd = fcntl(new_parent_dirfd, F_DUPFD_CLOEXEC, 0);
+  if (dup_fd < 0) return IoError("dup the directory of " + new_name, errno);
+  std::lock_guard lock(file.mu);
+  if (!file.placed) {
+    close(dup_fd);
+    return Status(StatusCode::kInvalidArgument, "'" + file.name + "' is not placed yet");
+  }
+  if (file.parent_fd >= 0) close(file.parent_fd);
+  file.parent_fd = dup_fd;
+  file.name = new_name;
+  return Status::Ok();
+}
+
 bool WriteCapture::Placed(const CapturedFile& file) const {
   const CapturedFile& f = file;
   std::lock_guard lock(f.mu);

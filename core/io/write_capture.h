@@ -89,6 +89,15 @@ struct WriteCaptureOptions {
   // Called on the committer thread just before a file is renamed over `rel_path` (whatever is
   // there is replaced): what still reads the old file can open it now.
   std::function<void(const std::string& rel_path)> before_replace;
+  // Called on the committer thread for each commit (a close, or an fsync of a file still open),
+  // with its path and its inode's stat (size, owner, mode, times as placed): for a file not yet
+  // under its final name once its bytes are durable and just before the rename (so what this
+  // records durably comes first: the file is never visible under its name unrecorded), for one
+  // placed already (an earlier fsync) just before the fdatasync of its new bytes. Recovery calls
+  // it too, before it places a closed file a killed daemon left. An error fails that commit (the
+  // file is kept and tried again, as after any commit error; recovery keeps it for the next
+  // mount). The bucket uploader (bucket_uploader.h) queues the file here.
+  std::function<Status(const std::string& rel_path, const struct stat& st)> before_settled;
   // Another host's mount whose lease was not renewed for this long is dead (capture_mount.h).
   uint64_t lease_timeout_s = 60;
   // A writer that needs a free chunk of a full cache while the flushers cannot write (their
@@ -184,6 +193,11 @@ class WriteCapture {
   bool Discard(CapturedFile& file);
   // The file's first flush error not yet retried (OK if none): what close(2) reports.
   Status Error(const CapturedFile& file) const;
+  // A placed file was renamed (from outside the capture: the passthrough's rename) to `new_name`
+  // in the directory `new_parent_dirfd` (dup'ed): its later commits, and what they report
+  // (on_durable, before_settled), use that name. Errors: kInvalidArgument when not placed yet;
+  // kIo (dup).
+  Status Moved(CapturedFile& file, int new_parent_dirfd, const std::string& new_name);
   // Whether the file has been placed under its final name at least once.
   bool Placed(const CapturedFile& file) const;
   // Whether it is closed and everything written is durable under its final name: the real file

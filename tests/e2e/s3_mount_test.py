@@ -7,7 +7,7 @@ real Ceph RGW (tests/s3/rgw.sh; run under `rgw.sh exec DIR`, which sets the AWS 
     s3://bucket/prefix and from the local copy with the same --layout: every view file
     (atomic/, target/<layout>/rank_N/, safetensors/, the DeepSpeed universal folder) is equal
     byte for byte, and status.json says the mount is read-only with the object-store features
-    off.
+    off (--read-only: saves into a bucket mount are e2e_s3_save's).
  2. A target rank reads only about its share: the mount's source byte counter (stats.json)
     after reading rank_0 of a dp2 layout is within 10 % of what `ucpfs plan` says rank 0 reads.
  3. An object replaced under a live mount: reading a view that needs it fails with EIO (never
@@ -93,14 +93,14 @@ def main():
 
             def same_views(url=url, local=local, name=name):
                 with mounted(url, os.path.join(work, f"mnt-s3-{name}"), f"--layout={LAYOUT}",
-                             "--index-dir", os.path.join(index_dir, name)) as (sm, _), \
+                             "--index-dir", os.path.join(index_dir, name), "--read-only") as (sm, _), \
                         mounted(local, os.path.join(work, f"mnt-local-{name}"), f"--layout={LAYOUT}",
                                 "--read-only") as (lm, _):
                     n = views_equal(sm, lm, local)
                     st = status(sm)
                     assert st["source"] == url, st["source"]
                     assert st["object_store"]["url"] == url and st["object_store"]["off"], st.get("object_store")
-                    assert not os.access(sm, os.W_OK) or open_for_write_fails(sm), "an s3 mount must be read-only"
+                    assert not os.access(sm, os.W_OK) or open_for_write_fails(sm), "an s3 --read-only mount must be read-only"
                     print(f"{name}: {n} view files equal the local mount's", flush=True)
             res.check(f"{name}: every view equals the local copy's", same_views)
 

@@ -98,6 +98,7 @@ class WriteCaptureTest : public ::testing::Test {
       durable_.push_back(rel);
     };
     o.before_replace = before_replace_;
+    o.before_settled = before_settled_;
     o.write_stall_timeout_ms = write_stall_timeout_ms_;
     o.names = names_;
     auto wc = WriteCapture::Start(std::move(o));
@@ -124,6 +125,7 @@ class WriteCaptureTest : public ::testing::Test {
   std::mutex durable_mu_;
   std::vector<std::string> durable_;
   std::function<void(const std::string&)> before_replace_;  // set before Start
+  std::function<Status(const std::string&, const struct stat&)> before_settled_;  // set before Start
   uint64_t write_stall_timeout_ms_ = 30000;                 // set before Start
   std::shared_ptr<NameOps> names_;                          // set before Start (null: the real ones)
 };
@@ -194,6 +196,56 @@ TEST_F(WriteCaptureTest, BeforeReplaceIsCalledWhileTheOldFileIsStillInPlace) {
   close(old_fd);
   const std::vector<std::byte> placed = ReadFile(dir_ / "sub" / "shard.bin");
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(placed.data()), placed.size()), text);
+}
+
+TEST_F(WriteCaptureTest, BeforeSettledRecordsEveryCommitBeforeItsBytesShowAndItsErrorHoldsTheFileBack) {
+  // The bucket uploader's hook: called for each commit (an fsync of an open file too), in commit
+  // order, before the file shows under its name, with the inode and size it is placed with; an
+  // error keeps the file (and every later one) unplaced until the hook takes it.
+  struct Call {
+    std::string rel;
+    bool visible;
+    ino_t ino;
+    off_t size;
+  };
+  std::mutex mu;
+  std::vector<Call> calls;
+  std::atomic<bool> refuse{false};
+  before_settled_ = [&](const std::string& rel, const struct stat& st) {
+    struct stat now = {};
+    const bool visible = ::stat((dir_ / rel).c_str(), &now) == 0 && now.st_ino == st.st_ino;
+    std::lock_guard lock(mu);
+    calls.push_back({rel, visible, st.st_ino, st.st_size});
+    return refuse.load() ? Status(StatusCode::kIo, "refused", EIO) : Status::Ok();
+  };
+  Start(/*n_chunks=*/4);
+  const std::string a = "shard bytes", b = "pointer";
+  auto shard = Create("shard.bin", sub_fd_);
+  ASSERT_TRUE(capture_->Write(*shard, 0, std::as_bytes(std::span(a.data(), a.size()))).ok());
+  ASSERT_TRUE(capture_->Fsync(*shard).ok());  // placed while open: recorded first
+  ASSERT_TRUE(capture_->Close(*shard).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  refuse = true;
+  auto latest = Create("latest");
+  ASSERT_TRUE(capture_->Write(*latest, 0, std::as_bytes(std::span(b.data(), b.size()))).ok());
+  ASSERT_TRUE(capture_->Close(*latest).ok());
+  EXPECT_FALSE(capture_->Sync().ok());
+  EXPECT_FALSE(stdfs::exists(dir_ / "latest")) << "placed although its record failed";
+  refuse = false;
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_EQ(ReadFile((dir_ / "latest").string()).size(), b.size());
+  std::lock_guard lock(mu);
+  ASSERT_GE(calls.size(), 4u);  // shard at fsync, shard at close, latest refused (1+), latest
+  EXPECT_EQ(calls[0].rel, "sub/shard.bin");
+  EXPECT_FALSE(calls[0].visible) << "the hook ran after the file showed under its name";
+  EXPECT_EQ(calls[0].size, static_cast<off_t>(a.size()));
+  EXPECT_EQ(calls[1].rel, "sub/shard.bin");  // the close of a placed file: before its last fdatasync
+  EXPECT_EQ(calls[1].ino, calls[0].ino);
+  for (size_t i = 2; i < calls.size(); ++i) {
+    EXPECT_EQ(calls[i].rel, "latest");
+    EXPECT_FALSE(calls[i].visible);
+    EXPECT_EQ(calls[i].size, static_cast<off_t>(b.size()));
+  }
 }
 
 TEST_F(WriteCaptureTest, CacheSmallerThanTheFilesStreamsThemWithBackPressure) {
@@ -595,7 +647,16 @@ TEST_F(WriteCaptureTest, RecoveryFinishesCompleteFilesInOrderAndSetsAsideWholeOn
                 CommitRecord(3, s3.size(), "shard_3"), ChunkRecord(4, 0, latest), CommitRecord(4, latest.size(), "latest"),
                 ChunkRecord(6, 0, after), CommitRecord(6, after.size(), "sub/after"), ChunkRecord(7, 0, half_a),
                 CommitRecord(7, half.size(), "half")});
+  // The bucket uploader's hook sees exactly the files recovery places, in order, each before it
+  // shows under its name.
+  std::vector<std::pair<std::string, bool>> settled;
+  before_settled_ = [&](const std::string& rel, const struct stat& st) {
+    struct stat now = {};
+    settled.emplace_back(rel, ::stat((dir_ / rel).c_str(), &now) == 0 && now.st_ino == st.st_ino);
+    return Status::Ok();
+  };
   Start(4);
+  EXPECT_EQ(settled, (std::vector<std::pair<std::string, bool>>{{"sub/shard_1", false}, {"shard_2", false}}));
   EXPECT_EQ(ReadFile((dir_ / "sub" / "shard_1").string()), s1);
   EXPECT_EQ(ReadFile((dir_ / "shard_2").string()), s2);
   EXPECT_FALSE(stdfs::exists(dir_ / "shard_3"));  // torn: discarded

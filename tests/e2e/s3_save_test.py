@@ -1,0 +1,269 @@
+"""End-to-end: saves into an s3://BUCKET/PREFIX mount land in the bucket, in close order, and
+survive kill -9 (issue 27 item 4), against a real Ceph RGW (tests/s3/rgw.sh; run under
+`rgw.sh exec DIR`, which sets the AWS variables).
+
+A DCP checkpoint saved by torch's own dcp.save (FileSystemWriter with two writer threads, so two
+shards of about 12 MiB each: multipart uploads) and a torch.save file are saved into the mount of
+an empty prefix, and the same into a local directory. The bucket is read back with botocore (the
+AWS SDK's core, from the venv) and a bucket policy (RGW enforces it, the owner included) makes
+chosen uploads fail.
+
+ A. Plain save: after `ucpfs sync`, the objects are exactly the saved files (no `.metadata.tmp`
+    left), the shards and the torch.save file byte-equal the local save's, `.metadata` byte-equals
+    what the mount holds and describes the same tensors as the local one; the objects downloaded
+    load with dcp.load (strict) and torch.load into the saved values; the large shards went up
+    as multipart uploads; a poller listing the bucket all along never saw `.metadata` without
+    every shard; the views appear from the bucket (atomic/<param>/fp32.pt equals the parameter);
+    umount exits 0 and leaves no staged file.
+ B. Order under failure: PUTs of one shard are denied. `.metadata`, closed after it, never
+    reaches the bucket while it fails; stats.json names the failing object; once the policy is
+    lifted everything lands and `ucpfs sync` returns.
+ C. kill -9: every PUT under the prefix is denied, the save returns, the daemon is killed at once
+    (uploads not done, commits perhaps in flight); nothing is in the bucket. The policy is lifted
+    and the prefix mounted again with the same --stage-dir: every object lands byte-equal, and no
+    multipart upload is left open under the prefix.
+
+Run by hand: tests/s3/rgw.sh exec DIR env UCPFS_BIN=build/cli/ucpfs UCPFS_TOOLS_DIR=build/tests \
+    .venv/bin/python tests/e2e/s3_save_test.py
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import botocore.session
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from e2e_common import Results, run, tmpdir, ucpfs_bin
+from mount_common import daemon_alive, is_mounted, mounted, stats, status
+
+SHARDS = ["__0_0.distcp", "__0_1.distcp"]
+
+
+def s3():
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name=os.environ.get("AWS_REGION", "us-east-1"))
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(1024, 3072), torch.nn.ReLU(), torch.nn.Linear(3072, 1024))
+
+
+def save(dst, seed=0):
+    """A torch.save file under extra/, then a DCP save (two writer threads: two shards)."""
+    model = make_model(seed)
+    os.makedirs(os.path.join(dst, "extra"), exist_ok=True)
+    torch.manual_seed(seed + 1)
+    torch.save({"w": torch.randn(300, 200), "step": 7}, os.path.join(dst, "extra", "model.pt"))
+    dcp.save({"model": model.state_dict()}, storage_writer=FileSystemWriter(dst, thread_count=2))
+    return model
+
+
+def local_files(root):
+    out = []
+    for r, _, fs in os.walk(root):
+        out.extend(os.path.relpath(os.path.join(r, f), root) for f in fs)
+    return sorted(out)
+
+
+def objects(c, bucket, prefix):
+    keys = []
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        keys.extend(o["Key"][len(prefix) + 1:] for o in page.get("Contents", []))
+    return sorted(keys)
+
+
+def body(c, bucket, key):
+    return c.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def deny_puts(c, bucket, resource):
+    c.put_bucket_policy(Bucket=bucket, Policy=json.dumps({
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Deny", "Principal": "*", "Action": "s3:PutObject",
+                       "Resource": f"arn:aws:s3:::{bucket}/{resource}"}]}))
+
+
+def wait_for(what, fn, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def check_same_as_local(c, bucket, prefix, local, mnt=None):
+    """Every saved file is an object, nothing else; shards and torch.save file byte-equal the local
+    save; .metadata byte-equals the mount's (its save id differs from the local save's) and
+    describes the same tensors."""
+    want = local_files(local)
+    got = objects(c, bucket, prefix)
+    assert got == want, f"objects {got} != saved files {want}"
+    for rel in want:
+        if rel == ".metadata":
+            continue
+        with open(os.path.join(local, rel), "rb") as f:
+            assert body(c, bucket, f"{prefix}/{rel}") == f.read(), f"s3://{bucket}/{prefix}/{rel} differs from the local save"
+    meta = body(c, bucket, f"{prefix}/.metadata")
+    if mnt is not None:
+        with open(os.path.join(mnt, ".metadata"), "rb") as f:
+            assert meta == f.read(), ".metadata in the bucket differs from the file saved into the mount"
+    return meta
+
+
+def load_from_bucket(c, bucket, prefix, work, model):
+    """Downloads the objects and loads them with dcp.load (strict) and torch.load."""
+    d = os.path.join(work, "download-" + prefix)
+    for rel in objects(c, bucket, prefix):
+        p = os.path.join(d, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(body(c, bucket, f"{prefix}/{rel}"))
+    fresh = make_model(99)
+    sd = {"model": fresh.state_dict()}
+    dcp.load(sd, storage_reader=FileSystemReader(d))
+    fresh.load_state_dict(sd["model"], strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), f"{k} loaded from the bucket differs"
+    extra = torch.load(os.path.join(d, "extra", "model.pt"), weights_only=True)
+    torch.manual_seed(1)
+    assert torch.equal(extra["w"], torch.randn(300, 200)) and extra["step"] == 7
+    return d
+
+
+def main():
+    res = Results("s3_save")
+    bucket = f"ucpfs-save-{os.getpid()}-{int(time.time()) % 100000}"
+    c = s3()
+    c.create_bucket(Bucket=bucket)
+    with tmpdir("ucpfs-s3-save-") as work:
+        local = os.path.join(work, "local")
+        model = save(local)
+        local_meta = FileSystemReader(local).read_metadata().state_dict_metadata
+
+        def plain_save():
+            prefix, mnt, stage = "a", os.path.join(work, "mnt-a"), os.path.join(work, "stage-a")
+            seen, stop = [], threading.Event()
+
+            def poll():  # every listing: .metadata only with every shard
+                pc = s3()
+                while not stop.is_set():
+                    keys = set(objects(pc, bucket, prefix))
+                    seen.append(keys)
+                    assert ".metadata" not in keys or set(SHARDS) <= keys, f".metadata listed before the shards: {keys}"
+            poller_error = []
+
+            def poll_safe():
+                try:
+                    poll()
+                except Exception as e:  # noqa: BLE001 - reported below
+                    poller_error.append(e)
+            poller = threading.Thread(target=poll_safe)
+            poller.start()
+            try:
+                with mounted(f"s3://{bucket}/{prefix}", mnt, "--stage-dir", stage,
+                             "--index-dir", os.path.join(work, "index-a"), "--cache-size", "64M") as (m, _):
+                    st = status(m)["object_store"]
+                    assert st["stage_dir"] == stage and not st["off"], st
+                    save(m)
+                    run([ucpfs_bin(), "sync", m, "-q"])
+                    stop.set()
+                    poller.join()
+                    assert not poller_error, poller_error[0]
+                    meta = check_same_as_local(c, bucket, prefix, local, m)
+                    import pickle
+                    got_meta = pickle.loads(meta).state_dict_metadata  # noqa: S301 - our own test's save
+                    assert got_meta.keys() == local_meta.keys(), "the .metadata uploaded describes other tensors"
+                    for s in SHARDS:  # > 8 MiB: multipart (the ETag of a multipart object ends in -<parts>)
+                        etag = c.head_object(Bucket=bucket, Key=f"{prefix}/{s}")["ETag"]
+                        assert etag.strip('"').endswith("-2"), f"{s}: ETag {etag}: not a 2-part multipart upload"
+                    up = stats(m)["s3"]["upload"]
+                    assert up["queued_files"] == 0 and up["uploaded_files"] >= len(local_files(local)), up
+                    load_from_bucket(c, bucket, prefix, work, model)
+                    # The views, indexed again from the bucket.
+                    atomic = os.path.join(m, "atomic")
+                    wait_for("atomic/ from the bucket", lambda: os.path.isdir(atomic) and os.listdir(atomic))
+                    for k, v in model.state_dict().items():
+                        got = torch.load(os.path.join(atomic, k, "fp32.pt"), weights_only=True)["param"]
+                        assert torch.equal(got, v.float()), f"atomic/{k} differs"
+                    print(f"A: {len(seen)} listings during the save; {len(objects(c, bucket, prefix))} objects "
+                          f"byte-equal; views of {len(os.listdir(atomic))} parameters", flush=True)
+                    r = run([ucpfs_bin(), "umount", m], check=False)
+                    assert r.returncode == 0, f"umount exited {r.returncode}: {r.stderr}"
+                left = [f for f in local_files(stage) if not f.startswith(".ucpfs/")]
+                assert left == [], f"staged copies left after unmount: {left}"
+            finally:
+                stop.set()
+                poller.join()
+        res.check("A: a save lands whole, byte-equal, loadable, viewable", plain_save)
+
+        def order_under_failure():
+            prefix, mnt, stage = "b", os.path.join(work, "mnt-b"), os.path.join(work, "stage-b")
+            blocked = SHARDS[1]
+            deny_puts(c, bucket, f"{prefix}/{blocked}")
+            try:
+                with mounted(f"s3://{bucket}/{prefix}", mnt, "--stage-dir", stage,
+                             "--index-dir", os.path.join(work, "index-b"), "--cache-size", "64M") as (m, _):
+                    save(m)
+                    failing = wait_for("the upload to fail", lambda: stats(m)["s3"]["upload"]["failing"])
+                    assert f"s3://{bucket}/{prefix}/{blocked}" in json.dumps(stats(m)["s3"]["upload"]), failing
+                    for _ in range(20):  # 2 s of retries: never .metadata, never the blocked shard
+                        keys = objects(c, bucket, prefix)
+                        assert ".metadata" not in keys and blocked not in keys, f"uploaded past a failing shard: {keys}"
+                        time.sleep(0.1)
+                    print(f"B: while {blocked} fails the bucket holds {keys}", flush=True)
+                    c.delete_bucket_policy(Bucket=bucket)
+                    run([ucpfs_bin(), "sync", m, "-q"], timeout=120)
+                    check_same_as_local(c, bucket, prefix, local, m)
+            finally:
+                c.delete_bucket_policy(Bucket=bucket)
+        res.check("B: nothing after a failing shard is uploaded before it", order_under_failure)
+
+        def kill9():
+            prefix, mnt, stage = "c", os.path.join(work, "mnt-c"), os.path.join(work, "stage-c")
+            index = os.path.join(work, "index-c")
+            url = f"s3://{bucket}/{prefix}"
+            deny_puts(c, bucket, f"{prefix}/*")
+            os.makedirs(mnt, exist_ok=True)
+            log = mnt + ".log"
+            try:
+                run([ucpfs_bin(), "mount", url, mnt, "--stage-dir", stage, "--index-dir", index, "--log", log,
+                     "--cache-size", "64M"], timeout=120)
+                pid = status(mnt)["daemon_pid"]
+                save(mnt)
+                os.kill(pid, signal.SIGKILL)
+                wait_for("the daemon to die", lambda: not daemon_alive(pid), 10)
+                subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+                assert objects(c, bucket, prefix) == [], "objects landed while every PUT was denied"
+                c.delete_bucket_policy(Bucket=bucket)
+                with mounted(url, mnt, "--stage-dir", stage, "--index-dir", index, "--cache-size", "64M") as (m, _):
+                    run([ucpfs_bin(), "sync", m, "-q"], timeout=120)
+                    check_same_as_local(c, bucket, prefix, local)
+                    load_from_bucket(c, bucket, prefix, work, model)
+                    open_uploads = c.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+                    assert open_uploads == [], f"multipart uploads left open: {open_uploads}"
+                    requeued = open(m + ".log").read().count("queued by an earlier mount")
+                    print(f"C: after kill -9, {requeued} item(s) queued again; every object landed", flush=True)
+            finally:
+                try:
+                    c.delete_bucket_policy(Bucket=bucket)
+                except Exception:  # noqa: BLE001 - already lifted
+                    pass
+                if is_mounted(mnt):
+                    subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+        res.check("C: kill -9 right after the save, remount: every object lands", kill9)
+    res.finish()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
