@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(uint64_t{1}, uint64_t{86400}));
   mount_cmd->add_flag("--read-only", mount.read_only, "serve read-only: no writes, no write capture");
   mount_cmd->add_option("--readahead", mount.readahead,
-                        "the mount's kernel readahead window (default 1M, the request size; e.g. 16M)");
+                        "the mount's kernel readahead window (default: the source disk's, 1M to 64M; e.g. 16M)");
   mount_cmd->add_option("--prefetch", mount.prefetch,
                         "read source files this far ahead of a view's sequential reads into the page cache "
                         "(default 32M; 0: off)");
