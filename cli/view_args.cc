@@ -94,6 +94,9 @@ Result<ViewSelection> ParseViewArgs(const ViewArgs& args) {
   if (args.atomic) UCPFS_RETURN_IF_ERROR(want("atomic"));
   if (args.safetensors) UCPFS_RETURN_IF_ERROR(want("safetensors"));
   for (const std::string& name : args.views) UCPFS_RETURN_IF_ERROR(want(name));
+  if (t.layouts.empty() && std::find(out.kinds.begin(), out.kinds.end(), "target") != out.kinds.end()) {
+    return InvalidArgumentError("--view target: give the layouts with --layout");
+  }
   // In registry order, the order their files are listed in (views/view_files.h).
   std::vector<std::string> ordered;
   for (const views::ViewKind* k : views::ViewKinds()) {
