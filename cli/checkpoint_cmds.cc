@@ -22,7 +22,7 @@
 
 #include "cli/progress.h"
 #include "cli/text.h"
-#include "cli/view_files.h"
+#include "cli/view_args.h"
 #include "core/layout/layout.h"
 #include "core/layout/patterns.h"
 #include "views/atomic.h"
@@ -290,43 +290,22 @@ namespace {
 
 // Parses the target-view options (before the daemon forks, so typos fail at once).
 Result<views::ViewOptions> ParseTargetOptions(const MountArgs& args) {
-  UCPFS_ASSIGN_OR_RETURN(ViewSelection v, ParseViewArgs({args.layouts, false, false, args.safetensors_shard_size,
-                                                         args.preset, args.pattern_rules, args.pp_split,
-                                                         args.vocab_pad_multiple}));
-  views::ViewOptions t;
-  t.layouts = std::move(v.layouts);
-  t.preset = v.preset;
-  t.rules = std::move(v.rules);
-  t.model_facts = v.model_facts;
-  t.pp_split = std::move(v.pp_split);
-  t.vocab_pad_multiple = v.vocab_pad_multiple;
+  ViewArgs view_args;
+  view_args.layouts = args.layouts;
+  view_args.safetensors_shard_size = args.safetensors_shard_size;
+  view_args.preset = args.preset;
+  view_args.pattern_rules = args.pattern_rules;
+  view_args.pp_split = args.pp_split;
+  view_args.vocab_pad_multiple = args.vocab_pad_multiple;
+  view_args.hf_dtype = args.hf_dtype;
+  view_args.hf_config = args.hf_config;
+  UCPFS_ASSIGN_OR_RETURN(ViewSelection v, ParseViewArgs(view_args));
+  views::ViewOptions t = std::move(v.options);
   if (args.lookup_memory_mib > kMaxLookupMemoryMib) {
     return InvalidArgumentError("lookup memory " + std::to_string(args.lookup_memory_mib) + " MiB: at most " +
                                 std::to_string(kMaxLookupMemoryMib) + " (1 TiB)");
   }
   t.lookup_budget_bytes = args.lookup_memory_mib << 20;
-  t.safetensors_shard_n_bytes = v.safetensors_shard_n_bytes;
-  t.hf.max_shard_n_bytes = v.safetensors_shard_n_bytes;
-  if (!args.hf_dtype.empty()) {
-    UCPFS_ASSIGN_OR_RETURN(t.hf.dtype, index::ParseHfDType(args.hf_dtype));
-  }
-  if (!args.hf_config.empty()) {  // read now: the daemon may not see the same relative path
-    std::ifstream in(args.hf_config, std::ios::binary);
-    std::ostringstream text;
-    text << in.rdbuf();
-    if (!in || text.str().size() > (1u << 20)) {
-      return InvalidArgumentError("--hf-config " + args.hf_config + ": cannot be read, or larger than 1 MiB");
-    }
-    t.hf.config_text = text.str();
-    t.hf.config_path = args.hf_config;
-    // Its heads are facts of the model for every view (a fused QKV's interleave), as a rules
-    // file's "model" gives them; an unreadable config is hf/'s to report (hf.error).
-    const std::string where = "--hf-config " + args.hf_config;
-    if (auto config = index::ParseHfConfig(t.hf.config_text, where); config.ok()) {
-      UCPFS_ASSIGN_OR_RETURN(t.model_facts, layout::MergeAttentionFacts(t.model_facts, "--pattern-rules " + args.pattern_rules,
-                                                                       index::AttentionFactsOf(*config), where));
-    }
-  }
   return t;
 }
 

@@ -14,7 +14,7 @@
 #include "cli/mount_helper.h"
 #include "cli/mount_options.h"
 #include "cli/verify_cmd.h"
-#include "cli/view_files.h"
+#include "cli/view_args.h"
 #include "cli/plan_cmd.h"
 #include "fs/fuse_mount.h"
 
@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
                         "an s3:// mount's local staging directory: saves land there (durable, crash-ordered) and "
                         "are uploaded to the bucket in close order (default: beside the mount's local index)");
   mount_cmd->add_option("--readahead", mount.readahead,
-                        "the mount's kernel readahead window (default 1M, the request size; e.g. 16M)");
+                        "the mount's kernel readahead window (default: the source disk's, 1M to 64M; e.g. 16M)");
   mount_cmd->add_option("--prefetch", mount.prefetch,
                         "read source files this far ahead of a view's sequential reads into the page cache "
                         "(default 32M; 0: off)");
@@ -102,10 +102,7 @@ int main(int argc, char** argv) {
                         "the most --materialize keeps, least recently opened out (default 8G)");
   mount_cmd->add_option("--safetensors-shard-size", mount.safetensors_shard_size,
                         "largest file of safetensors/ (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
-  mount_cmd->add_option("--hf-dtype", mount.hf_dtype, "dtype of hf/'s weights: bf16, fp16 or fp32 (default: as trained)");
-  mount_cmd->add_option("--hf-config", mount.hf_config,
-                        "the base model's config.json, for hf/ of sources that do not record their architecture "
-                        "(torchtitan-style DCP)");
+  ucpfs::cli::AddHfOptions(mount_cmd, mount.hf_dtype, mount.hf_config);
   AddSourceOptions(mount_cmd, mount.source);
 
   std::string umount_path;
@@ -143,17 +140,22 @@ int main(int argc, char** argv) {
 
   ucpfs::cli::ConvertArgs convert_args;
   CLI::App* convert = app.add_subcommand(
-      "convert", "Materialise views of checkpoint SRC under DST without FUSE (target/<layout>/rank_<N>/, atomic/)");
+      "convert", "Materialise views of checkpoint SRC under DST without FUSE (target/<layout>/rank_<N>/, atomic/, hf/, ...)");
   convert->add_option("SRC", convert_args.source.src, "checkpoint directory")->required();
   convert->add_option("DST", convert_args.dst, "output directory (created)")->required();
-  convert->add_option("--layout", convert_args.layouts, "target layout tp<T>_pp<P>_dp<D>[_ep<E>][_zero1] (repeatable)");
-  convert->add_flag("--atomic", convert_args.atomic, "also write atomic/<param>/<state>.pt");
-  convert->add_flag("--safetensors", convert_args.safetensors,
+  convert->add_option("--layout", convert_args.views.layouts, "target layout tp<T>_pp<P>_dp<D>[_ep<E>][_zero1] (repeatable)");
+  convert->add_flag("--atomic", convert_args.views.atomic, "also write atomic/<param>/<state>.pt");
+  convert->add_flag("--safetensors", convert_args.views.safetensors,
                     "also write safetensors/: the weights as sharded safetensors + model.safetensors.index.json");
-  convert->add_option("--safetensors-shard-size", convert_args.safetensors_shard_size,
-                      "largest safetensors shard (default 5000000000, Hugging Face's 5GB; e.g. 2G)");
-  ucpfs::cli::AddPatternOptions(convert, convert_args.preset, convert_args.pattern_rules, convert_args.pp_split,
-                                convert_args.vocab_pad_multiple);
+  convert->add_option("--view", convert_args.views.views,
+                      "also write the view NAME as a mount serves it: atomic, safetensors, hf, universal or target "
+                      "(with --layout) (repeatable)");
+  convert->add_option("--safetensors-shard-size", convert_args.views.safetensors_shard_size,
+                      "largest safetensors shard of safetensors/ and hf/ (default 5000000000, Hugging Face's 5GB; "
+                      "e.g. 2G)");
+  ucpfs::cli::AddPatternOptions(convert, convert_args.views.preset, convert_args.views.pattern_rules,
+                                convert_args.views.pp_split, convert_args.views.vocab_pad_multiple);
+  ucpfs::cli::AddHfOptions(convert, convert_args.views.hf_dtype, convert_args.views.hf_config);
   convert->add_option("--threads", convert_args.threads, "writer threads (default: all cores)")
       ->check(CLI::Range(0, 4096));
   convert->add_flag("--json", convert_args.json, "print the summary as one JSON object");

@@ -18,7 +18,8 @@
 #include "cli/plan_svg.h"
 #include "cli/text.h"
 #include "cli/checkpoint_cmds.h"
-#include "cli/view_files.h"
+#include "cli/view_args.h"
+#include "views/view_kind.h"
 #include "core/json_text.h"
 #include "views/reshard_reads.h"
 
@@ -281,9 +282,13 @@ int RunPlan(const PlanArgs& args) {
   auto snapshot = OpenSourceSnapshot(args.source);
   if (!snapshot.ok()) return Fail(snapshot.error());
   const index::Snapshot& snap = **snapshot;
-  auto input = MakeViewInput(snap, *selection, [](const std::string&) {});  // `ucpfs inspect` lists them
+  // The input target/ plans its layouts from (views/view_kind.h), so the plan is the mount's.
+  auto base = views::ViewBaseOf(snap, selection->options);
+  if (!base.ok()) return Fail(base.error());
+  auto input = views::TargetInputOf(snap, selection->options, base->patterns,
+                                    [](const std::string&) {});  // `ucpfs inspect` lists them
   if (!input.ok()) return Fail(input.error());
-  const layout::Layout& l = selection->layouts.front();
+  const layout::Layout& l = selection->options.layouts.front();
   auto plan = views::TargetPlan::Make(*input, l);
   if (!plan.ok()) return Fail(plan.error().WithContext("layout " + l.name));
   auto reads = views::ComputeReshardReads(*plan, *snap.files);

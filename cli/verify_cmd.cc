@@ -25,6 +25,7 @@
 #include "index/key_map.h"
 #include "index/scanner.h"
 #include "index/snapshot.h"
+#include "views/view_files.h"
 
 namespace ucpfs::cli {
 namespace {
@@ -183,13 +184,24 @@ void CheckCrcs(const std::vector<CrcWork>& work, Report& r, const std::function<
 }
 
 // Reads the view whole (exactly its declared size), then parses it by its kind.
-void CheckView(const ViewFile& v, std::vector<std::byte>& buf, Report& r, const std::function<void(uint64_t)>& on_bytes) {
-  const uint64_t size = v.source->Size();
+void CheckView(const views::ViewFile& file, std::vector<std::byte>& buf, Report& r,
+               const std::function<void(uint64_t)>& on_bytes) {
+  auto opened = file.open();
+  if (!opened.ok()) {
+    r.Add(file.path, "cannot be built: " + opened.error().ToString());
+    return;
+  }
+  const std::shared_ptr<const ByteSource>& source = *opened;
+  const uint64_t size = source->Size();
+  if (size != file.n_bytes) {
+    r.Add(file.path, "built with " + std::to_string(size) + " bytes, listed with " + std::to_string(file.n_bytes));
+    return;
+  }
   for (uint64_t off = 0; off < size;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - off));
-    Status s = v.source->ReadAt(off, std::span(buf.data(), n));
+    Status s = source->ReadAt(off, std::span(buf.data(), n));
     if (!s.ok()) {
-      r.Add(v.path, "read of " + std::to_string(n) + " bytes at byte " + std::to_string(off) + " of its " +
+      r.Add(file.path, "read of " + std::to_string(n) + " bytes at byte " + std::to_string(off) + " of its " +
                         std::to_string(size) + " failed: " + s.ToString());
       return;
     }
@@ -199,27 +211,27 @@ void CheckView(const ViewFile& v, std::vector<std::byte>& buf, Report& r, const 
   }
   ++r.views;
   auto ends_with = [&](std::string_view tail) {
-    return v.path.size() >= tail.size() && v.path.compare(v.path.size() - tail.size(), tail.size(), tail) == 0;
+    return file.path.size() >= tail.size() && file.path.compare(file.path.size() - tail.size(), tail.size(), tail) == 0;
   };
   if (ends_with(".pt")) {
     // TorchFile::Open checks every tensor's storage record against its numel and dtype.
-    auto tf = format::TorchFile::Open(v.source);
+    auto tf = format::TorchFile::Open(source);
     if (!tf.ok()) {
-      r.Add(v.path, "does not parse as a torch.save file: " + tf.error().message());
+      r.Add(file.path, "does not parse as a torch.save file: " + tf.error().message());
       return;
     }
     r.view_tensors += tf->tensors().size();
     for (const auto& e : tf->archive().entries()) {
-      auto checked = format::CheckEntryCrc32(*v.source, e);
-      if (!checked.ok()) r.Add(v.path, checked.error().message());
+      auto checked = format::CheckEntryCrc32(*source, e);
+      if (!checked.ok()) r.Add(file.path, checked.error().message());
     }
   } else if (ends_with(".safetensors")) {
-    auto h = format::ReadSafetensors(*v.source);
-    if (!h.ok()) r.Add(v.path, "does not parse as safetensors: " + h.error().message());
+    auto h = format::ReadSafetensors(*source);
+    if (!h.ok()) r.Add(file.path, "does not parse as safetensors: " + h.error().message());
   } else if (ends_with(".json")) {
     std::string text(size, '\0');
-    Status s = v.source->ReadAt(0, std::as_writable_bytes(std::span(text.data(), text.size())));
-    if (!s.ok() || nlohmann::json::parse(text, nullptr, false).is_discarded()) r.Add(v.path, "is not valid JSON");
+    Status s = source->ReadAt(0, std::as_writable_bytes(std::span(text.data(), text.size())));
+    if (!s.ok() || nlohmann::json::parse(text, nullptr, false).is_discarded()) r.Add(file.path, "is not valid JSON");
   }
 }
 
@@ -272,8 +284,12 @@ CLI::App* AddVerifyCommand(CLI::App& app, VerifyArgs& args) {
   cmd->add_flag_callback("--no-atomic", [&args] { args.views.atomic = false; },
                          "do not read atomic/<param>/<state>.pt (read by default)");
   cmd->add_flag("--safetensors", args.views.safetensors, "also read safetensors/ (the weights as safetensors)");
+  cmd->add_option("--view", args.views.views,
+                  "also read the view NAME as a mount serves it: atomic, safetensors, hf, universal or target "
+                  "(with --layout) (repeatable)");
   AddPatternOptions(cmd, args.views.preset, args.views.pattern_rules, args.views.pp_split,
                     args.views.vocab_pad_multiple);
+  AddHfOptions(cmd, args.views.hf_dtype, args.views.hf_config);
   cmd->add_flag("--json", args.json,
                 "print {\"ok\", \"checked\": {counts, bytes}, \"unchecked\", \"problems\": [{\"file\", \"what\"}]}");
   return cmd;
@@ -339,12 +355,12 @@ int RunVerify(const VerifyArgs& args) {
     Print(r, args.json);
     return 1;
   }
-  auto views = ListViewFiles(**snapshot, *selection, [](const std::string&) {});
+  auto views = views::ListViewFiles(*snapshot, selection->options, selection->kinds);
   if (!views.ok()) r.Add(views.error(), r.src);
   uint64_t total = 0, done = 0;
   std::vector<CrcWork> crcs = PlanCrcs((*snapshot)->checkpoint(), (*snapshot)->files, r, &total);
   if (views.ok()) {
-    for (const auto& v : *views) total += v.source->Size();
+    for (const auto& v : *views) total += v.n_bytes;
   }
   Progress progress(StderrProgressOptions("ucpfs verify:", ProgressUnit::kBytes, args.source.quiet));
   auto on_bytes = [&](uint64_t n) { progress.Update(done += n, total); };

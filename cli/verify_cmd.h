@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cli/checkpoint_cmds.h"
-#include "cli/view_files.h"
+#include "cli/view_args.h"
 
 namespace CLI {
 class App;
@@ -26,7 +26,7 @@ namespace ucpfs::cli {
 
 struct VerifyArgs {
   SourceArgs source;  // SRC, --index-dir, --rules, --read-only-index, --quiet
-  ViewArgs views;     // --layout..., atomic (on unless --no-atomic), --safetensors
+  ViewArgs views;     // --layout..., atomic (on unless --no-atomic), --safetensors, --view
   bool json = false;
 };
 

@@ -47,6 +47,7 @@ _ucpfs() {
     case $prev in
       --index-dir) COMPREPLY=($(compgen -d -- "$cur")) ;;
       --preset) COMPREPLY=($(compgen -W "auto torchtitan megatron hf" -- "$cur")) ;;
+      --view) COMPREPLY=($(compgen -W "atomic safetensors hf universal target" -- "$cur")) ;;
       --layout)
         COMPREPLY=($(compgen -W "tp1_pp1_dp1 tp2_pp1_dp1 tp1_pp2_dp1 tp2_pp2_dp1 tp2_pp2_dp2 tp4_pp1_dp1 tp2_pp2_dp4 tp8_pp1_dp1" -- "$cur"))
         ;;

@@ -1,11 +1,14 @@
 #include "mount/daemon.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <mutex>
@@ -45,6 +48,35 @@ Result<ReadAheadSizes> ParseReadAhead(const std::string& readahead, const std::s
   }
   return out;
 }
+
+namespace {
+
+// The default readahead follows the source disk's window between the FUSE request size (1 MiB,
+// fs/fuse_mount.cc's default max_read: the window it has anyway) and 64 MiB.
+constexpr uint64_t kRequestBytes = uint64_t{1} << 20;
+constexpr uint64_t kMaxDefaultReadAheadBytes = uint64_t{64} << 20;
+
+// The readahead window of the block device holding `dir` (its queue's read_ahead_kb, a
+// partition's disk's), or of its filesystem's bdi (NFS, FUSE); 0 when unknown. What a reader
+// of the source's files straight from disk gets ahead of it.
+uint64_t SourceReadAheadBytes(const std::string& dir) {
+  struct stat st = {};
+  if (::stat(dir.c_str(), &st) != 0) return 0;
+  const std::string dev = std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));
+  for (const std::string& path : {"/sys/dev/block/" + dev + "/queue/read_ahead_kb",
+                                  "/sys/dev/block/" + dev + "/../queue/read_ahead_kb",
+                                  "/sys/class/bdi/" + dev + "/read_ahead_kb"}) {
+    FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) continue;
+    unsigned long kb = 0;
+    const bool read = std::fscanf(f, "%lu", &kb) == 1;
+    std::fclose(f);
+    if (read) return static_cast<uint64_t>(kb) << 10;
+  }
+  return 0;
+}
+
+}  // namespace
 
 // Builds the namespace and serves it; reports failure through `ready_fd` as text when >= 0.
 int ServeMount(const DaemonOptions& args, int ready_fd) {
@@ -322,6 +354,15 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   mo.ready_fd = ready_fd;
   mo.report = mount_report;
   mo.readahead_bytes = read_ahead->kernel_n_bytes;
+  if (args.readahead.empty() && !object_store) {
+    // No --readahead: the source disk's own window when it is larger than the request size, so
+    // a view read cold is read ahead as far as the source's files would be. mmap readers
+    // (safetensors, from_pretrained) fault page by page and get only this window in flight:
+    // with 1 MiB against the disk's 8 MiB, from_pretrained(MNT/hf) cold was 1.3-1.6x the disk
+    // copy's time, with 8 MiB 0.9-1.3x (docs/benchmarks.md).
+    const uint64_t disk = std::min<uint64_t>(SourceReadAheadBytes(source_dir), kMaxDefaultReadAheadBytes);
+    if (disk > kRequestBytes) mo.readahead_bytes = static_cast<uint32_t>(disk);
+  }
   mo.source_read_ahead_bytes = read_ahead->prefetch_n_bytes;
   // target/<layout>/ for layouts not given with --layout: built on first lookup.
   mo.dynamic_dir = info.target_dir;

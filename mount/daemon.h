@@ -17,7 +17,8 @@
 
 namespace ucpfs::mount {
 
-// --readahead (the mount's kernel readahead window; empty: the request size, 1 MiB) and
+// --readahead (the mount's kernel readahead window; empty: the source disk's, at least the
+// request size of 1 MiB and at most 64 MiB, set by ServeMount) and
 // --prefetch (how far ahead of a view's sequential reads its source files are read into the
 // page cache; empty: 32 MiB; 0: off). Errors: kInvalidArgument for a bad text or a size out of
 // range.

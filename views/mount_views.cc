@@ -19,22 +19,18 @@ Result<std::shared_ptr<Tree>> BuildNamespace(std::shared_ptr<const index::Snapsh
   const index::OpenedIndex& opened = snapshot->opened;
   const index::KeyMapping& mapping = snapshot->mapping;
   const auto& ckpt = opened.checkpoint;
-  UCPFS_ASSIGN_OR_RETURN(const TreeEntry src_st, snapshot->tree().Stat(""));
-  const struct timespec mtime = {static_cast<time_t>(src_st.identity.mtime_ns / 1000000000),
-                                 static_cast<long>(src_st.identity.mtime_ns % 1000000000)};
+  UCPFS_ASSIGN_OR_RETURN(const ViewBase base, ViewBaseOf(*snapshot, options));
+  const struct timespec mtime = base.mtime;
 
   // Source files by id, opened on first read.
   const std::shared_ptr<IoCounters> counters = snapshot->counters;
-  UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
-                         index::PatternOptionsFor(ckpt, options.preset, options.rules, options.vocab_pad_multiple,
-                                                   options.model_facts));
   const ViewContext ctx{.snapshot = snapshot,
                         .options = options,
-                        .patterns = patterns,
+                        .patterns = base.patterns,
                         .tree = *tree,
                         .parent = kRootIno,
                         .mtime = mtime,
-                        .access = AccessOfSources(snapshot->tree(), ckpt.files)};
+                        .access = base.access};
   // Every view kind, in registry order (inode numbers follow it).
   const std::vector<const ViewKind*>& kinds = ViewKinds();
   std::vector<ViewOutput> outs(kinds.size());
@@ -127,20 +123,15 @@ Result<std::shared_ptr<Tree>> BuildRunNamespace(const std::vector<NamedSnapshot>
   const struct timespec mtime = fs::Now();
   UCPFS_ASSIGN_OR_RETURN(Ino all, tree->AddDir(kRootIno, "checkpoints", mtime));
   for (const NamedSnapshot& named : run) {
-    const index::Snapshot& snap = *named.snapshot;
-    const index::Checkpoint& ckpt = snap.checkpoint();
-    const ViewAccess access = AccessOfSources(snap.tree(), ckpt.files);
     UCPFS_ASSIGN_OR_RETURN(Ino dir, tree->AddDir(all, named.name, mtime));
-    UCPFS_ASSIGN_OR_RETURN(const index::PatternOptions patterns,
-                           index::PatternOptionsFor(ckpt, options.preset, options.rules, options.vocab_pad_multiple,
-                                                   options.model_facts));
+    UCPFS_ASSIGN_OR_RETURN(const ViewBase base, ViewBaseOf(*named.snapshot, options));
     const ViewContext ctx{.snapshot = named.snapshot,
                           .options = options,
-                          .patterns = patterns,
+                          .patterns = base.patterns,
                           .tree = *tree,
                           .parent = dir,
-                          .mtime = mtime,
-                          .access = access,
+                          .mtime = mtime,  // a run's checkpoints: the time of the mount
+                          .access = base.access,
                           .run_member = true};
     for (const ViewKind* kind : ViewKinds()) {
       ViewOutput unreported;  // a run's checkpoints are not reported on

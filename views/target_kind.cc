@@ -47,22 +47,6 @@ constexpr std::string_view kRefusalSuffix = ".error";
 // their layout names and JSON escapes); refusals that do not fit are left out of it.
 constexpr uint64_t kStatusRefusalRoomBytes = 8192;
 
-// The target views' input, made once when the namespace is built (status.json reports its
-// extra state and unserved items) and shared by every layout, --layout or built on lookup.
-Result<std::shared_ptr<const views::TargetInput>> MakeSharedTargetInput(const index::Checkpoint& checkpoint,
-                                                                       const index::KeyMapping& mapping,
-                                                                       const index::FileTable& files,
-                                                                       const ViewOptions& targets,
-                                                                       const index::PatternOptions& patterns) {
-  auto made = index::MakeTargetInput(checkpoint, mapping, files, [](const std::string& w) {
-    std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
-  });
-  UCPFS_RETURN_IF_ERROR(made.status());
-  std::shared_ptr<views::TargetInput> in = *made;
-  index::ApplyPatterns(*in, patterns, targets.pp_split);
-  return std::shared_ptr<const views::TargetInput>(std::move(in));
-}
-
 // The file target/<layout>.error: `why` and a newline. kNotFound when no refusal of `layout`
 // is remembered (never refused, or pushed out by newer refusals).
 Result<std::shared_ptr<const Tree>> RefusalFile(const std::string& layout, const std::optional<std::string>& why,
@@ -233,9 +217,6 @@ class Target final : public ViewKind {
   const char* Name() const override { return "target"; }
   Status Add(const ViewContext& ctx, ViewOutput* out) const override {
     const std::shared_ptr<const index::Snapshot>& snapshot = ctx.snapshot;
-    const index::KeyMapping& mapping = snapshot->mapping;
-    const auto& ckpt = snapshot->checkpoint();
-    const index::FileTable& files = snapshot->files;
     const ViewOptions& targets = ctx.options;
     const index::PatternOptions& patterns = ctx.patterns;
     Tree* tree = &ctx.tree;
@@ -250,12 +231,15 @@ class Target final : public ViewKind {
     size_t n_target = 0;
     // Made now, not on first lookup: status.json lists the extra state and what is not served,
     // which takes decoding the small non-tensor items (tensor bytes stay unread).
-    UCPFS_ASSIGN_OR_RETURN(auto target_input, MakeSharedTargetInput(ckpt, mapping, files, targets, patterns));
+    UCPFS_ASSIGN_OR_RETURN(auto target_input, TargetInputOf(*snapshot, targets, patterns, [](const std::string& w) {
+                             std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
+                           }));
     {
       for (const auto& l : targets.layouts) {
-        UCPFS_ASSIGN_OR_RETURN(auto plan, views::TargetPlan::Make(target_input, l));
+        auto plan = views::TargetPlan::Make(target_input, l);
+        if (!plan.ok()) return plan.error().WithContext("layout " + l.name);
         UCPFS_ASSIGN_OR_RETURN(Ino ldir, tree->AddDir(target, l.name, mtime));
-        UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, std::make_shared<const views::TargetPlan>(std::move(plan)),
+        UCPFS_RETURN_IF_ERROR(AddLayoutRanks(*tree, ldir, std::make_shared<const views::TargetPlan>(std::move(*plan)),
                                              mtime, access, &n_target));
       }
     }
@@ -433,6 +417,17 @@ class Target final : public ViewKind {
 };
 
 }  // namespace
+
+// The target views' input, made once when the namespace is built (status.json reports its
+// extra state and unserved items) and shared by every layout, --layout or built on lookup.
+Result<std::shared_ptr<const TargetInput>> TargetInputOf(const index::Snapshot& snapshot, const ViewOptions& options,
+                                                         const index::PatternOptions& patterns,
+                                                         const std::function<void(const std::string&)>& warn) {
+  UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<views::TargetInput> in,
+                         index::MakeTargetInput(snapshot.checkpoint(), snapshot.mapping, snapshot.files, warn));
+  index::ApplyPatterns(*in, patterns, options.pp_split);
+  return std::shared_ptr<const views::TargetInput>(std::move(in));
+}
 
 const ViewKind* TargetKind() {
   static const Target kind;

@@ -64,6 +64,16 @@ struct ViewAccess {
 };
 ViewAccess AccessOfSources(const SourceTree& source, const std::vector<index::SourceFile>& sources);
 
+// What every kind of one snapshot is built with, besides the tree and parent: the source
+// directory's mtime, the pattern options (index::PatternOptionsFor over `options`) and the
+// sources' access. Errors: the source's Stat's, PatternOptionsFor's.
+struct ViewBase {
+  struct timespec mtime = {};
+  index::PatternOptions patterns;
+  ViewAccess access;
+};
+Result<ViewBase> ViewBaseOf(const index::Snapshot& snapshot, const ViewOptions& options);
+
 // What a kind is given. Valid for the call to ViewKind::Add only; what a kind's files need later
 // (the snapshot) it keeps by shared_ptr in their openers.
 struct ViewContext {
@@ -119,5 +129,12 @@ const ViewKind* AtomicKind();
 const ViewKind* SafetensorsKind();
 const ViewKind* HfKind();
 const ViewKind* TargetKind();
+
+// The target views' input as target/ makes it (MakeTargetInput with the patterns applied and
+// the --pp-split): `ucpfs plan` plans a layout from the same. `warn` gets one line per source
+// item no view serves. Errors: MakeTargetInput's.
+Result<std::shared_ptr<const TargetInput>> TargetInputOf(const index::Snapshot& snapshot, const ViewOptions& options,
+                                                         const index::PatternOptions& patterns,
+                                                         const std::function<void(const std::string&)>& warn);
 
 }  // namespace ucpfs::views

@@ -15,6 +15,18 @@ const std::vector<const ViewKind*>& ViewKinds() {
   return kinds;
 }
 
+Result<ViewBase> ViewBaseOf(const index::Snapshot& snapshot, const ViewOptions& options) {
+  ViewBase base;
+  UCPFS_ASSIGN_OR_RETURN(const TreeEntry src_st, snapshot.tree().Stat(""));
+  base.mtime = {static_cast<time_t>(src_st.identity.mtime_ns / 1000000000),
+                static_cast<long>(src_st.identity.mtime_ns % 1000000000)};
+  const index::Checkpoint& ckpt = snapshot.checkpoint();
+  UCPFS_ASSIGN_OR_RETURN(base.patterns, index::PatternOptionsFor(ckpt, options.preset, options.rules,
+                                                                 options.vocab_pad_multiple, options.model_facts));
+  base.access = AccessOfSources(snapshot.tree(), ckpt.files);
+  return base;
+}
+
 ViewAccess AccessOfSources(const SourceTree& source, const std::vector<index::SourceFile>& sources) {
   ViewAccess a;
   bool all_other = true, all_user = true, all_group = true, first = true;

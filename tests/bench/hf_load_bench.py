@@ -16,8 +16,11 @@ For each figure the median of --repeat runs, in this one python (transformers im
         given, each with its own index directory
 Ratios: mount time / disk time (1.0 = parity; the goal is <= 1.2).
 
+Printed: each median with its range (min-max) and the load average at the end.
+
 Usage: .venv/bin/python tests/bench/hf_load_bench.py [--ucpfs build/cli/ucpfs] [--workdir DIR]
        [--repeat 3] [--hidden 1024 --layers 8 --ffn 2816] [--base-ucpfs OTHER_BUILD/cli/ucpfs]
+       [--mount-arg=--readahead=1M ...]
 """
 import argparse
 import os
@@ -49,9 +52,9 @@ def save(rank, world, port, a):
     from megatron.core import dist_checkpointing  # noqa: PLC0415
     gml.TP, gml.HIDDEN, gml.LAYERS, gml.FFN, gml.HEADS, gml.GROUPS = 1, a.hidden, a.layers, a.ffn, a.hidden // 64, 4
     gmc.set_layout(1, 1, 0)
-    ddp = gml.build(tied=False)
-    dist_checkpointing.save({"model": ddp.sharded_state_dict(), "args": gml.megatron_args(False), "iteration": 0},
-                            a.src)
+    ddp = gml.build(tied=False, qkv_bias=False, experts=0)
+    dist_checkpointing.save({"model": ddp.sharded_state_dict(), "args": gml.megatron_args(False, False, 0),
+                             "iteration": 0}, a.src)
     gmc.leave_world()
 
 
@@ -79,6 +82,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=2816)
     ap.add_argument("--base-ucpfs")
+    ap.add_argument("--mount-arg", action="append", default=[],
+                    help="an extra option for the measured mounts, e.g. --mount-arg=--readahead=1M (repeatable)")
     a = ap.parse_args()
     work = a.workdir or tempfile.mkdtemp(prefix="hf-load-bench-")
     a.src = os.path.join(work, "src")
@@ -92,7 +97,7 @@ def main():
             mp.spawn(save, args=(1, rdzv.port, a), nprocs=1, join=True)
         print(f"saved the Megatron-Core checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
     src_files = files_under(a.src)
-    mount_argv = [a.ucpfs, "mount", a.src, mnt, "--read-only", "--index-dir", os.path.join(work, "index")]
+    mount_argv = [a.ucpfs, "mount", a.src, mnt, "--read-only", "--index-dir", os.path.join(work, "index")] + a.mount_arg
     with Mount(mount_argv, mnt):  # the index, built once; the on-disk copy
         shutil.rmtree(disk, ignore_errors=True)
         os.makedirs(os.path.dirname(disk), exist_ok=True)
@@ -122,9 +127,12 @@ def main():
     print(f"hf/: {n_bytes / 1e6:.0f} MB in {len(disk_files)} files; median of {a.repeat}")
     for kind in ("cold", "warm"):
         d, m = med[f"disk_{kind}"], med[f"mnt_{kind}"]
-        print(f"  from_pretrained {kind}: disk {d:.2f} s, MNT/hf {m:.2f} s, ratio {m / d:.2f}")
+        rng = {k: f"{min(fig[k]):.3f}-{max(fig[k]):.3f}" for k in (f"disk_{kind}", f"mnt_{kind}")}
+        print(f"  from_pretrained {kind}: disk {d:.3f} s ({rng[f'disk_{kind}']}), MNT/hf {m:.3f} s "
+              f"({rng[f'mnt_{kind}']}), ratio of medians {m / d:.2f}")
     base = f" ({a.base_ucpfs}: {med['mount_plain_s']:.2f} s)" if base_argv else ""
     print(f"  ucpfs mount (ready, index reused): {med['mount_s']:.2f} s{base}")
+    print(f"  load average {os.getloadavg()[0]:.1f} (1 min) at the end")
     if not a.workdir:
         shutil.rmtree(work)
 

@@ -23,7 +23,9 @@ A torchtitan 0.3.0 save (fixtures/gen_torchtitan.py: its llama3 debug model unde
 rotary layout, llama3 rope scaling) mounted without --hf-config names the missing facts in
 hf.error; with the base model's config.json (written here from torchtitan's model config) hf/
 holds exactly what torchtitan's own Llama3StateDictAdapter.to_hf makes of the live weights, and
-from_pretrained gives torchtitan's own model's logits (<= 1e-4) and greedy tokens.
+from_pretrained gives torchtitan's own model's logits (<= 1e-4) and greedy tokens; `ucpfs convert
+--view hf` writes the same bytes (without --hf-config it fails naming the option) and `ucpfs verify
+--view hf` reads them.
 The Hugging Face Trainer's DeepSpeed ZeRO-2 checkpoint-3/ (fixture hf_trainer_zero2): hf/ is the
 engine's module under its own names with the Trainer's config.json; from_pretrained gives the
 logits of the framework's model holding the live job's weights (exact) and its greedy tokens.
@@ -38,7 +40,7 @@ import sys
 
 import torch
 
-from e2e_common import Results, tmpdir
+from e2e_common import Results, run, tmpdir, ucpfs_bin
 from mount_common import mounted, status
 from shared_fixtures import fixture
 
@@ -193,6 +195,23 @@ def titan_source(r, work):
             for k, t in got.items():
                 assert torch.equal(t, theirs[k]), k
         r.check("torchtitan: hf/ is what torchtitan's own to_hf makes (q/k rotary permutation)", adapter)
+
+        def converted():
+            # convert and verify list hf/ through the same view kind as the mount (views/view_files.h).
+            out = os.path.join(work, "titan-converted")
+            cfg_args = ["--hf-config", os.path.join(base, "config.json")]
+            run([ucpfs_bin(), "convert", src, out, "--view", "hf", "-q"] + cfg_args, timeout=300)
+            assert sorted(os.listdir(os.path.join(out))) == ["hf"], os.listdir(out)
+            assert sorted(os.listdir(os.path.join(out, "hf"))) == sorted(os.listdir(hf))
+            for f in os.listdir(hf):
+                assert open(os.path.join(out, "hf", f), "rb").read() == open(os.path.join(hf, f), "rb").read(), f
+            v = json.loads(run([ucpfs_bin(), "verify", src, "--no-atomic", "--view", "hf", "--json", "-q"] + cfg_args,
+                               timeout=300).stdout)
+            assert v["ok"] and v["checked"]["views"] == len(os.listdir(hf)), v
+            bare = run([ucpfs_bin(), "convert", src, os.path.join(work, "titan-bare"), "--view", "hf", "-q"],
+                       check=False, timeout=300)
+            assert bare.returncode == 1 and "no hf view" in bare.stderr and "--hf-config" in bare.stderr, bare.stderr
+        r.check("torchtitan: `ucpfs convert --view hf` writes the mount's hf/ bytes; verify reads them", converted)
 
         def logits():
             hf_m = hf_model(hf)

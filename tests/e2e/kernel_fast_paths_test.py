@@ -16,6 +16,9 @@ symlink as the cache directory is refused. FUSE over io_uring: with the fuse mod
 enable_uring switched on for one mount (restored after), requests arrive through the rings
 (stats.json counts them) and bytes are equal; switched off, status says why.
 
+Without --readahead, the mount's kernel readahead window is the source disk's (at least 1 MiB,
+at most 64 MiB); --readahead 2M sets 2 MiB.
+
 Built against libfuse 3.14 (no source package could be had), the same views and files must be
 equal and status must say the fast paths are off and why.
 """
@@ -52,6 +55,20 @@ def read(path):
         return f.read()
 
 
+def read_ahead_kb(path, bdi_only=False):
+    """The readahead window (KiB) of the device holding `path`: its block queue's (a partition's
+    disk's) or its bdi's (a FUSE mount); None when the kernel shows neither."""
+    dev = os.stat(path).st_dev
+    mm = f"{os.major(dev)}:{os.minor(dev)}"
+    tries = [f"/sys/class/bdi/{mm}/read_ahead_kb"]
+    if not bdi_only:
+        tries = [f"/sys/dev/block/{mm}/queue/read_ahead_kb", f"/sys/dev/block/{mm}/../queue/read_ahead_kb"] + tries
+    for t in tries:
+        if os.path.exists(t):
+            return int(open(t).read())
+    return None
+
+
 def main():
     res = Results("kernel_fast_paths_test")
     version = run([ucpfs_bin(), "--version"]).stdout
@@ -83,6 +100,20 @@ def main():
             assert k["passthrough"].startswith("off"), k
             assert k["passthrough_opens"] == {"source": 0, "views": 0}, k
         assert len(names) > 20 and all(want.values()), names
+
+        def readahead_follows_the_source():
+            # Without --readahead the mount reads ahead as far as the source's disk (at least the
+            # 1 MiB request size, at most 64 MiB): mmap readers such as from_pretrained fault page
+            # by page and get only this window in flight. --readahead overrides it.
+            disk = read_ahead_kb(src)
+            want_kb = 1024 if disk is None else max(1024, min(disk, 64 * 1024))
+            with mounted(src, mnt, "--read-only") as (m, _):
+                got = read_ahead_kb(m, bdi_only=True)
+                assert got == want_kb, f"mount's window {got} KiB, wanted {want_kb} (source disk: {disk})"
+            with mounted(src, mnt, "--read-only", "--readahead", "2M") as (m, _):
+                assert read_ahead_kb(m, bdi_only=True) == 2048
+        res.check("the default kernel readahead follows the source disk's; --readahead sets it",
+                  readahead_follows_the_source)
         atomic = [n for n in names if n.startswith("atomic/")]
         with mounted(src2, mnt, "--no-passthrough", "--read-only") as (m, _):
             want2 = {n: read(os.path.join(m, n)) for n in atomic}
