@@ -17,6 +17,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -32,6 +33,7 @@
 #include "views/view_kind.h"
 #include "views/safetensors_view.h"
 #include "index/snapshot.h"
+#include "index/bucket_index.h"
 #include "index/catalog.h"
 #include "index/hf_config.h"
 #include "index/key_map.h"
@@ -54,10 +56,10 @@ bool IsS3Source(const std::string& src) { return src.starts_with("s3://"); }
 std::string S3IndexDir(const std::string& endpoint_url, const std::string& url) {
   std::string base;
   const char* xdg = std::getenv("XDG_CACHE_HOME");
-  if (::geteuid() == 0) {
+  if (xdg != nullptr && xdg[0] == '/') {
+    base = std::string(xdg) + "/ucpfs";  // first, so tests and users can move it (root included)
+  } else if (::geteuid() == 0) {
     base = "/var/cache/ucpfs";
-  } else if (xdg != nullptr && xdg[0] == '/') {
-    base = std::string(xdg) + "/ucpfs";
   } else {
     const char* home = std::getenv("HOME");
     base = std::string(home != nullptr && home[0] == '/' ? home : "/tmp") + "/.cache/ucpfs";
@@ -86,8 +88,12 @@ Result<std::shared_ptr<const SourceTree>> SourceTreeOf(const SourceArgs& args, s
 
 namespace {
 
-// The snapshot options of SRC (rules loaded).
-Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress) {
+// The snapshot options of SRC (rules loaded). An s3:// source without --index-dir has its index
+// resolved here (index/bucket_index.h: the bucket's, or a local one then written to the bucket):
+// `opened` gets it when given, and its index_dir is the options'.
+Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress,
+                                                 std::optional<index::OpenedIndex>* opened = nullptr,
+                                                 index::BucketIndexReport* report = nullptr) {
   index::SnapshotOptions o;
   UCPFS_ASSIGN_OR_RETURN(o.tree, SourceTreeOf(args, &o.source_dir));
   Result<TreeEntry> st = o.tree->Stat("");
@@ -99,13 +105,23 @@ Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool pr
     return InvalidArgumentError(args.src + ": not a directory (for a torch.save file use `ucpfs inspect FILE`)");
   }
   o.index_dir = args.index_dir;
-  if (o.index_dir.empty() && IsS3Source(args.src)) {
-    // Never next to the data here: the bucket is read-only to ucpfs (the index stays local).
-    const auto& client = std::static_pointer_cast<const S3Tree>(o.tree)->client();
-    o.index_dir = S3IndexDir(client->options().endpoint_url, o.source_dir);
-  }
   o.read_only_index = args.read_only_index;
   if (progress) o.progress = IndexingProgress(args.quiet);
+  if (o.index_dir.empty() && IsS3Source(args.src)) {
+    // Next to the data: the bucket's index when fresh, else a local one (reused or built) that is
+    // then written to the bucket; --read-only-index takes the bucket's or fails.
+    auto tree = std::static_pointer_cast<const S3Tree>(o.tree);
+    index::BucketIndexOptions bo;
+    bo.cache_dir = S3IndexDir(tree->client()->options().endpoint_url, o.source_dir);
+    bo.read_only = args.read_only_index;
+    bo.progress = o.progress;
+    index::BucketIndexReport local_report;
+    index::BucketIndexReport& r = report ? *report : local_report;
+    UCPFS_ASSIGN_OR_RETURN(index::OpenedIndex found, index::OpenOrBuildBucketIndex(tree, bo, &r));
+    if (!r.warning.empty()) std::cerr << "ucpfs: warning: " << r.warning << '\n';
+    o.index_dir = found.index_dir;
+    if (opened) *opened = std::move(found);
+  }
   if (!args.rules.empty()) {
     UCPFS_ASSIGN_OR_RETURN(o.key_rules, index::LoadRules(args.rules));
   }
@@ -127,13 +143,25 @@ std::string AbsPath(const std::string& p) {
   return p;
 }
 
-Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress) {
-  UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress));
+namespace {
+
+Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress,
+                                                                  index::BucketIndexReport* report) {
+  std::optional<index::OpenedIndex> opened;
+  UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress, &opened, report));
+  if (opened) return index::SnapshotOf(std::move(*opened), o, 1);  // opened once (an s3:// source)
   return index::OpenSnapshot(o, 1);
 }
 
+}  // namespace
+
+Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress) {
+  return OpenSourceSnapshot(args, progress, nullptr);
+}
+
 int RunIndex(const SourceArgs& args, bool json) {
-  auto l = OpenSourceSnapshot(args, /*progress=*/true);
+  index::BucketIndexReport bucket;
+  auto l = OpenSourceSnapshot(args, /*progress=*/true, &bucket);
   if (!l.ok()) return Fail("index", l.error());
   const auto& c = (*l)->opened.checkpoint;
   uint64_t tensor_bytes = 0, fragments = 0;
@@ -157,6 +185,10 @@ int RunIndex(const SourceArgs& args, bool json) {
     out["index_state"] = index::IndexStateName((*l)->opened.state);
     out["index_dir"] = (*l)->opened.index_dir;
     out["seconds"] = (*l)->opened.elapsed_s;
+    if (!bucket.manifest_url.empty()) {
+      out["bucket_index"] = {{"manifest", bucket.manifest_url}, {"from_bucket", bucket.from_bucket},
+                             {"uploaded", bucket.uploaded}, {"warning", bucket.warning}};
+    }
     std::cout << JsonText(out) << '\n';
     return 0;
   }
@@ -166,6 +198,8 @@ int RunIndex(const SourceArgs& args, bool json) {
             << " parameters, " << (*l)->mapping.unmapped_keys.size() << " unmapped keys\n"
             << "ucpfs index: " << index::IndexStateName((*l)->opened.state) << " at "
             << (*l)->opened.index_dir << " in " << (*l)->opened.elapsed_s << " s\n";
+  if (bucket.from_bucket) std::cout << "ucpfs index: the bucket's index, " << bucket.manifest_url << '\n';
+  if (bucket.uploaded) std::cout << "ucpfs index: kept in the bucket at " << bucket.manifest_url << '\n';
   return 0;
 }
 

@@ -3,9 +3,11 @@ object storage (issue 27), against a real Ceph RGW (tests/s3/rgw.sh; run under `
 
 A DCP checkpoint (a tiny MLP after one AdamW step: weights and Adam moments, keyed by parameter
 name as get_state_dict gives them) is saved into the bucket by torch's own S3 path
-(FsspecWriter over s3fs), and indexed once into a local index directory the nodes share
-read-only. Then, for N = 2, 4 and 8, N separate `ucpfs mount` processes (one per simulated node,
-each with its own mount point, `--read-only-index` on the shared index) each torch.load only
+(FsspecWriter over s3fs), and indexed once by `ucpfs index s3://...`, which keeps the index in
+the bucket under PREFIX/.ucpfs/ (`--index-dir` keeps one local and writes nothing there; a second
+machine reads the bucket's). Then, for N = 2, 4 and 8, N separate `ucpfs mount` processes (one
+per simulated node, each with its own mount point and local cache, `--read-only-index`: the
+bucket's index, nothing written) each torch.load only
 rank N_i's files of the layout tp1_pp1_dpN_zero1 (the weights whole, 1/N of the optimizer state),
 all nodes at once:
  - what each node's S3 client GETs (stats.json s3.bytes_get, from before its loads to after) is
@@ -15,7 +17,10 @@ all nodes at once:
    needs of it (10 % slack), so none downloads the whole shard of which it needs only part;
  - the loaded views are the live job's state: every rank's model.pt equals the model, and the
    ranks' optimizer partitions, concatenated, are the model's parameters and Adam moments
-   flattened in parameter order.
+   flattened in parameter order;
+ - the nodes wrote nothing to the bucket and built no index of their own.
+Last, the catalog in the bucket is tampered with: a read-only user refuses it (naming it and the
+hash), a writable `ucpfs index` rebuilds it and writes it back.
 
 Run by hand: tests/s3/rgw.sh exec DIR env UCPFS_BIN=build/cli/ucpfs \
     .venv/bin/python tests/e2e/s3_nodes_test.py
@@ -48,17 +53,47 @@ def node_load(m, layout, rank, files):
     return start, stats(m), loaded
 
 
-def check_nodes(n, url, index_dir, work, model, opt):
+@contextlib.contextmanager
+def node_cache(work, name):
+    """A node's own local cache (XDG_CACHE_HOME: where ucpfs keeps its copy of the bucket's
+    index), as on a machine of its own."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = os.path.join(work, "cache", name)
+    try:
+        yield os.environ["XDG_CACHE_HOME"]
+    finally:
+        if old is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+
+
+def bucket_index_objects(fs, url):
+    """The objects under PREFIX/.ucpfs/ with their ETags."""
+    d = url.removeprefix("s3://") + "/.ucpfs"
+    fs.invalidate_cache()
+    return {o["name"].rsplit("/", 1)[1]: o["ETag"] for o in fs.ls(d, detail=True)} if fs.exists(d) else {}
+
+
+def local_builds(cache):
+    """Catalogs ucpfs built locally in a node's cache (not the copies of the bucket's)."""
+    return [r for r, _, fs in os.walk(cache) if "data.mdb" in fs and "from-bucket" not in r]
+
+
+def check_nodes(n, url, work, model, opt, fs):
     layout = f"tp1_pp1_dp{n}_zero1"
-    plan = json.loads(run([ucpfs_bin(), "plan", url, f"--layout={layout}", "--json", "--index-dir", index_dir,
-                           "--read-only-index"]).stdout)
+    with node_cache(work, f"n{n}-planner"):
+        plan = json.loads(run([ucpfs_bin(), "plan", url, f"--layout={layout}", "--json", "--read-only-index"]).stdout)
     sizes = {f["path"]: f["size"] for f in plan["source_files"]}
     prefix = url + "/"
+    in_bucket = bucket_index_objects(fs, url)
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
-        mounts = [stack.enter_context(mounted(url, os.path.join(work, f"n{n}-node{i}"), f"--layout={layout}",
-                                              "--index-dir", index_dir, "--read-only-index"))[0]
-                  for i in range(n)]
+        mounts = []
+        for i in range(n):  # each node its own cache, the bucket's index read-only
+            with node_cache(work, f"n{n}-node{i}"):
+                mounts.append(stack.enter_context(mounted(url, os.path.join(work, f"n{n}-node{i}"),
+                                                          f"--layout={layout}", "--read-only-index"))[0])
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             jobs = [pool.submit(node_load, mounts[i], layout, i, [f["name"] for f in plan["ranks"][i]["files"]])
                     for i in range(n)]
@@ -84,6 +119,11 @@ def check_nodes(n, url, index_dir, work, model, opt):
                 assert n_bytes < sizes[rel], \
                     f"{layout} node {i}: GET all {sizes[rel]} bytes of {rel} (in {n_bytes}), needs only {need}"
     assert abs(total_got - total_want) <= SLACK * total_want, f"{layout}: nodes GET {total_got} bytes, plans {total_want}"
+    assert bucket_index_objects(fs, url) == in_bucket, "a node with --read-only-index wrote to the bucket's .ucpfs/"
+    for i in range(n):
+        cache = os.path.join(work, "cache", f"n{n}-node{i}")
+        assert not local_builds(cache), f"node {i} built an index of its own: {local_builds(cache)}"
+        assert any("from-bucket" in r for r, _, _ in os.walk(cache)), f"node {i} has no copy of the bucket's index"
     partial = [p for p, s in sizes.items() if 0 < plan["ranks"][0]["reads"].get(p, 0) < s]
     assert partial, f"{layout}: no rank needs only part of a shard (the test would prove nothing): {plan['ranks'][0]}"
     check_values(results, model, opt)
@@ -112,6 +152,52 @@ def check_values(results, model, opt):
         assert not parts[flat.numel():].any(), f"optim.pt {field}: padding is not zero"
 
 
+def index_json(url, *extra):
+    return json.loads(run([ucpfs_bin(), "index", url, "--json", "-q", *extra]).stdout)
+
+
+def check_index_in_bucket(fs, url, work):
+    """`ucpfs index s3://...` builds once and writes the index next to the data; --index-dir keeps
+    one local and writes nothing to the bucket."""
+    with node_cache(work, "local-only"):
+        local = index_json(url, "--index-dir", os.path.join(work, "index-local"))
+    assert "bucket_index" not in local and bucket_index_objects(fs, url) == {}, "--index-dir wrote to the bucket"
+    t0 = time.monotonic()
+    with node_cache(work, "builder"):
+        built = index_json(url)
+    objects = bucket_index_objects(fs, url)
+    assert built["bucket_index"]["uploaded"] and not built["bucket_index"]["from_bucket"], built
+    assert "index.json" in objects and len(objects) == 2, objects
+    with node_cache(work, "second"):  # another machine: the bucket's index, nothing written
+        again = index_json(url, "--read-only-index")
+    assert again["bucket_index"]["from_bucket"] and again["index_state"] == "reused", again
+    assert bucket_index_objects(fs, url) == objects
+    print(f"index built once and kept in the bucket ({sorted(objects)}): {time.monotonic() - t0:.2f} s", flush=True)
+
+
+def check_bad_bucket_index(fs, url, work):
+    """A catalog in the bucket whose bytes are not its manifest's is refused read-only (naming
+    it), and a writable `ucpfs index` rebuilds and replaces it."""
+    objects = bucket_index_objects(fs, url)
+    data = next(k for k in objects if k.endswith(".mdb"))
+    key = url.removeprefix("s3://") + "/.ucpfs/" + data
+    raw = bytearray(fs.cat(key))
+    raw[len(raw) // 2] ^= 0xFF
+    fs.pipe(key, bytes(raw))
+    tampered = bucket_index_objects(fs, url)[data]
+    with node_cache(work, "tampered"):
+        p = run([ucpfs_bin(), "plan", url, "--layout=tp1_pp1_dp2_zero1", "--read-only-index"], check=False)
+    assert p.returncode != 0 and data in p.stderr and "hash" in p.stderr, p.stderr
+    with node_cache(work, "repair"):
+        fixed = index_json(url)
+    assert fixed["bucket_index"]["uploaded"] and "hash" in fixed["bucket_index"]["warning"], fixed
+    after = bucket_index_objects(fs, url)
+    assert after.get(data) != tampered, after  # the same name (same source, same catalog), good bytes again
+    with node_cache(work, "after-repair"):
+        assert index_json(url, "--read-only-index")["bucket_index"]["from_bucket"]
+    print(f"tampered {data}: refused read-only ({p.stderr.strip().splitlines()[-1][:160]}...), rebuilt", flush=True)
+
+
 def main():
     res = Results("s3_nodes")
     fs = s3_common.filesystem()
@@ -125,13 +211,12 @@ def main():
             s3_common.dcp_save_s3(s3_common.training_state(model, opt), url)
             print(f"dcp.save through FsspecWriter (s3fs) into {url}: {time.monotonic() - t0:.1f} s, "
                   f"{sorted(fs.ls(url.removeprefix('s3://'), detail=False))}", flush=True)
-            index_dir = os.path.join(work, "index")  # built once; every node reads it, none writes it
-            t0 = time.monotonic()
-            run([ucpfs_bin(), "index", url, "--index-dir", index_dir, "-q"])
-            print(f"index built once: {time.monotonic() - t0:.2f} s", flush=True)
+            res.check("the index is built once and kept in the bucket", lambda: check_index_in_bucket(fs, url, work))
             for n in NODE_COUNTS:
                 res.check(f"{n} nodes read only their bytes",
-                          lambda n=n: check_nodes(n, url, index_dir, work, model, opt))
+                          lambda n=n: check_nodes(n, url, work, model, opt, fs))
+            res.check("a bucket index that does not check out is refused, then rebuilt",
+                      lambda: check_bad_bucket_index(fs, url, work))
     finally:
         s3_common.remove_bucket(fs, bucket)
     res.finish()
