@@ -110,11 +110,12 @@ def main():
             drop_caches()
             mnt = os.path.join(work, "mnt")
             t = time.perf_counter()
-            with Mount([a.ucpfs, "mount", url, mnt, f"--layout={layout}", "--read-only-index"], mnt):
+            with Mount([a.ucpfs, "mount", url, mnt, f"--layout={layout}", "--read-only-index"], mnt) as m:
                 d = os.path.join(mnt, "target", layout, f"rank_{rank}")
                 load_files([os.path.join(d, f["name"]) for f in plans[layout]["ranks"][rank]["files"]])
                 seconds = time.perf_counter() - t
                 got = json.load(open(os.path.join(mnt, ".ucpfs", "stats.json")))["s3"]["bytes_get"]
+                mount_s.append(m.seconds)
             return seconds, got
 
         def download_then_load():
@@ -138,7 +139,9 @@ def main():
             return time.perf_counter() - t
 
         results = {}
+        mount_s = []  # of `ucpfs mount` alone
         for name, layout, rank, goal in CASES:
+            del mount_s[:]
             rows = {"mount": [], "download": [], "fsspec": []}
             got = 0
             for _ in range(a.rounds):
@@ -149,12 +152,13 @@ def main():
             med = {k: statistics.median(v) for k, v in rows.items()}
             need = plans[layout]["ranks"][rank]["read_bytes"]
             ratio = med["download"] / med["mount"]
-            results[name] = {"layout": layout, "rank": rank, "rank_read_bytes": need, "mount_get_bytes": got,
+            results[name] = {"layout": layout, "rank": rank, "mount_s": list(mount_s), "rank_read_bytes": need, "mount_get_bytes": got,
                              "checkpoint_bytes": ckpt_bytes, "seconds": rows, "median_s": med,
                              "ratio_download_over_mount": ratio, "ratio_fsspec_over_mount": med["fsspec"] / med["mount"],
                              "goal": goal, "met": ratio >= goal}
             log(f"{name:5s} {layout}/rank_{rank}: needs {need / 1e6:.1f} of {ckpt_bytes / 1e6:.1f} MB "
                 f"(mount GET {got / 1e6:.1f} MB); mount + torch.load {med['mount']:.2f} s "
+                f"(mount {statistics.median(mount_s):.2f} s) "
                 f"({', '.join(f'{x:.2f}' for x in rows['mount'])}), s3fs get + dcp.load {med['download']:.2f} s "
                 f"({', '.join(f'{x:.2f}' for x in rows['download'])}), FsspecReader dcp.load {med['fsspec']:.2f} s: "
                 f"{ratio:.2f}x (goal >= {goal}x: {'met' if ratio >= goal else 'missed'}), "
