@@ -117,12 +117,8 @@ void S3ReadAhead::Hint(uint64_t byte_offset, uint64_t n_bytes) {
       if (next != blocks_.end()) stop = std::min(stop, next->first);
       if (next_read != read_.end()) stop = std::min(stop, next_read->first);
       const uint64_t n = stop - pos;
-      // Room: this object's oldest finished blocks go first; past the bounds the hint is dropped.
-      while (held_bytes_ + n > kMaxHeldBytes) {
-        auto oldest = std::find_if(blocks_.begin(), blocks_.end(), [](const auto& b) { return b.second->done; });
-        if (oldest == blocks_.end()) break;
-        DropLocked(oldest);
-      }
+      // Past the bounds the rest of the hint is dropped: a block not read yet is never dropped
+      // for one further ahead (its bytes would be fetched twice).
       if (held_bytes_ + n > kMaxHeldBytes || g_held_total.load() + n > kMaxHeldBytesTotal) break;
       auto block = std::make_shared<Block>();
       block->byte_offset = pos;

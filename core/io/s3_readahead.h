@@ -9,9 +9,11 @@
 // block does not hold wholly (not announced, or announced but dropped) is the caller's to make.
 //
 // Bounded: at most kMaxHeldBytes of one object held or in flight, and kMaxHeldBytesTotal of all
-// objects together; a hint past either is dropped (read-ahead is a hint), and an object's
-// oldest finished blocks are dropped first when it needs room. A block whose GET failed is
-// dropped; the read then makes its own GET and reports its own error. Thread-safe.
+// objects together; the part of a hint past either is dropped (read-ahead is a hint; those bytes
+// are then read when asked for), never a block not read yet. A block never read (a reader that
+// stopped early) is held until its object's reader goes (the snapshot's file table). A block
+// whose GET failed is dropped; the read then makes its own GET and reports its own error.
+// Thread-safe.
 #pragma once
 
 #include <condition_variable>

@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--mount-option", action="append", default=[], help="more `ucpfs mount` options (repeat)")
     a = ap.parse_args()
     work = a.workdir or tempfile.mkdtemp(prefix="ucpfs-s3-bench.")
     os.makedirs(work, exist_ok=True)
@@ -110,7 +111,8 @@ def main():
             drop_caches()
             mnt = os.path.join(work, "mnt")
             t = time.perf_counter()
-            with Mount([a.ucpfs, "mount", url, mnt, f"--layout={layout}", "--read-only-index"], mnt) as m:
+            with Mount([a.ucpfs, "mount", url, mnt, f"--layout={layout}", "--read-only-index", *a.mount_option],
+                       mnt) as m:
                 d = os.path.join(mnt, "target", layout, f"rank_{rank}")
                 load_files([os.path.join(d, f["name"]) for f in plans[layout]["ranks"][rank]["files"]])
                 seconds = time.perf_counter() - t
