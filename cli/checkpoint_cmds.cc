@@ -17,6 +17,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -32,6 +33,7 @@
 #include "views/view_kind.h"
 #include "views/safetensors_view.h"
 #include "index/snapshot.h"
+#include "index/bucket_index.h"
 #include "index/catalog.h"
 #include "index/hf_config.h"
 #include "index/key_map.h"
@@ -54,10 +56,10 @@ bool IsS3Source(const std::string& src) { return src.starts_with("s3://"); }
 std::string S3IndexDir(const std::string& endpoint_url, const std::string& url) {
   std::string base;
   const char* xdg = std::getenv("XDG_CACHE_HOME");
-  if (::geteuid() == 0) {
+  if (xdg != nullptr && xdg[0] == '/') {
+    base = std::string(xdg) + "/ucpfs";  // first, so tests and users can move it (root included)
+  } else if (::geteuid() == 0) {
     base = "/var/cache/ucpfs";
-  } else if (xdg != nullptr && xdg[0] == '/') {
-    base = std::string(xdg) + "/ucpfs";
   } else {
     const char* home = std::getenv("HOME");
     base = std::string(home != nullptr && home[0] == '/' ? home : "/tmp") + "/.cache/ucpfs";
@@ -86,13 +88,18 @@ Result<std::shared_ptr<const SourceTree>> SourceTreeOf(const SourceArgs& args, s
 
 namespace {
 
-// The snapshot options of SRC (rules loaded).
-// `empty_s3_ok`: a bucket prefix with no object under it yet is taken (a mount that saves into it).
-Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress, bool empty_s3_ok = false) {
+// The snapshot options of SRC (rules loaded). An s3:// source without --index-dir has its index
+// resolved here (index/bucket_index.h: the bucket's, or a local one then written to the bucket):
+// `opened` gets it when given, and its index_dir is the options'.
+// `s3_writable_mount`: a mount that saves into the prefix: a prefix with no object under it yet is
+// taken, and the index stays local (S3IndexDir): the mount indexes again as its saves land.
+Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool progress, bool s3_writable_mount = false,
+                                                 std::optional<index::OpenedIndex>* opened = nullptr,
+                                                 index::BucketIndexReport* report = nullptr) {
   index::SnapshotOptions o;
   UCPFS_ASSIGN_OR_RETURN(o.tree, SourceTreeOf(args, &o.source_dir));
   Result<TreeEntry> st = o.tree->Stat("");
-  if (!st.ok() && empty_s3_ok && IsS3Source(args.src) && st.error().code() == StatusCode::kNotFound) {
+  if (!st.ok() && s3_writable_mount && IsS3Source(args.src) && st.error().code() == StatusCode::kNotFound) {
     st = TreeEntry{};
     st->kind = EntryKind::kDirectory;
   }
@@ -104,13 +111,26 @@ Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool pr
     return InvalidArgumentError(args.src + ": not a directory (for a torch.save file use `ucpfs inspect FILE`)");
   }
   o.index_dir = args.index_dir;
-  if (o.index_dir.empty() && IsS3Source(args.src)) {
-    // Never next to the data here: the bucket is read-only to ucpfs (the index stays local).
-    const auto& client = std::static_pointer_cast<const S3Tree>(o.tree)->client();
-    o.index_dir = S3IndexDir(client->options().endpoint_url, o.source_dir);
-  }
   o.read_only_index = args.read_only_index;
   if (progress) o.progress = IndexingProgress(args.quiet);
+  if (o.index_dir.empty() && IsS3Source(args.src) && s3_writable_mount) {
+    auto tree = std::static_pointer_cast<const S3Tree>(o.tree);
+    o.index_dir = S3IndexDir(tree->client()->options().endpoint_url, o.source_dir);
+  } else if (o.index_dir.empty() && IsS3Source(args.src)) {
+    // Next to the data: the bucket's index when fresh, else a local one (reused or built) that is
+    // then written to the bucket; --read-only-index takes the bucket's or fails.
+    auto tree = std::static_pointer_cast<const S3Tree>(o.tree);
+    index::BucketIndexOptions bo;
+    bo.cache_dir = S3IndexDir(tree->client()->options().endpoint_url, o.source_dir);
+    bo.read_only = args.read_only_index;
+    bo.progress = o.progress;
+    index::BucketIndexReport local_report;
+    index::BucketIndexReport& r = report ? *report : local_report;
+    UCPFS_ASSIGN_OR_RETURN(index::OpenedIndex found, index::OpenOrBuildBucketIndex(tree, bo, &r));
+    if (!r.warning.empty()) std::cerr << "ucpfs: warning: " << r.warning << '\n';
+    o.index_dir = found.index_dir;
+    if (opened) *opened = std::move(found);
+  }
   if (!args.rules.empty()) {
     UCPFS_ASSIGN_OR_RETURN(o.key_rules, index::LoadRules(args.rules));
   }
@@ -132,13 +152,25 @@ std::string AbsPath(const std::string& p) {
   return p;
 }
 
-Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress) {
-  UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress));
+namespace {
+
+Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress,
+                                                                  index::BucketIndexReport* report) {
+  std::optional<index::OpenedIndex> opened;
+  UCPFS_ASSIGN_OR_RETURN(const index::SnapshotOptions o, SnapshotOptionsOf(args, progress, /*s3_writable_mount=*/false, &opened, report));
+  if (opened) return index::SnapshotOf(std::move(*opened), o, 1);  // opened once (an s3:// source)
   return index::OpenSnapshot(o, 1);
 }
 
+}  // namespace
+
+Result<std::shared_ptr<const index::Snapshot>> OpenSourceSnapshot(const SourceArgs& args, bool progress) {
+  return OpenSourceSnapshot(args, progress, nullptr);
+}
+
 int RunIndex(const SourceArgs& args, bool json) {
-  auto l = OpenSourceSnapshot(args, /*progress=*/true);
+  index::BucketIndexReport bucket;
+  auto l = OpenSourceSnapshot(args, /*progress=*/true, &bucket);
   if (!l.ok()) return Fail("index", l.error());
   const auto& c = (*l)->opened.checkpoint;
   uint64_t tensor_bytes = 0, fragments = 0;
@@ -162,6 +194,10 @@ int RunIndex(const SourceArgs& args, bool json) {
     out["index_state"] = index::IndexStateName((*l)->opened.state);
     out["index_dir"] = (*l)->opened.index_dir;
     out["seconds"] = (*l)->opened.elapsed_s;
+    if (!bucket.manifest_url.empty()) {
+      out["bucket_index"] = {{"manifest", bucket.manifest_url}, {"from_bucket", bucket.from_bucket},
+                             {"uploaded", bucket.uploaded}, {"warning", bucket.warning}};
+    }
     std::cout << JsonText(out) << '\n';
     return 0;
   }
@@ -171,6 +207,8 @@ int RunIndex(const SourceArgs& args, bool json) {
             << " parameters, " << (*l)->mapping.unmapped_keys.size() << " unmapped keys\n"
             << "ucpfs index: " << index::IndexStateName((*l)->opened.state) << " at "
             << (*l)->opened.index_dir << " in " << (*l)->opened.elapsed_s << " s\n";
+  if (bucket.from_bucket) std::cout << "ucpfs index: the bucket's index, " << bucket.manifest_url << '\n';
+  if (bucket.uploaded) std::cout << "ucpfs index: kept in the bucket at " << bucket.manifest_url << '\n';
   return 0;
 }
 
@@ -361,7 +399,7 @@ int RunMount(const MountArgs& mount_args) {
   }
   // Saves into a bucket prefix go through a local staging directory (uploaded in close order).
   const bool s3_writable = IsS3Source(args.source.src) && !args.read_only && !args.source.read_only_index;
-  auto snapshot_options = SnapshotOptionsOf(args.source, /*progress=*/args.foreground, /*empty_s3_ok=*/s3_writable);
+  auto snapshot_options = SnapshotOptionsOf(args.source, /*progress=*/args.foreground, /*s3_writable_mount=*/s3_writable);
   if (!snapshot_options.ok()) {
     std::cerr << "ucpfs mount: source: " << snapshot_options.error().ToString() << '\n';
     return 1;

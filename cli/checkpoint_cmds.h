@@ -30,10 +30,10 @@ bool IsS3Source(const std::string& src);
 // LocalTree over AbsPath(src). *source_dir: the URL (no trailing '/') or the absolute path.
 Result<std::shared_ptr<const SourceTree>> SourceTreeOf(const SourceArgs& args, std::string* source_dir);
 
-// Where the index of an s3:// source lives unless --index-dir says: always local, as
-// /var/cache/ucpfs/s3-index/<16 hex digits> for root, else
-// ${XDG_CACHE_HOME:-$HOME/.cache}/ucpfs/s3-index/<16 hex digits>, the digits an XXH3-64 of the
-// endpoint and the URL.
+// The local cache of an s3:// source's index (its own build, and under from-bucket/ the copies
+// of the bucket's: index/bucket_index.h): $XDG_CACHE_HOME/ucpfs/s3-index/<16 hex digits> when
+// XDG_CACHE_HOME is set, else /var/cache/ucpfs/s3-index/... for root and
+// $HOME/.cache/ucpfs/s3-index/... otherwise, the digits an XXH3-64 of the endpoint and the URL.
 std::string S3IndexDir(const std::string& endpoint_url, const std::string& url);
 
 // `p` with symlinks resolved and made absolute (realpath); `p` itself when that fails.

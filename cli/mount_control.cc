@@ -280,6 +280,12 @@ int RunStatus(const std::string& mountpoint, bool json) {
   std::cout << "view reads:  " << mib(views.value("bytes_read", uint64_t{0})) << " in " << num(views, "reads") << " reads\n";
   std::cout << "source reads: " << mib(stats.value("source_bytes_read", uint64_t{0})) << " in " << stats.value("source_reads", uint64_t{0})
             << " reads, " << stats.value("source_read_errors", uint64_t{0}) << " errors\n";
+  if (stats.contains("s3") && stats["s3"].is_object()) {  // an s3:// source: its client's counters
+    const auto& c = stats["s3"];
+    std::cout << "s3:          " << c.value("requests", uint64_t{0}) << " requests (" << c.value("retries", uint64_t{0})
+              << " retries, " << c.value("failures", uint64_t{0}) << " failed), " << mib(c.value("bytes_get", uint64_t{0}))
+              << " GET, " << c.value("connects", uint64_t{0}) << " connections made\n";
+  }
   if (stats.contains("capture")) {
     const auto& c = stats["capture"];
     std::cout << "write cache: " << mib(c["cache_used_bytes"]) << " used, " << mib(c.value("cache_free_bytes", uint64_t{0}))

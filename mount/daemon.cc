@@ -216,8 +216,13 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   if (auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree)) {
     hooks.s3_stats = [client = s3_tree->client(), uploader] {
       const s3::CounterValues c = client->counters();
+      const s3::ObjectBytes by_object = client->ObjectBytesGet();
+      nlohmann::ordered_json objects = nlohmann::ordered_json::object();
+      for (const auto& [name, n_bytes] : by_object.by_object) objects[name] = n_bytes;
       nlohmann::ordered_json j{{"requests", c.requests}, {"retries", c.retries}, {"failures", c.failures},
-                               {"bytes_get", c.bytes_get}, {"bytes_put", c.bytes_put}, {"connects", c.connects}};
+                               {"bytes_get", c.bytes_get}, {"bytes_put", c.bytes_put}, {"connects", c.connects},
+                               {"object_bytes_get", std::move(objects)},
+                               {"object_bytes_get_uncounted", by_object.uncounted}};
       if (uploader) {
         const io::UploaderStats u = uploader->Stats();
         j["upload"] = {{"queued_files", u.queued_files}, {"queued_bytes", u.queued_bytes},

@@ -71,6 +71,8 @@ std::optional<std::pair<int, std::string>> RankLocal(const std::string& key) {
   return std::make_pair(d, group);
 }
 
+constexpr uint64_t kWholeItemReadBytes = 1 << 20;
+
 // The value of an item: a decoded blob, or a tensor read lazily from its fragments.
 Result<SaveValue> ItemValue(const Item& it, const FileTable& files) {
   if (it.kind == ItemKind::kTensor) {
@@ -85,6 +87,13 @@ Result<SaveValue> ItemValue(const Item& it, const FileTable& files) {
   }
   if (it.file_id >= files->size()) return CorruptError("item file id out of range");
   UCPFS_ASSIGN_OR_RETURN(auto blob, SliceSource::Make((*files)[it.file_id], it.byte_offset, it.n_bytes));
+  if (it.n_bytes <= kWholeItemReadBytes) {
+    // A small blob is read whole, once: its decoder's several small reads (zip records, the
+    // pickle) would each be a request to an object store.
+    std::vector<std::byte> bytes(it.n_bytes);
+    UCPFS_RETURN_IF_ERROR(blob->ReadAt(0, bytes));
+    return format::DecodePlainValue(std::make_shared<MemorySource>(blob->Name(), std::move(bytes)));
+  }
   return format::DecodePlainValue(std::move(blob));
 }
 

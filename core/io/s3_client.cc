@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 
 namespace ucpfs::s3 {
 namespace {
@@ -37,6 +38,7 @@ struct Request {
   Kind kind = Kind::kText;
   std::string method;  // GET HEAD PUT POST DELETE
   std::string url;
+  std::string object;  // "s3://bucket/key": what per-object counters name
   std::string what;    // "s3://b/k: GET bytes 0-99"
   std::vector<std::string> headers;
   std::span<const std::byte> body;  // PUT/POST body
@@ -97,6 +99,23 @@ struct Client::Impl {
   CURLSH* share = nullptr;
   std::mutex locks[CURL_LOCK_DATA_LAST];
   std::atomic<uint64_t> requests{0}, retries{0}, failures{0}, bytes_get{0}, bytes_put{0}, connects{0};
+  // Ranged GET body bytes per object (Client::ObjectBytesGet), at most kMaxCountedObjects names.
+  mutable std::mutex objects_mu;
+  std::unordered_map<std::string, uint64_t> object_bytes_get;
+  uint64_t uncounted_bytes_get = 0;
+
+  void CountObjectBytes(const std::string& object, uint64_t n_bytes) {
+    if (n_bytes == 0) return;
+    std::lock_guard<std::mutex> lock(objects_mu);
+    auto it = object_bytes_get.find(object);
+    if (it != object_bytes_get.end()) {
+      it->second += n_bytes;
+    } else if (object_bytes_get.size() < kMaxCountedObjects) {
+      object_bytes_get.emplace(object, n_bytes);
+    } else {
+      uncounted_bytes_get += n_bytes;
+    }
+  }
 
   struct Transfer {
     Request* req = nullptr;
@@ -372,6 +391,7 @@ struct Client::Impl {
         curl_easy_getinfo(t->easy, CURLINFO_NUM_CONNECTS, &n_connects);
         connects += static_cast<uint64_t>(std::max(0L, n_connects));
         if (r.method == "PUT") bytes_put += r.body_sent;
+        if (r.kind == Kind::kGetRange) CountObjectBytes(r.object, r.out_written);
         EndAttempt(*t, multi);
         --in_flight;
         bool retry = false;
@@ -444,6 +464,15 @@ CounterValues Client::counters() const {
                        impl_->bytes_put.load(), impl_->connects.load()};
 }
 
+ObjectBytes Client::ObjectBytesGet() const {
+  ObjectBytes out;
+  std::lock_guard<std::mutex> lock(impl_->objects_mu);
+  out.by_object.assign(impl_->object_bytes_get.begin(), impl_->object_bytes_get.end());
+  std::sort(out.by_object.begin(), out.by_object.end());
+  out.uncounted = impl_->uncounted_bytes_get;
+  return out;
+}
+
 namespace {
 
 Result<Request> MakeRequest(const Options& o, Kind kind, const char* method, const std::string& bucket,
@@ -451,7 +480,8 @@ Result<Request> MakeRequest(const Options& o, Kind kind, const char* method, con
   Request r;
   r.kind = kind;
   r.method = method;
-  r.what = (key.empty() ? "s3://" + bucket : S3Name(bucket, key)) + ": " + op;
+  r.object = key.empty() ? "s3://" + bucket : S3Name(bucket, key);
+  r.what = r.object + ": " + op;
   auto url = ObjectUrl(o, bucket, key, std::move(query));
   if (!url.ok()) return url.error().WithContext(r.what);
   r.url = std::move(url).value();

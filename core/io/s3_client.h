@@ -28,6 +28,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/byte_source.h"
@@ -69,6 +70,14 @@ struct CounterValues {
   uint64_t connects = 0;   // new connections made (the rest reused a kept-open one)
 };
 
+// Ranged GET body bytes by object, for checking that a reader fetched only its part of each
+// object (the multi-node tests): retried attempts' bytes included, as in bytes_get.
+inline constexpr size_t kMaxCountedObjects = 4096;  // past this many names, bytes go to `uncounted`
+struct ObjectBytes {
+  std::vector<std::pair<std::string, uint64_t>> by_object;  // ("s3://BUCKET/KEY", bytes), by name
+  uint64_t uncounted = 0;
+};
+
 class Client {
  public:
   // Errors: kInvalidArgument when the endpoint does not parse; kInternal when libcurl cannot be
@@ -80,6 +89,7 @@ class Client {
 
   const Options& options() const { return options_; }
   CounterValues counters() const;
+  ObjectBytes ObjectBytesGet() const;
 
   // HEAD: size, ETag, Last-Modified.
   Result<ObjectInfo> Head(const std::string& bucket, const std::string& key);

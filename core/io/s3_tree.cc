@@ -1,5 +1,6 @@
 // See s3_tree.h.
 #include "core/io/s3_tree.h"
+#include "core/io/s3_readahead.h"
 
 #include <time.h>
 #include <xxhash.h>
@@ -89,6 +90,11 @@ class S3LazySource final : public LazySource {
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override {
     Result<std::shared_ptr<s3::S3ObjectSource>> obj = Get();
     if (!obj.ok()) return Count(1, 0, obj.error());
+    if (byte_offset <= expected_.n_bytes && out.size() <= expected_.n_bytes - byte_offset &&
+        ahead_->TryRead(byte_offset, out)) {
+      return Count(1, out.size(), Status::Ok());
+    }
+    ahead_->NoteRead(byte_offset, out.size());
     return Count(1, out.size(), (*obj)->ReadAt(byte_offset, out));
   }
 
@@ -99,8 +105,28 @@ class S3LazySource final : public LazySource {
       return Count(pieces.size(), 0, obj.error());
     }
     uint64_t n_bytes = 0;
-    for (const ReadPiece& p : pieces) n_bytes += p.out.size();
-    return Count(pieces.size(), n_bytes, (*obj)->ReadPieces(pieces, failed_index));
+    std::vector<ReadPiece> rest;  // what the read-ahead does not hold: GET now, as one batch
+    std::vector<size_t> rest_index;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const ReadPiece& p = pieces[i];
+      n_bytes += p.out.size();
+      if (p.byte_offset <= expected_.n_bytes && p.out.size() <= expected_.n_bytes - p.byte_offset &&
+          ahead_->TryRead(p.byte_offset, p.out)) {
+        continue;
+      }
+      ahead_->NoteRead(p.byte_offset, p.out.size());
+      rest.push_back(p);
+      rest_index.push_back(i);
+    }
+    size_t failed = 0;
+    Status st = rest.empty() ? Status::Ok() : (*obj)->ReadPieces(rest, &failed);
+    if (!st.ok() && failed_index != nullptr) *failed_index = failed < rest_index.size() ? rest_index[failed] : 0;
+    return Count(pieces.size(), n_bytes, st);
+  }
+
+  // The view's announcement of what it reads next: fetched ahead (s3_readahead.h).
+  void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override {
+    if (Get().ok()) ahead_->Hint(byte_offset, n_bytes);
   }
 
  private:
@@ -139,6 +165,7 @@ class S3LazySource final : public LazySource {
       shared_->Remember(key_, etag);
     }
     object_ = s3::S3ObjectSource::FromRecorded(shared_->client, bucket_, key_, expected_.n_bytes, etag);
+    ahead_ = std::make_shared<s3::S3ReadAhead>(object_);
     if (counters_ != nullptr) counters_->files_opened += 1;
     return object_;
   }
@@ -151,6 +178,7 @@ class S3LazySource final : public LazySource {
   std::shared_ptr<IoCounters> counters_;
   mutable std::mutex mu_;
   mutable std::shared_ptr<s3::S3ObjectSource> object_;  // guarded by mu_
+  mutable std::shared_ptr<s3::S3ReadAhead> ahead_;      // set with object_, then constant
 };
 
 }  // namespace

@@ -97,6 +97,14 @@ TEST_F(RgwTest, PutHeadAndBatchedRangedGets) {
     reads.push_back(RangeRead{bucket(), "obj/a.bin", off, bufs[i], *etag});
   }
   CounterValues before = c().counters();
+  auto object_bytes = [&](const std::string& name) {
+    for (const auto& [object, n_bytes] : c().ObjectBytesGet().by_object) {
+      if (object == name) return n_bytes;
+    }
+    return uint64_t{0};
+  };
+  const std::string name = "s3://" + bucket() + "/obj/a.bin";
+  const uint64_t object_before = object_bytes(name);
   size_t failed = 999;
   Status st = c().GetRanges(reads, &failed);
   ASSERT_TRUE(st.ok()) << st.ToString() << " at " << failed;
@@ -108,6 +116,7 @@ TEST_F(RgwTest, PutHeadAndBatchedRangedGets) {
   CounterValues after = c().counters();
   EXPECT_EQ(after.requests - before.requests, 300u);
   EXPECT_EQ(after.bytes_get - before.bytes_get, total);
+  EXPECT_EQ(object_bytes(name) - object_before, total);  // every byte counted against its object
   // At most max_in_flight connections at once, kept open and reused.
   EXPECT_LE(after.connects - before.connects, static_cast<uint64_t>(options_->max_in_flight));
   // A second batch reuses them.

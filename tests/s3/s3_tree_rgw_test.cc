@@ -5,6 +5,7 @@
 // kDataLoss naming s3://BUCKET/KEY, never other bytes), subtrees, unclean paths refused, and
 // S3's date forms. Without AWS_ENDPOINT_URL it fails: the store must be there.
 #include "core/io/s3_tree.h"
+#include "core/io/s3_readahead.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -172,6 +173,45 @@ TEST_F(S3TreeTest, LazyFilesFailOnAReplacedObject) {
   auto fresh2 = S3Tree::Make(tree().client(), "s3://" + bucket() + "/ckpt");
   auto lazy4 = (*fresh2)->OpenLazy("lazy.bin", now->identity, nullptr, nullptr);
   EXPECT_EQ((*lazy4)->Open().code(), StatusCode::kDataLoss);
+}
+
+// What a view announces (Prefetch) is fetched ahead and handed to the reads that follow: the
+// bytes are the object's, and every byte is GET once, whether a read found it fetched ahead, read
+// it itself first (a later hint leaves it out), or straddles two blocks.
+TEST_F(S3TreeTest, ReadAheadServesAnnouncedBytesOnce) {
+  std::string body(10 * 1024 * 1024 + 17, '\0');
+  for (size_t i = 0; i < body.size(); ++i) body[i] = static_cast<char>((i * 2654435761u) >> 13);
+  ASSERT_TRUE(client().PutObject(bucket(), "ckpt/big.bin", Bytes(body)).ok());
+  auto st = tree().Stat("big.bin");
+  ASSERT_TRUE(st.ok()) << st.error().ToString();
+  auto lazy = tree().OpenLazy("big.bin", st->identity, nullptr, nullptr);
+  ASSERT_TRUE(lazy.ok()) << lazy.error().ToString();
+  const ByteSource& src = **lazy;
+  const uint64_t before = client().counters().bytes_get;
+  auto read = [&](uint64_t off, size_t n) {
+    std::string out(n, '\0');
+    const Status r = src.ReadAt(off, std::as_writable_bytes(std::span(out.data(), out.size())));
+    EXPECT_TRUE(r.ok()) << r.ToString();
+    EXPECT_EQ(out, body.substr(off, n)) << "at " << off;
+  };
+  read(0, 1000);                       // read first, then announced with what follows
+  const uint64_t requests_before = client().counters().requests;
+  src.Prefetch(0, 9 * 1024 * 1024);    // [1000, 9 MiB) fetched ahead, in 4 MiB blocks
+  EXPECT_EQ(s3::S3ReadAhead::HeldBytesTotal(), 9 * 1024 * 1024 - 1000u);
+  read(1000, 4 * 1024 * 1024);         // straddles the first two blocks
+  read(1000 + 4 * 1024 * 1024, 3 * 1024 * 1024);
+  std::vector<std::string> outs(2, std::string(512 * 1024, '\0'));
+  std::vector<ReadPiece> pieces = {
+      {1000 + 7 * 1024 * 1024, std::as_writable_bytes(std::span(outs[0].data(), outs[0].size()))},
+      {9 * 1024 * 1024, std::as_writable_bytes(std::span(outs[1].data(), outs[1].size()))}};  // not announced
+  ASSERT_TRUE(src.ReadPieces(pieces).ok());
+  EXPECT_EQ(outs[0], body.substr(1000 + 7 * 1024 * 1024, outs[0].size()));
+  EXPECT_EQ(outs[1], body.substr(9 * 1024 * 1024, outs[1].size()));
+  read(1000 + 7 * 1024 * 1024 + 512 * 1024, 9 * 1024 * 1024 - (1000 + 7 * 1024 * 1024 + 512 * 1024));
+  EXPECT_EQ(client().counters().bytes_get - before, 9 * 1024 * 1024 + 512 * 1024u);  // each byte once
+  EXPECT_EQ(client().counters().requests - requests_before, 4u);  // 3 blocks and the piece not announced
+  EXPECT_EQ(s3::S3ReadAhead::HeldBytesTotal(), 0u);  // every block read to its end, dropped
+  (void)client().DeleteObject(bucket(), "ckpt/big.bin");
 }
 
 TEST_F(S3TreeTest, SubtreesAreRootedBelow) {
