@@ -20,6 +20,7 @@
 #include "core/io/s3_tree.h"
 #include "core/json_text.h"
 #include "core/slice/slice.h"
+#include "index/bucket_index.h"
 #include "index/catalog.h"
 #include "index/checkpoint_builder.h"
 #include "index/key_map.h"
@@ -324,13 +325,30 @@ int RunVerify(const VerifyArgs& args) {
   }
   // The stored index, where it is: never created, built or rebuilt here.
   std::string index_dir = args.source.index_dir;
+  std::optional<index::Checkpoint> stored;
+  bool checked = false;
   if (index_dir.empty() && IsS3Source(r.src)) {
-    index_dir = S3IndexDir(std::static_pointer_cast<const S3Tree>(so.tree)->client()->options().endpoint_url, r.src);
+    // The bucket's index (PREFIX/.ucpfs/), as a mount uses it: fetched into the local cache and
+    // checked against the source; none there: the local one, if any.
+    auto s3 = std::static_pointer_cast<const S3Tree>(so.tree);
+    index::BucketIndexOptions bo;
+    bo.cache_dir = S3IndexDir(s3->client()->options().endpoint_url, r.src);
+    bo.read_only = true;
+    index::BucketIndexReport br;
+    Result<index::OpenedIndex> found = index::OpenOrBuildBucketIndex(s3, bo, &br);
+    index_dir = bo.cache_dir;
+    if (found.ok()) {
+      index_dir = found->index_dir;
+    } else if (found.error().code() != StatusCode::kNotFound) {
+      r.index = "stale or unusable in the bucket";
+      r.Add(br.manifest_url, found.error().message());
+      checked = true;
+    }
   } else if (index_dir.empty()) {
     struct stat ist;
     index_dir = ::stat((r.src + "/.ucpfs").c_str(), &ist) == 0 ? r.src + "/.ucpfs" : index::CacheIndexDir(r.src);
   }
-  std::optional<index::Checkpoint> stored = CheckIndex(index_dir, *so.tree, r);
+  if (!checked) stored = CheckIndex(index_dir, *so.tree, r);
 
   // A fresh scan: the builders validate coverage and compare replicas as they go.
   index::OpenedIndex opened;

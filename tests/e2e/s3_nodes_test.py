@@ -19,8 +19,9 @@ all nodes at once:
    ranks' optimizer partitions, concatenated, are the model's parameters and Adam moments
    flattened in parameter order;
  - the nodes wrote nothing to the bucket and built no index of their own.
-Last, the catalog in the bucket is tampered with: a read-only user refuses it (naming it and the
-hash), a writable `ucpfs index` rebuilds it and writes it back.
+`ucpfs verify s3://...` checks the bucket's index (current). Last, the catalog in the bucket is
+tampered with: a read-only user and `verify` refuse it (naming it and the hash), a writable
+`ucpfs index` rebuilds it and writes it back.
 
 Run by hand: tests/s3/rgw.sh exec DIR env UCPFS_BIN=build/cli/ucpfs \
     .venv/bin/python tests/e2e/s3_nodes_test.py
@@ -172,6 +173,10 @@ def check_index_in_bucket(fs, url, work):
         again = index_json(url, "--read-only-index")
     assert again["bucket_index"]["from_bucket"] and again["index_state"] == "reused", again
     assert bucket_index_objects(fs, url) == objects
+    with node_cache(work, "verifier"):  # verify checks the index a mount would use: the bucket's
+        v = run([ucpfs_bin(), "verify", url, "--json", "-q"], check=False)
+    assert v.returncode == 0 and json.loads(v.stdout)["index"] == "current", v.stdout + v.stderr
+    assert bucket_index_objects(fs, url) == objects, "verify wrote to the bucket"
     print(f"index built once and kept in the bucket ({sorted(objects)}): {time.monotonic() - t0:.2f} s", flush=True)
 
 
@@ -188,6 +193,9 @@ def check_bad_bucket_index(fs, url, work):
     with node_cache(work, "tampered"):
         p = run([ucpfs_bin(), "plan", url, "--layout=tp1_pp1_dp2_zero1", "--read-only-index"], check=False)
     assert p.returncode != 0 and data in p.stderr and "hash" in p.stderr, p.stderr
+    with node_cache(work, "tampered-verify"):
+        v = run([ucpfs_bin(), "verify", url, "--json", "-q"], check=False)
+    assert v.returncode != 0 and "bucket" in json.loads(v.stdout)["index"] and data in v.stdout, v.stdout + v.stderr
     with node_cache(work, "repair"):
         fixed = index_json(url)
     assert fixed["bucket_index"]["uploaded"] and "hash" in fixed["bucket_index"]["warning"], fixed
