@@ -6,11 +6,13 @@ FUSE passthrough) and without (--no-passthrough: every byte through the daemon, 
 The checkpoint and its on-disk views are torch_load_bench.py's (gen_bench_dcp.py, 1.8 GB with
 --tensors 28; `ucpfs convert --layout`), made under --workdir when missing. For each mount
 variant: a fresh mount, every rank file loaded once (the warm-up: for --materialize this is the
-first open that computes the copies), then --rounds rounds, each loading every rank file from
+first opens, served by the daemon, queue the copies' builds, and the rounds start once they are
+built: stats.json's kernel.materialize), then --rounds rounds, each loading every rank file from
 disk and then through the mount, plain and mmap=True, in this python (touching every tensor: a
 sum); figures are medians, ratios disk time / mount time (1.0 = parity). Before that, --cold-rounds
 rounds of a cold load (the source, the on-disk files and, with --materialize, the cache evicted
-or emptied; a fresh mount each time, so its first open computes the copies) on both sides. The
+or emptied; a fresh mount each time, so its first opens are served by the daemon while the
+copies are built behind them) on both sides. The
 daemon's peak RSS (VmHWM) is read before each unmount. --baseline-ucpfs adds
 the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
 `tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`).
@@ -91,6 +93,19 @@ def main():
         subprocess.run(argv, check=True)
         return daemon_pid(argv)
 
+    def wait_for_copies(n_files):
+        """With --materialize: until the copies built behind the first opens are done (stats.json)."""
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            with open(os.path.join(mnt, ".ucpfs", "stats.json")) as f:
+                mat = json.load(f).get("kernel", {}).get("materialize")
+            if not mat or (mat["queued"] == 0 and mat["files"] >= n_files):
+                return
+            if mat["queued"] == 0:  # not all were queued (a full cache): open them again
+                load_seconds(on_mnt, False)
+            time.sleep(0.2)
+        raise SystemExit(f"the copies were not built in 600 s: {mat}")
+
     def report(row):
         rows.append(row)
         print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x", flush=True)
@@ -116,7 +131,8 @@ def main():
         try:
             for mmap in (False, True):
                 load_seconds(on_disk, mmap)
-                load_seconds(on_mnt, mmap)  # warm-up (computes the copies with --materialize)
+                load_seconds(on_mnt, mmap)  # warm-up (queues the copies' builds with --materialize)
+                wait_for_copies(len(rel))
                 d, m = [], []
                 for _ in range(a.rounds):
                     d.append(load_seconds(on_disk, mmap))
