@@ -764,6 +764,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
   NoteTransport(req);
+  if (Materializer* m = ServerOf(req).materialize.get()) m->NoteForegroundRead();  // its builds pause
   Handle(req, "read", [&] {
     const OpenFile& file = HandleOf<OpenFileHandle>(fi)->file;
     if (off < 0) return EINVAL;

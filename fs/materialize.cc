@@ -159,6 +159,11 @@ Result<std::string> Materializer::Build(const Job& job) {
       status = Status(StatusCode::kNotFound, source.Name() + ": its generation is gone");
       break;
     }
+    // Waits for a gap in the reads the daemon serves (a cold load through the mount comes first).
+    if (SteadyNowNs() - last_foreground_read_ns_.load(std::memory_order_relaxed) < kQuietNs) {
+      std::this_thread::sleep_for(std::chrono::nanoseconds(kQuietNs / 2));
+      continue;
+    }
     const auto n = static_cast<size_t>(std::min<uint64_t>(kChunkBytes, size - at));
     // The source's next bytes are read ahead (the process's prefetch readers) while this chunk
     // is computed and written, as reads through the mount are: a cold build otherwise waits on

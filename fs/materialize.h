@@ -7,8 +7,8 @@
 // build, and the caller serves that open itself (computed reads, as without --materialize), so a
 // cold read is as fast as without the cache. The copies are built behind it by one builder
 // thread at the lowest CPU and I/O priority (nice 19, the idle I/O class), one view at a time,
-// so they take what the foreground reads leave; a copy is offered only once complete and
-// fdatasync'd.
+// pausing while the daemon serves reads (NoteForegroundRead), so they take what the foreground
+// reads leave; a copy is offered only once complete and fdatasync'd.
 //
 // Not for: deciding whether an open may pass through (fuse_mount.cc does: the kernel's rules on
 // mixing modes), views' bytes (their ByteSource computes them).
@@ -36,6 +36,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -71,6 +72,13 @@ class Materializer {
   // open.
   Result<int> Open(const std::shared_ptr<const void>& node, std::shared_ptr<const ByteSource> source);
 
+  // A read the daemon serves (fuse_mount.cc, per read request: one clock read and a relaxed
+  // store, no lock). Builds pause between chunks until the daemon has served none for
+  // kQuietNs, so a copy is made in the gaps of the foreground's reads, not against them.
+  void NoteForegroundRead() {
+    last_foreground_read_ns_.store(SteadyNowNs(), std::memory_order_relaxed);
+  }
+
   // Blocks until no build is queued or running (tests; the bench's warm rounds use Stats).
   void WaitIdle();
 
@@ -94,6 +102,11 @@ class Materializer {
     std::weak_ptr<const void> node;
     std::shared_ptr<const ByteSource> source;
   };
+  static constexpr int64_t kQuietNs = 20'000'000;  // 20 ms
+  static int64_t SteadyNowNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
   Materializer(int dir_fd, std::string dir, uint64_t max_bytes, uint64_t read_ahead_bytes);
   void BuilderLoop();
   // Computes `job`'s source into a new file, fdatasync'd; returns its name. Gives up (kNotFound)
@@ -114,6 +127,7 @@ class Materializer {
   std::list<const void*> lru_;            // most recent at the front; ready entries; mu_
   std::deque<Job> queue_;                 // mu_
   uint64_t n_running_ = 0;                // builds in progress; mu_
+  std::atomic<int64_t> last_foreground_read_ns_{0};
   std::atomic<bool> stop_{false};         // set under mu_; read by builds between chunks
   uint64_t n_bytes_ = 0;                  // of ready and reserved entries; mu_
   uint64_t next_id_ = 1;                  // mu_

@@ -18,7 +18,7 @@ the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
 `tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`).
 
 Usage: .venv/bin/python tests/bench/fast_paths_bench.py [--ucpfs build/cli/ucpfs]
-       [--baseline-ucpfs build314/cli/ucpfs] [--workdir DIR] [--rounds 7] [--cold-rounds 3]
+       [--baseline-ucpfs build314/cli/ucpfs [--baseline-materialize]] [--workdir DIR] [--rounds 7] [--cold-rounds 3]
        [--layout tp2_pp1_dp1] [--tensors 28] [--gen-python .venv/bin/python]
 """
 import argparse
@@ -55,6 +55,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ucpfs", default=os.path.join(ROOT, "build", "cli", "ucpfs"))
     ap.add_argument("--baseline-ucpfs")
+    ap.add_argument("--baseline-materialize", action="store_true",
+                    help="mount the baseline build with --materialize too (e.g. an older build's copies)")
     ap.add_argument("--workdir", default="/tmp/ucpfs-fastpaths-bench")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cold-rounds", type=int, default=3)
@@ -81,7 +83,8 @@ def main():
     variants = [("fast paths (--materialize)", ucpfs, ["--materialize", cache]),
                 ("fast paths off (--no-passthrough)", ucpfs, ["--no-passthrough"])]
     if a.baseline_ucpfs:
-        variants.append(("baseline build", os.path.abspath(a.baseline_ucpfs), []))
+        variants.append(("baseline build" + (" (--materialize)" if a.baseline_materialize else ""),
+                         os.path.abspath(a.baseline_ucpfs), ["--materialize", cache] if a.baseline_materialize else []))
     rows = []
     os.makedirs(mnt, exist_ok=True)
     on_disk = [os.path.join(disk, r) for r in rel]
@@ -99,9 +102,9 @@ def main():
         while time.monotonic() < deadline:
             with open(os.path.join(mnt, ".ucpfs", "stats.json")) as f:
                 mat = json.load(f).get("kernel", {}).get("materialize")
-            if not mat or (mat["queued"] == 0 and mat["files"] >= n_files):
+            if not mat or (mat.get("queued", 0) == 0 and mat["files"] >= n_files):
                 return
-            if mat["queued"] == 0:  # not all were queued (a full cache): open them again
+            if mat.get("queued", 0) == 0:  # not all were queued (a full cache): open them again
                 load_seconds(on_mnt, False)
             time.sleep(0.2)
         raise SystemExit(f"the copies were not built in 600 s: {mat}")

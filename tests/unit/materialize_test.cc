@@ -1,7 +1,7 @@
 // Materializer (the --materialize cache): the first open answers "not yet" and queues one build
 // (behind the caller); the copy then holds the view's bytes and is reused; another tree
 // (generation) never meets an old copy, and a build whose tree went is dropped; least recently
-// opened out within the size; a view larger than the cache is refused; a symlink or another
+// opened out within the size; builds wait for a gap in the daemon's reads; a view larger than the cache is refused; a symlink or another
 // user's directory is refused; the directory is made 0700 and an earlier daemon's copies are
 // removed.
 #include "fs/materialize.h"
@@ -12,9 +12,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <future>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -147,6 +149,26 @@ TEST(Materializer, ABuildWhoseTreeWentIsDropped) {
   EXPECT_TRUE(std::filesystem::is_empty(dir));  // nothing half built or unreachable is left
   auto tree2 = std::make_shared<std::vector<int>>(1);
   EXPECT_EQ(ReadAll(*OpenBuilt(**m, NodeOf(tree2, 0), sources[0])), Want(sources[0]));
+}
+
+TEST(Materializer, BuildsWaitForAGapInTheDaemonsReads) {
+  Scratch scratch;
+  auto m = Materializer::Make(scratch.path + "/c", 1 << 20);
+  ASSERT_TRUE(m.ok());
+  auto tree = std::make_shared<std::vector<int>>(1);
+  const auto a = Bytes("a", 1000, 1);
+  (*m)->NoteForegroundRead();
+  ASSERT_EQ(*(*m)->Open(NodeOf(tree, 0), a), -1);
+  // While reads keep coming (every 2 ms, well inside the quiet time), nothing is built.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (std::chrono::steady_clock::now() < until) {
+    (*m)->NoteForegroundRead();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ((*m)->Stats()["builds"], 0u);
+  EXPECT_EQ((*m)->Stats()["queued"], 1u);
+  (*m)->WaitIdle();  // the reads stopped: built
+  EXPECT_EQ(ReadAll(*(*m)->Open(NodeOf(tree, 0), a)), Want(a));
 }
 
 TEST(Materializer, AnotherTreeNeverMeetsAnOldCopy) {
