@@ -109,9 +109,12 @@ def main():
             time.sleep(0.2)
         raise SystemExit(f"the copies were not built in 600 s: {mat}")
 
-    def report(row):
+    def report(row, d, m):
+        """Medians, and the range of the per-round ratios (disk / mount of the same round)."""
         rows.append(row)
-        print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x", flush=True)
+        ratios = [x / y for x, y in zip(d, m)]
+        print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x"
+              f"  (rounds {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
 
     for name, binary, extra in variants:
         peak_mib = 0.0
@@ -129,7 +132,7 @@ def main():
                     subprocess.run([binary, "umount", mnt], check=False)
             if d:
                 report((f"{name}: cold torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
-                        statistics.median(m)))
+                        statistics.median(m)), d, m)
         pid = mount(binary, extra)
         try:
             for mmap in (False, True):
@@ -141,7 +144,7 @@ def main():
                     d.append(load_seconds(on_disk, mmap))
                     m.append(load_seconds(on_mnt, mmap))
                 report((f"{name}: warm torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
-                        statistics.median(m)))
+                        statistics.median(m)), d, m)
             with open(os.path.join(mnt, ".ucpfs", "stats.json")) as f:
                 kernel = json.load(f).get("kernel", {})
             print(f"  {name}: kernel {json.dumps(kernel)}", flush=True)
