@@ -1200,6 +1200,9 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   // Closing /dev/fuse aborts the connection, so an announcer still waiting in stat() returns.
   fuse_session_destroy(se);
   announcer.join();
+  // The builds read the views' sources: stopped before the Filesystem goes (the caller may
+  // keep the Materializer itself).
+  if (server.materialize) server.materialize->Stop();
   server.handles.DestroyAll();  // files still open at unmount get no RELEASE
 
   // loop_rc > 0 is the signal that ended the session (SIGINT/SIGTERM): a clean shutdown.

@@ -102,7 +102,7 @@ Result<std::unique_ptr<Materializer>> Materializer::Make(const std::string& dir,
 Materializer::Materializer(int dir_fd, std::string dir, uint64_t max_bytes, uint64_t read_ahead_bytes)
     : dir_fd_(dir_fd), dir_(std::move(dir)), max_bytes_(max_bytes), read_ahead_bytes_(read_ahead_bytes) {}
 
-Materializer::~Materializer() {
+void Materializer::Stop() {
   {
     std::lock_guard lock(mu_);
     stop_ = true;
@@ -110,6 +110,10 @@ Materializer::~Materializer() {
   }
   work_.notify_all();
   if (builder_.joinable()) builder_.join();
+}
+
+Materializer::~Materializer() {
+  Stop();
   for (const auto& [key, entry] : entries_) {
     if (!entry.name.empty()) unlinkat(dir_fd_, entry.name.c_str(), 0);
   }

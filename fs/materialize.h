@@ -79,6 +79,11 @@ class Materializer {
     last_foreground_read_ns_.store(SteadyNowNs(), std::memory_order_relaxed);
   }
 
+  // Drops the queued builds, stops the one running (at its next chunk) and waits for the
+  // builder: called when the session ends, before the views' sources go (the destructor calls
+  // it too). Later opens answer -1 and queue nothing. Not to be called from two threads at once.
+  void Stop();
+
   // Blocks until no build is queued or running (tests; the bench's warm rounds use Stats).
   void WaitIdle();
 

@@ -151,6 +151,31 @@ TEST(Materializer, ABuildWhoseTreeWentIsDropped) {
   EXPECT_EQ(ReadAll(*OpenBuilt(**m, NodeOf(tree2, 0), sources[0])), Want(sources[0]));
 }
 
+TEST(Materializer, StopDropsTheQueueAndQueuesNothingMore) {
+  Scratch scratch;
+  const std::string dir = scratch.path + "/c";
+  auto m = Materializer::Make(dir, 1 << 30);
+  ASSERT_TRUE(m.ok());
+  std::promise<void> open_gate;
+  const std::shared_future<void> gate = open_gate.get_future().share();
+  auto tree = std::make_shared<std::vector<int>>(4);
+  std::vector<std::shared_ptr<const ByteSource>> sources;
+  for (size_t i = 0; i < 3; ++i) {
+    sources.push_back(std::make_shared<GatedSource>(Bytes("v" + std::to_string(i), 1u << 20, 1), gate));
+    ASSERT_EQ(*(*m)->Open(NodeOf(tree, i), sources.back()), -1);
+  }
+  std::thread stopper([&] { (*m)->Stop(); });  // waits for the build held at the gate
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  open_gate.set_value();
+  stopper.join();
+  const auto s = (*m)->Stats();
+  EXPECT_EQ(s["queued"], 0u);
+  EXPECT_LE(s["builds"].get<uint64_t>(), 1u);  // at most the one running, finished whole
+  EXPECT_EQ(*(*m)->Open(NodeOf(tree, 3), Bytes("w", 100, 2)), -1);
+  EXPECT_EQ((*m)->Stats()["queued"], 0u);
+  for (const auto& e : std::filesystem::directory_iterator(dir)) EXPECT_EQ(e.file_size(), 1u << 20) << e.path();
+}
+
 TEST(Materializer, BuildsWaitForAGapInTheDaemonsReads) {
   Scratch scratch;
   auto m = Materializer::Make(scratch.path + "/c", 1 << 20);
