@@ -122,58 +122,63 @@ class GatedSource final : public ByteSource {
   std::shared_future<void> gate_;
 };
 
-TEST(Materializer, ABuildWhoseTreeWentIsDropped) {
+// A cache in a scratch directory with `n` views of `tree` queued, each 1 MiB, whose reads wait
+// at one gate: the first is held inside its build, the rest wait behind it.
+struct GatedQueue {
+  explicit GatedQueue(const std::shared_ptr<std::vector<int>>& tree, size_t n) {
+    auto made = Materializer::Make(dir, 1 << 30);
+    EXPECT_TRUE(made.ok());
+    m = std::move(*made);
+    for (size_t i = 0; i < n; ++i) {
+      sources.push_back(std::make_shared<GatedSource>(Bytes("v" + std::to_string(i), 1u << 20,
+                                                            static_cast<unsigned char>(i)), gate));
+      EXPECT_EQ(*m->Open(NodeOf(tree, i), sources.back()), -1);
+    }
+  }
   Scratch scratch;
   const std::string dir = scratch.path + "/c";
-  auto m = Materializer::Make(dir, 1 << 30);
-  ASSERT_TRUE(m.ok());
   std::promise<void> open_gate;
   const std::shared_future<void> gate = open_gate.get_future().share();
+  std::unique_ptr<Materializer> m;
+  std::vector<std::shared_ptr<const ByteSource>> sources;
+};
+
+TEST(Materializer, ABuildWhoseTreeWentIsDropped) {
   // Views queued behind one being built (held at its read); then their tree goes.
   auto tree = std::make_shared<std::vector<int>>(8);
-  std::vector<std::shared_ptr<const ByteSource>> sources;
-  for (size_t i = 0; i < tree->size(); ++i) {
-    sources.push_back(std::make_shared<GatedSource>(Bytes("v" + std::to_string(i), 1u << 20,
-                                                          static_cast<unsigned char>(i)), gate));
-    ASSERT_EQ(*(*m)->Open(NodeOf(tree, i), sources.back()), -1);
-  }
-  EXPECT_EQ((*m)->Stats()["queued"], 8u);
+  GatedQueue q(tree, 8);
+  auto& m = q.m;
+  const std::string& dir = q.dir;
+  auto& open_gate = q.open_gate;
+  auto& sources = q.sources;
+  EXPECT_EQ(m->Stats()["queued"], 8u);
   tree.reset();
   open_gate.set_value();
-  (*m)->WaitIdle();
-  const auto s = (*m)->Stats();
+  m->WaitIdle();
+  const auto s = m->Stats();
   EXPECT_EQ(s["builds"], 0u);  // the one running finished, but its tree was gone: not offered
   EXPECT_EQ(s["files"], 0u);
   EXPECT_EQ(s["bytes"], 0u);
   EXPECT_EQ(s["failures"], 0u);
   EXPECT_TRUE(std::filesystem::is_empty(dir));  // nothing half built or unreachable is left
   auto tree2 = std::make_shared<std::vector<int>>(1);
-  EXPECT_EQ(ReadAll(*OpenBuilt(**m, NodeOf(tree2, 0), sources[0])), Want(sources[0]));
+  EXPECT_EQ(ReadAll(*OpenBuilt(*m, NodeOf(tree2, 0), sources[0])), Want(sources[0]));
 }
 
 TEST(Materializer, StopDropsTheQueueAndQueuesNothingMore) {
-  Scratch scratch;
-  const std::string dir = scratch.path + "/c";
-  auto m = Materializer::Make(dir, 1 << 30);
-  ASSERT_TRUE(m.ok());
-  std::promise<void> open_gate;
-  const std::shared_future<void> gate = open_gate.get_future().share();
   auto tree = std::make_shared<std::vector<int>>(4);
-  std::vector<std::shared_ptr<const ByteSource>> sources;
-  for (size_t i = 0; i < 3; ++i) {
-    sources.push_back(std::make_shared<GatedSource>(Bytes("v" + std::to_string(i), 1u << 20, 1), gate));
-    ASSERT_EQ(*(*m)->Open(NodeOf(tree, i), sources.back()), -1);
-  }
-  std::thread stopper([&] { (*m)->Stop(); });  // waits for the build held at the gate
+  GatedQueue q(tree, 3);
+  auto& m = q.m;
+  std::thread stopper([&] { m->Stop(); });  // waits for the build held at the gate
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  open_gate.set_value();
+  q.open_gate.set_value();
   stopper.join();
-  const auto s = (*m)->Stats();
+  const auto s = m->Stats();
   EXPECT_EQ(s["queued"], 0u);
   EXPECT_LE(s["builds"].get<uint64_t>(), 1u);  // at most the one running, finished whole
-  EXPECT_EQ(*(*m)->Open(NodeOf(tree, 3), Bytes("w", 100, 2)), -1);
-  EXPECT_EQ((*m)->Stats()["queued"], 0u);
-  for (const auto& e : std::filesystem::directory_iterator(dir)) EXPECT_EQ(e.file_size(), 1u << 20) << e.path();
+  EXPECT_EQ(*m->Open(NodeOf(tree, 3), Bytes("w", 100, 2)), -1);
+  EXPECT_EQ(m->Stats()["queued"], 0u);
+  for (const auto& e : std::filesystem::directory_iterator(q.dir)) EXPECT_EQ(e.file_size(), 1u << 20) << e.path();
 }
 
 TEST(Materializer, BuildsWaitForAGapInTheDaemonsReads) {
