@@ -137,9 +137,9 @@ struct GatedQueue {
   }
   Scratch scratch;
   const std::string dir = scratch.path + "/c";
-  std::promise<void> open_gate;
+  std::unique_ptr<Materializer> m;  // before the gate: a gate never opened breaks at its end
+  std::promise<void> open_gate;     // first, and the builder held there can be joined
   const std::shared_future<void> gate = open_gate.get_future().share();
-  std::unique_ptr<Materializer> m;
   std::vector<std::shared_ptr<const ByteSource>> sources;
 };
 
