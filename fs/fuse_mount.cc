@@ -764,7 +764,6 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
   NoteTransport(req);
-  if (Materializer* m = ServerOf(req).materialize.get()) m->NoteForegroundRead();  // its builds pause
   Handle(req, "read", [&] {
     const OpenFile& file = HandleOf<OpenFileHandle>(fi)->file;
     if (off < 0) return EINVAL;
@@ -775,6 +774,10 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
       if (!n.ok()) return ErrnoFromStatus(n.error());
       fuse_reply_buf(req, reinterpret_cast<const char*>(source_buffer.data()), *n);
       return 0;
+    }
+    // A view read: --materialize's builds pause for it (not for the control files).
+    if (Materializer* m = ServerOf(req).materialize.get(); m != nullptr && !file.volatile_content) {
+      m->NoteForegroundRead();
     }
     // One buffer per worker thread, grown to the largest request seen (max_read): no
     // allocation per request. fuse_reply_buf writes it to /dev/fuse before returning.

@@ -72,9 +72,10 @@ class Materializer {
   // open.
   Result<int> Open(const std::shared_ptr<const void>& node, std::shared_ptr<const ByteSource> source);
 
-  // A read the daemon serves (fuse_mount.cc, per read request: one clock read and a relaxed
-  // store, no lock). Builds pause between chunks until the daemon has served none for
-  // kQuietNs, so a copy is made in the gaps of the foreground's reads, not against them.
+  // A read of a view file the daemon serves (fuse_mount.cc, per read request: one clock read
+  // and a relaxed store, no lock; not the control files, which a status poll reads). Builds
+  // pause between chunks until the daemon has served none for kQuietNs, so a copy is made
+  // between the foreground's loads, not against them.
   void NoteForegroundRead() {
     last_foreground_read_ns_.store(SteadyNowNs(), std::memory_order_relaxed);
   }
@@ -107,7 +108,7 @@ class Materializer {
     std::weak_ptr<const void> node;
     std::shared_ptr<const ByteSource> source;
   };
-  static constexpr int64_t kQuietNs = 20'000'000;  // 20 ms
+  static constexpr int64_t kQuietNs = 100'000'000;  // 100 ms
   static int64_t SteadyNowNs() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
         .count();

@@ -222,9 +222,15 @@ def main():
                             raise
                         return False
                 wait_until(rewrite, timeout_s=10)
-                open(os.path.join(m, ".ucpfs", "sync")).close()
-                on_disk = read(os.path.join(src, "notes.txt"))
-                assert on_disk == b"rewritten", on_disk[:40]
+                # The writer's RELEASE, which commits the capture, is asynchronous too (opens are
+                # noflush): a sync may come before it, so sync until the commit is in.
+                def committed():
+                    open(os.path.join(m, ".ucpfs", "sync")).close()
+                    return read(os.path.join(src, "notes.txt")) == b"rewritten"
+                try:
+                    wait_until(committed, timeout_s=10)
+                except AssertionError:
+                    raise AssertionError(read(os.path.join(src, "notes.txt"))[:40]) from None
                 through = read(path)
                 assert through == b"rewritten", through[:40]
             res.check("O_TRUNC of a file being read through the kernel: ETXTBSY, then captured once closed",
