@@ -108,7 +108,7 @@ class Materializer {
     std::weak_ptr<const void> node;
     std::shared_ptr<const ByteSource> source;
   };
-  static constexpr int64_t kQuietNs = 100'000'000;  // 100 ms
+  static constexpr int64_t kQuietNs = 1'000'000'000;  // 1 s
   static int64_t SteadyNowNs() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
         .count();
