@@ -165,7 +165,8 @@ Result<std::string> Materializer::Build(const Job& job) {
     }
     // Waits for a gap in the reads the daemon serves (a cold load through the mount comes first).
     if (SteadyNowNs() - last_foreground_read_ns_.load(std::memory_order_relaxed) < kQuietNs) {
-      std::this_thread::sleep_for(std::chrono::nanoseconds(kQuietNs / 2));
+      std::unique_lock lock(mu_);  // woken at once by Stop
+      work_.wait_for(lock, std::chrono::nanoseconds(kQuietNs / 4), [&] { return stop_.load(); });
       continue;
     }
     const auto n = static_cast<size_t>(std::min<uint64_t>(kChunkBytes, size - at));
