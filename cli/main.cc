@@ -96,8 +96,8 @@ int main(int argc, char** argv) {
   mount_cmd->add_flag("--no-passthrough", mount.no_passthrough,
                       "serve every read and write through the daemon (the kernel's FUSE passthrough off)");
   mount_cmd->add_option("--materialize", mount.materialize_dir,
-                        "compute each view file into DIR on its first open; later opens are read by the "
-                        "kernel from that copy (passthrough: page-cache speed, mmap). Off by default");
+                        "copy each view file into DIR behind its first open (served by the daemon); later opens "
+                        "are read by the kernel from that copy (passthrough: page-cache speed, mmap). Off by default");
   mount_cmd->add_option("--materialize-size", mount.materialize_size,
                         "the most --materialize keeps, least recently opened out (default 8G)");
   mount_cmd->add_option("--safetensors-shard-size", mount.safetensors_shard_size,

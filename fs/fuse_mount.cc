@@ -603,7 +603,8 @@ void OpReadOnly(fuse_req_t req, Args...) {
 // A descriptor of the file an open of `file` may pass through to, or -1 when it may not: a
 // source file not being captured (opened for writing only when the daemon has nothing to do at
 // its first write), reopened by the daemon read-write where it can, so later writable opens can
-// join the same backing; or a view's materialised copy (computed now when not cached).
+// join the same backing; or a view's materialised copy once it is built (until then the open
+// is served by the daemon, and its build is queued behind it: fs/materialize.h).
 // `writable` says whether the descriptor is open for writing.
 int BackingFdOf(Server& server, const OpenFile& file, bool* writable) {
   *writable = false;
@@ -621,7 +622,7 @@ int BackingFdOf(Server& server, const OpenFile& file, bool* writable) {
   if (server.materialize == nullptr || file.volatile_content || file.source == nullptr) return -1;
   const std::shared_ptr<const void> node = file.node.lock();
   if (node == nullptr) return -1;  // its tree is gone (an evicted subtree): served by the daemon
-  Result<int> fd = server.materialize->Open(node, *file.source);
+  Result<int> fd = server.materialize->Open(node, file.source);
   if (!fd.ok()) {
     if (fd.error().code() != StatusCode::kUnsupported) {
       std::fprintf(stderr, "ucpfs: materialize: %s\n", fd.error().ToString().c_str());
@@ -664,7 +665,7 @@ int ChooseMode(fuse_req_t req, Server& server, Ino ino, const OpenFile& file, fu
       }
     }
     bool backing_writable = false;
-    const int fd = BackingFdOf(server, file, &backing_writable);  // may compute a view: no lock held
+    const int fd = BackingFdOf(server, file, &backing_writable);  // may queue a view's build: no lock held
     if (fd >= 0) {
       std::lock_guard lock(server.modes.mu);
       InodeModes::Modes& m = server.modes.by_ino[ino];
@@ -773,6 +774,10 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
       if (!n.ok()) return ErrnoFromStatus(n.error());
       fuse_reply_buf(req, reinterpret_cast<const char*>(source_buffer.data()), *n);
       return 0;
+    }
+    // A view read: --materialize's builds pause for it (not for the control files).
+    if (Materializer* m = ServerOf(req).materialize.get(); m != nullptr && !file.volatile_content) {
+      m->NoteForegroundRead();
     }
     // One buffer per worker thread, grown to the largest request seen (max_read): no
     // allocation per request. fuse_reply_buf writes it to /dev/fuse before returning.
@@ -1198,6 +1203,9 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   // Closing /dev/fuse aborts the connection, so an announcer still waiting in stat() returns.
   fuse_session_destroy(se);
   announcer.join();
+  // The builds read the views' sources: stopped before the Filesystem goes (the caller may
+  // keep the Materializer itself).
+  if (server.materialize) server.materialize->Stop();
   server.handles.DestroyAll();  // files still open at unmount get no RELEASE
 
   // loop_rc > 0 is the signal that ended the session (SIGINT/SIGTERM): a clean shutdown.

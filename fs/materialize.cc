@@ -2,10 +2,13 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <span>
@@ -49,6 +52,16 @@ void RemoveLeftovers(int dir_fd) {
   }
 }
 
+// The calling thread at the lowest priority: nice 19, and the idle I/O class (linux/ioprio.h:
+// IOPRIO_WHO_PROCESS 1 names a thread by its id; class IDLE 3 in the top 3 of 16 bits), so the
+// builds use what foreground reads leave of the CPUs and the disk. Best effort: a kernel or
+// scheduler without I/O classes builds at normal I/O priority.
+void LowestPriority() {
+  const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+  (void)setpriority(PRIO_PROCESS, tid, 19);
+  (void)syscall(SYS_ioprio_set, 1, static_cast<int>(tid), 3 << 13);
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Materializer>> Materializer::Make(const std::string& dir, uint64_t max_bytes,
@@ -89,15 +102,30 @@ Result<std::unique_ptr<Materializer>> Materializer::Make(const std::string& dir,
 Materializer::Materializer(int dir_fd, std::string dir, uint64_t max_bytes, uint64_t read_ahead_bytes)
     : dir_fd_(dir_fd), dir_(std::move(dir)), max_bytes_(max_bytes), read_ahead_bytes_(read_ahead_bytes) {}
 
+void Materializer::Stop() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+    queue_.clear();
+  }
+  work_.notify_all();
+  if (builder_.joinable()) builder_.join();
+}
+
 Materializer::~Materializer() {
-  for (const auto& [key, entry] : entries_) unlinkat(dir_fd_, entry.name.c_str(), 0);
+  Stop();
+  for (const auto& [key, entry] : entries_) {
+    if (!entry.name.empty()) unlinkat(dir_fd_, entry.name.c_str(), 0);
+  }
   close(dir_fd_);
 }
 
 void Materializer::Drop(std::map<const void*, Entry>::iterator it) {
+  // A queued or running build of a dropped entry finds another id (or none) when it finishes,
+  // and unlinks its own file.
   if (it->second.ready) lru_.erase(it->second.lru);
   n_bytes_ -= it->second.n_bytes;
-  unlinkat(dir_fd_, it->second.name.c_str(), 0);
+  if (!it->second.name.empty()) unlinkat(dir_fd_, it->second.name.c_str(), 0);
   entries_.erase(it);
 }
 
@@ -120,8 +148,9 @@ void Materializer::MakeRoom(uint64_t n_bytes) {
   }
 }
 
-Result<std::string> Materializer::Build(const ByteSource& source, uint64_t id) {
-  const std::string name = kPrefix + std::to_string(getpid()) + "-" + std::to_string(id);
+Result<std::string> Materializer::Build(const Job& job) {
+  const ByteSource& source = *job.source;
+  const std::string name = kPrefix + std::to_string(getpid()) + "-" + std::to_string(job.id);
   const int fd = openat(dir_fd_, name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return SysError(errno, "materialize " + source.Name() + " into " + dir_ + "/" + name);
   const uint64_t size = source.Size();
@@ -129,6 +158,17 @@ Result<std::string> Materializer::Build(const ByteSource& source, uint64_t id) {
   Status status = Status::Ok();
   uint64_t announced_until = 0;
   for (uint64_t at = 0; at < size && status.ok();) {
+    // Given up between chunks when the view's generation is gone or the daemon stops.
+    if (stop_.load(std::memory_order_relaxed) || job.node.expired()) {
+      status = Status(StatusCode::kNotFound, source.Name() + ": its generation is gone");
+      break;
+    }
+    // Waits for a gap in the reads the daemon serves (a cold load through the mount comes first).
+    if (SteadyNowNs() - last_foreground_read_ns_.load(std::memory_order_relaxed) < kQuietNs) {
+      std::unique_lock lock(mu_);  // woken at once by Stop
+      work_.wait_for(lock, std::chrono::nanoseconds(kQuietNs / 4), [&] { return stop_.load(); });
+      continue;
+    }
     const auto n = static_cast<size_t>(std::min<uint64_t>(kChunkBytes, size - at));
     // The source's next bytes are read ahead (the process's prefetch readers) while this chunk
     // is computed and written, as reads through the mount are: a cold build otherwise waits on
@@ -147,6 +187,8 @@ Result<std::string> Materializer::Build(const ByteSource& source, uint64_t id) {
     }
     at += n;
   }
+  // Offered only once on the disk: a copy is never half there, whatever happens to the daemon.
+  if (status.ok() && fdatasync(fd) != 0) status = SysError(errno, "fdatasync " + dir_ + "/" + name);
   close(fd);
   if (!status.ok()) {
     unlinkat(dir_fd_, name.c_str(), 0);
@@ -155,67 +197,100 @@ Result<std::string> Materializer::Build(const ByteSource& source, uint64_t id) {
   return name;
 }
 
-Result<int> Materializer::Open(const std::shared_ptr<const void>& node, const ByteSource& source) {
-  const uint64_t size = source.Size();
-  if (size > max_bytes_) {
-    return Status(StatusCode::kUnsupported, source.Name() + " is larger than the materialize cache");
-  }
+void Materializer::BuilderLoop() {
+  LowestPriority();
   std::unique_lock lock(mu_);
   for (;;) {
-    auto it = entries_.find(node.get());
-    if (it == entries_.end()) break;
-    if (!SameNode(it->second.node, node)) {  // an earlier generation's node at this address
-      if (!it->second.ready) {               // still being built: let that build finish
-        built_.wait(lock);
-        continue;
+    work_.wait(lock, [&] { return stop_.load() || !queue_.empty(); });
+    if (stop_.load()) break;
+    const Job job = std::move(queue_.front());
+    queue_.pop_front();
+    ++n_running_;
+    lock.unlock();
+    Result<std::string> name = Build(job);
+    lock.lock();
+    --n_running_;
+    auto it = entries_.find(job.key);
+    const bool ours = it != entries_.end() && it->second.id == job.id;
+    if (name.ok() && ours && !it->second.node.expired()) {
+      it->second.name = *name;
+      it->second.ready = true;
+      lru_.push_front(job.key);
+      it->second.lru = lru_.begin();
+      ++n_builds_;
+    } else {
+      if (name.ok()) unlinkat(dir_fd_, name->c_str(), 0);
+      if (ours) Drop(it);
+      if (!name.ok() && name.error().code() != StatusCode::kNotFound) {
+        ++n_failures_;
+        last_error_ = name.error().ToString();
+        std::fprintf(stderr, "ucpfs: materialize: %s\n", last_error_.c_str());
       }
-      Drop(it);
-      break;
     }
-    if (!it->second.ready) {
-      built_.wait(lock);
-      continue;
-    }
-    lru_.splice(lru_.begin(), lru_, it->second.lru);
-    const int fd = openat(dir_fd_, it->second.name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd >= 0) {
-      ++n_hits_;
-      return fd;
-    }
-    Drop(it);  // removed beneath us: build again
-    break;
+    if (queue_.empty() && n_running_ == 0) idle_.notify_all();
   }
+  n_running_ = 0;
+  idle_.notify_all();
+}
+
+Result<int> Materializer::Open(const std::shared_ptr<const void>& node, std::shared_ptr<const ByteSource> source) {
+  const uint64_t size = source->Size();
+  if (size > max_bytes_) {
+    return Status(StatusCode::kUnsupported, source->Name() + " is larger than the materialize cache");
+  }
+  std::lock_guard lock(mu_);
+  if (auto it = entries_.find(node.get()); it != entries_.end()) {
+    if (!SameNode(it->second.node, node)) {  // an earlier generation's node at this address
+      Drop(it);
+    } else if (!it->second.ready) {  // queued or being built: served by the caller meanwhile
+      ++n_misses_;
+      return -1;
+    } else {
+      lru_.splice(lru_.begin(), lru_, it->second.lru);
+      const int fd = openat(dir_fd_, it->second.name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+      if (fd >= 0) {
+        ++n_hits_;
+        return fd;
+      }
+      if (errno != ENOENT) return SysError(errno, "open " + dir_ + "/" + it->second.name);
+      Drop(it);  // removed beneath us: build again
+    }
+  }
+  ++n_misses_;
+  if (stop_.load()) return -1;
   MakeRoom(size);
-  const uint64_t id = next_id_++;
+  // Builds queued and running hold the rest: this view is not copied this time (served by the
+  // caller; queued again at a later open), so the cache never holds more than max_bytes.
+  if (n_bytes_ + size > max_bytes_) return -1;
   Entry& entry = entries_[node.get()];
   entry.node = node;
   entry.n_bytes = size;
-  n_bytes_ += size;  // reserved while building
-  lock.unlock();
-  Result<std::string> name = Build(source, id);
-  lock.lock();
-  auto it = entries_.find(node.get());
-  if (!name.ok()) {
-    n_bytes_ -= size;
-    entries_.erase(it);
-    built_.notify_all();
-    return name.error();
-  }
-  it->second.name = *name;
-  it->second.ready = true;
-  lru_.push_front(node.get());
-  it->second.lru = lru_.begin();
-  ++n_builds_;
-  built_.notify_all();
-  const int fd = openat(dir_fd_, name->c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return SysError(errno, "open " + dir_ + "/" + *name);
-  return fd;
+  entry.id = next_id_++;
+  n_bytes_ += size;  // reserved while queued and building
+  queue_.push_back(Job{node.get(), entry.id, node, std::move(source)});
+  if (!builder_.joinable()) builder_ = std::thread([this] { BuilderLoop(); });
+  work_.notify_one();
+  return -1;
+}
+
+void Materializer::WaitIdle() {
+  std::unique_lock lock(mu_);
+  idle_.wait(lock, [&] { return queue_.empty() && n_running_ == 0; });
 }
 
 nlohmann::ordered_json Materializer::Stats() const {
   std::lock_guard lock(mu_);
-  return {{"dir", dir_},       {"max_bytes", max_bytes_}, {"bytes", n_bytes_},          {"files", lru_.size()},
-          {"builds", n_builds_}, {"hits", n_hits_},         {"evictions", n_evictions_}};
+  return {{"dir", dir_},
+          {"max_bytes", max_bytes_},
+          {"bytes", n_bytes_},
+          {"files", lru_.size()},
+          {"builds", n_builds_},
+          {"hits", n_hits_},
+          {"misses", n_misses_},
+          {"queued", queue_.size() + n_running_},
+          {"failures", n_failures_},
+          {"evictions", n_evictions_},
+          {"last_error", last_error_}};
 }
 
 }  // namespace ucpfs::fs

@@ -1,6 +1,7 @@
 // The read-ahead readers (see prefetcher.h).
 #include "core/io/prefetcher.h"
 
+#include <fcntl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -120,7 +121,14 @@ void Prefetcher::Read(const Job& job, std::vector<std::byte>& scratch) {
     const uint64_t n = std::min(kChunkBytes, end - at);
     if (AllCached(fd, at, n)) {
       cached += n;
-    } else {
+    } else if (::posix_fadvise(fd, static_cast<off_t>(at), static_cast<off_t>(n), POSIX_FADV_WILLNEED) == 0 &&
+               AllCached(fd, at, n)) {
+      // The file system started reading the chunk into the page cache (the pages are there,
+      // being filled): no copy through the scratch buffer. That copy is as much CPU as the read
+      // it serves, and on a machine of few cores it made cold reads through the mount slower
+      // than no read-ahead at all (a 940 MB rank file: 0.77-0.99 s against 0.54-0.70 s).
+      read += n;
+    } else {  // WILLNEED ignored (network and FUSE file systems), or the kernel cannot tell
       if (scratch.size() < kChunkBytes) scratch.resize(kChunkBytes);
       const ssize_t got = ::pread(fd, scratch.data(), n, static_cast<off_t>(at));
       if (got < 0 && errno == EINTR) continue;

@@ -6,17 +6,19 @@ FUSE passthrough) and without (--no-passthrough: every byte through the daemon, 
 The checkpoint and its on-disk views are torch_load_bench.py's (gen_bench_dcp.py, 1.8 GB with
 --tensors 28; `ucpfs convert --layout`), made under --workdir when missing. For each mount
 variant: a fresh mount, every rank file loaded once (the warm-up: for --materialize this is the
-first open that computes the copies), then --rounds rounds, each loading every rank file from
+first opens, served by the daemon, queue the copies' builds, and the rounds start once they are
+built: stats.json's kernel.materialize), then --rounds rounds, each loading every rank file from
 disk and then through the mount, plain and mmap=True, in this python (touching every tensor: a
 sum); figures are medians, ratios disk time / mount time (1.0 = parity). Before that, --cold-rounds
 rounds of a cold load (the source, the on-disk files and, with --materialize, the cache evicted
-or emptied; a fresh mount each time, so its first open computes the copies) on both sides. The
+or emptied; a fresh mount each time, so its first opens are served by the daemon while the
+copies are built behind them) on both sides. The
 daemon's peak RSS (VmHWM) is read before each unmount. --baseline-ucpfs adds
 the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
 `tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`).
 
 Usage: .venv/bin/python tests/bench/fast_paths_bench.py [--ucpfs build/cli/ucpfs]
-       [--baseline-ucpfs build314/cli/ucpfs] [--workdir DIR] [--rounds 7] [--cold-rounds 3]
+       [--baseline-ucpfs build314/cli/ucpfs [--baseline-materialize]] [--workdir DIR] [--rounds 7] [--cold-rounds 3]
        [--layout tp2_pp1_dp1] [--tensors 28] [--gen-python .venv/bin/python]
 """
 import argparse
@@ -53,6 +55,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ucpfs", default=os.path.join(ROOT, "build", "cli", "ucpfs"))
     ap.add_argument("--baseline-ucpfs")
+    ap.add_argument("--baseline-materialize", action="store_true",
+                    help="mount the baseline build with --materialize too (e.g. an older build's copies)")
     ap.add_argument("--workdir", default="/tmp/ucpfs-fastpaths-bench")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cold-rounds", type=int, default=3)
@@ -79,7 +83,8 @@ def main():
     variants = [("fast paths (--materialize)", ucpfs, ["--materialize", cache]),
                 ("fast paths off (--no-passthrough)", ucpfs, ["--no-passthrough"])]
     if a.baseline_ucpfs:
-        variants.append(("baseline build", os.path.abspath(a.baseline_ucpfs), []))
+        variants.append(("baseline build" + (" (--materialize)" if a.baseline_materialize else ""),
+                         os.path.abspath(a.baseline_ucpfs), ["--materialize", cache] if a.baseline_materialize else []))
     rows = []
     os.makedirs(mnt, exist_ok=True)
     on_disk = [os.path.join(disk, r) for r in rel]
@@ -91,9 +96,25 @@ def main():
         subprocess.run(argv, check=True)
         return daemon_pid(argv)
 
-    def report(row):
+    def wait_for_copies(n_files):
+        """With --materialize: until the copies built behind the first opens are done (stats.json)."""
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            with open(os.path.join(mnt, ".ucpfs", "stats.json")) as f:
+                mat = json.load(f).get("kernel", {}).get("materialize")
+            if not mat or (mat.get("queued", 0) == 0 and mat["files"] >= n_files):
+                return
+            if mat.get("queued", 0) == 0:  # not all were queued (a full cache): open them again
+                load_seconds(on_mnt, False)
+            time.sleep(0.2)
+        raise SystemExit(f"the copies were not built in 600 s: {mat}")
+
+    def report(row, d, m):
+        """Medians, and the range of the per-round ratios (disk / mount of the same round)."""
         rows.append(row)
-        print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x", flush=True)
+        ratios = [x / y for x, y in zip(d, m)]
+        print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x"
+              f"  (rounds {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
 
     for name, binary, extra in variants:
         peak_mib = 0.0
@@ -111,18 +132,19 @@ def main():
                     subprocess.run([binary, "umount", mnt], check=False)
             if d:
                 report((f"{name}: cold torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
-                        statistics.median(m)))
+                        statistics.median(m)), d, m)
         pid = mount(binary, extra)
         try:
             for mmap in (False, True):
                 load_seconds(on_disk, mmap)
-                load_seconds(on_mnt, mmap)  # warm-up (computes the copies with --materialize)
+                load_seconds(on_mnt, mmap)  # warm-up (queues the copies' builds with --materialize)
+                wait_for_copies(len(rel))
                 d, m = [], []
                 for _ in range(a.rounds):
                     d.append(load_seconds(on_disk, mmap))
                     m.append(load_seconds(on_mnt, mmap))
                 report((f"{name}: warm torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
-                        statistics.median(m)))
+                        statistics.median(m)), d, m)
             with open(os.path.join(mnt, ".ucpfs", "stats.json")) as f:
                 kernel = json.load(f).get("kernel", {})
             print(f"  {name}: kernel {json.dumps(kernel)}", flush=True)

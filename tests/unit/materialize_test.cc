@@ -1,7 +1,9 @@
-// Materializer (the --materialize cache): a copy holds the view's bytes and is reused; another
-// tree (generation) never meets an old copy; least recently opened out within the size; a view
-// larger than the cache is refused; a symlink or another user's directory is refused; the
-// directory is made 0700 and an earlier daemon's copies are removed.
+// Materializer (the --materialize cache): the first open answers "not yet" and queues one build
+// (behind the caller); the copy then holds the view's bytes and is reused; another tree
+// (generation) never meets an old copy, and a build whose tree went is dropped; least recently
+// opened out within the size; builds wait for a gap in the daemon's reads; a view larger than the cache is refused; a symlink or another
+// user's directory is refused; the directory is made 0700 and an earlier daemon's copies are
+// removed.
 #include "fs/materialize.h"
 
 #include <fcntl.h>
@@ -10,8 +12,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <future>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -29,10 +34,10 @@ struct Scratch {
   ~Scratch() { std::filesystem::remove_all(path); }
 };
 
-MemorySource Bytes(const std::string& name, size_t n, unsigned char seed) {
+std::shared_ptr<const ByteSource> Bytes(const std::string& name, size_t n, unsigned char seed) {
   std::vector<std::byte> b(n);
   for (size_t i = 0; i < n; ++i) b[i] = std::byte(static_cast<unsigned char>(seed + i * 7));
-  return MemorySource(name, std::move(b));
+  return std::make_shared<MemorySource>(name, std::move(b));
 }
 
 std::vector<std::byte> ReadAll(int fd) {
@@ -47,9 +52,9 @@ std::vector<std::byte> ReadAll(int fd) {
   return out;
 }
 
-std::vector<std::byte> Want(const ByteSource& s) {
-  std::vector<std::byte> b(s.Size());
-  EXPECT_TRUE(s.ReadAt(0, b).ok());
+std::vector<std::byte> Want(const std::shared_ptr<const ByteSource>& s) {
+  std::vector<std::byte> b(s->Size());
+  EXPECT_TRUE(s->ReadAt(0, b).ok());
   return b;
 }
 
@@ -58,40 +63,160 @@ std::shared_ptr<const void> NodeOf(const std::shared_ptr<std::vector<int>>& tree
   return std::shared_ptr<const void>(tree, &(*tree)[i]);
 }
 
+// An open once the copy is built: the first open answers -1 (the caller serves it) and queues
+// the build; the next one, after the builds, gets the copy.
+Result<int> OpenBuilt(Materializer& m, const std::shared_ptr<const void>& node,
+                      const std::shared_ptr<const ByteSource>& source) {
+  Result<int> fd = m.Open(node, source);
+  if (!fd.ok() || *fd >= 0) return fd;
+  m.WaitIdle();
+  return m.Open(node, source);
+}
+
 TEST(Materializer, CopiesOnceAndReusesWithinATree) {
   Scratch scratch;
   const std::string dir = scratch.path + "/cache";
-  auto m = Materializer::Make(dir, 1 << 20);
+  auto m = Materializer::Make(dir, 64 << 20);
   ASSERT_TRUE(m.ok()) << m.error().ToString();
   struct stat st = {};
   ASSERT_EQ(stat(dir.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 07777, 0700u);
   auto tree = std::make_shared<std::vector<int>>(4);
-  const MemorySource a = Bytes("a", 100000, 1);
+  const auto a = Bytes("a", 20u << 20, 1);  // more than one chunk
+  // Opens before the copy is built are the caller's, and queue one build, not one each.
+  for (int i = 0; i < 2; ++i) {
+    Result<int> fd = (*m)->Open(NodeOf(tree, 0), a);
+    ASSERT_TRUE(fd.ok()) << fd.error().ToString();
+    EXPECT_EQ(*fd, -1);
+  }
+  (*m)->WaitIdle();
+  EXPECT_EQ((*m)->Stats()["queued"], 0u);
   for (int i = 0; i < 3; ++i) {
     Result<int> fd = (*m)->Open(NodeOf(tree, 0), a);
     ASSERT_TRUE(fd.ok()) << fd.error().ToString();
+    ASSERT_GE(*fd, 0);
     EXPECT_EQ(ReadAll(*fd), Want(a));
   }
   const auto s = (*m)->Stats();
   EXPECT_EQ(s["builds"], 1u);
-  EXPECT_EQ(s["hits"], 2u);
-  EXPECT_EQ(s["bytes"], 100000u);
+  EXPECT_EQ(s["misses"], 2u);
+  EXPECT_EQ(s["hits"], 3u);
+  EXPECT_EQ(s["bytes"], 20u << 20);
+  EXPECT_EQ(s["failures"], 0u);
+}
+
+// A source whose reads wait until the test opens the gate: holds the builder inside a build.
+class GatedSource final : public ByteSource {
+ public:
+  GatedSource(std::shared_ptr<const ByteSource> base, std::shared_future<void> gate)
+      : base_(std::move(base)), gate_(std::move(gate)) {}
+  uint64_t Size() const override { return base_->Size(); }
+  const std::string& Name() const override { return base_->Name(); }
+  Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override {
+    gate_.wait();
+    return base_->ReadAt(byte_offset, out);
+  }
+
+ private:
+  std::shared_ptr<const ByteSource> base_;
+  std::shared_future<void> gate_;
+};
+
+// A cache in a scratch directory with `n` views of `tree` queued, each 1 MiB, whose reads wait
+// at one gate: the first is held inside its build, the rest wait behind it.
+struct GatedQueue {
+  explicit GatedQueue(const std::shared_ptr<std::vector<int>>& tree, size_t n) {
+    auto made = Materializer::Make(dir, 1 << 30);
+    EXPECT_TRUE(made.ok());
+    m = std::move(*made);
+    for (size_t i = 0; i < n; ++i) {
+      sources.push_back(std::make_shared<GatedSource>(Bytes("v" + std::to_string(i), 1u << 20,
+                                                            static_cast<unsigned char>(i)), gate));
+      EXPECT_EQ(*m->Open(NodeOf(tree, i), sources.back()), -1);
+    }
+  }
+  Scratch scratch;
+  const std::string dir = scratch.path + "/c";
+  std::unique_ptr<Materializer> m;  // before the gate: a gate never opened breaks at its end
+  std::promise<void> open_gate;     // first, and the builder held there can be joined
+  const std::shared_future<void> gate = open_gate.get_future().share();
+  std::vector<std::shared_ptr<const ByteSource>> sources;
+};
+
+TEST(Materializer, ABuildWhoseTreeWentIsDropped) {
+  // Views queued behind one being built (held at its read); then their tree goes.
+  auto tree = std::make_shared<std::vector<int>>(8);
+  GatedQueue q(tree, 8);
+  auto& m = q.m;
+  const std::string& dir = q.dir;
+  auto& open_gate = q.open_gate;
+  auto& sources = q.sources;
+  EXPECT_EQ(m->Stats()["queued"], 8u);
+  tree.reset();
+  open_gate.set_value();
+  m->WaitIdle();
+  const auto s = m->Stats();
+  EXPECT_EQ(s["builds"], 0u);  // the one running finished, but its tree was gone: not offered
+  EXPECT_EQ(s["files"], 0u);
+  EXPECT_EQ(s["bytes"], 0u);
+  EXPECT_EQ(s["failures"], 0u);
+  EXPECT_TRUE(std::filesystem::is_empty(dir));  // nothing half built or unreachable is left
+  auto tree2 = std::make_shared<std::vector<int>>(1);
+  EXPECT_EQ(ReadAll(*OpenBuilt(*m, NodeOf(tree2, 0), sources[0])), Want(sources[0]));
+}
+
+TEST(Materializer, StopDropsTheQueueAndQueuesNothingMore) {
+  auto tree = std::make_shared<std::vector<int>>(4);
+  GatedQueue q(tree, 3);
+  auto& m = q.m;
+  std::thread stopper([&] { m->Stop(); });  // waits for the build held at the gate
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  q.open_gate.set_value();
+  stopper.join();
+  const auto s = m->Stats();
+  EXPECT_EQ(s["queued"], 0u);
+  EXPECT_LE(s["builds"].get<uint64_t>(), 1u);  // at most the one running, finished whole
+  EXPECT_EQ(*m->Open(NodeOf(tree, 3), Bytes("w", 100, 2)), -1);
+  EXPECT_EQ(m->Stats()["queued"], 0u);
+  for (const auto& e : std::filesystem::directory_iterator(q.dir)) EXPECT_EQ(e.file_size(), 1u << 20) << e.path();
+}
+
+TEST(Materializer, BuildsWaitForAGapInTheDaemonsReads) {
+  Scratch scratch;
+  auto m = Materializer::Make(scratch.path + "/c", 1 << 20);
+  ASSERT_TRUE(m.ok());
+  auto tree = std::make_shared<std::vector<int>>(1);
+  const auto a = Bytes("a", 1000, 1);
+  (*m)->NoteForegroundRead();
+  ASSERT_EQ(*(*m)->Open(NodeOf(tree, 0), a), -1);
+  // While reads keep coming (every 2 ms, well inside the quiet time), nothing is built.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (std::chrono::steady_clock::now() < until) {
+    (*m)->NoteForegroundRead();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ((*m)->Stats()["builds"], 0u);
+  EXPECT_EQ((*m)->Stats()["queued"], 1u);
+  (*m)->WaitIdle();  // the reads stopped: built
+  EXPECT_EQ(ReadAll(*(*m)->Open(NodeOf(tree, 0), a)), Want(a));
 }
 
 TEST(Materializer, AnotherTreeNeverMeetsAnOldCopy) {
   Scratch scratch;
   auto m = Materializer::Make(scratch.path + "/c", 1 << 20);
   ASSERT_TRUE(m.ok());
-  const MemorySource old_bytes = Bytes("v", 5000, 1), new_bytes = Bytes("v", 5000, 2);
+  const auto old_bytes = Bytes("v", 5000, 1), new_bytes = Bytes("v", 5000, 2);
   auto gen1 = std::make_shared<std::vector<int>>(1);
-  ASSERT_EQ(ReadAll(*(*m)->Open(NodeOf(gen1, 0), old_bytes)), Want(old_bytes));
+  ASSERT_EQ(ReadAll(*OpenBuilt(**m, NodeOf(gen1, 0), old_bytes)), Want(old_bytes));
   // A new generation (another tree), even at the same address once the old one is gone.
   gen1.reset();
   auto gen2 = std::make_shared<std::vector<int>>(1);
+  EXPECT_EQ(*(*m)->Open(NodeOf(gen2, 0), new_bytes), -1);  // a miss: built anew
+  (*m)->WaitIdle();
   EXPECT_EQ(ReadAll(*(*m)->Open(NodeOf(gen2, 0), new_bytes)), Want(new_bytes));
   EXPECT_EQ((*m)->Stats()["builds"], 2u);
-  EXPECT_EQ((*m)->Stats()["hits"], 0u);
+  EXPECT_EQ((*m)->Stats()["misses"], 2u);
+  EXPECT_EQ((*m)->Stats()["hits"], 2u);  // each generation's own copy, once built
 }
 
 TEST(Materializer, LeastRecentlyOpenedGoFirstWithinTheSize) {
@@ -99,20 +224,20 @@ TEST(Materializer, LeastRecentlyOpenedGoFirstWithinTheSize) {
   auto m = Materializer::Make(scratch.path + "/c", 25000);
   ASSERT_TRUE(m.ok());
   auto tree = std::make_shared<std::vector<int>>(4);
-  const MemorySource a = Bytes("a", 10000, 1), b = Bytes("b", 10000, 2), c = Bytes("c", 10000, 3);
-  ASSERT_TRUE((*m)->Open(NodeOf(tree, 0), a).ok());
-  ASSERT_TRUE((*m)->Open(NodeOf(tree, 1), b).ok());
-  ASSERT_TRUE((*m)->Open(NodeOf(tree, 0), a).ok());  // a is now the most recent
-  ASSERT_TRUE((*m)->Open(NodeOf(tree, 2), c).ok());  // b goes
+  const auto a = Bytes("a", 10000, 1), b = Bytes("b", 10000, 2), c = Bytes("c", 10000, 3);
+  ASSERT_GE(*OpenBuilt(**m, NodeOf(tree, 0), a), 0);
+  ASSERT_GE(*OpenBuilt(**m, NodeOf(tree, 1), b), 0);
+  ASSERT_GE(*(*m)->Open(NodeOf(tree, 0), a), 0);  // a is now the most recent
+  ASSERT_GE(*OpenBuilt(**m, NodeOf(tree, 2), c), 0);  // b goes
   auto s = (*m)->Stats();
   EXPECT_EQ(s["evictions"], 1u);
   EXPECT_EQ(s["files"], 2u);
   EXPECT_LE(s["bytes"].get<uint64_t>(), 25000u);
   EXPECT_EQ(ReadAll(*(*m)->Open(NodeOf(tree, 0), a)), Want(a));  // still there
   EXPECT_EQ((*m)->Stats()["builds"], 3u);
-  EXPECT_EQ(ReadAll(*(*m)->Open(NodeOf(tree, 1), b)), Want(b));  // computed again
+  EXPECT_EQ(ReadAll(*OpenBuilt(**m, NodeOf(tree, 1), b)), Want(b));  // computed again
   EXPECT_EQ((*m)->Stats()["builds"], 4u);
-  const MemorySource big = Bytes("big", 30000, 4);
+  const auto big = Bytes("big", 30000, 4);
   Result<int> too_big = (*m)->Open(NodeOf(tree, 3), big);
   ASSERT_FALSE(too_big.ok());
   EXPECT_EQ(too_big.error().code(), StatusCode::kUnsupported);
