@@ -630,7 +630,8 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(const Caller& calle
   // Counted before the file is looked at: the bucket uploader unlinks an uploaded copy, then
   // asks InUsePaths before it truncates it; an open counted after that finds it unlinked here.
   CountOpen(ino, 1);
-  if (const std::shared_ptr<Node> node = Find(ino); node != nullptr && !node->is_dir && !CapturedNow(*node)) {
+  if (const std::shared_ptr<Node> node = refuse_unlinked_ ? Find(ino) : nullptr;
+      node != nullptr && !node->is_dir && !CapturedNow(*node)) {
     struct stat st = {};
     if (fstatat(node->fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) == 0 && st.st_nlink == 0) {
       CountOpen(ino, -1);

@@ -151,6 +151,9 @@ class Passthrough {
   // released) or last released less than `recent_ms` ago (at most an hour), for the bucket uploader: it removes no
   // staged copy in use (DCP renames `.metadata.tmp` right after closing it).
   std::vector<std::string> InUsePaths(uint64_t recent_ms);
+  // Whether a file unlinked since its lookup (an open of /proc/PID/fd/N, a stale dentry) is
+  // refused with ENOENT (set where the bucket uploader truncates the copies it removes).
+  void SetRefuseUnlinked(bool refuse) { refuse_unlinked_ = refuse; }
 
  private:
   struct Node {
@@ -207,6 +210,7 @@ class Passthrough {
   const std::string source_dir_;
   const std::shared_ptr<io::WriteCapture> capture_;
   std::function<void(const std::string&)> changed_;
+  std::atomic<bool> refuse_unlinked_{false};
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Node>> nodes_;                      // id -> node; guarded by mu_
   struct OpenCount {

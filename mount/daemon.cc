@@ -388,6 +388,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     }
     mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
     if (uploader) {
+      mo.passthrough->SetRefuseUnlinked(true);
       // Uploaded copies are removed once kept long enough, never one in use through the mount
       // (unset before the passthrough goes, below).
       uploader->SetInUse([weak = std::weak_ptr<fs::Passthrough>(mo.passthrough)](uint64_t recent_ms) {
