@@ -428,6 +428,7 @@ int RunMount(const MountArgs& mount_args) {
     // a run directory's checkpoints are indexed in subdirectories named after them, and a
     // checkpoint's name never starts with '.' (index/run_dir.h).
     daemon.stage_dir = args.stage_dir.empty() ? daemon.snapshot.index_dir + "/.stage" : AbsPathOrJoined(args.stage_dir);
+    daemon.stage_keep_s = args.stage_keep_s;
     if (daemon.stage_dir == args.mountpoint || daemon.stage_dir.starts_with(args.mountpoint + "/")) {
       return Fail("mount", InvalidArgumentError("--stage-dir " + daemon.stage_dir + " is inside the mount point"));
     }

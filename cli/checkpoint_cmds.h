@@ -80,6 +80,7 @@ struct MountArgs {
   std::string prefetch;                   // --prefetch (ParseReadAhead)
   bool read_only = false;                 // --read-only: no writes, no capture
   std::string stage_dir;                  // --stage-dir DIR: an s3:// mount's local staging (empty: beside its index)
+  uint64_t stage_keep_s = 60;             // --stage-keep: how long an uploaded staged copy stays (at least 1)
   bool no_passthrough = false;            // --no-passthrough: the kernel's passthrough off
   std::string materialize_dir;            // --materialize DIR: views computed into DIR (empty: off)
   std::string materialize_size = "8G";    // --materialize-size: the most DIR holds

@@ -88,6 +88,10 @@ int main(int argc, char** argv) {
   mount_cmd->add_option("--stage-dir", mount.stage_dir,
                         "an s3:// mount's local staging directory: saves land there (durable, crash-ordered) and "
                         "are uploaded to the bucket in close order (default: beside the mount's local index)");
+  mount_cmd->add_option("--stage-keep", mount.stage_keep_s,
+                        "seconds an uploaded staged file stays in --stage-dir after its upload and its last "
+                        "close (default 60, at least 1); then it is removed (read it through the views)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{31536000}));
   mount_cmd->add_option("--readahead", mount.readahead,
                         "the mount's kernel readahead window (default: the source disk's, 1M to 64M; e.g. 16M)");
   mount_cmd->add_option("--prefetch", mount.prefetch,

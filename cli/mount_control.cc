@@ -246,8 +246,9 @@ int RunStatus(const std::string& mountpoint, bool json) {
     const auto& u = stats["s3"]["upload"];
     std::cout << "uploads:     " << num(u, "queued_files") << " queued ("
               << mib(u.value("queued_bytes", uint64_t{0})) << "), " << num(u, "uploaded_files") << " uploaded ("
-              << mib(u.value("uploaded_bytes", uint64_t{0})) << "), staged in "
-              << status.value("object_store", nlohmann::json::object()).value("stage_dir", "?") << '\n';
+              << mib(u.value("uploaded_bytes", uint64_t{0})) << "), " << mib(u.value("staged_bytes", uint64_t{0}))
+              << " staged in " << status.value("object_store", nlohmann::json::object()).value("stage_dir", "?")
+              << " (" << num(u, "removed_files") << " uploaded copies removed)\n";
     if (!u.value("failing", std::string()).empty()) std::cout << "  failing:   " << u["failing"].get<std::string>() << '\n';
   }
   std::string layouts;

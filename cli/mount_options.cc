@@ -122,6 +122,9 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
     a->source.s3_endpoint = value;
   } else if (name == "stage_dir") {
     a->stage_dir = value;
+  } else if (name == "stage_keep") {
+    UCPFS_ASSIGN_OR_RETURN(a->stage_keep_s, ParseCount(option, value));
+    if (a->stage_keep_s < 1 || a->stage_keep_s > 31536000) return Bad(option, "the time is 1 to 31536000 seconds");
   } else if (name == "log") {
     a->log_file = value;
   }
@@ -132,10 +135,10 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
 bool OwnKind(std::string_view name, Kind* kind) {
   static constexpr std::array<std::string_view, 6> kFlags = {"ro", "rw", "read_only", "read_only_index",
                                                              "foreground", "no_passthrough"};
-  static constexpr std::array<std::string_view, 20> kValued = {"materialize", "materialize_size",
+  static constexpr std::array<std::string_view, 21> kValued = {"materialize", "materialize_size",
       "layout",    "preset",   "pp_split",  "lookup_memory_mib", "cache_size", "readahead", "prefetch",
       "safetensors_shard_size", "pattern_rules", "index_dir", "rules", "log", "write_stall_timeout",
-      "make_vocab_size_divisible_by", "hf_dtype", "hf_config", "s3_endpoint", "stage_dir"};
+      "make_vocab_size_divisible_by", "hf_dtype", "hf_config", "s3_endpoint", "stage_dir", "stage_keep"};
   if (In(kFlags, name)) {
     *kind = Kind::kFlag;
     return true;

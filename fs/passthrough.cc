@@ -411,7 +411,7 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::
   return h;
 }
 
-Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(const Caller& caller, Ino ino, int flags) {
+Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Caller& caller, Ino ino, int flags) {
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
   if (node->is_dir) return PosixError(EISDIR, node->name + " is a directory");
@@ -509,17 +509,15 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(const Caller& calle
   return h;
 }
 
-Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::Create(const Caller& caller,
-                                                                                       Ino parent,
-                                                                                       std::string_view name_view,
-                                                                                       mode_t mode, int flags) {
+Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::CreateUncounted(
+    const Caller& caller, Ino parent, std::string_view name_view, mode_t mode, int flags) {
   const std::shared_ptr<Node> dir = DirNode(parent);
   if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
   UCPFS_RETURN_IF_ERROR(CheckName(name_view));
   const std::string name(name_view);
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
     if ((flags & O_EXCL) != 0) return PosixError(EEXIST, name + " exists");
-    UCPFS_ASSIGN_OR_RETURN(auto h, Open(caller, InoOf(*pending), flags | O_TRUNC));
+    UCPFS_ASSIGN_OR_RETURN(auto h, OpenUncounted(caller, InoOf(*pending), flags | O_TRUNC));
     pending->n_lookups.fetch_add(1);
     UCPFS_ASSIGN_OR_RETURN(struct stat st, StatNode(*pending));
     return std::make_pair(st, std::move(h));
@@ -530,7 +528,7 @@ Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::
     if (S_ISLNK(existing.st_mode)) return PosixError(ELOOP, name + " is a symlink");
     if (!Shown(existing.st_mode)) return PosixError(EEXIST, name + " exists and is not a regular file");
     UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<Node> node, NodeFor(dir, name, true, &existing));
-    Result<std::unique_ptr<PassthroughHandle>> h = Open(caller, InoOf(*node), flags);
+    Result<std::unique_ptr<PassthroughHandle>> h = OpenUncounted(caller, InoOf(*node), flags);
     if (!h.ok()) {
       Forget(InoOf(*node), 1);
       return h.error();
@@ -628,7 +626,69 @@ Status Passthrough::Flush(PassthroughHandle& h) {
   return capture_->Error(*h.captured);
 }
 
+Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(const Caller& caller, Ino ino, int flags) {
+  // Counted before the file is looked at: the bucket uploader unlinks an uploaded copy, then
+  // asks InUsePaths before it truncates it; an open counted after that finds it unlinked here.
+  CountOpen(ino, 1);
+  if (const std::shared_ptr<Node> node = refuse_unlinked_ ? Find(ino) : nullptr;
+      node != nullptr && !node->is_dir && !CapturedNow(*node)) {
+    struct stat st = {};
+    if (fstatat(node->fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) == 0 && st.st_nlink == 0) {
+      CountOpen(ino, -1);
+      return PosixError(ENOENT, node->name + " was removed");  // a name unlinked since the lookup
+    }
+  }
+  Result<std::unique_ptr<PassthroughHandle>> h = OpenUncounted(caller, ino, flags);
+  if (!h.ok()) CountOpen(ino, -1);
+  return h;
+}
+
+Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> Passthrough::Create(const Caller& caller,
+                                                                                       Ino parent,
+                                                                                       std::string_view name,
+                                                                                       mode_t mode, int flags) {
+  UCPFS_ASSIGN_OR_RETURN(auto made, CreateUncounted(caller, parent, name, mode, flags));
+  CountOpen(made.second->ino, 1);
+  return made;
+}
+
+void Passthrough::CountOpen(Ino ino, int delta) {
+  std::lock_guard lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  OpenCount& c = opens_[ino];
+  c.n += delta;
+  if (delta >= 0) return;
+  c.released = now;
+  // Bounded without an uploader asking (InUsePaths): closes older than an hour are forgotten.
+  if (opens_.size() > 4096) {
+    std::erase_if(opens_, [&](const auto& e) { return e.second.n <= 0 && now - e.second.released > std::chrono::hours(1); });
+  }
+}
+
+std::vector<std::string> Passthrough::InUsePaths(uint64_t recent_ms) {
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<Ino> open;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = opens_.begin(); it != opens_.end();) {
+      if (it->second.n <= 0 && now - it->second.released >= std::chrono::milliseconds(recent_ms)) {
+        it = opens_.erase(it);  // closed long enough: forgotten (the map stays small)
+      } else {
+        open.push_back(it->first);
+        ++it;
+      }
+    }
+  }
+  std::vector<std::string> paths;
+  for (const Ino ino : open) {
+    std::string path = PathOf(ino);
+    if (path.starts_with("/")) paths.push_back(path.substr(1));
+  }
+  return paths;
+}
+
 Status Passthrough::Release(PassthroughHandle& h) {
+  CountOpen(h.ino, -1);
   if (h.captured == nullptr || !h.writable) return Status::Ok();
   bool last = false;
   if (const std::shared_ptr<Node> node = Find(h.ino)) {

@@ -47,6 +47,7 @@
 #include <sys/statvfs.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <cstdint>
 #include <map>
@@ -146,6 +147,13 @@ class Passthrough {
   void SetChanged(std::function<void(const std::string&)> changed) { changed_ = std::move(changed); }
   // "/a/b" of a node, for messages.
   std::string PathOf(Ino ino) const;
+  // The relative paths ("a/b") of the files open through the mount now (an open not yet
+  // released) or last released less than `recent_ms` ago (at most an hour), for the bucket uploader: it removes no
+  // staged copy in use (DCP renames `.metadata.tmp` right after closing it).
+  std::vector<std::string> InUsePaths(uint64_t recent_ms);
+  // Whether a file unlinked since its lookup (an open of /proc/PID/fd/N, a stale dentry) is
+  // refused with ENOENT (set where the bucket uploader truncates the copies it removes).
+  void SetRefuseUnlinked(bool refuse) { refuse_unlinked_ = refuse; }
 
  private:
   struct Node {
@@ -162,6 +170,12 @@ class Passthrough {
     int open_writers = 0;                        // captured: handles open for writing
   };
   Passthrough(int root_fd, std::string source_dir, std::shared_ptr<io::WriteCapture> capture);
+  // Open and Create, not counted in n_open_ (Open and Create count what these return).
+  Result<std::unique_ptr<PassthroughHandle>> OpenUncounted(const Caller& caller, Ino ino, int flags);
+  Result<std::pair<struct stat, std::unique_ptr<PassthroughHandle>>> CreateUncounted(const Caller& caller, Ino parent,
+                                                                                    std::string_view name,
+                                                                                    mode_t mode, int flags);
+  void CountOpen(Ino ino, int delta);  // +1 an open, -1 its release
 
   std::shared_ptr<Node> Find(Ino ino) const;
   std::shared_ptr<Node> DirNode(Ino ino) const;  // kRootIno -> the root node
@@ -196,8 +210,14 @@ class Passthrough {
   const std::string source_dir_;
   const std::shared_ptr<io::WriteCapture> capture_;
   std::function<void(const std::string&)> changed_;
+  std::atomic<bool> refuse_unlinked_{false};
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Node>> nodes_;                      // id -> node; guarded by mu_
+  struct OpenCount {
+    int n = 0;  // handles not released
+    std::chrono::steady_clock::time_point released;
+  };
+  std::map<Ino, OpenCount> opens_;  // inodes opened (InUsePaths); guarded by mu_
   std::map<std::pair<dev_t, ino_t>, uint64_t> by_file_;                  // guarded by mu_
   std::map<std::pair<uint64_t, std::string>, uint64_t> overlay_;         // (dir id, name) -> id; mu_
   uint64_t next_id_ = 2;                                                 // guarded by mu_

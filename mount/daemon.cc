@@ -146,6 +146,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     uo.prefix = s3_tree->prefix();
     uo.stage_dir = args.stage_dir;
     uo.state_dir = args.stage_dir + "/.ucpfs/upload";
+    uo.keep_ms = args.stage_keep_s * 1000;
     uo.log = [mount_report](const std::string& line) {
       std::cerr << line << std::endl;
       if (line.find(" failed: ") != std::string::npos || line.find("journal") != std::string::npos) {
@@ -228,7 +229,8 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
         j["upload"] = {{"queued_files", u.queued_files}, {"queued_bytes", u.queued_bytes},
                        {"uploaded_files", u.uploaded_files}, {"uploaded_bytes", u.uploaded_bytes},
                        {"deleted_objects", u.deleted_objects}, {"skipped", u.skipped}, {"failing", u.failing},
-                       {"waiting", u.waiting}};
+                       {"waiting", u.waiting}, {"staged_bytes", u.staged_bytes},
+                       {"removed_files", u.removed_files}};
       }
       return j;
     };
@@ -385,6 +387,15 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
       (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
     }
     mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+    if (uploader) {
+      mo.passthrough->SetRefuseUnlinked(true);
+      // Uploaded copies are removed once kept long enough, never one in use through the mount
+      // (unset before the passthrough goes, below).
+      uploader->SetInUse([weak = std::weak_ptr<fs::Passthrough>(mo.passthrough)](uint64_t recent_ms) {
+        const std::shared_ptr<fs::Passthrough> p = weak.lock();
+        return p ? p->InUsePaths(recent_ms) : std::vector<std::string>{};
+      });
+    }
   }
   mo.kernel_passthrough = !args.no_passthrough;
   if (!args.materialize_dir.empty()) {
@@ -415,6 +426,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   if (reindexer) reindexer->Detach();
   changed->Set(nullptr);
   reindexer.reset();
+  if (uploader) uploader->SetInUse(nullptr);
   mo.passthrough.reset();
   capture.reset();  // drains: everything captured is made durable before the daemon exits
   int rc = 0;

@@ -43,6 +43,9 @@ struct DaemonOptions {
   // missing) whose files are the mount's read-write area, captured as a local SRC is and
   // uploaded to the bucket in close order (core/io/bucket_uploader.h). Empty: read-only.
   std::string stage_dir;
+  // How long an uploaded staged copy stays after its upload and its last close (>= 1 s; see
+  // BucketUploaderOptions::keep_ms).
+  uint64_t stage_keep_s = 60;
   bool foreground = false;                // serve in this process
   bool no_passthrough = false;            // --no-passthrough: the kernel's passthrough off
   std::string materialize_dir;            // --materialize (absolute, checked); empty: off

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -86,9 +87,17 @@ struct BucketUploader::Impl {
   bool stopping = false;
   Status head_error;
   Clock::time_point last_progress = Clock::now();
-  uint64_t uploaded_files = 0, uploaded_bytes = 0, deleted_objects = 0, skipped = 0;
-  // Uploaded staged files (path -> inode, size, mtime): removed at Stop when still the same.
-  std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> uploaded;
+  uint64_t uploaded_files = 0, uploaded_bytes = 0, deleted_objects = 0, skipped = 0, removed_files = 0;
+  // Uploaded staged files, kept until removed (Collect) when still the same.
+  struct Kept {
+    uint64_t ino = 0, size = 0;
+    int64_t mtime_ns = 0;
+    Clock::time_point uploaded_at;
+  };
+  std::map<std::string, Kept> uploaded;
+  std::mutex in_use_mu;  // held while in_use is called
+  std::function<std::vector<std::string>(uint64_t)> in_use;
+  Clock::time_point last_collect = Clock::now();
   // The version last queued at each path (this mount's life).
   std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
   std::thread thread;
@@ -313,8 +322,21 @@ struct BucketUploader::Impl {
       Item item;
       {
         std::unique_lock lock(mu);
-        cv.wait(lock, [&] { return stopping || !queue.empty(); });
+        const auto ready = [&] { return stopping || !queue.empty(); };
+        if (uploaded.empty()) {
+          cv.wait(lock, ready);
+        } else {
+          cv.wait_for(lock, std::chrono::seconds(1), ready);  // copies to remove when due
+        }
         if (stopping) return;
+      }
+      if (Clock::now() - last_collect >= std::chrono::seconds(1)) {
+        Collect(/*at_stop=*/false);
+        last_collect = Clock::now();
+      }
+      {
+        std::lock_guard lock(mu);
+        if (queue.empty()) continue;
       }
       bool skip = false;
       if (!WaitVisible(&skip)) return;
@@ -370,7 +392,7 @@ struct BucketUploader::Impl {
         } else {
           ++uploaded_files;
           uploaded_bytes += item.n_bytes;
-          uploaded[item.what.path] = {item.what.ino, item.what.size, item.what.mtime_ns};
+          uploaded[item.what.path] = {item.what.ino, item.what.size, item.what.mtime_ns, Clock::now()};
         }
         if (queue.empty()) {
           // Every record is spent: start the journal afresh so it stays small over a long mount.
@@ -392,31 +414,103 @@ struct BucketUploader::Impl {
     return out;
   }
 
-  void RemoveUploadedCopies() {
-    std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> done;
+  // Removes the uploaded copies that are due (all of them at Stop): see the file comment.
+  void Collect(bool at_stop) {
+    std::vector<std::string> busy;
+    if (!at_stop) {
+      std::lock_guard lock(in_use_mu);
+      if (!in_use) return;
+      busy = in_use(options.keep_ms);
+    }
+    std::sort(busy.begin(), busy.end());
+    const auto now = Clock::now();
+    std::vector<std::pair<std::string, Kept>> due;
     {
       std::lock_guard lock(mu);
-      done = uploaded;
-    }
-    for (const auto& [path, id] : done) {
-      const size_t slash = path.rfind('/');
-      const std::string parent = slash == std::string::npos ? "." : path.substr(0, slash);
-      const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
-      const int dir = OpenUnder(stage_fd, parent, O_RDONLY | O_DIRECTORY);
-      if (dir < 0) continue;
-      struct stat st = {};
-      if (fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-          std::tuple<uint64_t, uint64_t, int64_t>{st.st_ino, st.st_size, MtimeNs(st)} == id) {
-        unlinkat(dir, name.c_str(), 0);
-      }
-      close(dir);
-      // Its directories, when empty now (a save's step directory).
-      for (std::string d = parent; d != "." && !d.empty();) {
-        if (unlinkat(stage_fd, d.c_str(), AT_REMOVEDIR) != 0) break;
-        const size_t s = d.rfind('/');
-        d = s == std::string::npos ? "." : d.substr(0, s);
+      std::vector<std::string> queued;
+      for (const Item& i : queue) queued.push_back(i.what.path);
+      std::sort(queued.begin(), queued.end());
+      for (const auto& [path, kept] : uploaded) {
+        if (std::binary_search(queued.begin(), queued.end(), path)) continue;  // a newer version or a delete
+        if (!at_stop && (std::binary_search(busy.begin(), busy.end(), path) ||
+                         now - kept.uploaded_at < std::chrono::milliseconds(options.keep_ms))) {
+          continue;
+        }
+        due.emplace_back(path, kept);
       }
     }
+    for (const auto& [path, kept] : due) {
+      const bool removed = RemoveCopy(path, kept, /*truncate=*/!at_stop);
+      std::lock_guard lock(mu);
+      const auto it = uploaded.find(path);
+      if (it == uploaded.end() || it->second.uploaded_at != kept.uploaded_at) continue;  // uploaded again meanwhile
+      uploaded.erase(it);  // removed, or gone or changed (not ours to remove: a later item's)
+      if (removed) {
+        ++removed_files;
+        // A file at this path later is a new one (and the map stays small over a long mount).
+        const auto last = last_queued.find(path);
+        if (last != last_queued.end() && last->second == std::tuple{kept.ino, kept.size, kept.mtime_ns}) {
+          last_queued.erase(last);
+        }
+      }
+    }
+  }
+
+  // Removes the staged copy at `path` when it is still `kept`'s version (`truncate`: its blocks
+  // freed at once, see below), then its directories when empty. The name is moved into STATE first and checked there: a file renamed onto it
+  // meanwhile (not uploaded yet) is moved back, not removed.
+  bool RemoveCopy(const std::string& path, const Kept& kept, bool truncate) {
+    const size_t slash = path.rfind('/');
+    const std::string parent = slash == std::string::npos ? "." : path.substr(0, slash);
+    const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+    const int dir = OpenUnder(stage_fd, parent, O_RDONLY | O_DIRECTORY);
+    if (dir < 0) return false;
+    bool removed = false;
+    struct stat st = {};
+    const auto same = [&] {
+      return S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_ino) == kept.ino &&
+             static_cast<uint64_t>(st.st_size) == kept.size && MtimeNs(st) == kept.mtime_ns;
+    };
+    static constexpr char kRemoving[] = "removing";
+    if (fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && same() &&
+        renameat(dir, name.c_str(), state_fd, kRemoving) == 0) {
+      if (fstatat(state_fd, kRemoving, &st, AT_SYMLINK_NOFOLLOW) == 0 && same()) {
+        const int fd = truncate ? openat(state_fd, kRemoving, O_WRONLY | O_NOFOLLOW | O_CLOEXEC) : -1;
+        removed = unlinkat(state_fd, kRemoving, 0) == 0;
+        // The mount's nodes may still hold the unlinked inode (O_PATH) until the kernel forgets
+        // them, keeping its blocks: freed now by truncating it, unless an open came meanwhile
+        // (the Passthrough counts an open before it refuses an unlinked file).
+        if (removed && fd >= 0) {
+          std::vector<std::string> busy;
+          {
+            std::lock_guard lock(in_use_mu);
+            if (in_use) busy = in_use(options.keep_ms);
+          }
+          if (std::find(busy.begin(), busy.end(), path) == busy.end() && ftruncate(fd, 0) != 0) {
+            Log("ucpfs: upload: truncate the removed copy of " + options.stage_dir + "/" + path + ": " +
+                std::strerror(errno));
+          }
+        }
+        if (fd >= 0) close(fd);
+      } else if (renameat2(state_fd, kRemoving, dir, name.c_str(), RENAME_NOREPLACE) != 0) {
+        // The name was taken again meanwhile: the newer file stays; this one (not uploaded:
+        // it was not the uploaded version) is kept in STATE under a name of its own.
+        const std::string kept_name = "not-removed." + std::to_string(st.st_ino);
+        if (renameat(state_fd, kRemoving, state_fd, kept_name.c_str()) == 0) {
+          Log("ucpfs: upload: " + options.stage_dir + "/" + path + " was replaced while its uploaded copy was removed: "
+              "the file in between is kept as " + options.state_dir + "/" + kept_name);
+        }
+      }
+    }
+    close(dir);
+    if (!removed) return false;
+    // Its directories, when empty now (a save's step directory); never the staging root.
+    for (std::string d = parent; d != "." && !d.empty();) {
+      if (unlinkat(stage_fd, d.c_str(), AT_REMOVEDIR) != 0) break;
+      const size_t s = d.rfind('/');
+      d = s == std::string::npos ? "." : d.substr(0, s);
+    }
+    return true;
   }
 };
 
@@ -425,6 +519,7 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
     return InvalidArgumentError("BucketUploader: client, bucket, stage_dir and state_dir are needed");
   }
   if (options.part_bytes < (5ull << 20)) return InvalidArgumentError("BucketUploader: parts of at least 5 MiB");
+  if (options.keep_ms < 1000) return InvalidArgumentError("BucketUploader: keep staged copies at least 1 s");
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);
   Impl& m = *impl;
@@ -630,7 +725,7 @@ Status BucketUploader::Stop(uint64_t stuck_ms, const std::function<void(const st
   impl_->cv.notify_all();
   impl_->done_cv.notify_all();
   if (impl_->thread.joinable()) impl_->thread.join();
-  impl_->RemoveUploadedCopies();
+  impl_->Collect(/*at_stop=*/true);
   return s;
 }
 
@@ -646,7 +741,15 @@ UploaderStats BucketUploader::Stats() const {
   s.skipped = m.skipped;
   s.failing = m.head_error.ok() ? "" : m.head_error.ToString();
   s.waiting = m.Waiting(1000);
+  s.staged_bytes = s.queued_bytes;
+  for (const auto& [path, kept] : m.uploaded) s.staged_bytes += kept.size;
+  s.removed_files = m.removed_files;
   return s;
+}
+
+void BucketUploader::SetInUse(std::function<std::vector<std::string>(uint64_t recent_ms)> in_use) {
+  std::lock_guard lock(impl_->in_use_mu);
+  impl_->in_use = std::move(in_use);
 }
 
 std::string BucketUploader::Url(const std::string& rel_path) const { return impl_->Url(Clean(rel_path)); }

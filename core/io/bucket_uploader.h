@@ -9,9 +9,15 @@
 // gone, in the same order.
 //
 // It is not streaming: bytes go cache -> staged file (WriteCapture) -> bucket, read back from
-// the staging disk. The staged copies stay while the mount lives (a rename of a file already
-// uploaded, DCP's `.metadata.tmp` -> `.metadata`, needs it) and are removed at Stop once uploaded
-// and unchanged since queued (same inode, size and mtime).
+// the staging disk. A staged copy uploaded and unchanged since queued (same inode, size and
+// mtime), with no item queued at its path, is removed (by the uploader's thread, checked about
+// once a second) once it was uploaded keep_ms ago and is not in use (in_use: open through the
+// mount, or closed less than keep_ms ago: DCP renames `.metadata.tmp` right after closing it and
+// the rename needs the staged bytes); then its directories, when empty (never the staging root).
+// The removal moves the name into STATE first and checks the inode there, so a file renamed
+// onto the name meanwhile is put back, never lost; the unlinked copy is truncated (its blocks
+// freed although the mount's nodes may still hold its inode) unless it came into use meanwhile. Removing a copy needs no journal record: its
+// item is done (kDone) already. At Stop every such copy is removed, in use or not.
 //
 // Crash safety: each item is recorded in a journal (STATE/journal, upload_journal.h) and the
 // record fsync'd before Queue returns, so (with before_settled) no file is visible under its
@@ -54,6 +60,8 @@ struct BucketUploaderOptions {
   std::function<void(const std::string&)> log;
   // Called on the uploader's thread after an item's object is in the bucket (or deleted).
   std::function<void(const std::string& rel_path)> on_uploaded;
+  // How long an uploaded staged copy stays (after its upload and its last close), at least 1 s.
+  uint64_t keep_ms = 60000;
 };
 
 struct UploaderStats {
@@ -65,6 +73,8 @@ struct UploaderStats {
   uint64_t skipped = 0;           // staged file gone or changed since queued
   std::string failing;            // the head's last error ("" when it is not failing)
   std::vector<std::string> waiting;  // s3://BUCKET/KEY of each item not done, in order (at most 1000)
+  uint64_t staged_bytes = 0;      // queued_bytes plus the uploaded copies still kept
+  uint64_t removed_files = 0;     // uploaded copies removed from the staging directory (this life)
 };
 
 class BucketUploader {
@@ -97,6 +107,11 @@ class BucketUploader {
   // WaitUploaded(stuck_ms), then stops the thread, removes the staged copies uploaded and
   // unchanged since, and returns WaitUploaded's status.
   Status Stop(uint64_t stuck_ms, const std::function<void(const std::string&)>& progress);
+
+  // Who tells which staged paths are in use (open through the mount, or closed less than
+  // recent_ms ago); until it is set, and once it is set to null, no copy is removed before Stop.
+  // Returns once no earlier function is being called.
+  void SetInUse(std::function<std::vector<std::string>(uint64_t recent_ms)> in_use);
 
   UploaderStats Stats() const;
   std::string Url(const std::string& rel_path) const;  // s3://BUCKET/PREFIX/rel_path

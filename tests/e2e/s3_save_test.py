@@ -18,6 +18,12 @@ chosen uploads fail.
  B. Order under failure: PUTs of one shard are denied. `.metadata`, closed after it, never
     reaches the bucket while it fails; stats.json names the failing object; once the policy is
     lifted everything lands and `ucpfs sync` returns.
+ D. Staged copies leave (--stage-keep 1): after `ucpfs sync` of a save, its staged copies and
+    their directories leave the staging directory within seconds (stats.json counts them, no
+    bytes staged, none held by the daemon's descriptors of the removed files) while the objects stay byte-equal; a file saved, then held open for reading
+    while it is uploaded, closed and renamed 0.8 s later keeps its staged copy until the rename
+    (kept 1 s after its last close); a rename of a removed name fails with ENOENT; a second save into the same
+    prefix lands whole (DCP's `.metadata.tmp` renamed right after its close).
  C. kill -9: every PUT under the prefix is denied, the save returns, the daemon is killed at once
     (uploads not done, commits perhaps in flight); nothing is in the bucket. The policy is lifted
     and the prefix mounted again with the same --stage-dir: every object lands byte-equal, and no
@@ -227,6 +233,58 @@ def main():
             finally:
                 c.delete_bucket_policy(Bucket=bucket)
         res.check("B: nothing after a failing shard is uploaded before it", order_under_failure)
+
+        def staged_copies_leave():
+            prefix, mnt, stage = "d", os.path.join(work, "mnt-d"), os.path.join(work, "stage-d")
+            t_start = time.monotonic()
+
+            def staged():  # files and directories in the staging directory but its state
+                return sorted(os.path.relpath(os.path.join(r, n), stage) for r, ds, fs in os.walk(stage)
+                              for n in ds + fs if not os.path.relpath(os.path.join(r, n), stage).startswith(".ucpfs"))
+            with mounted(f"s3://{bucket}/{prefix}", mnt, "--stage-dir", stage, "--stage-keep", "1",
+                         "--index-dir", os.path.join(work, "index-d"), "--cache-size", "64M") as (m, _):
+                save(m)
+                run([ucpfs_bin(), "sync", m, "-q"])
+                t0 = time.monotonic()
+                wait_for("the staged copies to leave", lambda: staged() == [], 10)
+                gone_s = time.monotonic() - t0
+                # The daemon's nodes may hold the removed files open (O_PATH): they hold no bytes.
+                pid, held = status(m)["daemon_pid"], 0
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    try:
+                        if os.readlink(f"/proc/{pid}/fd/{fd}").endswith(" (deleted)"):
+                            held += os.stat(f"/proc/{pid}/fd/{fd}").st_size
+                    except OSError:
+                        continue
+                assert held == 0, f"removed staged copies still hold {held} bytes"
+                check_same_as_local(c, bucket, prefix, local)
+                up = stats(m)["s3"]["upload"]
+                assert up["staged_bytes"] == 0 and up["removed_files"] >= len(local_files(local)), up
+                line = [ln for ln in run([ucpfs_bin(), "status", m]).stdout.splitlines() if ln.startswith("uploads:")]
+                assert line and " staged in " in line[0] and "copies removed" in line[0], line
+                for i in range(2):  # saved, read for 1.5 s (uploaded meanwhile), renamed 0.8 s after that close
+                    tmp, final = os.path.join(m, f"probe{i}.tmp"), os.path.join(m, f"probe{i}")
+                    with open(tmp, "wb") as f:
+                        f.write(b"x" * 1000)
+                    with open(tmp, "rb") as f:
+                        time.sleep(1.5)
+                        assert f.read() == b"x" * 1000
+                    time.sleep(0.8)
+                    os.rename(tmp, final)  # FileNotFoundError if the copy was removed too early
+                    os.unlink(final)
+                try:
+                    os.rename(os.path.join(m, SHARDS[0]), os.path.join(m, "moved"))
+                    raise AssertionError("a rename of a name whose staged copy was removed succeeded")
+                except FileNotFoundError:
+                    pass
+                save(m)  # again, into the same prefix: DCP renames .metadata.tmp right after its close
+                run([ucpfs_bin(), "sync", m, "-q"])
+                check_same_as_local(c, bucket, prefix, local, m)
+                wait_for("the second save's staged copies to leave", lambda: staged() == [], 10)
+                print(f"D: staged copies gone {gone_s:.1f} s after sync; "
+                      f"{stats(m)['s3']['upload']['removed_files']} removed in all; D took "
+                      f"{time.monotonic() - t_start:.1f} s", flush=True)
+        res.check("D: uploaded staged copies leave after --stage-keep, saves still land", staged_copies_leave)
 
         def kill9():
             prefix, mnt, stage = "c", os.path.join(work, "mnt-c"), os.path.join(work, "stage-c")

@@ -31,7 +31,7 @@ TEST(MountOptions, EveryUcpfsOption) {
       "layout=tp2_pp2_dp4,preset=megatron,pattern_rules=/r/p.json,pp_split=5:6:6:5,lookup_memory_mib=512,"
       "cache_size=8G,read_only,readahead=16M,prefetch=0,safetensors_shard_size=2G,index_dir=/idx,rules=/r/k.toml,"
       "read_only_index,log=/var/log/u.log,foreground,write_stall_timeout=5,make_vocab_size_divisible_by=64,"
-      "no_passthrough,materialize=/var/cache/views,materialize_size=20G");
+      "no_passthrough,materialize=/var/cache/views,materialize_size=20G,stage_dir=/st,stage_keep=600");
   EXPECT_EQ(a.layouts, std::vector<std::string>{"tp2_pp2_dp4"});
   EXPECT_EQ(a.preset, "megatron");
   EXPECT_EQ(a.pattern_rules, "/r/p.json");
@@ -52,6 +52,8 @@ TEST(MountOptions, EveryUcpfsOption) {
   EXPECT_TRUE(a.no_passthrough);
   EXPECT_EQ(a.materialize_dir, "/var/cache/views");
   EXPECT_EQ(a.materialize_size, "20G");
+  EXPECT_EQ(a.stage_dir, "/st");
+  EXPECT_EQ(a.stage_keep_s, 600u);
   EXPECT_TRUE(a.fuse_options.empty());
 }
 
@@ -66,6 +68,7 @@ TEST(MountOptions, DefaultsUntouched) {
   EXPECT_FALSE(a.no_passthrough);               // the kernel's passthrough where it is offered
   EXPECT_TRUE(a.materialize_dir.empty());       // --materialize is off by default
   EXPECT_TRUE(a.layouts.empty());
+  EXPECT_EQ(a.stage_keep_s, 60u);
   EXPECT_EQ(a.vocab_pad_multiple, 0) << "not given: the source's make_vocab_size_divisible_by, else 128";
 }
 
@@ -119,6 +122,7 @@ TEST(MountOptions, BadValuesNameTheOption) {
   EXPECT_NE(Error("safetensors_shard_size=1X").find("safetensors_shard_size"), std::string::npos);
   EXPECT_NE(Error("lookup_memory_mib=12a").find("not a whole number"), std::string::npos);
   EXPECT_NE(Error("pp_split=5:x").find("a:b:c"), std::string::npos);
+  EXPECT_NE(Error("stage_keep=0").find("1 to 31536000 seconds"), std::string::npos);  // DCP's rename needs >= 1 s
   EXPECT_NE(Error("make_vocab_size_divisible_by=0").find("not in [1, 1073741824]"), std::string::npos);
   EXPECT_NE(Error("make_vocab_size_divisible_by=2147483648").find("not in [1,"), std::string::npos);
   EXPECT_NE(Error("make_vocab_size_divisible_by=-8").find("not a whole number"), std::string::npos);
