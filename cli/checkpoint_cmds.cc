@@ -442,8 +442,9 @@ int RunMount(const MountArgs& mount_args) {
         return Fail("mount", IoError("mkdir " + made + " (for --stage-dir)", errno));
       }
     }
-  } else if (!args.stage_dir.empty()) {
-    return Fail("mount", InvalidArgumentError("--stage-dir is for a writable s3:// source"));
+  } else if (!args.stage_dir.empty() || args.stage_keep_given) {
+    return Fail("mount", InvalidArgumentError(std::string(args.stage_dir.empty() ? "--stage-keep" : "--stage-dir") +
+                                              " is for a writable s3:// source"));
   }
   daemon.foreground = args.foreground;
   daemon.no_passthrough = args.no_passthrough;

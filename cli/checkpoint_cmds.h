@@ -81,6 +81,7 @@ struct MountArgs {
   bool read_only = false;                 // --read-only: no writes, no capture
   std::string stage_dir;                  // --stage-dir DIR: an s3:// mount's local staging (empty: beside its index)
   uint64_t stage_keep_s = 60;             // --stage-keep: how long an uploaded staged copy stays (at least 1)
+  bool stage_keep_given = false;          // --stage-keep or -o stage_keep= was given (for an s3:// mount only)
   bool no_passthrough = false;            // --no-passthrough: the kernel's passthrough off
   std::string materialize_dir;            // --materialize DIR: views computed into DIR (empty: off)
   std::string materialize_size = "8G";    // --materialize-size: the most DIR holds

@@ -178,6 +178,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   if (mount_cmd->parsed()) {
+    mount.stage_keep_given = mount_cmd->count("--stage-keep") > 0;
     for (const std::string& list : mount_opts) {
       if (ucpfs::Status o = ucpfs::cli::ApplyMountOptions(list, &mount); !o.ok()) {
         std::cerr << "ucpfs mount: " << o.message() << '\n';

@@ -125,6 +125,7 @@ Status ApplyOwn(std::string_view name, std::string_view option, const std::strin
   } else if (name == "stage_keep") {
     UCPFS_ASSIGN_OR_RETURN(a->stage_keep_s, ParseCount(option, value));
     if (a->stage_keep_s < 1 || a->stage_keep_s > 31536000) return Bad(option, "the time is 1 to 31536000 seconds");
+    a->stage_keep_given = true;
   } else if (name == "log") {
     a->log_file = value;
   }

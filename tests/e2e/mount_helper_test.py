@@ -177,6 +177,13 @@ def main():
             assert "'cachesize=8G'" in p.stderr and "unknown option" in p.stderr, p.stderr
             assert not is_mounted(mnt)
         res.check("a bad option is refused, naming it", bad_option)
+
+        def s3_only_options():
+            for opt in ("stage_keep=5", "stage_dir=/tmp"):  # an s3:// mount's staging options
+                p = run(["mount", "-t", "fuse.ucpfs", src, mnt, "-o", opt], check=False)
+                assert p.returncode != 0 and "is for a writable s3:// source" in p.stderr, (opt, p.stderr)
+                assert not is_mounted(mnt)
+        res.check("an s3:// mount's staging options are refused for a local source", s3_only_options)
     res.finish()
 
 
