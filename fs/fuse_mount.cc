@@ -40,6 +40,8 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -142,12 +144,24 @@ class InodeModes {
     uint32_t n_other = 0;        // open files served by the daemon (cached or direct_io)
   };
   std::mutex mu;
+  std::condition_variable dropped;        // notified when an open is dropped (RELEASE)
   std::unordered_map<Ino, Modes> by_ino;  // guarded by mu; only inodes with open files
 
   bool HasPassthrough(Ino ino) {
     std::lock_guard lock(mu);
     const auto it = by_ino.find(ino);
     return it != by_ino.end() && it->second.n_passthrough > 0;
+  }
+  // Waits at most `max` until `ino` has no passthrough open; whether it has none. A close(2)
+  // returns before its RELEASE reaches us (every open is noflush) and other threads may handle
+  // an open that came after it first: a conflict with an open its owner closed already is gone
+  // once that RELEASE is handled, which this waits for, rather than refuse (ETXTBSY) at once.
+  bool WaitNoPassthrough(Ino ino, std::chrono::milliseconds max) {
+    std::unique_lock lock(mu);
+    return dropped.wait_for(lock, max, [&] {
+      const auto it = by_ino.find(ino);
+      return it == by_ino.end() || it->second.n_passthrough == 0;
+    });
   }
   // Drops one open of `ino`; returns the backing id to close when its last passthrough open went.
   int Drop(Ino ino, bool passthrough) {
@@ -165,9 +179,14 @@ class InodeModes {
       --m.n_other;
     }
     if (m.n_passthrough == 0 && m.n_other == 0) by_ino.erase(it);
+    dropped.notify_all();
     return to_close;
   }
 };
+
+// How long an open that conflicts with a passthrough open waits for that open's RELEASE
+// (InodeModes::WaitNoPassthrough) before it is refused with ETXTBSY.
+constexpr std::chrono::milliseconds kReleaseGrace{200};
 
 struct Server {
   std::unique_ptr<Filesystem> fs;
@@ -726,7 +745,8 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     const bool write = (fi->flags & O_ACCMODE) != O_RDONLY;
     // A rewrite (O_TRUNC) starts a capture served by the daemon: refused while the inode passes
     // through (the kernel would fail the open after the capture began).
-    if (Passthrough::Owns(ino) && write && (fi->flags & O_TRUNC) != 0 && server.modes.HasPassthrough(ino)) {
+    if (Passthrough::Owns(ino) && write && (fi->flags & O_TRUNC) != 0 &&
+        !server.modes.WaitNoPassthrough(ino, kReleaseGrace)) {
       return ETXTBSY;
     }
     // Views need no caller: they are read-only, and the kernel checked access (default_permissions).
@@ -734,7 +754,11 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
                                                    : FsOf(req).Open(ino, fi->flags);
     if (!file.ok()) return ErrnoFromStatus(file.error());
     bool passthrough = false;
-    if (const int err = ChooseMode(req, server, ino, *file, fi, &passthrough); err != 0) {
+    int err = ChooseMode(req, server, ino, *file, fi, &passthrough);
+    if (err == ETXTBSY && server.modes.WaitNoPassthrough(ino, kReleaseGrace)) {
+      err = ChooseMode(req, server, ino, *file, fi, &passthrough);  // the conflicting open was closed
+    }
+    if (err != 0) {
       (void)FsOf(req).Release(*file);
       return err;
     }
