@@ -113,23 +113,25 @@ Result<index::SnapshotOptions> SnapshotOptionsOf(const SourceArgs& args, bool pr
   o.index_dir = args.index_dir;
   o.read_only_index = args.read_only_index;
   if (progress) o.progress = IndexingProgress(args.quiet);
-  if (o.index_dir.empty() && IsS3Source(args.src) && s3_writable_mount) {
+  if (o.index_dir.empty() && IsS3Source(args.src)) {
     auto tree = std::static_pointer_cast<const S3Tree>(o.tree);
-    o.index_dir = S3IndexDir(tree->client()->options().endpoint_url, o.source_dir);
-  } else if (o.index_dir.empty() && IsS3Source(args.src)) {
-    // Next to the data: the bucket's index when fresh, else a local one (reused or built) that is
-    // then written to the bucket; --read-only-index takes the bucket's or fails.
-    auto tree = std::static_pointer_cast<const S3Tree>(o.tree);
-    index::BucketIndexOptions bo;
-    bo.cache_dir = S3IndexDir(tree->client()->options().endpoint_url, o.source_dir);
-    bo.read_only = args.read_only_index;
-    bo.progress = o.progress;
-    index::BucketIndexReport local_report;
-    index::BucketIndexReport& r = report ? *report : local_report;
-    UCPFS_ASSIGN_OR_RETURN(index::OpenedIndex found, index::OpenOrBuildBucketIndex(tree, bo, &r));
-    if (!r.warning.empty()) std::cerr << "ucpfs: warning: " << r.warning << '\n';
-    o.index_dir = found.index_dir;
-    if (opened) *opened = std::move(found);
+    const std::string cache_dir = S3IndexDir(tree->client()->options().endpoint_url, o.source_dir);
+    if (s3_writable_mount) {
+      o.index_dir = cache_dir;
+    } else {
+      // Next to the data: the bucket's index when fresh, else a local one (reused or built) that is
+      // then written to the bucket; --read-only-index takes the bucket's or fails.
+      index::BucketIndexOptions bo;
+      bo.cache_dir = cache_dir;
+      bo.read_only = args.read_only_index;
+      bo.progress = o.progress;
+      index::BucketIndexReport local_report;
+      index::BucketIndexReport& r = report ? *report : local_report;
+      UCPFS_ASSIGN_OR_RETURN(index::OpenedIndex found, index::OpenOrBuildBucketIndex(tree, bo, &r));
+      if (!r.warning.empty()) std::cerr << "ucpfs: warning: " << r.warning << '\n';
+      o.index_dir = found.index_dir;
+      if (opened) *opened = std::move(found);
+    }
   }
   if (!args.rules.empty()) {
     UCPFS_ASSIGN_OR_RETURN(o.key_rules, index::LoadRules(args.rules));
@@ -399,13 +401,16 @@ int RunMount(const MountArgs& mount_args) {
   }
   // Saves into a bucket prefix go through a local staging directory (uploaded in close order).
   const bool s3_writable = IsS3Source(args.source.src) && !args.read_only && !args.source.read_only_index;
-  auto snapshot_options = SnapshotOptionsOf(args.source, /*progress=*/args.foreground, /*s3_writable_mount=*/s3_writable);
+  std::optional<index::OpenedIndex> opened;  // an s3:// source's bucket index, opened here once
+  auto snapshot_options =
+      SnapshotOptionsOf(args.source, /*progress=*/args.foreground, /*s3_writable_mount=*/s3_writable, &opened);
   if (!snapshot_options.ok()) {
     std::cerr << "ucpfs mount: source: " << snapshot_options.error().ToString() << '\n';
     return 1;
   }
   mount::DaemonOptions daemon;
   daemon.snapshot = std::move(*snapshot_options);
+  if (opened) daemon.opened_index = std::make_shared<const index::OpenedIndex>(std::move(*opened));
   if (IsS3Source(args.source.src)) {
     // The daemon is forked: its client must not share a connection this process opened (the
     // checks above), or both would talk over one socket. A fresh client has none yet.

@@ -286,12 +286,13 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   // One generation of the views: the checkpoint in SRC now, or, while it holds none, `.ucpfs/`.
   const views::ViewOptions target_options = args.views;
   const index::SnapshotOptions so = args.snapshot;
-  auto build = [so, target_options, hooks](uint64_t generation, bool allow_empty)
+  auto build = [so, target_options, hooks, first_index = args.opened_index](uint64_t generation, bool allow_empty)
       -> Result<Generation> {
     fs::NamespaceInfo info;
     index::SnapshotOptions o = so;
     if (generation > 1) o.progress = nullptr;
-    Result<std::shared_ptr<const index::Snapshot>> snapshot = index::OpenSnapshot(o, generation);
+    Result<std::shared_ptr<const index::Snapshot>> snapshot =
+        generation == 1 && first_index ? index::SnapshotOf(*first_index, o, generation) : index::OpenSnapshot(o, generation);
     if (!snapshot.ok() && snapshot.error().code() == StatusCode::kNotFound) {
       // Not a checkpoint itself: a run directory holding several (index/run_dir.h)?
       const std::shared_ptr<const SourceTree> source = o.tree ? o.tree : LocalTree::Make(o.source_dir);

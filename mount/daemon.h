@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,9 @@ Result<ReadAheadSizes> ParseReadAhead(const std::string& readahead, const std::s
 
 struct DaemonOptions {
   index::SnapshotOptions snapshot;        // SRC (absolute) and its index; --rules loaded
+  // The index the command opened (and checked against the source) already, an s3:// source's
+  // bucket index: the first generation is built from it rather than opened and checked again.
+  std::shared_ptr<const index::OpenedIndex> opened_index;
   views::ViewOptions views;               // parsed (--layout, --preset, ...)
   std::string mountpoint;                 // absolute, prepared (fs::PrepareMountPoint)
   std::vector<std::string> fuse_options;  // -o a,b,c (split on ',')
