@@ -3,6 +3,7 @@
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -87,8 +88,14 @@ Status PrepareMountPoint(const std::string& mnt) {
   UCPFS_ASSIGN_OR_RETURN(auto top, TopMountAt(mnt));
   // statvfs goes to the filesystem (stat may be answered from the kernel's attribute cache).
   struct statvfs sv;
-  // A killed daemon reads as ENOTCONN, or ECONNABORTED while requests were in flight.
-  const bool dead = ::statvfs(mnt.c_str(), &sv) != 0 && (errno == ENOTCONN || errno == ECONNABORTED);
+  // A killed daemon reads as ENOTCONN, or ECONNABORTED while requests were in flight. While it is still
+  // dying, a request it had taken may end in EIO (seen 3 times in 40 kills): ask again for up to 1 s.
+  int rc = ::statvfs(mnt.c_str(), &sv);
+  for (int i = 0; rc != 0 && errno == EIO && i < 20; ++i) {
+    ::usleep(50 * 1000);
+    rc = ::statvfs(mnt.c_str(), &sv);
+  }
+  const bool dead = rc != 0 && (errno == ENOTCONN || errno == ECONNABORTED);
   if (!top) {
     if (dead) return InvalidArgumentError(mnt + ": transport endpoint is not connected, but no mount is listed there");
     return Status::Ok();

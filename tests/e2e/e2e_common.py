@@ -129,5 +129,22 @@ class Results:
         sys.exit(1 if self.failed or not self.passed else 0)
 
 
+class _WorkDir(tempfile.TemporaryDirectory):
+    """A temporary directory whose cleanup first detaches whatever a failed check left mounted
+    inside it, so one failure is reported as itself and not as the cleanup's ENOTCONN."""
+
+    def cleanup(self):
+        try:
+            with open("/proc/self/mountinfo", errors="surrogateescape") as f:
+                points = [line.split()[4] for line in f]
+        except OSError:
+            points = []
+        inside = [p for p in points if p.startswith(self.name + os.sep)]
+        for p in sorted(set(inside), key=len, reverse=True):
+            print(f"cleanup: detaching {p}, left mounted", flush=True)
+            subprocess.run(["umount", "-l", p], check=False)
+        super().cleanup()
+
+
 def tmpdir(prefix):
-    return tempfile.TemporaryDirectory(prefix=prefix)
+    return _WorkDir(prefix=prefix)
