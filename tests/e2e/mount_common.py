@@ -37,9 +37,12 @@ def is_mounted(mnt):
 
 
 @contextlib.contextmanager
-def mounted(src, mnt, *extra, timeout_s=120):
+def mounted(src, mnt, *extra, timeout_s=600):
     """`ucpfs mount` (returns when ready), yields the mount point, always unmounts.
-    A watchdog unmounts after `timeout_s` so a hung test cannot hang CI."""
+    A watchdog unmounts after `timeout_s` so a hung test cannot hang CI; when it fired, the
+    check fails saying so (what the body saw after it is an empty directory, not the mount).
+    The default is long: on a loaded 2-core machine a body running several multi-process jobs
+    against one mount (deepspeed_sources: 4 resumes) took over 120 s."""
     os.makedirs(mnt, exist_ok=True)
     log = mnt.rstrip("/") + ".log"
     t0 = time.monotonic()
@@ -48,15 +51,30 @@ def mounted(src, mnt, *extra, timeout_s=120):
     if p.returncode != 0:
         raise AssertionError(f"ucpfs mount failed ({p.returncode}): {p.stderr}")
     assert is_mounted(mnt), "mount returned but nothing is mounted"
-    watchdog = threading.Timer(timeout_s, lambda: subprocess.run(["umount", "-l", mnt]))
+    fired = []
+
+    def unmount_hung():
+        fired.append(time.monotonic() - t0)
+        subprocess.run(["umount", "-l", mnt])
+
+    watchdog = threading.Timer(timeout_s, unmount_hung)
     watchdog.daemon = True
     watchdog.start()
     try:
         daemon_pid = json.load(open(os.path.join(mnt, ".ucpfs", "status.json")))["daemon_pid"]
     except (OSError, ValueError, KeyError):
         daemon_pid = None
+    def fired_message():
+        return f"the test's watchdog unmounted {mnt} {fired[0]:.0f} s after mounting (timeout_s={timeout_s})"
+
     try:
         yield mnt, ready_s
+        if fired:
+            raise AssertionError(fired_message())
+    except BaseException as e:
+        if fired and not str(e).startswith("the test's watchdog"):
+            raise AssertionError(f"{fired_message()}; then: {type(e).__name__}: {e}") from e
+        raise
     finally:
         watchdog.cancel()
         r = run([ucpfs_bin(), "umount", mnt], check=False)
