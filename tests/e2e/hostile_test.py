@@ -462,6 +462,9 @@ def layouts_evicted_when_forgotten(work, src):
     # A layout holds its tree only (rank files are built again on open): about 3 KB a rank.
     with mounted(src, mnt, "--lookup-memory-mib", "1") as (m, _):
         first, second = "tp1_pp1_dp256", "tp1_pp1_dp255"  # each about 2/3 of the budget
+        # An open directory keeps its inode known to the kernel, so memory pressure elsewhere (a
+        # loaded CI machine reclaims dentries on its own) cannot evict a layout while it is checked.
+        pin = os.open(os.path.join(m, "target", first), os.O_RDONLY | os.O_DIRECTORY)
         assert len(os.listdir(os.path.join(m, "target", first))) == 256
         held = lookup_layouts(m)
         assert held["live"] == 1 and 0 < held["memory_bytes"] <= 1 << 20, held
@@ -469,6 +472,7 @@ def layouts_evicted_when_forgotten(work, src):
         p = subprocess.run(["ls", os.path.join(m, "target", second)], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0, "a second layout passed the budget"
         assert second in open(mnt + ".log").read()
+        os.close(pin)
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("2\n")  # dentries and inodes: the kernel forgets the unused ones
@@ -481,12 +485,18 @@ def layouts_evicted_when_forgotten(work, src):
         # The refusal stays listed with its reason (stats.json; `ucpfs status`).
         assert after["max_ranks"] == 4096 and [r["layout"] for r in after["refused"]] == [second], after
         assert "lookup-memory-mib" in after["refused"][0]["reason"], after
-        assert first not in os.listdir(os.path.join(m, "target"))
-        assert len(os.listdir(os.path.join(m, "target", second))) == 255
-        assert lookup_layouts(m)["live"] == 1 and lookup_layouts(m)["names"] == [second]
-        # The first one comes back on demand, built afresh (and now it is the one refused).
-        p = subprocess.run(["ls", os.path.join(m, "target", first)], capture_output=True, text=True, timeout=60)
-        assert p.returncode != 0
+        listed = os.listdir(os.path.join(m, "target"))
+        assert first not in listed, listed
+        pin = os.open(os.path.join(m, "target", second), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert len(os.listdir(os.path.join(m, "target", second))) == 255
+            held = lookup_layouts(m)
+            assert held["live"] == 1 and held["names"] == [second], held
+            # The first one comes back on demand, built afresh (and now it is the one refused).
+            p = subprocess.run(["ls", os.path.join(m, "target", first)], capture_output=True, text=True, timeout=60)
+            assert p.returncode != 0, (p.stdout[:200], lookup_layouts(m))
+        finally:
+            os.close(pin)
 
 
 def status_ok(m):
