@@ -17,6 +17,7 @@
 
 #include "core/io/bucket_uploader.h"
 #include "core/io/pinned_cache.h"
+#include "core/io/s3_readahead.h"
 #include "core/io/s3_tree.h"
 #include "core/io/write_capture.h"
 #include "fs/filesystem.h"
@@ -133,11 +134,20 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree);
     if (!s3_tree) return report("stage", InvalidArgumentError(source_dir + ": no S3 tree"));
     // The staging directory and its state directory: the mounting user's, 0700, never a symlink.
+    // The staging directory is MNT's read-write root, whose mode the mount shows (as a local
+    // SRC's): with -o allow_other (or allow_root) it is made readable and searchable by all
+    // (0755; its files keep their own modes), else no other user could reach even the views.
+    const bool shared = std::any_of(args.fuse_options.begin(), args.fuse_options.end(),
+                                    [](const std::string& o) { return o == "allow_other" || o == "allow_root"; });
     for (const std::string& dir : {args.stage_dir, args.stage_dir + "/.ucpfs"}) {
       if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return report("--stage-dir", IoError("mkdir " + dir, errno));
       struct stat st = {};
       if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
         return report("--stage-dir", InvalidArgumentError(dir + " is not a directory (not a symbolic link) owned by this user"));
+      }
+      if (shared && dir == args.stage_dir && (st.st_mode & 0055) != 0055 &&
+          ::chmod(dir.c_str(), (st.st_mode & 07777) | 0055) != 0) {
+        return report("--stage-dir", IoError("chmod " + dir + " (for -o allow_other)", errno));
       }
     }
     io::BucketUploaderOptions uo;
@@ -224,6 +234,11 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
                                {"bytes_get", c.bytes_get}, {"bytes_put", c.bytes_put}, {"connects", c.connects},
                                {"object_bytes_get", std::move(objects)},
                                {"object_bytes_get_uncounted", by_object.uncounted}};
+      const s3::ReadAheadStats ra = s3::S3ReadAhead::Stats();
+      j["read_ahead"] = {{"held_bytes", ra.held_bytes},           {"peak_held_bytes", ra.peak_held_bytes},
+                         {"max_held_bytes", s3::kMaxHeldBytesTotal}, {"pooled_bytes", ra.pooled_bytes},
+                         {"blocks_fetched", ra.blocks_fetched},   {"bytes_served", ra.bytes_served},
+                         {"hint_bytes_dropped", ra.hint_bytes_dropped}};
       if (uploader) {
         const io::UploaderStats u = uploader->Stats();
         j["upload"] = {{"queued_files", u.queued_files}, {"queued_bytes", u.queued_bytes},

@@ -19,7 +19,8 @@ included) and torch.load of the rank's files, then unmount; (b) drop the page ca
 of every object of the checkpoint to local disk and dcp.load of the whole state from there
 (the rank's part is then a slice, not timed); the same for (c) dcp.load straight from the
 bucket through FsspecReader (s3fs), torch's own S3 read path (no goal: for reference). Medians
-of --rounds; the mount's GET bytes (stats.json s3.bytes_get) beside the download's.
+of --rounds; the mount's GET bytes (stats.json s3.bytes_get) beside the download's, and the most
+bytes its read-ahead held at once (s3.read_ahead.peak_held_bytes).
 """
 import argparse
 import copy
@@ -116,7 +117,9 @@ def main():
                 d = os.path.join(mnt, "target", layout, f"rank_{rank}")
                 load_files([os.path.join(d, f["name"]) for f in plans[layout]["ranks"][rank]["files"]])
                 seconds = time.perf_counter() - t
-                got = json.load(open(os.path.join(mnt, ".ucpfs", "stats.json")))["s3"]["bytes_get"]
+                s3 = json.load(open(os.path.join(mnt, ".ucpfs", "stats.json")))["s3"]
+                got = s3["bytes_get"]
+                peak_held.append(s3.get("read_ahead", {}).get("peak_held_bytes", 0))  # 0: a build without it
                 mount_s.append(m.seconds)
             return seconds, got
 
@@ -142,8 +145,10 @@ def main():
 
         results = {}
         mount_s = []  # of `ucpfs mount` alone
+        peak_held = []  # the mount's read-ahead: the most bytes held at once (stats.json)
         for name, layout, rank, goal in CASES:
             del mount_s[:]
+            del peak_held[:]
             rows = {"mount": [], "download": [], "fsspec": []}
             got = 0
             for _ in range(a.rounds):
@@ -155,11 +160,12 @@ def main():
             need = plans[layout]["ranks"][rank]["read_bytes"]
             ratio = med["download"] / med["mount"]
             results[name] = {"layout": layout, "rank": rank, "mount_s": list(mount_s), "rank_read_bytes": need, "mount_get_bytes": got,
+                             "read_ahead_peak_held_bytes": max(peak_held),
                              "checkpoint_bytes": ckpt_bytes, "seconds": rows, "median_s": med,
                              "ratio_download_over_mount": ratio, "ratio_fsspec_over_mount": med["fsspec"] / med["mount"],
                              "goal": goal, "met": ratio >= goal}
             log(f"{name:5s} {layout}/rank_{rank}: needs {need / 1e6:.1f} of {ckpt_bytes / 1e6:.1f} MB "
-                f"(mount GET {got / 1e6:.1f} MB); mount + torch.load {med['mount']:.2f} s "
+                f"(mount GET {got / 1e6:.1f} MB, read-ahead held at most {max(peak_held) / 1e6:.1f} MB); mount + torch.load {med['mount']:.2f} s "
                 f"(mount {statistics.median(mount_s):.2f} s) "
                 f"({', '.join(f'{x:.2f}' for x in rows['mount'])}), s3fs get + dcp.load {med['download']:.2f} s "
                 f"({', '.join(f'{x:.2f}' for x in rows['download'])}), FsspecReader dcp.load {med['fsspec']:.2f} s: "

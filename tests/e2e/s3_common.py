@@ -2,7 +2,9 @@
 own S3 path: torch.distributed.checkpoint's FsspecWriter over s3fs (fsspec), the way a training job
 writes DCP checkpoints to object storage. The endpoint and credentials are the AWS variables that
 `rgw.sh exec` sets; nothing here talks S3 itself."""
+import contextlib
 import os
+import time
 
 
 def s3fs_options():
@@ -30,6 +32,32 @@ def make_bucket(fs, bucket):
 def remove_bucket(fs, bucket):
     if fs.exists(bucket):
         fs.rm(bucket, recursive=True)
+
+
+@contextlib.contextmanager
+def temporary_bucket(fs, stem):
+    """A new bucket `STEM-PID-TIME` (its name yielded), removed with its objects on the way out."""
+    bucket = f"{stem}-{os.getpid()}-{int(time.time()) % 100000}"
+    make_bucket(fs, bucket)
+    try:
+        yield bucket
+    finally:
+        remove_bucket(fs, bucket)
+
+
+@contextlib.contextmanager
+def cache_home(path):
+    """XDG_CACHE_HOME (where ucpfs keeps its S3 index cache) set to `path` for the commands
+    started inside, as on a machine of their own."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = path
+    try:
+        yield path
+    finally:
+        if old is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
 
 
 def dcp_save_s3(state_dict, url):

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace ucpfs {
@@ -196,6 +197,7 @@ TEST_F(S3TreeTest, ReadAheadServesAnnouncedBytesOnce) {
   };
   read(0, 1000);                       // read first, then announced with what follows
   const uint64_t requests_before = client().counters().requests;
+  const s3::ReadAheadStats stats_before = s3::S3ReadAhead::Stats();
   src.Prefetch(0, 9 * 1024 * 1024);    // [1000, 9 MiB) fetched ahead, in 4 MiB blocks
   EXPECT_EQ(s3::S3ReadAhead::HeldBytesTotal(), 9 * 1024 * 1024 - 1000u);
   read(1000, 4 * 1024 * 1024);         // straddles the first two blocks
@@ -211,6 +213,19 @@ TEST_F(S3TreeTest, ReadAheadServesAnnouncedBytesOnce) {
   EXPECT_EQ(client().counters().bytes_get - before, 9 * 1024 * 1024 + 512 * 1024u);  // each byte once
   EXPECT_EQ(client().counters().requests - requests_before, 4u);  // 3 blocks and the piece not announced
   EXPECT_EQ(s3::S3ReadAhead::HeldBytesTotal(), 0u);  // every block read to its end, dropped
+  const s3::ReadAheadStats stats = s3::S3ReadAhead::Stats();
+  EXPECT_EQ(stats.blocks_fetched - stats_before.blocks_fetched, 3u);
+  EXPECT_EQ(stats.bytes_served - stats_before.bytes_served, 9 * 1024 * 1024 - 1000u);  // all but the piece not announced
+  EXPECT_GE(stats.peak_held_bytes, 9 * 1024 * 1024 - 1000u);
+  // The dropped blocks' buffers are kept for the next blocks, within the pool's bound.
+  EXPECT_GE(stats.pooled_bytes, 3 * s3::kReadAheadBlockBytes);
+  EXPECT_LE(stats.pooled_bytes, s3::kMaxPooledBlocks * s3::kReadAheadBlockBytes);
+  // ... and freed once idle for kPoolIdleMs.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(3 * s3::kPoolIdleMs);
+  while (s3::S3ReadAhead::Stats().pooled_bytes != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(s3::S3ReadAhead::Stats().pooled_bytes, 0u);
   (void)client().DeleteObject(bucket(), "ckpt/big.bin");
 }
 
