@@ -19,6 +19,8 @@
 #include "core/io/pinned_cache.h"
 #include "core/io/s3_tree.h"
 #include "core/io/write_capture.h"
+#include "fs/bucket_files.h"
+#include "fs/errno_map.h"
 #include "fs/filesystem.h"
 #include "fs/fuse_mount.h"
 #include "fs/materialize.h"
@@ -129,6 +131,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   // could never be indexed either): the mount is read-only, with no write capture.
   bool read_only = args.read_only || args.snapshot.read_only_index || (object_store && !staged);
   std::shared_ptr<io::BucketUploader> uploader;
+  std::shared_ptr<fs::BucketFiles> bucket_files;
   if (staged) {
     auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree);
     if (!s3_tree) return report("stage", InvalidArgumentError(source_dir + ": no S3 tree"));
@@ -153,11 +156,22 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
         mount_report->RecordError(line.starts_with("ucpfs: ") ? line.substr(7) : line);
       }
     };
-    // Once an object is in the bucket, the views are indexed again from it.
-    uo.on_uploaded = [changed](const std::string& rel) { (*changed)(rel); };
+    // The read-write area shows the bucket's objects beside the staged files (fs/bucket_files.h).
+    bucket_files = std::make_shared<fs::BucketFiles>(s3_tree);
+    // Once an object is in the bucket (or deleted), the views are indexed again from it and the
+    // read-write area lists its directory again.
+    uo.on_uploaded = [changed, bucket_files](const std::string& rel) {
+      bucket_files->Landed(rel);
+      (*changed)(rel);
+    };
     auto started = io::BucketUploader::Start(std::move(uo));
     if (!started.ok()) return report("upload", started.error());
     uploader = std::shared_ptr<io::BucketUploader>(std::move(*started));
+    // An unlink of an object: a DELETE, journaled behind the uploads queued before it.
+    bucket_files->SetRemove([weak = std::weak_ptr<io::BucketUploader>(uploader)](const std::string& rel) {
+      const std::shared_ptr<io::BucketUploader> u = weak.lock();
+      return u ? u->Changed(rel) : fs::PosixError(EROFS, rel + ": the uploader has stopped");
+    });
   }
   if (!read_only) {
     io::PinnedCacheOptions co;
@@ -388,6 +402,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
       (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
     }
     mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+    mo.bucket = bucket_files;
     if (uploader) {
       mo.passthrough->SetRefuseUnlinked(true);
       // Uploaded copies are removed once kept long enough, never one in use through the mount
