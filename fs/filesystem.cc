@@ -735,6 +735,14 @@ Status Filesystem::Rename(Ino parent, std::string_view name, Ino new_parent, std
     return PosixError(EXDEV, "/" + rel + ": " + what + " in the bucket cannot be renamed");
   };
   if (entry && entry->kind == EntryKind::kDirectory) return refuse("a directory holding objects");
+  // The staging directory lacks the target's name; the bucket may have it.
+  if ((flags & RENAME_NOREPLACE) != 0) {
+    if (const std::optional<std::string> new_dir = BucketDirOf(new_parent)) {
+      UCPFS_ASSIGN_OR_RETURN(const std::optional<TreeEntry> target,
+                             options_.bucket->Find(*new_dir, std::string(new_name)));
+      if (target) return PosixError(EEXIST, std::string(new_name) + " exists in the bucket");
+    }
+  }
   Status s = options_.passthrough->Rename(caller, parent, name, new_parent, new_name, flags);
   if (s.ok() && entry) options_.bucket->Removed(rel);  // the staged file moved; its old object's DELETE is queued
   if (!s.ok() && s.sys_errno() == ENOENT && entry) return refuse("an object");

@@ -167,11 +167,6 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     auto started = io::BucketUploader::Start(std::move(uo));
     if (!started.ok()) return report("upload", started.error());
     uploader = std::shared_ptr<io::BucketUploader>(std::move(*started));
-    // An unlink of an object: a DELETE, journaled behind the uploads queued before it.
-    bucket_files->SetRemove([weak = std::weak_ptr<io::BucketUploader>(uploader)](const std::string& rel) {
-      const std::shared_ptr<io::BucketUploader> u = weak.lock();
-      return u ? u->Changed(rel) : fs::PosixError(EROFS, rel + ": the uploader has stopped");
-    });
   }
   if (!read_only) {
     io::PinnedCacheOptions co;
@@ -394,14 +389,31 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     auto passthrough = fs::Passthrough::Make(write_dir, capture);
     if (!passthrough.ok()) return report("source", passthrough.error());
     if (uploader) {
-      // A rename or unlink in the staging directory: the new name uploaded, what is gone deleted.
-      (*passthrough)->SetChanged([uploader](const std::string& rel) {
+      // A rename or unlink in the staging directory: the new name uploaded, what is gone deleted,
+      // behind the uploads of every file closed before (queued as write capture makes them
+      // durable: Sync first), so an unlink right after a save never deletes before it lands.
+      (*passthrough)->SetChanged([uploader, weak_capture = std::weak_ptr<io::WriteCapture>(capture)](const std::string& rel) {
+        if (const std::shared_ptr<io::WriteCapture> c = weak_capture.lock()) {
+          if (Status s = c->Sync(); !s.ok()) std::cerr << "ucpfs: upload of " << rel << ": " << s.ToString() << std::endl;
+        }
         if (Status s = uploader->Changed(rel); !s.ok()) std::cerr << "ucpfs: upload: " << s.ToString() << std::endl;
       });
     } else if (reindexer) {
       (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
     }
     mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+    if (bucket_files) {
+      // An unlink of an object: a DELETE, journaled behind the uploads of every file closed
+      // before it (write capture queues a file's upload when it makes it durable: Sync first).
+      bucket_files->SetRemove([weak_capture = std::weak_ptr<io::WriteCapture>(capture),
+                               weak = std::weak_ptr<io::BucketUploader>(uploader)](const std::string& rel) {
+        const std::shared_ptr<io::WriteCapture> c = weak_capture.lock();
+        const std::shared_ptr<io::BucketUploader> u = weak.lock();
+        if (!c || !u) return fs::PosixError(EROFS, rel + ": the mount is stopping");
+        if (Status s = c->Sync(); !s.ok()) return s.WithContext("delete " + u->Url(rel) + ": the saves before it");
+        return u->Changed(rel);
+      });
+    }
     mo.bucket = bucket_files;
     if (uploader) {
       mo.passthrough->SetRefuseUnlinked(true);

@@ -15,12 +15,14 @@ path (dcp.save through FsspecWriter over s3fs), plus a `latest` object and `extr
  - rename of an object: EXDEV; an in-place write (no O_TRUNC): EPERM; rmdir of a directory
    holding objects: ENOTEMPTY; each refusal names the file in stats.json;
  - an O_TRUNC rewrite of an object lands in the bucket; unlink removes the object (gone from MNT
-   at once, from the bucket after `ucpfs sync`);
+   at once, from the bucket after `ucpfs sync`), and not before a file closed just before it
+   (a poller never lists the bucket without both);
  - a new dcp.save into MNT lands with `.metadata` never listed before its shards, and loads.
 
 Run by hand: tests/s3/rgw.sh exec DIR env UCPFS_BIN=build/cli/ucpfs \
     .venv/bin/python tests/e2e/s3_overlay_test.py
 """
+import contextlib
 import errno
 import os
 import threading
@@ -79,6 +81,29 @@ def expect_errno(want, fn, what):
 
 def logged(m, name):
     return any(name in line for line in stats(m)["errors"]["last"])
+
+
+@contextlib.contextmanager
+def polling(bucket, prefix):
+    """Lists the objects under prefix/ all along (another client); yields the listings seen."""
+    seen, stop, errors = [], threading.Event(), []
+
+    def poll():
+        pc = client()
+        try:
+            while not stop.is_set():
+                seen.append(set(keys(pc, bucket, prefix)))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        poller.join()
+    assert not errors, errors[0]
+    seen.append(set(keys(client(), bucket, prefix)))
 
 
 def main():
@@ -158,39 +183,31 @@ def main():
         res.check("an object replaced in the bucket reads as EIO", replaced)
 
         def changes():
-            with open(os.path.join(m, "extra", "notes.txt"), "wb") as f:  # O_TRUNC: staged, uploaded over it
-                f.write(b"rewritten")
-            os.unlink(os.path.join(m, "latest"))
-            assert "latest" not in os.listdir(m), "an unlinked object is still listed"
-            run([ucpfs_bin(), "sync", m, "-q"])
+            data = os.urandom(12 << 20)  # a multipart upload
+            with polling(bucket, prefix) as seen:
+                with open(os.path.join(m, "extra", "notes.txt"), "wb") as f:  # O_TRUNC: staged, uploaded over it
+                    f.write(b"rewritten")
+                with open(os.path.join(m, "new.bin"), "wb") as f:
+                    f.write(data)
+                os.unlink(os.path.join(m, "latest"))  # right after the close: deleted after new.bin lands
+                assert "latest" not in os.listdir(m), "an unlinked object is still listed"
+                run([ucpfs_bin(), "sync", m, "-q"])
             now = keys(c, bucket, prefix)
             assert "latest" not in now, "unlink did not delete the object"
+            assert all("latest" in s or "new.bin" in s for s in seen), "latest was deleted before new.bin landed"
+            assert c.get_object(Bucket=bucket, Key=f"{prefix}/new.bin")["Body"].read() == data
             assert c.get_object(Bucket=bucket, Key=f"{prefix}/extra/notes.txt")["Body"].read() == b"rewritten"
             with open(os.path.join(m, "extra", "notes.txt"), "rb") as f:
                 assert f.read() == b"rewritten"
             assert "latest" not in os.listdir(m)
-        res.check("an O_TRUNC rewrite lands, unlink deletes the object", changes)
+            print(f"changes: {len(seen)} listings polled", flush=True)
+        res.check("an O_TRUNC rewrite lands, unlink deletes the object after the save before it", changes)
 
         def new_save():
-            seen, stop, errors = [], threading.Event(), []
-
-            def poll():
-                pc = client()
-                try:
-                    while not stop.is_set():
-                        seen.append(set(keys(pc, bucket, prefix + "/step-2")))
-                except Exception as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-            poller = threading.Thread(target=poll)
-            poller.start()
             state = s3_common.training_state(model, opt)
-            try:
+            with polling(bucket, prefix + "/step-2") as seen:
                 dcp.save(state, storage_writer=FileSystemWriter(os.path.join(m, "step-2"), thread_count=2))
                 run([ucpfs_bin(), "sync", m, "-q"])
-            finally:
-                stop.set()
-                poller.join()
-            assert not errors, errors[0]
             got = set(keys(c, bucket, prefix + "/step-2"))
             shards = {k for k in got if k.endswith(".distcp")}
             assert ".metadata" in got and len(shards) == 2, got

@@ -553,6 +553,8 @@ TEST_F(BucketFixture, ObjectsShowBesideStagedFilesAndChangesAreRefusedOrStaged) 
   EXPECT_EQ(ErrnoFromStatus(fs_->Rename(step.ino, "shard", kRootIno, "moved", 0)), EXDEV);
   EXPECT_EQ(ErrnoFromStatus(fs_->Rename(kRootIno, "step", kRootIno, "moved", 0)), EXDEV);
   EXPECT_EQ(ErrnoFromStatus(fs_->Rmdir(kRootIno, "step")), ENOTEMPTY);
+  ASSERT_TRUE(fs_->Mknod(kRootIno, "new", S_IFREG | 0644).ok());
+  EXPECT_EQ(ErrnoFromStatus(fs_->Rename(kRootIno, "new", kRootIno, "latest", RENAME_NOREPLACE)), EEXIST);
   struct stat attr = {};
   EXPECT_EQ(ErrnoFromStatus(fs_->SetAttr(shard.ino, attr, Passthrough::kSetSize, nullptr).error()), EPERM);
   EXPECT_TRUE(removed_.empty());
