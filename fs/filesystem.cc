@@ -398,7 +398,14 @@ Result<struct stat> Filesystem::GetAttr(Ino ino) const {
   }
   if (Passthrough::Owns(ino)) {
     if (!options_.passthrough) return NotFoundError("no inode " + std::to_string(ino));
-    return options_.passthrough->GetAttr(ino);
+    UCPFS_ASSIGN_OR_RETURN(struct stat st, options_.passthrough->GetAttr(ino));
+    if (st.st_nlink == 0 && S_ISREG(st.st_mode) && options_.bucket) {
+      // A staged copy removed after its upload: the object's attributes, as a fresh lookup gives.
+      if (const std::optional<BucketFiles::File> object = RemovedCopyObject(ino)) {
+        st = options_.bucket->StatOf(ino, *object, options_.uid, options_.gid);
+      }
+    }
+    return st;
   }
   const Found found = Find(ino);
   if (found.node == nullptr) return NotFoundError("no inode " + std::to_string(ino));
@@ -420,10 +427,12 @@ Result<OpenFile> Filesystem::Open(Ino ino, int flags, const Caller& caller) cons
   if (BucketFiles::Owns(ino)) return OpenBucketFile(ino, flags, caller);
   if (Passthrough::Owns(ino)) {
     if (!options_.passthrough) return NotFoundError("no inode " + std::to_string(ino));
-    UCPFS_ASSIGN_OR_RETURN(auto h, options_.passthrough->Open(caller, ino, flags));
+    Result<std::unique_ptr<PassthroughHandle>> h = options_.passthrough->Open(caller, ino, flags);
+    if (!h.ok() && h.error().sys_errno() == ENOENT && options_.bucket) return OpenRemovedCopy(ino, flags, caller, h.error());
+    if (!h.ok()) return h.error();
     OpenFile file;
     file.ino = ino;
-    file.passthrough = std::move(h);
+    file.passthrough = std::move(*h);
     return file;
   }
   const Found found = Find(ino);
@@ -836,6 +845,42 @@ Status Filesystem::AddBucketNames(Ino dir, DirListing& listing) const {
   }
   listing.cacheable = false;
   return Status::Ok();
+}
+
+Result<OpenFile> Filesystem::OpenRemovedCopy(Ino ino, int flags, const Caller& caller, const Status& error) const {
+  // A staged copy the bucket uploader removed (uploaded, kept --stage-keep) since the kernel
+  // looked the name up: the bucket's object answers, as a fresh lookup would (the kernel keeps
+  // the old inode for up to its 1 s entry timeout).
+  const std::optional<std::pair<Ino, std::string>> where = options_.passthrough->ParentOf(ino);
+  const std::optional<std::string> rel_dir = where ? BucketDirOf(where->first) : std::nullopt;
+  if (!rel_dir) return error;
+  OpenFile file;
+  file.ino = ino;
+  const bool write = (flags & O_ACCMODE) != O_RDONLY;
+  if (write && (flags & O_TRUNC) != 0) {  // a rewrite: staged anew under the name
+    UCPFS_ASSIGN_OR_RETURN(auto made, options_.passthrough->Create(caller, where->first, where->second, 0644,
+                                                                   (flags | O_CREAT) & ~O_EXCL));
+    options_.passthrough->Forget(made.first.st_ino, 1);  // the kernel knows the old inode, not this one
+    file.passthrough = std::move(made.second);
+    return file;
+  }
+  if (write || (flags & O_APPEND) != 0) return error;
+  const std::optional<BucketFiles::File> object = RemovedCopyObject(ino);
+  if (!object) return error;
+  UCPFS_ASSIGN_OR_RETURN(file.source, options_.bucket->Open(*object, nullptr));
+  file.n_bytes = object->identity.n_bytes;
+  file.volatile_content = true;  // direct_io: the kernel's size and pages of this inode are the removed copy's
+  return file;
+}
+
+std::optional<BucketFiles::File> Filesystem::RemovedCopyObject(Ino ino) const {
+  const std::optional<std::pair<Ino, std::string>> where = options_.passthrough->ParentOf(ino);
+  const std::optional<std::string> rel_dir = where ? BucketDirOf(where->first) : std::nullopt;
+  if (!rel_dir) return std::nullopt;
+  Result<std::optional<TreeEntry>> entry = options_.bucket->Find(*rel_dir, where->second);
+  if (!entry.ok() || !*entry || (*entry)->kind != EntryKind::kFile) return std::nullopt;
+  return BucketFiles::File{where->first, rel_dir->empty() ? where->second : *rel_dir + "/" + where->second,
+                           where->second, (*entry)->identity, 0};
 }
 
 Result<OpenFile> Filesystem::OpenBucketFile(Ino ino, int flags, const Caller& caller) const {

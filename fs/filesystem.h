@@ -263,6 +263,11 @@ class Filesystem {
   // Adds the bucket's names of passthrough directory `dir` that the listing lacks, in name order.
   Status AddBucketNames(Ino dir, DirListing& listing) const;
   Result<OpenFile> OpenBucketFile(Ino ino, int flags, const Caller& caller) const;
+  // A passthrough open refused with ENOENT (`error`): a staged copy removed since its lookup.
+  // The bucket's object answers (read-only opens; an O_TRUNC rewrite is staged anew), else `error`.
+  Result<OpenFile> OpenRemovedCopy(Ino ino, int flags, const Caller& caller, const Status& error) const;
+  // The bucket object now under the name of passthrough file `ino` (a removed staged copy's).
+  std::optional<BucketFiles::File> RemovedCopyObject(Ino ino) const;
 
   const std::shared_ptr<const Tree> tree_;
   const FilesystemOptions options_;

@@ -505,6 +505,7 @@ class BucketFixture : public PassthroughFixture {
     });
     FilesystemOptions options;
     options.passthrough = std::shared_ptr<Passthrough>(std::move(Passthrough::Make(dir_.string(), capture_)).value());
+    options.passthrough->SetRefuseUnlinked(true);  // as an s3:// mount's daemon sets it
     options.bucket = bucket_;
     fs_ = std::move(Filesystem::Make(ViewTree("view"), std::move(options))).value();
   }
@@ -585,6 +586,36 @@ TEST_F(BucketFixture, ObjectsShowBesideStagedFilesAndChangesAreRefusedOrStaged) 
   // The kernel forgets an object's inode: it is gone.
   fs_->Forget(x.ino, 1);
   EXPECT_EQ(ErrnoFromStatus(fs_->GetAttr(x.ino).error()), ENOENT);
+}
+
+// The uploader removed a staged copy (uploaded) while the kernel still holds its inode: the
+// bucket's object answers its getattr and reads, and an O_TRUNC rewrite is staged anew.
+TEST_F(BucketFixture, ARemovedStagedCopyIsAnsweredByItsObject) {
+  auto made = fs_->Create(kRootIno, "saved", 0644, O_WRONLY | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(made.ok());
+  ASSERT_TRUE(fs_->Write(made->second, 0, std::as_bytes(std::span(std::string_view("abc")))).ok());
+  ASSERT_TRUE(fs_->Release(made->second).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  const Ino staged = fs_->Lookup(kRootIno, "saved")->ino;
+  EXPECT_FALSE(BucketFiles::Owns(staged));
+  std::ofstream(bucket_dir_ / "saved") << "abc";  // uploaded
+  bucket_->Landed("saved");
+  std::filesystem::remove(dir_ / "saved");  // and the staged copy removed
+  EXPECT_EQ(fs_->GetAttr(staged)->st_size, 3);
+  EXPECT_EQ(ReadAll(*fs_, staged), "abc");
+  Result<OpenFile> rewrite = fs_->Open(staged, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(rewrite.ok()) << rewrite.error().ToString();
+  ASSERT_TRUE(fs_->Write(*rewrite, 0, std::as_bytes(std::span(std::string_view("zz")))).ok());
+  ASSERT_TRUE(fs_->Release(*rewrite).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  std::ifstream again(dir_ / "saved");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(again), {}), "zz");
+  // Without an object of that name, a removed copy is ENOENT as before.
+  std::filesystem::remove(bucket_dir_ / "saved");
+  bucket_->Landed("saved");
+  const Ino restaged = fs_->Lookup(kRootIno, "saved")->ino;
+  std::filesystem::remove(dir_ / "saved");
+  EXPECT_EQ(ErrnoFromStatus(fs_->Open(restaged, O_RDONLY).error()), ENOENT);
 }
 
 // As root: what `nobody` saves is nobody's, with the kernel's bits (setgid directory, umask,
