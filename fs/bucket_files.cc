@@ -11,6 +11,7 @@ namespace {
 
 constexpr size_t kNameMax = 255;
 constexpr blksize_t kStatBlockSize = 1 << 20;
+constexpr int kListAttempts = 4;
 
 std::string Join(const std::string& dir, const std::string& name) { return dir.empty() ? name : dir + "/" + name; }
 
@@ -21,10 +22,10 @@ std::string DirOf(const std::string& rel) {
 
 }  // namespace
 
-Result<std::vector<TreeEntry>> BucketFiles::Listing(const std::string& rel_dir) {
+Status BucketFiles::Listed(const std::string& rel_dir) {
   {
     std::lock_guard lock(mu_);
-    if (const auto it = listings_.find(rel_dir); it != listings_.end()) return it->second;
+    if (listings_.contains(rel_dir)) return Status::Ok();
   }
   std::vector<TreeEntry> entries;
   Result<std::vector<TreeEntry>> listed = tree_->List(rel_dir);  // no lock held: a request
@@ -41,33 +42,51 @@ Result<std::vector<TreeEntry>> BucketFiles::Listing(const std::string& rel_dir) 
     listings_.clear();
     n_cached_ = 0;
   }
-  const auto [it, made] = listings_.emplace(rel_dir, entries);
-  if (made) n_cached_ += entries.size();
-  return it->second;
+  const size_t n = entries.size();
+  if (listings_.emplace(rel_dir, std::move(entries)).second) n_cached_ += n;
+  return Status::Ok();
+}
+
+bool BucketFiles::VisibleLocked(const std::string& rel_dir, const TreeEntry& e) const {
+  const std::string rel = Join(rel_dir, e.name);
+  if (hidden_.contains(rel)) return false;
+  if (e.kind != EntryKind::kDirectory) return true;
+  // A directory whose kept listing shows nothing (its objects unlinked through the mount).
+  const auto sub = listings_.find(rel);
+  if (sub == listings_.end()) return true;
+  return std::any_of(sub->second.begin(), sub->second.end(),
+                     [&](const TreeEntry& c) { return !hidden_.contains(Join(rel, c.name)); });
 }
 
 Result<std::vector<TreeEntry>> BucketFiles::List(const std::string& rel_dir) {
-  UCPFS_ASSIGN_OR_RETURN(std::vector<TreeEntry> entries, Listing(rel_dir));
-  std::lock_guard lock(mu_);
-  std::erase_if(entries, [&](const TreeEntry& e) {
-    const std::string rel = Join(rel_dir, e.name);
-    if (HiddenLocked(rel)) return true;
-    if (e.kind != EntryKind::kDirectory) return false;
-    // A directory whose kept listing shows nothing (its objects unlinked through the mount).
-    const auto sub = listings_.find(rel);
-    if (sub == listings_.end()) return false;
-    return std::all_of(sub->second.begin(), sub->second.end(),
-                       [&](const TreeEntry& c) { return HiddenLocked(Join(rel, c.name)); });
-  });
-  return entries;
+  // A listing dropped (Landed) between Listed and the lock is listed again (a few tries: each
+  // drop means an upload landed just then).
+  for (int attempt = 0; attempt < kListAttempts; ++attempt) {
+    UCPFS_RETURN_IF_ERROR(Listed(rel_dir));
+    std::lock_guard lock(mu_);
+    const auto it = listings_.find(rel_dir);
+    if (it == listings_.end()) continue;
+    std::vector<TreeEntry> out;
+    for (const TreeEntry& e : it->second) {
+      if (VisibleLocked(rel_dir, e)) out.push_back(e);
+    }
+    return out;
+  }
+  return IoError(Url(rel_dir) + ": its listing changed " + std::to_string(kListAttempts) + " times while read", EAGAIN);
 }
 
 Result<std::optional<TreeEntry>> BucketFiles::Find(const std::string& rel_dir, const std::string& name) {
-  UCPFS_ASSIGN_OR_RETURN(const std::vector<TreeEntry> entries, List(rel_dir));
-  const auto it = std::lower_bound(entries.begin(), entries.end(), name,
-                                   [](const TreeEntry& e, const std::string& n) { return e.name < n; });
-  if (it == entries.end() || it->name != name) return std::optional<TreeEntry>();
-  return std::optional<TreeEntry>(*it);
+  for (int attempt = 0; attempt < kListAttempts; ++attempt) {
+    UCPFS_RETURN_IF_ERROR(Listed(rel_dir));
+    std::lock_guard lock(mu_);
+    const auto dir = listings_.find(rel_dir);
+    if (dir == listings_.end()) continue;
+    const auto it = std::lower_bound(dir->second.begin(), dir->second.end(), name,
+                                     [](const TreeEntry& e, const std::string& n) { return e.name < n; });
+    if (it == dir->second.end() || it->name != name || !VisibleLocked(rel_dir, *it)) return std::optional<TreeEntry>();
+    return std::optional<TreeEntry>(*it);
+  }
+  return IoError(Url(rel_dir) + ": its listing changed " + std::to_string(kListAttempts) + " times while read", EAGAIN);
 }
 
 Result<struct stat> BucketFiles::Reference(Ino parent, const std::string& rel_dir, const TreeEntry& entry, uid_t uid,

@@ -100,9 +100,11 @@ class BucketFiles {
     File file;
     uint64_t n_lookups = 0;
   };
-  // The kept listing of `rel_dir` (listed now when not kept). Visible: less hidden names.
-  Result<std::vector<TreeEntry>> Listing(const std::string& rel_dir);
-  bool HiddenLocked(const std::string& rel) const { return hidden_.contains(rel); }
+  // Lists `rel_dir` now unless its listing is kept. Errors: the listing's.
+  Status Listed(const std::string& rel_dir);
+  // Whether entry `e` of `rel_dir` shows: not hidden, and not a directory whose kept listing
+  // shows nothing. mu_ held.
+  bool VisibleLocked(const std::string& rel_dir, const TreeEntry& e) const;
 
   const std::shared_ptr<const SourceTree> tree_;
   std::function<Status(const std::string&)> remove_;
