@@ -169,6 +169,11 @@ void BucketFiles::Removed(const std::string& rel) {
   hidden_.insert(rel);
 }
 
+void BucketFiles::Unhide(const std::string& rel) {
+  std::lock_guard lock(mu_);
+  hidden_.erase(rel);
+}
+
 void BucketFiles::Landed(const std::string& rel) {
   std::lock_guard lock(mu_);
   hidden_.erase(rel);

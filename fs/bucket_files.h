@@ -92,6 +92,8 @@ class BucketFiles {
   Status Remove(const std::string& rel) const;
   // `rel` was unlinked through the mount: hidden until Landed(rel).
   void Removed(const std::string& rel);
+  // Undoes Removed(rel): the unlink failed.
+  void Unhide(const std::string& rel);
   // The uploader put or deleted `rel` in the bucket: shown as the bucket now has it.
   void Landed(const std::string& rel);
 

@@ -696,21 +696,25 @@ Result<std::string> Filesystem::Readlink(Ino ino) const {
 Status Filesystem::Unlink(Ino parent, std::string_view name, const Caller& caller) {
   UCPFS_ASSIGN_OR_RETURN(const bool to_source, ToSource(parent, name));
   if (!to_source) return PosixError(EROFS, "/" + std::string(name) + " is a view");
-  Status s = options_.passthrough->Unlink(caller, parent, name);
   const std::optional<std::string> rel_dir = options_.bucket ? BucketDirOf(parent) : std::nullopt;
-  if (!rel_dir) return s;
+  if (!rel_dir) return options_.passthrough->Unlink(caller, parent, name);
   const std::string rel = rel_dir->empty() ? std::string(name) : *rel_dir + "/" + std::string(name);
-  if (s.ok()) {
-    options_.bucket->Removed(rel);  // a staged copy: its DELETE (queued by the passthrough) removes the object too
-    return s;
-  }
+  // Hidden first: the DELETE it queues may land (BucketFiles::Landed) before the unlink returns.
+  // A staged copy's unlink deletes the object of its name too (the passthrough queues it).
+  options_.bucket->Removed(rel);
+  Status s = options_.passthrough->Unlink(caller, parent, name);
+  if (s.ok()) return s;
+  options_.bucket->Unhide(rel);
   if (s.sys_errno() != ENOENT) return s;
   UCPFS_ASSIGN_OR_RETURN(const std::optional<TreeEntry> entry, options_.bucket->Find(*rel_dir, std::string(name)));
   if (!entry) return s;
   if (entry->kind != EntryKind::kFile) return PosixError(EISDIR, "/" + rel + " is a directory");
-  // DELETE, recorded in the upload journal behind the uploads queued before it.
-  UCPFS_RETURN_IF_ERROR(options_.bucket->Remove(rel));
+  // DELETE, recorded in the upload journal behind the uploads of the files closed before it.
   options_.bucket->Removed(rel);
+  if (Status r = options_.bucket->Remove(rel); !r.ok()) {
+    options_.bucket->Unhide(rel);
+    return r;
+  }
   return Status::Ok();
 }
 
@@ -752,8 +756,11 @@ Status Filesystem::Rename(Ino parent, std::string_view name, Ino new_parent, std
       if (target) return PosixError(EEXIST, std::string(new_name) + " exists in the bucket");
     }
   }
+  // The staged file moves; its old object's DELETE is queued by the passthrough: hidden first
+  // (that DELETE may land before the rename returns).
+  if (entry) options_.bucket->Removed(rel);
   Status s = options_.passthrough->Rename(caller, parent, name, new_parent, new_name, flags);
-  if (s.ok() && entry) options_.bucket->Removed(rel);  // the staged file moved; its old object's DELETE is queued
+  if (!s.ok() && entry) options_.bucket->Unhide(rel);
   if (!s.ok() && s.sys_errno() == ENOENT && entry) return refuse("an object");
   return s;
 }

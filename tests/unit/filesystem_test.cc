@@ -498,11 +498,7 @@ class BucketFixture : public PassthroughFixture {
     std::ofstream(bucket_dir_ / "step" / "shard") << "0123456789";
     std::ofstream(bucket_dir_ / "step" / "deep" / "x") << "x";
     bucket_ = std::make_shared<BucketFiles>(LocalTree::Make(bucket_dir_.string()));
-    bucket_->SetRemove([this](const std::string& rel) {
-      removed_.push_back(rel);
-      std::filesystem::remove(bucket_dir_ / rel);
-      return Status::Ok();
-    });
+    bucket_->SetRemove([this](const std::string& rel) { return RemoveObject(rel); });
     FilesystemOptions options;
     options.passthrough = std::shared_ptr<Passthrough>(std::move(Passthrough::Make(dir_.string(), capture_)).value());
     options.passthrough->SetRefuseUnlinked(true);  // as an s3:// mount's daemon sets it
@@ -512,6 +508,12 @@ class BucketFixture : public PassthroughFixture {
   void TearDown() override {
     PassthroughFixture::TearDown();
     std::filesystem::remove_all(bucket_dir_);
+  }
+  // What the uploader's DELETE does, recorded.
+  Status RemoveObject(const std::string& rel) {
+    removed_.push_back(rel);
+    std::filesystem::remove(bucket_dir_ / rel);
+    return Status::Ok();
   }
   std::vector<std::string> Names(Ino dir) {
     Result<DirListing> listing = fs_->OpenDir(dir);
@@ -569,7 +571,12 @@ TEST_F(BucketFixture, ObjectsShowBesideStagedFilesAndChangesAreRefusedOrStaged) 
   EXPECT_EQ(ReadAll(*fs_, latest.ino), "step-22");
   std::ifstream staged(dir_ / "latest");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(staged), {}), "step-22");
-  // Unlink of an object hands its DELETE over and hides the name until it lands.
+  // Unlink of an object hands its DELETE over and hides the name until it lands; one whose
+  // DELETE could not be queued stays.
+  bucket_->SetRemove([](const std::string& rel) { return IoError("journal full: " + rel, ENOSPC); });
+  EXPECT_EQ(ErrnoFromStatus(fs_->Unlink(step.ino, "shard")), ENOSPC);
+  EXPECT_EQ(Names(step.ino), (std::vector<std::string>{".", "..", "deep", "shard"}));
+  bucket_->SetRemove([this](const std::string& rel) { return RemoveObject(rel); });
   ASSERT_TRUE(fs_->Unlink(step.ino, "shard").ok());
   EXPECT_EQ(removed_, (std::vector<std::string>{"step/shard"}));
   EXPECT_EQ(Names(step.ino), (std::vector<std::string>{".", "..", "deep"}));
