@@ -42,6 +42,7 @@
 
 #include "core/byte_source.h"
 #include "core/status.h"
+#include "fs/bucket_files.h"
 #include "fs/caller.h"
 #include "fs/mount_report.h"
 #include "fs/passthrough.h"
@@ -67,6 +68,9 @@ struct FilesystemOptions {
   // the tree's root shadow the source's; every other name at the root and below is the
   // source's (inodes with kPassthroughBit).
   std::shared_ptr<Passthrough> passthrough;
+  // An s3:// mount's bucket objects, shown in the read-write area where the passthrough (the
+  // staging directory) lacks a name (fs/bucket_files.h); null: none. Needs `passthrough`.
+  std::shared_ptr<BucketFiles> bucket;
   // Read-ahead of views: after a read of a view file that continues the reads before it, the
   // next `read_ahead_bytes` of the file are announced to its source (ByteSource::Prefetch: the
   // source files' pages are read into the page cache in the background, so the next requests
@@ -250,6 +254,20 @@ class Filesystem {
   // changes). Errors: kNotFound for an unknown parent.
   Result<bool> ToSource(Ino parent, std::string_view name) const;
   static Entry PtEntry(const struct stat& st);
+  // ---- bucket objects (options_.bucket) ----
+  // The bucket directory below the prefix that passthrough directory `dir` stands for.
+  std::optional<std::string> BucketDirOf(Ino dir) const;
+  // `name` in `parent` where the staging directory has none: a bucket object (its inode), a
+  // bucket directory (made in the staging directory, so saves can go into it) or none.
+  Result<Entry> BucketLookup(Ino parent, std::string_view name);
+  // Adds the bucket's names of passthrough directory `dir` that the listing lacks, in name order.
+  Status AddBucketNames(Ino dir, DirListing& listing) const;
+  Result<OpenFile> OpenBucketFile(Ino ino, int flags, const Caller& caller) const;
+  // A passthrough open refused with ENOENT (`error`): a staged copy removed since its lookup.
+  // The bucket's object answers (read-only opens; an O_TRUNC rewrite is staged anew), else `error`.
+  Result<OpenFile> OpenRemovedCopy(Ino ino, int flags, const Caller& caller, const Status& error) const;
+  // The bucket object now under the name of passthrough file `ino` (a removed staged copy's).
+  std::optional<BucketFiles::File> RemovedCopyObject(Ino ino) const;
 
   const std::shared_ptr<const Tree> tree_;
   const FilesystemOptions options_;

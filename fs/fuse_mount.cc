@@ -1140,6 +1140,7 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   fs_options.resolve = options.resolve;
   fs_options.list = options.list;
   fs_options.passthrough = options.passthrough;
+  fs_options.bucket = options.passthrough ? options.bucket : nullptr;
   fs_options.read_ahead_bytes = options.source_read_ahead_bytes;
   fs_options.report = options.report;
   Server server;

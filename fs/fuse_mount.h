@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "fs/bucket_files.h"
 #include "fs/materialize.h"
 #include "fs/mount_report.h"
 #include "fs/passthrough.h"
@@ -51,6 +52,8 @@ struct MountOptions {
   // The source served read-write beside the tree (FilesystemOptions::passthrough); null: the
   // mount is read-only ("ro").
   std::shared_ptr<Passthrough> passthrough;
+  // An s3:// mount's bucket objects beside the staged files (FilesystemOptions::bucket).
+  std::shared_ptr<BucketFiles> bucket;
   // View reads counted and errors recorded here besides the log (FilesystemOptions::report).
   std::shared_ptr<MountReport> report;
   // The kernel's fast paths (libfuse >= 3.17 and a kernel with CONFIG_FUSE_PASSTHROUGH): source

@@ -121,6 +121,14 @@ std::string Passthrough::PathOf(Ino ino) const {
   return path.empty() ? "/" : path;
 }
 
+std::optional<std::pair<Ino, std::string>> Passthrough::ParentOf(Ino ino) const {
+  std::lock_guard lock(mu_);
+  const auto it = nodes_.find(ino == kRootIno ? 1 : (ino & ~kPassthroughBit));
+  if (it == nodes_.end() || it->second->id == 1) return std::nullopt;
+  const uint64_t parent = it->second->parent_id;
+  return std::make_pair(parent == 1 ? kRootIno : (kPassthroughBit | parent), it->second->name);
+}
+
 Result<struct stat> Passthrough::StatNode(const Node& node) const {
   if (CapturedNow(node)) {
     struct stat st = capture_->Stat(*node.captured);

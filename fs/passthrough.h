@@ -53,6 +53,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -147,6 +148,9 @@ class Passthrough {
   void SetChanged(std::function<void(const std::string&)> changed) { changed_ = std::move(changed); }
   // "/a/b" of a node, for messages.
   std::string PathOf(Ino ino) const;
+  // The directory (kRootIno for the root) and name a node was last seen under; nullopt when the
+  // node is gone or is the root.
+  std::optional<std::pair<Ino, std::string>> ParentOf(Ino ino) const;
   // The relative paths ("a/b") of the files open through the mount now (an open not yet
   // released) or last released less than `recent_ms` ago (at most an hour), for the bucket uploader: it removes no
   // staged copy in use (DCP renames `.metadata.tmp` right after closing it).

@@ -20,6 +20,8 @@
 #include "core/io/s3_readahead.h"
 #include "core/io/s3_tree.h"
 #include "core/io/write_capture.h"
+#include "fs/bucket_files.h"
+#include "fs/errno_map.h"
 #include "fs/filesystem.h"
 #include "fs/fuse_mount.h"
 #include "fs/materialize.h"
@@ -130,6 +132,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   // could never be indexed either): the mount is read-only, with no write capture.
   bool read_only = args.read_only || args.snapshot.read_only_index || (object_store && !staged);
   std::shared_ptr<io::BucketUploader> uploader;
+  std::shared_ptr<fs::BucketFiles> bucket_files;
   if (staged) {
     auto s3_tree = std::dynamic_pointer_cast<const S3Tree>(args.snapshot.tree);
     if (!s3_tree) return report("stage", InvalidArgumentError(source_dir + ": no S3 tree"));
@@ -163,8 +166,14 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
         mount_report->RecordError(line.starts_with("ucpfs: ") ? line.substr(7) : line);
       }
     };
-    // Once an object is in the bucket, the views are indexed again from it.
-    uo.on_uploaded = [changed](const std::string& rel) { (*changed)(rel); };
+    // The read-write area shows the bucket's objects beside the staged files (fs/bucket_files.h).
+    bucket_files = std::make_shared<fs::BucketFiles>(s3_tree);
+    // Once an object is in the bucket (or deleted), the views are indexed again from it and the
+    // read-write area lists its directory again.
+    uo.on_uploaded = [changed, bucket_files](const std::string& rel) {
+      bucket_files->Landed(rel);
+      (*changed)(rel);
+    };
     auto started = io::BucketUploader::Start(std::move(uo));
     if (!started.ok()) return report("upload", started.error());
     uploader = std::shared_ptr<io::BucketUploader>(std::move(*started));
@@ -395,14 +404,32 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     auto passthrough = fs::Passthrough::Make(write_dir, capture);
     if (!passthrough.ok()) return report("source", passthrough.error());
     if (uploader) {
-      // A rename or unlink in the staging directory: the new name uploaded, what is gone deleted.
-      (*passthrough)->SetChanged([uploader](const std::string& rel) {
+      // A rename or unlink in the staging directory: the new name uploaded, what is gone deleted,
+      // behind the uploads of every file closed before (queued as write capture makes them
+      // durable: Sync first), so an unlink right after a save never deletes before it lands.
+      (*passthrough)->SetChanged([uploader, weak_capture = std::weak_ptr<io::WriteCapture>(capture)](const std::string& rel) {
+        if (const std::shared_ptr<io::WriteCapture> c = weak_capture.lock()) {
+          if (Status s = c->Sync(); !s.ok()) std::cerr << "ucpfs: upload of " << rel << ": " << s.ToString() << std::endl;
+        }
         if (Status s = uploader->Changed(rel); !s.ok()) std::cerr << "ucpfs: upload: " << s.ToString() << std::endl;
       });
     } else if (reindexer) {
       (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
     }
     mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
+    if (bucket_files) {
+      // An unlink of an object: a DELETE, journaled behind the uploads of every file closed
+      // before it (write capture queues a file's upload when it makes it durable: Sync first).
+      bucket_files->SetRemove([weak_capture = std::weak_ptr<io::WriteCapture>(capture),
+                               weak = std::weak_ptr<io::BucketUploader>(uploader)](const std::string& rel) {
+        const std::shared_ptr<io::WriteCapture> c = weak_capture.lock();
+        const std::shared_ptr<io::BucketUploader> u = weak.lock();
+        if (!c || !u) return fs::PosixError(EROFS, rel + ": the mount is stopping");
+        if (Status s = c->Sync(); !s.ok()) return s.WithContext("delete " + u->Url(rel) + ": the saves before it");
+        return u->Changed(rel);
+      });
+    }
+    mo.bucket = bucket_files;
     if (uploader) {
       mo.passthrough->SetRefuseUnlinked(true);
       // Uploaded copies are removed once kept long enough, never one in use through the mount

@@ -22,7 +22,8 @@ chosen uploads fail.
     their directories leave the staging directory within seconds (stats.json counts them, no
     bytes staged, none held by the daemon's descriptors of the removed files) while the objects stay byte-equal; a file saved, then held open for reading
     while it is uploaded, closed and renamed 0.8 s later keeps its staged copy until the rename
-    (kept 1 s after its last close); a rename of a removed name fails with ENOENT; a second save into the same
+    (kept 1 s after its last close); a removed name reads the object from the bucket and its rename
+    fails with EXDEV; a second save into the same
     prefix lands whole (DCP's `.metadata.tmp` renamed right after its close).
  C. kill -9: every PUT under the prefix is denied, the save returns, the daemon is killed at once
     (uploads not done, commits perhaps in flight); nothing is in the bucket. The policy is lifted
@@ -32,6 +33,7 @@ chosen uploads fail.
 Run by hand: tests/s3/rgw.sh exec DIR env UCPFS_BIN=build/cli/ucpfs UCPFS_TOOLS_DIR=build/tests \
     .venv/bin/python tests/e2e/s3_save_test.py
 """
+import errno
 import json
 import os
 import signal
@@ -272,11 +274,15 @@ def main():
                     time.sleep(0.8)
                     os.rename(tmp, final)  # FileNotFoundError if the copy was removed too early
                     os.unlink(final)
+                # The staged copy is gone: the name is the bucket's object now, which is not
+                # renamed in place (EXDEV: mv copies, then unlinks).
+                with open(os.path.join(m, SHARDS[0]), "rb") as f, open(os.path.join(local, SHARDS[0]), "rb") as g:
+                    assert f.read() == g.read(), f"{SHARDS[0]} read from the bucket through the mount differs"
                 try:
                     os.rename(os.path.join(m, SHARDS[0]), os.path.join(m, "moved"))
-                    raise AssertionError("a rename of a name whose staged copy was removed succeeded")
-                except FileNotFoundError:
-                    pass
+                    raise AssertionError("a rename of an object in the bucket succeeded")
+                except OSError as e:
+                    assert e.errno == errno.EXDEV, e
                 save(m)  # again, into the same prefix: DCP renames .metadata.tmp right after its close
                 run([ucpfs_bin(), "sync", m, "-q"])
                 check_same_as_local(c, bucket, prefix, local, m)

@@ -2,7 +2,7 @@
 // subtrees built on lookup (kernel references counted, evicted when all are forgotten), new
 // generations of the views (Swap: old inodes readable until forgotten), and the source served
 // read-write beside the views, saves captured (create, write, read back, fsync, rename,
-// unlink, views EROFS).
+// unlink, views EROFS), and an s3:// mount's bucket objects beside the staged files.
 #include "fs/filesystem.h"
 
 #include <fcntl.h>
@@ -20,9 +20,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string_view>
 
 #include "core/io/pinned_cache.h"
 #include "core/io/write_capture.h"
+#include "core/io/source_tree.h"
+#include "fs/bucket_files.h"
 #include "fs/errno_map.h"
 
 namespace ucpfs::fs {
@@ -478,6 +482,147 @@ TEST_F(PassthroughFixture, SavesAreCapturedAndLandWhenDurable) {
   Result<Entry> none = fs_->Lookup(old.ino, "gone.pt");
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(none->ino, 0u);
+}
+
+// An s3:// mount's read-write area: the bucket's objects (here a LocalTree standing for the
+// bucket: BucketFiles asks only the SourceTree calls) beside the staged files, staged winning.
+class BucketFixture : public PassthroughFixture {
+ protected:
+  void SetUp() override {
+    PassthroughFixture::SetUp();
+    bucket_dir_ = dir_.string() + "-bucket";
+    std::filesystem::remove_all(bucket_dir_);
+    std::filesystem::create_directories(bucket_dir_ / "step" / "deep");
+    std::ofstream(bucket_dir_ / "latest") << "step";
+    std::ofstream(bucket_dir_ / "old") << "shadowed by the staged directory";
+    std::ofstream(bucket_dir_ / "step" / "shard") << "0123456789";
+    std::ofstream(bucket_dir_ / "step" / "deep" / "x") << "x";
+    bucket_ = std::make_shared<BucketFiles>(LocalTree::Make(bucket_dir_.string()));
+    bucket_->SetRemove([this](const std::string& rel) { return RemoveObject(rel); });
+    FilesystemOptions options;
+    options.passthrough = std::shared_ptr<Passthrough>(std::move(Passthrough::Make(dir_.string(), capture_)).value());
+    options.passthrough->SetRefuseUnlinked(true);  // as an s3:// mount's daemon sets it
+    options.bucket = bucket_;
+    fs_ = std::move(Filesystem::Make(ViewTree("view"), std::move(options))).value();
+  }
+  void TearDown() override {
+    PassthroughFixture::TearDown();
+    std::filesystem::remove_all(bucket_dir_);
+  }
+  // What the uploader's DELETE does, recorded.
+  Status RemoveObject(const std::string& rel) {
+    removed_.push_back(rel);
+    std::filesystem::remove(bucket_dir_ / rel);
+    return Status::Ok();
+  }
+  std::vector<std::string> Names(Ino dir) {
+    Result<DirListing> listing = fs_->OpenDir(dir);
+    EXPECT_TRUE(listing.ok());
+    std::vector<std::string> names;
+    if (!listing.ok()) return names;
+    const DirListing listed = *std::move(listing);
+    for (const auto& item : listed.items) names.push_back(item.name);
+    return names;
+  }
+  std::filesystem::path bucket_dir_;
+  std::shared_ptr<BucketFiles> bucket_;
+  std::vector<std::string> removed_;
+};
+
+TEST_F(BucketFixture, ObjectsShowBesideStagedFilesAndChangesAreRefusedOrStaged) {
+  // Listed with the views and the staged names; `old` is the staged directory's.
+  EXPECT_EQ(Names(kRootIno), (std::vector<std::string>{".", "..", "atomic", "latest", "old", "step"}));
+  EXPECT_FALSE(BucketFiles::Owns(fs_->Lookup(kRootIno, "old")->ino));
+  const Entry latest = *fs_->Lookup(kRootIno, "latest");
+  ASSERT_TRUE(BucketFiles::Owns(latest.ino));
+  EXPECT_TRUE(Passthrough::Owns(latest.ino));
+  EXPECT_EQ(latest.attr.st_size, 4);
+  EXPECT_EQ(ReadAll(*fs_, latest.ino), "step");
+  // A bucket directory is made in the staging directory on lookup (never uploaded).
+  const Entry step = *fs_->Lookup(kRootIno, "step");
+  EXPECT_TRUE(std::filesystem::is_directory(dir_ / "step"));
+  EXPECT_EQ(Names(step.ino), (std::vector<std::string>{".", "..", "deep", "shard"}));
+  const Entry shard = *fs_->Lookup(step.ino, "shard");
+  Result<OpenFile> part = fs_->Open(shard.ino, O_RDONLY);
+  ASSERT_TRUE(part.ok());
+  std::vector<std::byte> buf(3);
+  ASSERT_EQ(*fs_->Read(*part, 4, buf), 3u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(buf.data()), 3), "456");
+  (void)fs_->Release(*part);
+  // Refused: in-place writes (EPERM), renames (EXDEV, also of a directory holding objects), rmdir
+  // of a directory holding objects (ENOTEMPTY), setattr (EPERM).
+  EXPECT_EQ(ErrnoFromStatus(fs_->Open(shard.ino, O_RDWR).error()), EPERM);
+  EXPECT_EQ(ErrnoFromStatus(fs_->Open(shard.ino, O_WRONLY | O_APPEND).error()), EPERM);
+  EXPECT_EQ(ErrnoFromStatus(fs_->Rename(step.ino, "shard", kRootIno, "moved", 0)), EXDEV);
+  EXPECT_EQ(ErrnoFromStatus(fs_->Rename(kRootIno, "step", kRootIno, "moved", 0)), EXDEV);
+  EXPECT_EQ(ErrnoFromStatus(fs_->Rmdir(kRootIno, "step")), ENOTEMPTY);
+  ASSERT_TRUE(fs_->Mknod(kRootIno, "new", S_IFREG | 0644).ok());
+  EXPECT_EQ(ErrnoFromStatus(fs_->Rename(kRootIno, "new", kRootIno, "latest", RENAME_NOREPLACE)), EEXIST);
+  struct stat attr = {};
+  EXPECT_EQ(ErrnoFromStatus(fs_->SetAttr(shard.ino, attr, Passthrough::kSetSize, nullptr).error()), EPERM);
+  EXPECT_TRUE(removed_.empty());
+  // An O_TRUNC rewrite is staged and answers for the object's inode from then on.
+  Result<OpenFile> rewrite = fs_->Open(latest.ino, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(rewrite.ok()) << rewrite.error().ToString();
+  ASSERT_TRUE(fs_->Write(*rewrite, 0, std::as_bytes(std::span(std::string_view("step-22")))).ok());
+  ASSERT_TRUE(fs_->Release(*rewrite).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  EXPECT_EQ(fs_->GetAttr(latest.ino)->st_size, 7);
+  EXPECT_EQ(ReadAll(*fs_, latest.ino), "step-22");
+  std::ifstream staged(dir_ / "latest");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(staged), {}), "step-22");
+  // Unlink of an object hands its DELETE over and hides the name until it lands; one whose
+  // DELETE could not be queued stays.
+  bucket_->SetRemove([](const std::string& rel) { return IoError("journal full: " + rel, ENOSPC); });
+  EXPECT_EQ(ErrnoFromStatus(fs_->Unlink(step.ino, "shard")), ENOSPC);
+  EXPECT_EQ(Names(step.ino), (std::vector<std::string>{".", "..", "deep", "shard"}));
+  bucket_->SetRemove([this](const std::string& rel) { return RemoveObject(rel); });
+  ASSERT_TRUE(fs_->Unlink(step.ino, "shard").ok());
+  EXPECT_EQ(removed_, (std::vector<std::string>{"step/shard"}));
+  EXPECT_EQ(Names(step.ino), (std::vector<std::string>{".", "..", "deep"}));
+  EXPECT_EQ(fs_->Lookup(step.ino, "shard")->ino, 0u);
+  bucket_->Landed("step/shard");
+  EXPECT_EQ(Names(step.ino), (std::vector<std::string>{".", "..", "deep"}));
+  // An object replaced behind the mount reads as EIO, never as other bytes.
+  const Entry x = *fs_->Lookup(fs_->Lookup(step.ino, "deep")->ino, "x");
+  std::ofstream(bucket_dir_ / "step" / "deep" / "x") << "another version";
+  Result<OpenFile> stale = fs_->Open(x.ino, O_RDONLY);
+  ASSERT_TRUE(stale.ok());
+  EXPECT_EQ(ErrnoFromStatus(fs_->Read(*stale, 0, buf).error()), EIO);
+  (void)fs_->Release(*stale);
+  // The kernel forgets an object's inode: it is gone.
+  fs_->Forget(x.ino, 1);
+  EXPECT_EQ(ErrnoFromStatus(fs_->GetAttr(x.ino).error()), ENOENT);
+}
+
+// The uploader removed a staged copy (uploaded) while the kernel still holds its inode: the
+// bucket's object answers its getattr and reads, and an O_TRUNC rewrite is staged anew.
+TEST_F(BucketFixture, ARemovedStagedCopyIsAnsweredByItsObject) {
+  auto made = fs_->Create(kRootIno, "saved", 0644, O_WRONLY | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(made.ok());
+  ASSERT_TRUE(fs_->Write(made->second, 0, std::as_bytes(std::span(std::string_view("abc")))).ok());
+  ASSERT_TRUE(fs_->Release(made->second).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  const Ino staged = fs_->Lookup(kRootIno, "saved")->ino;
+  EXPECT_FALSE(BucketFiles::Owns(staged));
+  std::ofstream(bucket_dir_ / "saved") << "abc";  // uploaded
+  bucket_->Landed("saved");
+  std::filesystem::remove(dir_ / "saved");  // and the staged copy removed
+  EXPECT_EQ(fs_->GetAttr(staged)->st_size, 3);
+  EXPECT_EQ(ReadAll(*fs_, staged), "abc");
+  Result<OpenFile> rewrite = fs_->Open(staged, O_WRONLY | O_TRUNC);
+  ASSERT_TRUE(rewrite.ok()) << rewrite.error().ToString();
+  ASSERT_TRUE(fs_->Write(*rewrite, 0, std::as_bytes(std::span(std::string_view("zz")))).ok());
+  ASSERT_TRUE(fs_->Release(*rewrite).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  std::ifstream again(dir_ / "saved");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(again), {}), "zz");
+  // Without an object of that name, a removed copy is ENOENT as before.
+  std::filesystem::remove(bucket_dir_ / "saved");
+  bucket_->Landed("saved");
+  const Ino restaged = fs_->Lookup(kRootIno, "saved")->ino;
+  std::filesystem::remove(dir_ / "saved");
+  EXPECT_EQ(ErrnoFromStatus(fs_->Open(restaged, O_RDONLY).error()), ENOENT);
 }
 
 // As root: what `nobody` saves is nobody's, with the kernel's bits (setgid directory, umask,
