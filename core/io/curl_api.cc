@@ -10,10 +10,10 @@
 namespace ucpfs::s3 {
 namespace {
 
-const char* kWhy = " (s3:// sources need libcurl 7.75 or later: Debian's package libcurl4)";
+constexpr const char* kWhy = " (s3:// sources need libcurl 7.75 or later: Debian's package libcurl4)";
 
 Result<const CurlApi*> Load() {
-  // RTLD_LOCAL: curl's symbols stay out of the global namespace, as when it was linked.
+  // RTLD_LOCAL: curl's symbols are reached only through the table, never resolved by name.
   void* lib = dlopen(kCurlLibrary, RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* err = dlerror();
