@@ -54,6 +54,7 @@
 #include <utility>
 #include <vector>
 
+#include "fs/direct_mount.h"
 #include "fs/errno_map.h"
 #include "fs/filesystem.h"
 #include "fs/passthrough.h"
@@ -1190,9 +1191,24 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
     fuse_session_destroy(se);
     return InternalError("fuse_set_signal_handlers failed");
   }
+  // As root, mount(2) here and give libfuse the descriptor (direct_mount.h): no mount(8) run.
+  DirectMountRequest direct;
+  direct.mountpoint = mountpoint;
+  direct.fsname = options.fsname.empty() ? "ucpfs" : options.fsname;
+  direct.subtype = "ucpfs";
+  direct.read_only = !options.passthrough;
+  direct.max_read_bytes = server.max_read_bytes;
+  direct.user_options = std::any_of(options.fuse_options.begin(), options.fuse_options.end(),
+                                    [](const std::string& o) { return !o.empty(); });
+  const int direct_fd = DirectMount(direct);
+  const std::string session_mountpoint = direct_fd >= 0 ? "/dev/fd/" + std::to_string(direct_fd) : mountpoint;
   errno = 0;
-  if (fuse_session_mount(se, mountpoint.c_str()) != 0) {
+  if (fuse_session_mount(se, session_mountpoint.c_str()) != 0) {
     const int err = errno != 0 ? errno : EIO;
+    if (direct_fd >= 0) {
+      DirectUnmount(direct_fd, mountpoint);
+      ::close(direct_fd);
+    }
     fuse_remove_signal_handlers(se);
     fuse_session_destroy(se);
     return IoError("mounting at " + mountpoint + " failed", err);
@@ -1203,6 +1219,7 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
                                     .splice_send = nullptr};
   if (const int rc = fuse_session_custom_io(se, &device_io, fuse_session_fd(se)); rc != 0) {
     fuse_session_unmount(se);
+    if (direct_fd >= 0) DirectUnmount(direct_fd, mountpoint);
     fuse_remove_signal_handlers(se);
     fuse_session_destroy(se);
     return IoError("fuse_session_custom_io failed", -rc);
@@ -1223,7 +1240,8 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   const int loop_rc = fuse_session_loop_mt(se, config);
   fuse_loop_cfg_destroy(config);
 
-  fuse_session_unmount(se);
+  fuse_session_unmount(se);  // nothing, for a direct mount (libfuse never knew its path)
+  if (direct_fd >= 0) DirectUnmount(direct_fd, mountpoint);
   fuse_remove_signal_handlers(se);
   // Closing /dev/fuse aborts the connection, so an announcer still waiting in stat() returns.
   fuse_session_destroy(se);

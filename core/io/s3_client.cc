@@ -5,7 +5,7 @@
 // position, headers, body read position).
 #include "core/io/s3_client.h"
 
-#include <curl/curl.h>
+#include "core/io/curl_api.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -25,9 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kMaxHeaderValueBytes = 1024;  // ETag, dates, Content-Range: short by nature
 constexpr uint64_t kLargeGetBytes = uint64_t{256} << 10;  // receive buffer of a ranged GET at least this large
-
-std::once_flag g_curl_init;
-bool g_curl_ok = false;
 
 enum class Kind {
   kGetRange,  // body into the caller's buffer
@@ -97,6 +94,7 @@ double UnitRandom() {
 
 struct Client::Impl {
   const Options* options = nullptr;
+  const CurlApi* curl = nullptr;  // loaded by Make (curl_api.h): every libcurl call goes through it
   CURLSH* share = nullptr;
   std::mutex locks[CURL_LOCK_DATA_LAST];
   std::atomic<uint64_t> requests{0}, retries{0}, failures{0}, bytes_get{0}, bytes_put{0}, connects{0};
@@ -164,7 +162,7 @@ struct Client::Impl {
     Request& r = *t->req;
     size_t len = size * n;
     long code = 0;
-    curl_easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &code);
+    t->impl->curl->easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &code);
     if (r.kind == Kind::kGetRange && code / 100 == 2) {
       // A 200 is the whole object: only the bytes from 0 are what was asked.
       if (code != 206 && r.range_offset != 0) {
@@ -215,73 +213,73 @@ struct Client::Impl {
     if (r.attempts == 0) t.first_start = Clock::now();
     ++r.attempts;
     ++requests;
-    CURL* e = curl_easy_init();
+    CURL* e = curl->easy_init();
     if (!e) return InternalError(r.what + ": curl_easy_init failed");
     t.easy = e;
-    curl_easy_setopt(e, CURLOPT_SHARE, share);
-    curl_easy_setopt(e, CURLOPT_URL, r.url.c_str());
-    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(e, CURLOPT_PATH_AS_IS, 1L);  // keys are paths S3 sees as they are ("a/../b")
-    curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
-    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options->connect_timeout_ms));
-    curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1024L);
-    curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, static_cast<long>(std::max<uint64_t>(1, options->low_speed_time_ms / 1000)));
-    curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
-    if (!options->ca_bundle.empty()) curl_easy_setopt(e, CURLOPT_CAINFO, options->ca_bundle.c_str());
-    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &Impl::OnHeader);
-    curl_easy_setopt(e, CURLOPT_HEADERDATA, &t);
-    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &Impl::OnWrite);
-    curl_easy_setopt(e, CURLOPT_WRITEDATA, &t);
-    curl_easy_setopt(e, CURLOPT_PRIVATE, &t);
+    curl->easy_setopt(e, CURLOPT_SHARE, share);
+    curl->easy_setopt(e, CURLOPT_URL, r.url.c_str());
+    curl->easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl->easy_setopt(e, CURLOPT_PATH_AS_IS, 1L);  // keys are paths S3 sees as they are ("a/../b")
+    curl->easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
+    curl->easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options->connect_timeout_ms));
+    curl->easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1024L);
+    curl->easy_setopt(e, CURLOPT_LOW_SPEED_TIME, static_cast<long>(std::max<uint64_t>(1, options->low_speed_time_ms / 1000)));
+    curl->easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
+    if (!options->ca_bundle.empty()) curl->easy_setopt(e, CURLOPT_CAINFO, options->ca_bundle.c_str());
+    curl->easy_setopt(e, CURLOPT_HEADERFUNCTION, &Impl::OnHeader);
+    curl->easy_setopt(e, CURLOPT_HEADERDATA, &t);
+    curl->easy_setopt(e, CURLOPT_WRITEFUNCTION, &Impl::OnWrite);
+    curl->easy_setopt(e, CURLOPT_WRITEDATA, &t);
+    curl->easy_setopt(e, CURLOPT_PRIVATE, &t);
     const Credentials& c = options->credentials;
     std::string sigv4;
     if (!c.anonymous()) {
       sigv4 = "aws:amz:" + options->region + ":s3";
-      curl_easy_setopt(e, CURLOPT_AWS_SIGV4, sigv4.c_str());  // copied by libcurl
-      curl_easy_setopt(e, CURLOPT_USERNAME, c.access_key_id.c_str());
-      curl_easy_setopt(e, CURLOPT_PASSWORD, c.secret_access_key.c_str());
+      curl->easy_setopt(e, CURLOPT_AWS_SIGV4, sigv4.c_str());  // copied by libcurl
+      curl->easy_setopt(e, CURLOPT_USERNAME, c.access_key_id.c_str());
+      curl->easy_setopt(e, CURLOPT_PASSWORD, c.secret_access_key.c_str());
     }
     curl_slist* h = nullptr;
     // S3 needs the payload's hash header; its value is what libcurl signs as the payload.
-    h = curl_slist_append(h, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
-    if (!c.session_token.empty()) h = curl_slist_append(h, ("x-amz-security-token: " + c.session_token).c_str());
-    for (const std::string& x : r.headers) h = curl_slist_append(h, x.c_str());
+    h = curl->slist_append(h, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    if (!c.session_token.empty()) h = curl->slist_append(h, ("x-amz-security-token: " + c.session_token).c_str());
+    for (const std::string& x : r.headers) h = curl->slist_append(h, x.c_str());
     t.header_list = h;
-    curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
+    curl->easy_setopt(e, CURLOPT_HTTPHEADER, h);
     if (r.method == "HEAD") {
-      curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
+      curl->easy_setopt(e, CURLOPT_NOBODY, 1L);
     } else if (r.method == "PUT") {
-      curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
-      curl_easy_setopt(e, CURLOPT_READFUNCTION, &Impl::OnRead);
-      curl_easy_setopt(e, CURLOPT_READDATA, &t);
-      curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
+      curl->easy_setopt(e, CURLOPT_UPLOAD, 1L);
+      curl->easy_setopt(e, CURLOPT_READFUNCTION, &Impl::OnRead);
+      curl->easy_setopt(e, CURLOPT_READDATA, &t);
+      curl->easy_setopt(e, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
     } else if (r.method == "POST") {
-      curl_easy_setopt(e, CURLOPT_POST, 1L);
-      curl_easy_setopt(e, CURLOPT_POSTFIELDS, reinterpret_cast<const char*>(r.body.data()));
-      curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
+      curl->easy_setopt(e, CURLOPT_POST, 1L);
+      curl->easy_setopt(e, CURLOPT_POSTFIELDS, reinterpret_cast<const char*>(r.body.data()));
+      curl->easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
     } else if (r.method == "DELETE") {
-      curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, "DELETE");
+      curl->easy_setopt(e, CURLOPT_CUSTOMREQUEST, "DELETE");
     }
     if (r.kind == Kind::kGetRange) {
       std::string range = std::to_string(r.range_offset) + "-" + std::to_string(r.range_offset + r.range_n_bytes - 1);
-      curl_easy_setopt(e, CURLOPT_RANGE, range.c_str());  // copied by libcurl
+      curl->easy_setopt(e, CURLOPT_RANGE, range.c_str());  // copied by libcurl
       // A large body is received in large pieces: one recv and one write callback per 256 KiB
       // instead of per 16 KiB (curl's default buffer).
-      if (r.range_n_bytes >= kLargeGetBytes) curl_easy_setopt(e, CURLOPT_BUFFERSIZE, static_cast<long>(kLargeGetBytes));
+      if (r.range_n_bytes >= kLargeGetBytes) curl->easy_setopt(e, CURLOPT_BUFFERSIZE, static_cast<long>(kLargeGetBytes));
     }
-    CURLMcode mc = curl_multi_add_handle(multi, e);
-    if (mc != CURLM_OK) return InternalError(r.what + ": curl_multi_add_handle: " + curl_multi_strerror(mc));
+    CURLMcode mc = curl->multi_add_handle(multi, e);
+    if (mc != CURLM_OK) return InternalError(r.what + ": curl_multi_add_handle: " + curl->multi_strerror(mc));
     t.started = true;
     return Status::Ok();
   }
 
   void EndAttempt(Transfer& t, CURLM* multi) {
     if (t.easy) {
-      curl_multi_remove_handle(multi, t.easy);
-      curl_easy_cleanup(t.easy);
+      curl->multi_remove_handle(multi, t.easy);
+      curl->easy_cleanup(t.easy);
       t.easy = nullptr;
     }
-    curl_slist_free_all(t.header_list);
+    curl->slist_free_all(t.header_list);
     t.header_list = nullptr;
     t.started = false;
   }
@@ -294,7 +292,7 @@ struct Client::Impl {
     if (cc != CURLE_OK) {
       *retry = IsRetryable(static_cast<int>(cc), 0, "");
       int err = cc == CURLE_OPERATION_TIMEDOUT ? ETIMEDOUT : cc == CURLE_COULDNT_CONNECT ? ECONNREFUSED : EIO;
-      return IoError(r.what + ": " + curl_easy_strerror(cc) + tries, err);
+      return IoError(r.what + ": " + curl->easy_strerror(cc) + tries, err);
     }
     long code = r.http_status;
     if (code / 100 == 2) {
@@ -336,15 +334,14 @@ struct Client::Impl {
 
   // Runs every request to its end (success, or failure after its retries); each one's Status.
   void Execute(std::span<Request> reqs) {
-    std::call_once(g_curl_init, [] { g_curl_ok = curl_global_init(CURL_GLOBAL_DEFAULT) == CURLE_OK; });
-    CURLM* multi = curl_multi_init();
+    CURLM* multi = curl->multi_init();
     if (!multi) {
       for (Request& r : reqs) r.status = InternalError(r.what + ": curl_multi_init failed");
       return;
     }
     // libcurl keeps at most this many connections open when a transfer ends; its default (4 per
     // handle still in the multi) would close most of them as a batch drains.
-    curl_multi_setopt(multi, CURLMOPT_MAXCONNECTS, static_cast<long>(std::max(1, options->max_idle_connections)));
+    curl->multi_setopt(multi, CURLMOPT_MAXCONNECTS, static_cast<long>(std::max(1, options->max_idle_connections)));
     std::vector<Transfer> ts(reqs.size());
     std::deque<size_t> ready;
     std::vector<size_t> waiting;  // retries not due yet
@@ -379,20 +376,20 @@ struct Client::Impl {
         ++in_flight;
       }
       int running = 0;
-      curl_multi_perform(multi, &running);
+      curl->multi_perform(multi, &running);
       int left = 0;
-      while (CURLMsg* m = curl_multi_info_read(multi, &left)) {
+      while (CURLMsg* m = curl->multi_info_read(multi, &left)) {
         if (m->msg != CURLMSG_DONE) continue;
         Transfer* t = nullptr;
-        curl_easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, reinterpret_cast<char**>(&t));
+        curl->easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, reinterpret_cast<char**>(&t));
         CURLcode cc = m->data.result;
         Request& r = *t->req;
-        curl_easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &r.http_status);
+        curl->easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &r.http_status);
         curl_off_t cl = -1;
-        curl_easy_getinfo(t->easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &cl);
+        curl->easy_getinfo(t->easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &cl);
         r.content_length = cl;
         long n_connects = 0;
-        curl_easy_getinfo(t->easy, CURLINFO_NUM_CONNECTS, &n_connects);
+        curl->easy_getinfo(t->easy, CURLINFO_NUM_CONNECTS, &n_connects);
         connects += static_cast<uint64_t>(std::max(0L, n_connects));
         if (r.method == "PUT") bytes_put += r.body_sent;
         if (r.kind == Kind::kGetRange) CountObjectBytes(r.object, r.out_written);
@@ -423,10 +420,10 @@ struct Client::Impl {
         auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
         timeout_ms = static_cast<int>(std::clamp<int64_t>(ms, 0, 100));
       }
-      curl_multi_poll(multi, nullptr, 0, timeout_ms, nullptr);
+      curl->multi_poll(multi, nullptr, 0, timeout_ms, nullptr);
     }
     for (Transfer& t : ts) EndAttempt(t, multi);
-    curl_multi_cleanup(multi);
+    curl->multi_cleanup(multi);
   }
 
   Status ExecuteOne(Request& r) {
@@ -438,28 +435,24 @@ struct Client::Impl {
 Client::Client(Options options) : options_(std::move(options)), impl_(std::make_unique<Impl>()) {}
 
 Client::~Client() {
-  if (impl_ && impl_->share) curl_share_cleanup(impl_->share);
+  if (impl_ && impl_->share) impl_->curl->share_cleanup(impl_->share);
 }
 
 Result<std::shared_ptr<Client>> Client::Make(Options options) {
   UCPFS_RETURN_IF_ERROR(ParseEndpoint(options.endpoint_url).status());
-  std::call_once(g_curl_init, [] { g_curl_ok = curl_global_init(CURL_GLOBAL_DEFAULT) == CURLE_OK; });
-  if (!g_curl_ok) return InternalError("curl_global_init failed");
-  const curl_version_info_data* v = curl_version_info(CURLVERSION_NOW);
-  if (v->version_num < 0x074b00) {
-    return InternalError(std::string("libcurl ") + v->version + " has no SigV4 signing (7.75 or later needed)");
-  }
+  UCPFS_ASSIGN_OR_RETURN(const CurlApi* curl, LoadCurl());
   std::shared_ptr<Client> c(new Client(std::move(options)));
   Impl& im = *c->impl_;
   im.options = &c->options_;
-  im.share = curl_share_init();
+  im.curl = curl;
+  im.share = curl->share_init();
   if (!im.share) return InternalError("curl_share_init failed");
-  curl_share_setopt(im.share, CURLSHOPT_LOCKFUNC, &Impl::Lock);
-  curl_share_setopt(im.share, CURLSHOPT_UNLOCKFUNC, &Impl::Unlock);
-  curl_share_setopt(im.share, CURLSHOPT_USERDATA, &im);
-  curl_share_setopt(im.share, CURLSHOPT_SHARE, CURL_LOCK_DATA_CONNECT);
-  curl_share_setopt(im.share, CURLSHOPT_SHARE, CURL_LOCK_DATA_DNS);
-  curl_share_setopt(im.share, CURLSHOPT_SHARE, CURL_LOCK_DATA_SSL_SESSION);
+  curl->share_setopt(im.share, CURLSHOPT_LOCKFUNC, &Impl::Lock);
+  curl->share_setopt(im.share, CURLSHOPT_UNLOCKFUNC, &Impl::Unlock);
+  curl->share_setopt(im.share, CURLSHOPT_USERDATA, &im);
+  curl->share_setopt(im.share, CURLSHOPT_SHARE, CURL_LOCK_DATA_CONNECT);
+  curl->share_setopt(im.share, CURLSHOPT_SHARE, CURL_LOCK_DATA_DNS);
+  curl->share_setopt(im.share, CURLSHOPT_SHARE, CURL_LOCK_DATA_SSL_SESSION);
   return c;
 }
 

@@ -1,8 +1,9 @@
-// S3 client on libcurl (Debian 12's 7.88): SigV4 signed by libcurl itself (CURLOPT_AWS_SIGV4),
-// connections kept open and shared by every request of a client (one CURLSH: connection, DNS and
-// TLS session caches), each call's transfers run through a multi handle so a batch of ranged
-// GETs is in flight at once, retries with backoff and jitter on 5xx, throttling and transport
-// errors (s3_config.h: RetryPolicy), and S3's error code and message in every error.
+// S3 client on libcurl (Debian 12's 7.88, loaded on first use: curl_api.h): SigV4 signed by
+// libcurl itself (CURLOPT_AWS_SIGV4), connections kept open and shared by every request of a
+// client (one CURLSH: connection, DNS and TLS session caches), each call's transfers run through
+// a multi handle so a batch of ranged GETs is in flight at once, retries with backoff and jitter
+// on 5xx, throttling and transport errors (s3_config.h: RetryPolicy), and S3's error code and
+// message in every error.
 //
 // Not for: listing or reading checkpoints as sources (a SourceTree over S3 builds on this),
 // the pure rules (s3_config.h) or XML (s3_xml.h).
@@ -80,8 +81,8 @@ struct ObjectBytes {
 
 class Client {
  public:
-  // Errors: kInvalidArgument when the endpoint does not parse; kInternal when libcurl cannot be
-  // set up or lacks SigV4 (older than 7.75).
+  // Errors: kInvalidArgument when the endpoint does not parse; kUnsupported naming libcurl.so.4
+  // when it cannot be loaded or lacks SigV4 (older than 7.75); kInternal when it cannot be set up.
   static Result<std::shared_ptr<Client>> Make(Options options);
   ~Client();
   Client(const Client&) = delete;

@@ -1,0 +1,52 @@
+// libcurl reached through a table of function pointers filled by dlopen("libcurl.so.4") on the
+// first use of an s3:// source, so that the binary does not link libcurl: its ~30 dependencies
+// (TLS, Kerberos, LDAP, IDN...) are then loaded only by the mounts and commands that talk to
+// object storage, not by every `ucpfs` start (a local mount's cold start was ~40 ms of loading
+// them). The S3 client (s3_client.cc) is the only caller; it calls curl through this table alone.
+//
+// Not for: the curl calls themselves (s3_client.cc), the pure S3 rules (s3_config.h).
+#pragma once
+
+#include <curl/curl.h>
+
+#include "core/status.h"
+
+namespace ucpfs::s3 {
+
+// The soname loaded: Debian's libcurl4 (OpenSSL), what libcurl4-openssl-dev builds against.
+inline constexpr const char* kCurlLibrary = "libcurl.so.4";
+
+// Each member has the type of the libcurl function it is named after (decltype of the header's
+// declaration, so a mismatch cannot compile).
+struct CurlApi {
+  decltype(&::curl_global_init) global_init;
+  decltype(&::curl_version_info) version_info;
+  decltype(&::curl_easy_init) easy_init;
+  decltype(&::curl_easy_setopt) easy_setopt;
+  decltype(&::curl_easy_getinfo) easy_getinfo;
+  decltype(&::curl_easy_cleanup) easy_cleanup;
+  decltype(&::curl_easy_strerror) easy_strerror;
+  decltype(&::curl_slist_append) slist_append;
+  decltype(&::curl_slist_free_all) slist_free_all;
+  decltype(&::curl_multi_init) multi_init;
+  decltype(&::curl_multi_setopt) multi_setopt;
+  decltype(&::curl_multi_add_handle) multi_add_handle;
+  decltype(&::curl_multi_remove_handle) multi_remove_handle;
+  decltype(&::curl_multi_perform) multi_perform;
+  decltype(&::curl_multi_info_read) multi_info_read;
+  decltype(&::curl_multi_poll) multi_poll;
+  decltype(&::curl_multi_cleanup) multi_cleanup;
+  decltype(&::curl_multi_strerror) multi_strerror;
+  decltype(&::curl_share_init) share_init;
+  decltype(&::curl_share_setopt) share_setopt;
+  decltype(&::curl_share_cleanup) share_cleanup;
+};
+
+// The table, loaded, checked and curl_global_init'ed once per process (thread-safe); the same
+// answer on every later call. The library stays loaded for the process's life.
+// Errors: kUnsupported naming libcurl.so.4 when it cannot be loaded (not installed) or lacks a
+// function; kUnsupported when it is older than 7.75 (no SigV4 signing); kInternal when
+// curl_global_init fails.
+Result<const CurlApi*> LoadCurl();
+
+}  // namespace ucpfs::s3
