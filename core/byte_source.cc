@@ -65,6 +65,20 @@ Status SliceSource::DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const 
   return base_->DescribeReads(byte_offset_ + byte_offset, n_bytes, sink);
 }
 
+Result<bool> ByteSource::LocatePieces(std::span<const ReadPiece>, std::span<FileExtent>) const { return false; }
+
+Result<bool> SliceSource::LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const {
+  std::vector<ReadPiece> moved(pieces.begin(), pieces.end());
+  for (ReadPiece& p : moved) {
+    if (!RangeInside(p.byte_offset, p.out.size(), n_bytes_)) {
+      return OutOfRangeError(name_ + ": read of " + std::to_string(p.out.size()) + " bytes at offset " +
+                             std::to_string(p.byte_offset) + " past end");
+    }
+    p.byte_offset += byte_offset_;
+  }
+  return base_->LocatePieces(moved, extents);
+}
+
 Status ByteSource::ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index) const {
   for (size_t i = 0; i < pieces.size(); ++i) {
     Status s = ReadAt(pieces[i].byte_offset, pieces[i].out);
@@ -96,9 +110,18 @@ struct Deferred {
   const ByteSource* src;
   ReadPiece piece;
 };
+// An open LocateScope's request and what it located so far.
+struct Locating {
+  bool open = false;
+  size_t frame = 0;  // the batch frame it applies to: the first opened after it
+  uint64_t min_piece_bytes = 0;
+  size_t max_pieces = 0;
+  std::vector<LocatedPiece> pieces;  // kept across scopes (its capacity), cleared at each
+};
 struct ThreadBatches {
   std::vector<std::vector<Deferred>> frames;  // frames[0, depth) are open, innermost last
   size_t depth = 0;
+  Locating locating;
 };
 thread_local ThreadBatches t_batches;
 
@@ -107,11 +130,47 @@ Status WithName(Status s, const ByteSource& src) {
   return s;
 }
 
+// Moves the pieces of `group` (all of `src`) that `locating` takes and `src` can locate into
+// locating.pieces; what stays in `group` (with its indices) is to be read.
+Status Locate(const ByteSource& src, std::vector<ReadPiece>& group, std::vector<size_t>& group_index,
+              Locating& locating) {
+  std::vector<size_t> take;  // positions in group
+  for (size_t i = 0; i < group.size() && locating.pieces.size() + take.size() < locating.max_pieces; ++i) {
+    if (group[i].out.size() >= locating.min_piece_bytes) take.push_back(i);
+  }
+  if (take.empty()) return Status::Ok();
+  std::vector<ReadPiece> pieces;
+  pieces.reserve(take.size());
+  for (size_t i : take) pieces.push_back(group[i]);
+  std::vector<FileExtent> extents(take.size());
+  UCPFS_ASSIGN_OR_RETURN(const bool located, src.LocatePieces(pieces, extents));
+  if (!located) return Status::Ok();
+  for (size_t k = 0; k < take.size(); ++k) {
+    locating.pieces.push_back({pieces[k].out.data(), pieces[k].out.size(), std::move(extents[k])});
+  }
+  // Keep the rest, in order.
+  size_t kept = 0, next_taken = 0;
+  for (size_t i = 0; i < group.size(); ++i) {
+    if (next_taken < take.size() && take[next_taken] == i) {
+      ++next_taken;
+      continue;
+    }
+    group[kept] = group[i];
+    group_index[kept] = group_index[i];
+    ++kept;
+  }
+  group.resize(kept);
+  group_index.resize(kept);
+  return Status::Ok();
+}
+
 // Reads everything `frame` holds, each source's pieces as one batch, and clears it. The first
 // error in deferral order wins: every source is read (their pieces are independent), then the
 // failure with the smallest index is returned. A source may be a view whose read opens a batch
 // of its own: nothing here refers into the thread's frames while a source reads.
-Status ReadPending(std::vector<Deferred>& frame) {
+// `locating` (the frame is a LocateScope's): pieces its sources can locate are recorded there
+// instead of read.
+Status ReadPending(std::vector<Deferred>& frame, Locating* locating = nullptr) {
   if (frame.empty()) return Status::Ok();
   const std::vector<Deferred> pending = std::move(frame);
   frame.clear();
@@ -131,6 +190,17 @@ Status ReadPending(std::vector<Deferred>& frame) {
       taken[k] = true;
       group.push_back(pending[k].piece);
       group_index.push_back(k);
+    }
+    if (locating != nullptr) {
+      Status s = Locate(*src, group, group_index, *locating);
+      if (!s.ok()) {
+        if (group_index[0] < first_failed) {
+          first_failed = group_index[0];
+          first = WithName(std::move(s), *src);
+        }
+        continue;
+      }
+      if (group.empty()) continue;
     }
     size_t failed = 0;
     Status s = src->ReadPieces(group, &failed);
@@ -161,8 +231,28 @@ ReadBatch::~ReadBatch() {
 Status ReadBatch::Finish() {
   if (finished_) return Status::Ok();
   finished_ = true;
-  return ReadPending(t_batches.frames[t_batches.depth - 1]);  // this batch is the innermost
+  ThreadBatches& b = t_batches;
+  const size_t frame = b.depth - 1;  // this batch is the innermost
+  Locating* locating = b.locating.open && b.locating.frame == frame ? &b.locating : nullptr;
+  return ReadPending(b.frames[frame], locating);
 }
+
+LocateScope::LocateScope(uint64_t min_piece_bytes, size_t max_pieces) : depth_(t_batches.depth) {
+  Locating& l = t_batches.locating;
+  l.open = true;
+  l.frame = depth_;
+  l.min_piece_bytes = std::max<uint64_t>(min_piece_bytes, 1);
+  l.max_pieces = max_pieces;
+  l.pieces.clear();
+}
+
+LocateScope::~LocateScope() {
+  Locating& l = t_batches.locating;
+  l.open = false;
+  l.pieces.clear();  // lets go of the files
+}
+
+const std::vector<LocatedPiece>& LocateScope::pieces() const { return t_batches.locating.pieces; }
 
 size_t ReadBatch::PendingPieces() {
   return t_batches.depth == 0 ? 0 : t_batches.frames[t_batches.depth - 1].size();

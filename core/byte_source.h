@@ -6,6 +6,10 @@
 // one batch of I/O ops: core/io/file_source.h), and a ReadBatch open on the calling thread
 // collects the plain reads of a whole view read (ReadOrDefer) so that they go out together when
 // it ends: a read of a view is one batch of source reads per source file.
+//
+// Located reads: inside a LocateScope, the view read's batch does not read the plain pieces
+// whose source lies in an open file (ByteSource::LocatePieces): it hands back where they lie,
+// and the caller moves those file pages itself (the mount splices them into its reply).
 #pragma once
 
 #include <cstddef>
@@ -24,6 +28,14 @@ namespace ucpfs {
 struct ReadPiece {
   uint64_t byte_offset = 0;
   std::span<std::byte> out;
+};
+
+// Where a source's bytes lie in an open file (ByteSource::LocatePieces): `fd` stays open while
+// `holder` is held.
+struct FileExtent {
+  std::shared_ptr<const void> holder;
+  int fd = -1;
+  uint64_t byte_offset = 0;  // in the file
 };
 
 class ByteSource {
@@ -61,6 +73,14 @@ class ByteSource {
   // Sources built over others (slices, lazy views) report the runs of theirs. Errors:
   // kOutOfRange when the range is not inside [0, Size()); kUnsupported when a part cannot tell.
   virtual Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const;
+
+  // Where each piece's bytes lie, unchanged, in an open file (extents[i] for pieces[i];
+  // extents.size() == pieces.size()), without reading them: for readers that move file pages
+  // instead of copying them (LocateScope). A file is checked now to be the version indexed, as
+  // a read's would be. false: this source cannot say (bytes in memory or object storage; the
+  // default): read the pieces instead. Errors: what ReadPieces would return for the same pieces
+  // besides the read itself (kOutOfRange, the open's, kDataLoss for a changed file).
+  virtual Result<bool> LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const;
 };
 
 // A ByteSource over bytes held in memory.
@@ -93,6 +113,8 @@ class SliceSource final : public ByteSource {
   Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override;
   // The pieces moved into `base`, read there as one batch.
   Status ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index = nullptr) const override;
+  // The pieces moved into `base`, located there.
+  Result<bool> LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const override;
   uint64_t base_offset() const { return byte_offset_; }
 
  private:
@@ -136,6 +158,34 @@ Status ReadOrDefer(const ByteSource& src, uint64_t byte_offset, std::span<std::b
 // own reads must not pass deferred ones (to keep the first error in byte order) call it first.
 // Errors: as ReadBatch::Finish. Ok when no batch is open.
 Status FlushReadBatch();
+
+// A plain piece of a view read left unread (LocateScope): its `n_bytes` at `out` are the bytes
+// at `where` in an open file.
+struct LocatedPiece {
+  std::byte* out = nullptr;
+  size_t n_bytes = 0;
+  FileExtent where;
+};
+
+// While open on the calling thread, the first ReadBatch opened after it (a view file's read:
+// LazyTorchFile, LazySafetensorsFile) leaves unread the deferred pieces of at least
+// `min_piece_bytes` whose source can locate them (ByteSource::LocatePieces), up to `max_pieces`
+// of them (more are read), and records them in pieces(), in the order deferred: the caller must
+// get those bytes from the files itself, after the read returns Ok. Every other byte of the read
+// is in its buffer as usual. Batches opened inside that one (a view read by another) read
+// everything. Scopes do not nest. Not with LegacyReadPath (no batches: nothing is located).
+class LocateScope {
+ public:
+  LocateScope(uint64_t min_piece_bytes, size_t max_pieces);
+  ~LocateScope();
+  LocateScope(const LocateScope&) = delete;
+  LocateScope& operator=(const LocateScope&) = delete;
+
+  const std::vector<LocatedPiece>& pieces() const;
+
+ private:
+  size_t depth_;
+};
 
 // The read path as it was before batching (UCPFS_READ_PATH=legacy in the environment, read once
 // per process): an I/O engine made per source read, no plan cache, no ReadBatch, read-ahead as

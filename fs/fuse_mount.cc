@@ -43,9 +43,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <new>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <thread>
@@ -69,6 +72,62 @@ constexpr double kCacheTimeoutS = 3600.0;
 // Largest FUSE read request. libfuse 3.14's receive buffer holds 256 pages, and the kernel's
 // max_pages_limit is 256 by default, so 1 MiB is the most one request can carry.
 constexpr uint32_t kDefaultMaxReadBytes = 1u << 20;
+
+// ---- spliced replies ----
+//
+// A view read's plain bytes (source bytes copied unconverted) are not read by the daemon: the
+// read runs in a LocateScope (core/byte_source.h), which leaves them unread and says where they
+// lie in the open source files, and the reply (fuse_reply_data) is a fuse_bufvec of memory
+// buffers (headers, converted or gathered bytes) and descriptor buffers over those files, which
+// libfuse splices into /dev/fuse through a per-thread pipe: the kernel copies the source's
+// pages into the reply once, where a copy reply takes them through the daemon's buffer.
+// - The whole reply must fit the pipe (libfuse: pagesize * (buffers + 2) + the message), and a
+//   pipe above fs.pipe-max-size (1 MiB by default) needs CAP_SYS_RESOURCE: where the daemon
+//   cannot make a pipe of max_read plus kSpliceSlackBytes, a default max_read is lowered to fit
+//   (896 KiB), and a max_read given with -o turns splicing off. At most kMaxSplicedPieces
+//   descriptor buffers, fewer where the slack is smaller (more pieces are read, as today).
+// - Pieces under kMinSplicedPieceBytes are read: a descriptor buffer costs a splice call and
+//   a pipe slot per page it touches.
+// - Not for FUSE over io_uring (libfuse copies a bufvec into the ring: no splice), volatile
+//   files, source files, or with UCPFS_READ_PATH=copy (or legacy) in the environment.
+// - A source edited in place is caught as before the read: LocatePieces checks the file (fstat)
+//   before the reply. An edit landing between that check and the kernel's copy (microseconds)
+//   can reach that one reply; the next read of the file fails (EIO).
+constexpr uint32_t kSpliceSlackBytes = 128u << 10;
+constexpr uint32_t kMinSplicedMaxReadBytes = 256u << 10;
+constexpr uint64_t kMinSplicedPieceBytes = 16u << 10;
+constexpr size_t kMaxSplicedPieces = 64;
+constexpr size_t kPipePageBytes = 4096;
+
+// UCPFS_READ_PATH=copy: every reply copied through the daemon's buffer (the batched path
+// without splicing), for measuring one against the other and a way back; legacy implies it.
+bool SpliceRepliesOff() {
+  static const bool off = [] {
+    const char* v = std::getenv("UCPFS_READ_PATH");
+    return v != nullptr && (std::string(v) == "copy" || std::string(v) == "legacy");
+  }();
+  return off;
+}
+
+// The largest pipe this process can make, up to `want_bytes` (0 when it cannot make one).
+size_t PipeCapacityBytes(size_t want_bytes) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return 0;
+  int got = fcntl(fds[0], F_SETPIPE_SZ, static_cast<int>(want_bytes));
+  if (got < 0) {
+    // Above fs.pipe-max-size without CAP_SYS_RESOURCE: the most it allows.
+    long max_bytes = 0;
+    if (FILE* f = std::fopen("/proc/sys/fs/pipe-max-size", "r")) {
+      if (std::fscanf(f, "%ld", &max_bytes) != 1) max_bytes = 0;
+      std::fclose(f);
+    }
+    got = max_bytes > 0 ? fcntl(fds[0], F_SETPIPE_SZ, static_cast<int>(max_bytes)) : -1;
+    if (got < 0) got = fcntl(fds[0], F_GETPIPE_SZ);
+  }
+  close(fds[0]);
+  close(fds[1]);
+  return got < 0 ? 0 : static_cast<size_t>(got);
+}
 
 // ---- per-session state ----
 
@@ -197,6 +256,11 @@ struct Server {
   std::shared_ptr<MountReport> report;
   InodeModes modes;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;
+  // Spliced replies (see above): wanted (decided in ServeTree), and agreed at INIT.
+  bool splice_wanted = false;
+  std::string splice_why;         // when not wanted: why
+  size_t max_spliced_pieces = 0;  // descriptor buffers per reply
+  std::atomic<bool> splice_on{false};
   HandleRegistry handles;
   // The INIT request's id, and whether the kernel offered FUSE_PARALLEL_DIROPS in it (DeviceRead).
   std::atomic<uint64_t> init_unique{0};
@@ -380,11 +444,22 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   conn->want |= wanted & conn->capable;
   conn->want &= ~static_cast<unsigned>(FUSE_CAP_WRITEBACK_CACHE);
   // PARALLEL_DIROPS reaches the kernel through DeviceWritev where libfuse (< 3.17) drops it.
-  // No splice: the reply comes from a gathered buffer anyway (docs: not worth it).
+  // Requests are read, not spliced (SPLICE_READ: only writes would gain, and they go to the
+  // capture); SPLICE_MOVE would only steal pages the pipe owns alone, never the source's
+  // page-cache pages that spliced replies carry.
   conn->want &= ~static_cast<unsigned>(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
                                        FUSE_CAP_SPLICE_MOVE);
   MountReport::Kernel kernel;
   kernel.libfuse = fuse_pkgversion();
+  if (!server.splice_wanted) {
+    kernel.splice_why = server.splice_why;
+  } else if ((conn->capable & FUSE_CAP_SPLICE_WRITE) == 0) {
+    kernel.splice_why = "the kernel or libfuse does not offer splice";
+  } else {
+    conn->want |= FUSE_CAP_SPLICE_WRITE;
+    kernel.splice = true;
+    server.splice_on.store(true);
+  }
 #ifdef UCPFS_HAVE_PASSTHROUGH
   // The kernel offers it with CONFIG_FUSE_PASSTHROUGH to a daemon with CAP_SYS_ADMIN; it cannot
   // be combined with the writeback cache (off above).
@@ -422,6 +497,15 @@ void NoteTransport(fuse_req_t req) {
   if (fuse_req_is_uring(req) && ServerOf(req).report) ServerOf(req).report->CountUringRequest();
 #else
   (void)req;
+#endif
+}
+
+bool IsUring(fuse_req_t req) {
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 18) && UCPFS_LIBFUSE_URING
+  return fuse_req_is_uring(req);
+#else
+  (void)req;
+  return false;
 #endif
 }
 
@@ -787,6 +871,92 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   });
 }
 
+// Reads the located pieces into the buffer (a reply that cannot be spliced). Errors: kIo naming
+// the file's offset.
+Status ReadLocated(std::span<const LocatedPiece> pieces) {
+  for (const LocatedPiece& p : pieces) {
+    size_t done = 0;
+    while (done < p.n_bytes) {
+      const ssize_t n = pread(p.where.fd, p.out + done, p.n_bytes - done,
+                              static_cast<off_t>(p.where.byte_offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int err = n < 0 ? errno : EIO;
+        return IoError("pread at offset " + std::to_string(p.where.byte_offset + done) + ": " + std::strerror(err),
+                       err);
+      }
+      done += static_cast<size_t>(n);
+    }
+  }
+  return Status::Ok();
+}
+
+// Replies with [data, data + n_bytes) where each located piece's bytes come from its file
+// (spliced: see "spliced replies"). Returns the bytes spliced (0: replied from memory).
+uint64_t ReplySpliced(fuse_req_t req, std::byte* data, size_t n_bytes, const std::vector<LocatedPiece>& pieces) {
+  thread_local std::vector<const LocatedPiece*> order;
+  order.clear();
+  for (const LocatedPiece& p : pieces) order.push_back(&p);
+  std::sort(order.begin(), order.end(), [](const LocatedPiece* a, const LocatedPiece* b) { return a->out < b->out; });
+  // The buffers, memory and descriptor ones in byte order; adjacent pieces of one file merged.
+  thread_local std::vector<fuse_buf> bufs;
+  bufs.clear();
+  std::byte* pos = data;
+  uint64_t spliced = 0;
+  bool ok = true;
+  for (const LocatedPiece* p : order) {
+    if (p->out < pos || p->out + p->n_bytes > data + n_bytes) {  // overlapping or outside: never expected
+      ok = false;
+      break;
+    }
+    if (p->out > pos) {
+      fuse_buf mem = {};
+      mem.size = static_cast<size_t>(p->out - pos);
+      mem.mem = pos;
+      bufs.push_back(mem);
+    }
+    fuse_buf* last = bufs.empty() ? nullptr : &bufs.back();
+    if (last != nullptr && (last->flags & FUSE_BUF_IS_FD) != 0 && last->fd == p->where.fd && p->out == pos &&
+        static_cast<uint64_t>(last->pos) + last->size == p->where.byte_offset) {
+      last->size += p->n_bytes;
+    } else {
+      fuse_buf fd_buf = {};
+      fd_buf.size = p->n_bytes;
+      fd_buf.flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY);
+      fd_buf.fd = p->where.fd;
+      fd_buf.pos = static_cast<off_t>(p->where.byte_offset);
+      bufs.push_back(fd_buf);
+    }
+    spliced += p->n_bytes;
+    pos = p->out + p->n_bytes;
+  }
+  if (ok && pos < data + n_bytes) {
+    fuse_buf mem = {};
+    mem.size = static_cast<size_t>(data + n_bytes - pos);
+    mem.mem = pos;
+    bufs.push_back(mem);
+  }
+  if (!ok) {
+    const Status read = ReadLocated(pieces);
+    if (!read.ok()) {
+      fuse_reply_err(req, ErrnoFromStatus(read));
+      return 0;
+    }
+    fuse_reply_buf(req, reinterpret_cast<const char*>(data), n_bytes);
+    return 0;
+  }
+  // fuse_bufvec ends in a one-element array: room for bufs.size() of them.
+  thread_local std::vector<std::max_align_t> storage;
+  const size_t bytes = sizeof(fuse_bufvec) + (bufs.size() - 1) * sizeof(fuse_buf);
+  storage.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
+  auto* bufv = new (storage.data()) fuse_bufvec{};
+  bufv->count = bufs.size();
+  std::copy(bufs.begin(), bufs.end(), bufv->buf);
+  // Answers the request whatever happens (an error reply when the send fails).
+  if (fuse_reply_data(req, bufv, static_cast<fuse_buf_copy_flags>(0)) != 0) return 0;
+  return spliced;
+}
+
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
   NoteTransport(req);
   Handle(req, "read", [&] {
@@ -813,13 +983,25 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* 
                               : static_cast<size_t>(std::min<uint64_t>(size, file.n_bytes - byte_offset));
     if (buffer.size() < wanted) buffer.resize(wanted);
     Filesystem& fs = FsOf(req);
+    Server& server = ServerOf(req);
+    // Plain source bytes left unread, to be spliced into the reply (see "spliced replies").
+    std::optional<LocateScope> locate;
+    if (server.splice_on.load(std::memory_order_relaxed) && !file.volatile_content && !IsUring(req)) {
+      locate.emplace(kMinSplicedPieceBytes, server.max_spliced_pieces);
+    }
     Result<size_t> n_bytes = fs.Read(file, byte_offset, std::span(buffer.data(), wanted));
     if (!n_bytes.ok()) return ErrnoFromStatus(n_bytes.error());
     // Read-ahead runs after the reply, so the reader is not kept waiting. Once the reply is out
     // the kernel may release the handle on another thread: keep what read-ahead uses.
     std::optional<OpenFile> ahead;
     if (file.prefetched_until) ahead = file;
-    fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), *n_bytes);
+    if (locate && !locate->pieces().empty()) {
+      const uint64_t spliced = ReplySpliced(req, buffer.data(), *n_bytes, locate->pieces());
+      if (spliced != 0 && server.report) server.report->CountSplicedReply(spliced);
+    } else {
+      fuse_reply_buf(req, reinterpret_cast<const char*>(buffer.data()), *n_bytes);
+    }
+    locate.reset();  // lets go of the source files
     if (ahead) fs.ReadAhead(*ahead, byte_offset, *n_bytes);
     return 0;
   });
@@ -1155,6 +1337,27 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
     server.report->SetMaterializeStats([m = server.materialize] { return m->Stats(); });
   }
   server.max_read_bytes = *user_max_read != 0 ? *user_max_read : kDefaultMaxReadBytes;
+  // Spliced replies need a pipe that holds a whole reply (see "spliced replies").
+  if (SpliceRepliesOff()) {
+    server.splice_why = "turned off (UCPFS_READ_PATH in the environment)";
+  } else {
+    const size_t pipe_bytes = PipeCapacityBytes(server.max_read_bytes + kSpliceSlackBytes);
+    if (pipe_bytes < server.max_read_bytes + kSpliceSlackBytes && *user_max_read == 0 &&
+        pipe_bytes >= kMinSplicedMaxReadBytes + kSpliceSlackBytes) {
+      server.max_read_bytes = static_cast<uint32_t>((pipe_bytes - kSpliceSlackBytes) & ~size_t{0xffff});
+    }
+    if (pipe_bytes >= server.max_read_bytes + kSpliceSlackBytes) {
+      // Slots a reply may take besides its payload's pages: the header, and per piece up to two
+      // partial pages of its own and one of the memory buffer after it.
+      const size_t spare_slots = (pipe_bytes - server.max_read_bytes) / kPipePageBytes;
+      server.max_spliced_pieces = std::min(kMaxSplicedPieces, (spare_slots - 3) / 3);
+      server.splice_wanted = true;
+    } else {
+      server.splice_why = "a pipe of " + std::to_string(pipe_bytes) + " bytes cannot hold a reply of max_read " +
+                          std::to_string(server.max_read_bytes) +
+                          " (fs.pipe-max-size, or CAP_SYS_RESOURCE, would allow a larger pipe)";
+    }
+  }
   if (options.started) options.started(server.fs.get());
 
   std::vector<std::string> arg_strings = {

@@ -41,9 +41,12 @@ void MountReport::AddTo(nlohmann::ordered_json& out) const {
     kernel["libfuse"] = kernel_.libfuse;
     kernel["passthrough"] = kernel_.passthrough ? "on" : "off: " + kernel_.passthrough_why;
     kernel["io_uring"] = kernel_.io_uring ? "on" : "off: " + kernel_.io_uring_why;
+    kernel["splice"] = kernel_.splice ? "on" : "off: " + kernel_.splice_why;
     kernel["passthrough_opens"] = {{"source", n_passthrough_source_opens_.load(std::memory_order_relaxed)},
                                    {"views", n_passthrough_view_opens_.load(std::memory_order_relaxed)}};
     kernel["io_uring_requests"] = n_uring_requests_.load(std::memory_order_relaxed);
+    kernel["spliced"] = {{"replies", n_spliced_replies_.load(std::memory_order_relaxed)},
+                         {"bytes", n_spliced_bytes_.load(std::memory_order_relaxed)}};
     if (materialize_stats_) kernel["materialize"] = materialize_stats_();
   }
   out["errors"] = {{"count", n_errors_.load(std::memory_order_relaxed)}, {"last", std::move(last)}};

@@ -38,6 +38,8 @@ class MountReport {
     std::string passthrough_why;      // when off: why
     bool io_uring = false;            // FUSE over io_uring negotiated
     std::string io_uring_why;         // when off: why
+    bool splice = false;              // view replies splice the source's pages (FUSE_CAP_SPLICE_WRITE)
+    std::string splice_why;           // when off: why
   };
   void SetKernel(Kernel kernel);
   // An open(2) served by the kernel from a backing file (FUSE passthrough): its reads and writes
@@ -45,11 +47,17 @@ class MountReport {
   void CountPassthroughOpen(bool view);
   // A request that reached the daemon through FUSE over io_uring.
   void CountUringRequest() { n_uring_requests_.fetch_add(1, std::memory_order_relaxed); }
+  // A view read answered with `n_bytes` of its bytes spliced from the source files' pages.
+  void CountSplicedReply(uint64_t n_bytes) {
+    n_spliced_replies_.fetch_add(1, std::memory_order_relaxed);
+    n_spliced_bytes_.fetch_add(n_bytes, std::memory_order_relaxed);
+  }
   // The materialised views' counters (fs/materialize.h), when --materialize is on.
   void SetMaterializeStats(std::function<nlohmann::ordered_json()> stats);
 
   // Adds "views": {"reads", "bytes_read"}, "errors": {"count", "last": [messages, oldest
-  // first]} and "kernel": {"libfuse", "passthrough", "io_uring", counters, "materialize"} to `out`.
+  // first]} and "kernel": {"libfuse", "passthrough", "io_uring", "splice", counters ("spliced":
+  // {"replies", "bytes"} among them), "materialize"} to `out`.
   void AddTo(nlohmann::ordered_json& out) const;
 
   uint64_t n_errors() const { return n_errors_.load(std::memory_order_relaxed); }
@@ -61,6 +69,8 @@ class MountReport {
   std::atomic<uint64_t> n_passthrough_source_opens_{0};
   std::atomic<uint64_t> n_passthrough_view_opens_{0};
   std::atomic<uint64_t> n_uring_requests_{0};
+  std::atomic<uint64_t> n_spliced_replies_{0};
+  std::atomic<uint64_t> n_spliced_bytes_{0};
   mutable std::mutex mu_;
   std::deque<std::string> last_;  // guarded by mu_; at most kMaxMessages
   Kernel kernel_;                 // guarded by mu_

@@ -114,6 +114,20 @@ Status FileSource::ReadAt(uint64_t byte_offset, std::span<std::byte> out) const 
   return io::ReadExact(*engine, fd_, byte_offset, out, path_);
 }
 
+Result<bool> FileSource::LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const {
+  if (extents.size() != pieces.size()) return InvalidArgumentError(path_ + ": LocatePieces: one extent per piece");
+  std::shared_ptr<const FileSource> self = shared_from_this();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (!RangeInside(pieces[i].byte_offset, pieces[i].out.size(), n_bytes_)) {
+      return OutOfRangeError(path_ + ": read of " + std::to_string(pieces[i].out.size()) + " bytes at offset " +
+                             std::to_string(pieces[i].byte_offset) + " past end (" + std::to_string(n_bytes_) +
+                             " bytes)");
+    }
+    extents[i] = FileExtent{self, fd_, pieces[i].byte_offset};
+  }
+  return true;
+}
+
 Status FileSource::ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index) const {
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (!RangeInside(pieces[i].byte_offset, pieces[i].out.size(), n_bytes_)) {

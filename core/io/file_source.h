@@ -54,6 +54,9 @@ class FileSource final : public ByteSource, public std::enable_shared_from_this<
   Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override;
   // The pieces as one batch of read ops (io_uring runs them together). Errors: ReadAt's.
   Status ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index = nullptr) const override;
+  // Each piece is at its own offset of this file's descriptor (held by the extents). Errors:
+  // kOutOfRange past Size().
+  Result<bool> LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const override;
   // posix_fadvise(POSIX_FADV_WILLNEED), and the range handed to the process's read-ahead
   // readers (core/io/prefetcher.h), which read what is not in the page cache yet into it; a
   // hint only: dropped when they are busy (io::LegacyReadPath: the hint alone).

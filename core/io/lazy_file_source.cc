@@ -119,4 +119,16 @@ Status LazyFileSource::ReadPieces(std::span<const ReadPiece> pieces, size_t* fai
   return s;
 }
 
+Result<bool> LazyFileSource::LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const {
+  if (pieces.empty()) return true;
+  auto file = Get();
+  Status s = file.status();
+  if (s.ok()) s = (*file)->CheckUnchanged();
+  Result<bool> located = s.ok() ? (*file)->LocatePieces(pieces, extents) : Result<bool>(s);
+  uint64_t n_bytes = 0;
+  for (const ReadPiece& p : pieces) n_bytes += p.out.size();
+  Count(pieces.size(), n_bytes, located.ok());
+  return located;
+}
+
 }  // namespace ucpfs

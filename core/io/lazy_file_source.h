@@ -88,6 +88,10 @@ class LazyFileSource final : public LazySource {
   // is one batch per source file (ReadBatch), so an edit in place is still caught by the first
   // view read after it, as with ReadAt. Errors: ReadAt's.
   Status ReadPieces(std::span<const ReadPiece> pieces, size_t* failed_index = nullptr) const override;
+  // The pieces in the open file, which is checked first (fstat) as a batch's read is after it:
+  // a file edited in place before the call fails it (kDataLoss), so an edit is caught by the
+  // first view read after it. The pieces are counted as read. Errors: ReadPieces' but the read's.
+  Result<bool> LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const override;
   // FileSource::Prefetch on the file (opened first if need be; an open that fails is ignored).
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
   // LazySource::Open (through the cache when there is one).

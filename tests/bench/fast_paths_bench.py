@@ -15,11 +15,13 @@ or emptied; a fresh mount each time, so its first opens are served by the daemon
 copies are built behind them) on both sides. The
 daemon's peak RSS (VmHWM) is read before each unmount. --baseline-ucpfs adds
 the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
-`tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`).
+`tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`); --copy-replies adds both variants again with the
+daemon's replies copied through its buffer (UCPFS_READ_PATH=copy: no splice), measured in the same
+run.
 
 Usage: .venv/bin/python tests/bench/fast_paths_bench.py [--ucpfs build/cli/ucpfs]
        [--baseline-ucpfs build314/cli/ucpfs [--baseline-materialize]] [--workdir DIR] [--rounds 7] [--cold-rounds 3]
-       [--layout tp2_pp1_dp1] [--tensors 28] [--gen-python .venv/bin/python]
+       [--layout tp2_pp1_dp1] [--tensors 28] [--gen-python .venv/bin/python] [--copy-replies]
 """
 import argparse
 import json
@@ -60,6 +62,8 @@ def main():
     ap.add_argument("--workdir", default="/tmp/ucpfs-fastpaths-bench")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cold-rounds", type=int, default=3)
+    ap.add_argument("--copy-replies", action="store_true",
+                    help="also measure each variant with UCPFS_READ_PATH=copy (replies copied, not spliced)")
     ap.add_argument("--layout", default="tp2_pp1_dp1")
     ap.add_argument("--tensors", type=int, default=28)
     ap.add_argument("--gen-python", default="/usr/bin/python3",
@@ -80,20 +84,27 @@ def main():
     print(f"{len(rel)} rank files of {a.layout}, {n_bytes / 1e9:.2f} GB; median of {a.rounds} rounds", flush=True)
     print(subprocess.run([ucpfs, "--version"], capture_output=True, text=True).stdout.strip(), flush=True)
 
-    variants = [("fast paths (--materialize)", ucpfs, ["--materialize", cache]),
-                ("fast paths off (--no-passthrough)", ucpfs, ["--no-passthrough"])]
+    variants = [("fast paths (--materialize)", ucpfs, ["--materialize", cache], None),
+                ("fast paths off (--no-passthrough)", ucpfs, ["--no-passthrough"], None)]
+    if a.copy_replies:
+        variants += [(name + ", copied replies", binary, extra, "copy") for name, binary, extra, _ in variants]
     if a.baseline_ucpfs:
         variants.append(("baseline build" + (" (--materialize)" if a.baseline_materialize else ""),
-                         os.path.abspath(a.baseline_ucpfs), ["--materialize", cache] if a.baseline_materialize else []))
+                         os.path.abspath(a.baseline_ucpfs), ["--materialize", cache] if a.baseline_materialize else [],
+                         None))
     rows = []
     os.makedirs(mnt, exist_ok=True)
     on_disk = [os.path.join(disk, r) for r in rel]
     on_mnt = [os.path.join(mnt, r) for r in rel]
     sources = files_under(src)
 
-    def mount(binary, extra):
+    def mount(binary, extra, read_path):
         argv = [binary, "mount", src, mnt, "--read-only", f"--layout={a.layout}", *extra]
-        subprocess.run(argv, check=True)
+        env = dict(os.environ)
+        env.pop("UCPFS_READ_PATH", None)
+        if read_path:
+            env["UCPFS_READ_PATH"] = read_path  # the daemon is forked by `ucpfs mount`: it inherits it
+        subprocess.run(argv, check=True, env=env)
         return daemon_pid(argv)
 
     def wait_for_copies(n_files):
@@ -116,7 +127,7 @@ def main():
         print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x"
               f"  (rounds {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
 
-    for name, binary, extra in variants:
+    for name, binary, extra, read_path in variants:
         peak_mib = 0.0
         for mmap in (False, True):
             d, m = [], []
@@ -124,7 +135,7 @@ def main():
                 evict(sources + on_disk)
                 d.append(load_seconds(on_disk, mmap))
                 evict(sources)
-                pid = mount(binary, extra)  # a fresh daemon empties the --materialize cache
+                pid = mount(binary, extra, read_path)  # a fresh daemon empties the --materialize cache
                 try:
                     m.append(load_seconds(on_mnt, mmap))
                     peak_mib = max(peak_mib, daemon_figures(pid)[0])
@@ -133,7 +144,7 @@ def main():
             if d:
                 report((f"{name}: cold torch.load" + (" mmap=True" if mmap else ""), statistics.median(d),
                         statistics.median(m)), d, m)
-        pid = mount(binary, extra)
+        pid = mount(binary, extra, read_path)
         try:
             for mmap in (False, True):
                 load_seconds(on_disk, mmap)

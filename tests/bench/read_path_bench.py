@@ -1,9 +1,12 @@
 """Benchmark: the daemon's read path (issue 26, item 4), old and new in one run.
 
-The daemon reads views through the batched read path by default; UCPFS_READ_PATH=legacy in its
-environment brings back the path before it (an engine made per source read, the copy plan of a
-tensor made again per request, one descriptor-cache lookup and one fstat per source read,
-read-ahead as WILLNEED hints only). Every figure is measured for both, in this one run.
+The daemon reads views through the batched read path and splices the source's plain bytes into
+its replies by default ("splice"); UCPFS_READ_PATH=copy in its environment copies every reply
+through its buffer ("copy": the batched path before splicing), and UCPFS_READ_PATH=legacy brings
+back the path before batching (an engine made per source read, the copy plan of a tensor made
+again per request, one descriptor-cache lookup and one fstat per source read, read-ahead as
+WILLNEED hints only). Every figure is measured for each of --paths (default all three), in this
+one run.
 
   ceiling     `cat` of every rank file of --layout (model.pt, optim.pt) through a fresh mount of
               a tmpfs-resident copy of the checkpoint, against `cat` of one file of the same
@@ -20,6 +23,7 @@ Ratios are speed ratios (above 1: faster than the baseline). Median of --repeat.
 Usage (root, after `cmake --build build --target ucpfs`):
   .venv/bin/python tests/bench/read_path_bench.py [--workdir DIR] [--tmpfs /dev/shm] [--repeat 5]
       [--tensors 12] [--layout tp2_pp1_dp1] [--concurrent 8] [--only ceiling|concurrent]
+      [--paths legacy,copy,splice]
 """
 import argparse
 import json
@@ -37,14 +41,14 @@ from bench_common import Mount, daemon_figures  # noqa: E402
 from torch_load_bench import concurrent_seconds, rank_files  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-PATHS = ("legacy", "batched")
+ALL_PATHS = ("legacy", "copy", "splice")
 
 
 def env_for(path):
     env = dict(os.environ)
     env.pop("UCPFS_READ_PATH", None)
-    if path == "legacy":
-        env["UCPFS_READ_PATH"] = "legacy"
+    if path != "splice":
+        env["UCPFS_READ_PATH"] = path
     return env
 
 
@@ -111,7 +115,10 @@ def main():
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
     ap.add_argument("--only", action="append", choices=["ceiling", "concurrent"])
+    ap.add_argument("--paths", default=",".join(ALL_PATHS), help="read paths to measure, comma-separated")
     a = ap.parse_args()
+    PATHS = tuple(p for p in a.paths.split(",") if p)
+    assert PATHS and all(p in ALL_PATHS for p in PATHS), a.paths
     only = set(a.only or ["ceiling", "concurrent"])
     ucpfs = os.path.abspath(a.ucpfs)
     work = a.workdir

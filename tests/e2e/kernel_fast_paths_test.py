@@ -17,6 +17,10 @@ symlink as the cache directory is refused. FUSE over io_uring: with the fuse mod
 enable_uring switched on for one mount (restored after), requests arrive through the rings
 (stats.json counts them) and bytes are equal; switched off, status says why.
 
+View replies splice the source's plain bytes by default (stats.json counts them): on a checkpoint
+of larger tensors (tests/bench/gen_bench_dcp.py), every view file equals the one copied through
+the daemon (UCPFS_READ_PATH=copy) and the rank files `ucpfs convert`'s.
+
 Without --readahead, the mount's kernel readahead window is the source disk's (at least 1 MiB,
 at most 64 MiB); --readahead 2M sets 2 MiB.
 
@@ -39,6 +43,7 @@ from mount_common import FIXTURES, mounted, stats, status  # noqa: E402
 from write_capture_test import wait_until  # noqa: E402
 
 LAYOUT = "tp2_pp1_dp1"
+HERE = os.path.dirname(os.path.abspath(__file__))
 URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
 
 
@@ -93,14 +98,58 @@ def main():
         mnt = os.path.join(tmp, "mnt")
         cache = os.path.join(tmp, "cache")
 
-        # The reference: every byte served by the daemon.
-        with mounted(src, mnt, "--layout", LAYOUT, "--no-passthrough", "--read-only") as (m, _):
-            names = view_files(m)
-            want = {n: read(os.path.join(m, n)) for n in names}
-            k = stats(m)["kernel"]
-            assert k["passthrough"].startswith("off"), k
-            assert k["passthrough_opens"] == {"source": 0, "views": 0}, k
+        # The reference: every byte served by the daemon, copied through its buffer (no splice).
+        os.environ["UCPFS_READ_PATH"] = "copy"
+        try:
+            with mounted(src, mnt, "--layout", LAYOUT, "--no-passthrough", "--read-only") as (m, _):
+                names = view_files(m)
+                want = {n: read(os.path.join(m, n)) for n in names}
+                k = stats(m)["kernel"]
+                assert k["passthrough"].startswith("off"), k
+                assert k["passthrough_opens"] == {"source": 0, "views": 0}, k
+                assert k["splice"].startswith("off: turned off") and k["spliced"]["bytes"] == 0, k
+        finally:
+            del os.environ["UCPFS_READ_PATH"]
         assert len(names) > 20 and all(want.values()), names
+
+        def spliced_replies_equal_the_oracle():
+            # By default a view reply splices the source's plain bytes (stats.json counts them),
+            # pieces of 16 KiB and more: a checkpoint of 768 KiB tensors (torch's dcp.save, 2
+            # ranks). Every view file equals the one copied through the daemon, and the rank
+            # files equal `ucpfs convert`'s, computed without FUSE; read whole, then in odd pieces
+            # after the kernel dropped the file's pages (requests at other offsets and sizes).
+            big = os.path.join(tmp, "big")
+            run([sys.executable, os.path.join(HERE, "..", "bench", "gen_bench_dcp.py"), big, "--tensors", "4",
+                 "--rows", "384", "--cols", "512"])
+            out = os.path.join(tmp, "converted")
+            run([ucpfs_bin(), "convert", big, out, "--layout", LAYOUT])
+            os.environ["UCPFS_READ_PATH"] = "copy"
+            try:
+                with mounted(big, mnt, "--layout", LAYOUT, "--read-only") as (m, _):
+                    big_names = view_files(m)
+                    copied = {n: read(os.path.join(m, n)) for n in big_names}
+                    assert stats(m)["kernel"]["spliced"]["bytes"] == 0
+            finally:
+                del os.environ["UCPFS_READ_PATH"]
+            ranks = [n for n in big_names if n.startswith("target/")]
+            assert ranks and all(read(os.path.join(out, n)) == copied[n] for n in ranks), ranks
+            with mounted(big, mnt, "--layout", LAYOUT, "--no-passthrough", "--read-only") as (m, _):
+                for n in big_names:
+                    assert read(os.path.join(m, n)) == copied[n], n
+                k = stats(m)["kernel"]
+                assert k["splice"] == "on", k
+                big_total = sum(len(b) for b in copied.values())
+                assert k["spliced"]["replies"] > 0 and k["spliced"]["bytes"] > big_total // 2, (k, big_total)
+                for n in ranks:
+                    fd = os.open(os.path.join(m, n), os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        size = len(copied[n])
+                        for off in range(size - 1, -1, -(size // 7 + 4093)):
+                            assert os.pread(fd, 300000, off) == copied[n][off:off + 300000], (n, off)
+                    finally:
+                        os.close(fd)
+        res.check("spliced view replies equal the copied ones and ucpfs convert's", spliced_replies_equal_the_oracle)
 
         def readahead_follows_the_source():
             # Without --readahead the mount reads ahead as far as the source's disk (at least the

@@ -2,7 +2,8 @@
 // fresh plan reads, on random layouts and ranges; a ReadBatch defers plain reads and reads each
 // source's as one batch, returning the first error in byte order; FileSource::ReadPieces through
 // the fault engine retries shorts and names the failing piece; LazyFileSource::ReadPieces still
-// catches an edit in place; the read-ahead readers read ranges into the page cache, bounded.
+// catches an edit in place; a LocateScope leaves a view read's plain pieces in their files
+// (where they lie, exactly) and still catches an edit in place; the read-ahead readers read ranges into the page cache, bounded.
 // Seeded: UCPFS_TEST_SEED replays a run.
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -429,6 +430,87 @@ TEST_F(FilePieces, LazyBatchCatchesAnEditInPlace) {
   EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
   EXPECT_NE(s.message().find("changed while open"), std::string::npos) << s.message();
   EXPECT_EQ(counters->source_read_errors.load(), 1u);
+}
+
+// Fills each located piece from its file, as the mount's spliced reply does.
+void FillLocated(const std::vector<LocatedPiece>& located) {
+  for (const LocatedPiece& p : located) {
+    ASSERT_EQ(::pread(p.where.fd, p.out, p.n_bytes, static_cast<off_t>(p.where.byte_offset)),
+              static_cast<ssize_t>(p.n_bytes));
+  }
+}
+
+TEST_F(FilePieces, LocateScopeLeavesPlainPiecesInTheirFiles) {
+  // The MakeMixed layout over two file shards (row shards: plain pieces; a transposed block:
+  // gathered) and a memory one (flat ranges: plain, but not in a file), at a file offset inside
+  // a slice: with the located pieces filled from their files, a read under a LocateScope equals
+  // a plain read, at every offset and size tried.
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 8);
+  Mixed m = MakeMixed(rng);
+  auto counters = std::make_shared<IoCounters>();
+  auto cache = std::make_shared<FdCache>(4);
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::byte> bytes(8192 + 100);
+    std::vector<std::byte> mine(8192);
+    ASSERT_TRUE(m.files[i]->ReadAt(0, mine).ok());
+    std::copy(mine.begin(), mine.end(), bytes.begin() + 100);
+    const std::string path = Write("shard" + std::to_string(i), bytes);
+    struct stat st {};
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    auto lazy = std::make_shared<LazyFileSource>(path, FileIdentity::Of(st), counters, cache);
+    auto slice = SliceSource::Make(lazy, 100, 8192);
+    ASSERT_TRUE(slice.ok());
+    m.files[i] = *slice;
+  }
+  auto layout = std::make_shared<TensorLayout>(m.layout);
+  auto file = views::BuildAtomicFile(layout, {}, std::make_shared<Files>(m.files), "atomic/w/fp32.pt");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  std::vector<std::byte> want((*file)->Size());
+  ASSERT_TRUE((*file)->ReadAt(0, want).ok());
+  size_t n_located = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const uint64_t off = rng() % want.size();
+    const size_t n = 1 + rng() % (want.size() - off);
+    std::vector<std::byte> got(n, std::byte{0xee});
+    {
+      LocateScope scope(1 + rng() % 64, 1 + rng() % 4);
+      ASSERT_TRUE((*file)->ReadAt(off, got).ok());
+      n_located += scope.pieces().size();
+      for (const LocatedPiece& p : scope.pieces()) {
+        ASSERT_GE(p.out, got.data());
+        ASSERT_LE(p.out + p.n_bytes, got.data() + got.size());
+      }
+      FillLocated(scope.pieces());
+    }
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data() + off, n)) << "offset " << off << " size " << n;
+  }
+  EXPECT_GT(n_located, 0u);
+  // Only pieces of at least min_piece_bytes, at most max_pieces of them.
+  {
+    std::vector<std::byte> got(want.size());
+    LocateScope scope(UINT64_MAX, 64);
+    ASSERT_TRUE((*file)->ReadAt(0, got).ok());
+    EXPECT_TRUE(scope.pieces().empty());
+    EXPECT_EQ(got, want);
+  }
+  {
+    std::vector<std::byte> got(want.size());
+    LocateScope scope(1, 1);
+    ASSERT_TRUE((*file)->ReadAt(0, got).ok());
+    EXPECT_EQ(scope.pieces().size(), 1u);
+  }
+  // An edit in place of a shard fails the located read (kDataLoss), as a read would.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  {
+    std::fstream f((dir_ / "shard0").string(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(200);
+    f.put('x');
+  }
+  std::vector<std::byte> got(want.size());
+  LocateScope scope(1, 64);
+  Status s = (*file)->ReadAt(0, got);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_NE(s.message().find("shard0"), std::string::npos) << s.message();
 }
 
 TEST_F(FilePieces, PrefetcherReadsRangesIntoThePageCache) {
