@@ -1340,6 +1340,8 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   // Spliced replies need a pipe that holds a whole reply (see "spliced replies").
   if (SpliceRepliesOff()) {
     server.splice_why = "turned off (UCPFS_READ_PATH in the environment)";
+  } else if (!options.spliceable_sources) {
+    server.splice_why = "the sources are not local files";
   } else {
     const size_t pipe_bytes = PipeCapacityBytes(server.max_read_bytes + kSpliceSlackBytes);
     if (pipe_bytes < server.max_read_bytes + kSpliceSlackBytes && *user_max_read == 0 &&

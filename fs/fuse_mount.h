@@ -61,6 +61,9 @@ struct MountOptions {
   // source file itself; the daemon sees only open and release). false: every read and write
   // goes through the daemon, as with libfuse 3.14.
   bool kernel_passthrough = true;
+  // Whether view bytes come from local files that replies can splice (false for s3:// sources:
+  // then max_read keeps its default instead of shrinking to fit a splice pipe).
+  bool spliceable_sources = true;
   // With passthrough: view files computed into this cache on first open and passed through to
   // the cached file (null: views are always served by the daemon).
   std::shared_ptr<Materializer> materialize;

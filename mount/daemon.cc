@@ -386,6 +386,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   mo.ready_fd = ready_fd;
   mo.report = mount_report;
   mo.readahead_bytes = read_ahead->kernel_n_bytes;
+  mo.spliceable_sources = !object_store;
   if (args.readahead.empty() && !object_store) {
     // No --readahead: the source disk's own window when it is larger than the request size, so
     // a view read cold is read ahead as far as the source's files would be. mmap readers
