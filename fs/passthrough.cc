@@ -50,8 +50,9 @@ Status CheckName(std::string_view name) {
 
 }  // namespace
 
-bool Passthrough::CapturedNow(const Node& node) const {
-  const std::shared_ptr<io::CapturedFile> captured = node.captured.load();
+bool Passthrough::CapturedNow(const Node& node) const { return CapturedNow(node.captured.load()); }
+
+bool Passthrough::CapturedNow(const std::shared_ptr<io::CapturedFile>& captured) const {
   return captured != nullptr && capture_ != nullptr && !capture_->Settled(*captured);
 }
 
@@ -126,8 +127,8 @@ std::string Passthrough::PathOf(Ino ino) const {
 }
 
 Result<struct stat> Passthrough::StatNode(const Node& node) const {
-  if (CapturedNow(node)) {
-    struct stat st = capture_->Stat(*node.captured.load());
+  if (const std::shared_ptr<io::CapturedFile> captured = node.captured.load(); CapturedNow(captured)) {
+    struct stat st = capture_->Stat(*captured);
     st.st_ino = InoOf(node);
     return st;
   }
@@ -238,9 +239,7 @@ void Passthrough::Forget(Ino ino, uint64_t n_lookups) {
   }
   if (now > n_lookups || node.open_writers > 0) return;
   // A pending captured file stays while its overlay entry names it.
-  for (const auto& [key, id] : overlay_) {
-    if (id == node.id) return;
-  }
+  if (PendingLocked(node)) return;
   released = it->second;
   if (const auto f = by_file_.find({node.dev, node.ino}); f != by_file_.end() && f->second == node.id) by_file_.erase(f);
   nodes_.erase(it);
@@ -442,12 +441,12 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
     std::lock_guard lock(mu_);
     open_writers = node->open_writers > 0;
   }
-  if (write && !open_writers && CapturedNow(*node) && (flags & O_TRUNC) == 0) {
+  if (write && !open_writers && CapturedNow(captured) && (flags & O_TRUNC) == 0) {
     // Reopened for writing after its last close, before it is durable: make it durable, then
     // write to it in place like any source file.
     UCPFS_RETURN_IF_ERROR(capture_->Fsync(*captured));
   }
-  if (CapturedNow(*node) && (!write || open_writers)) {
+  if (CapturedNow(captured) && (!write || open_writers)) {
     // Another open of a file being captured: reads see what was written; writes join it.
     // (Permission: the kernel checked it against the attributes served, default_permissions.)
     auto h = std::make_unique<PassthroughHandle>();
@@ -766,6 +765,23 @@ Status Passthrough::Release(PassthroughHandle& h) {
   return closed;
 }
 
+bool Passthrough::PendingLocked(const Node& node) {
+  for (auto it = overlay_.begin(); it != overlay_.end();) {
+    if (it->second != node.id) {
+      ++it;
+      continue;
+    }
+    // Placed since (a real entry now; dropped here as Pending drops it when the name is next
+    // looked up), or still pending.
+    if (const std::shared_ptr<io::CapturedFile> captured = node.captured.load();
+        captured != nullptr && capture_ != nullptr && !capture_->Placed(*captured)) {
+      return true;
+    }
+    it = overlay_.erase(it);
+  }
+  return false;
+}
+
 std::shared_ptr<Passthrough::Node> Passthrough::NodeOfFile(dev_t dev, ino_t ino) const {
   std::lock_guard lock(mu_);
   const auto it = by_file_.find({dev, ino});
@@ -794,10 +810,7 @@ bool Passthrough::ReleaseIfRemoved(const std::shared_ptr<Node>& node, int own_op
     if (node->gone) return true;
     const Ino ino = InoOf(*node);
     if (const auto it = opens_.find(ino); it != opens_.end() && it->second.n > own_opens) return false;
-    if (node->open_writers > 0) return false;
-    for (const auto& [key, id] : overlay_) {
-      if (id == node->id) return false;
-    }
+    if (node->open_writers > 0 || PendingLocked(*node)) return false;
     node->gone = true;  // opens counted from now on find it gone (Open counts before it looks)
     if (const auto f = by_file_.find({node->dev, node->ino}); f != by_file_.end() && f->second == node->id) {
       by_file_.erase(f);  // the inode number may be given to a new file
@@ -982,8 +995,8 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
     std::lock_guard lock(mu_);
     if (const auto it = by_file_.find({st.st_dev, st.st_ino}); it != by_file_.end()) {
       const Node& node = *nodes_.at(it->second);
-      if (CapturedNow(node)) {
-        captured = node.captured.load();
+      if (std::shared_ptr<io::CapturedFile> now = node.captured.load(); CapturedNow(now)) {
+        captured = std::move(now);
         closed = node.open_writers == 0;
       }
     }
@@ -1026,7 +1039,10 @@ Status Passthrough::SetXattr(const Caller& caller, Ino ino, const std::string& n
   if (!UserXattr(name)) return PosixError(ENOTSUP, "only user.* xattrs are kept");
   // A file being saved gets its inode under its name first (placed now, with its owner and
   // mode): the xattr then lives on the real file (cp -a sets them right after the data).
-  if (Unplaced(*node)) UCPFS_RETURN_IF_ERROR(capture_->Fsync(*node->captured.load()));
+  if (const std::shared_ptr<io::CapturedFile> captured = node->captured.load();
+      CapturedNow(captured) && !capture_->Placed(*captured)) {
+    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*captured));
+  }
   // Through the /proc link only a file's own xattrs are safe to touch; a symlink has no user.* ones.
   if (node->is_symlink) return PosixError(EPERM, node->name + " is a symlink");
   AsCaller as(caller);

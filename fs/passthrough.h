@@ -48,6 +48,8 @@
 // unlink or rename through the mount, at the last close, at an open (a stale name), at a
 // getattr, and by a sweep of every node (ReleaseRemoved: the bucket uploader after it removes
 // staged copies, and at most once a second on a statfs, a listing or a lookup of a missing name).
+// Directories are not released (their descriptors are every lookup's): a removed one's node
+// keeps its O_PATH descriptor, which holds no data, until the kernel forgets it.
 //
 // Thread-safety: every method may be called from any thread at once. Lock order: mu_ (the node
 // map and overlay), then a file's capture locks (inside WriteCapture); no lock is held across a
@@ -225,9 +227,13 @@ class Passthrough {
   Status MayDelete(const Caller& caller, const Node& dir, uid_t owner);
   // Captured and not settled: its attributes are the capture's.
   bool CapturedNow(const Node& node) const;
+  bool CapturedNow(const std::shared_ptr<io::CapturedFile>& captured) const;
   // Releases `node` (see the file comment) when its file has no name left and nothing has it
   // open (but `own_opens` counted opens: the caller's); whether it did (or it was already).
   bool ReleaseIfRemoved(const std::shared_ptr<Node>& node, int own_opens = 0);
+  // Whether `node` is a pending file's overlay entry (mu_ held); entries of files placed since
+  // are dropped.
+  bool PendingLocked(const Node& node);
   // The node of (st_dev, st_ino), or null.
   std::shared_ptr<Node> NodeOfFile(dev_t dev, ino_t ino) const;
   // ReleaseRemoved, at most once a second (what a statfs, listing or missed lookup calls).
