@@ -162,7 +162,7 @@ def main():
                     # not scheduled) while the file is closed and the sync opened (what `ucpfs sync`
                     # does), then continued, with idle threads ready to take both requests at once.
                     # close(2) does not wait for RELEASE, so the two race unless the sync waits for
-                    # it. (Before this fix, 11 of 50 and 9 of 60 were missed here.)
+                    # it. (Before this fix, 3 to 11 of 50 were missed here.)
                     missed = []
                     for i in range(50):
                         name = f"loaded-{i % 5}.dat"  # rewrites after the first five
