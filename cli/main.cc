@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
   CLI::App* sync_cmd = app.add_subcommand(
       "sync", "Return once everything saved into mount MNT before now is durable in its source");
   sync_cmd->add_option("MNT", sync_args.mountpoint, "mount point")->required();
-  sync_cmd->add_flag("--json", sync_args.json, "print {\"mount\", \"bytes_flushed\", \"dirty_bytes\", \"seconds\"} as JSON");
+  sync_cmd->add_flag("--json", sync_args.json, "print {\"mount\", \"bytes_flushed\", \"dirty_bytes\", \"not_released\", \"seconds\"} as JSON");
   sync_cmd->add_flag("-q,--quiet", sync_args.quiet, "no progress on stderr");
 
   std::string status_path;

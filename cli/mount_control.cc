@@ -166,6 +166,20 @@ int RunSync(const SyncArgs& args) {
     const auto& c = stats["capture"];
     return {c.value("bytes_flushed", uint64_t{0}), c.value("dirty_bytes", uint64_t{0})};
   };
+  // The syncs that gave up waiting for a RELEASE (of a file closed, yet open through another
+  // descriptor), and the files the last one named.
+  auto release_timeouts = [&mnt](std::vector<std::string>* named) -> uint64_t {
+    const auto stats = nlohmann::json::parse(ReadText(mnt + "/.ucpfs/stats.json"), nullptr, false);
+    if (stats.is_discarded() || !stats.contains("capture")) return 0;
+    const auto& c = stats["capture"];
+    if (named != nullptr && c.contains("sync_not_released") && c["sync_not_released"].is_array()) {
+      for (const auto& p : c["sync_not_released"]) {
+        if (p.is_string()) named->push_back(p.get<std::string>());
+      }
+    }
+    return c.value("sync_release_timeouts", uint64_t{0});
+  };
+  const uint64_t timeouts0 = release_timeouts(nullptr);
   const auto t0 = std::chrono::steady_clock::now();
   const auto [flushed0, dirty0] = counters();
   // The open of MNT/.ucpfs/sync blocks until everything is durable; meanwhile the counters are
@@ -192,11 +206,21 @@ int RunSync(const SyncArgs& args) {
   // Only a sync that had to wait draws its final line; the counters are read once more for it
   // and for --json.
   draw(/*final=*/std::chrono::steady_clock::now() - t0 >= Progress::kTtyDelay);
+  std::vector<std::string> not_released;
+  if (release_timeouts(&not_released) > timeouts0) {
+    std::cerr << "ucpfs sync: not waited for: closed before the sync but still open through another descriptor "
+                 "(a dup or a fork) after 5 s, so not saved yet:";
+    for (const std::string& p : not_released) std::cerr << ' ' << p;
+    std::cerr << '\n';
+  } else {
+    not_released.clear();
+  }
   if (args.json) {
     nlohmann::ordered_json out;
     out["mount"] = mnt;
     out["bytes_flushed"] = flushed;
     out["dirty_bytes"] = dirty;
+    out["not_released"] = not_released;
     out["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::cout << JsonText(out) << '\n';
   }

@@ -398,11 +398,13 @@ Result<struct stat> Filesystem::GetAttr(Ino ino) const {
   }
   if (Passthrough::Owns(ino)) {
     if (!options_.passthrough) return NotFoundError("no inode " + std::to_string(ino));
-    UCPFS_ASSIGN_OR_RETURN(struct stat st, options_.passthrough->GetAttr(ino));
-    if (st.st_nlink == 0 && S_ISREG(st.st_mode) && options_.bucket) {
-      // A staged copy removed after its upload: the object's attributes, as a fresh lookup gives.
+    Result<struct stat> st = options_.passthrough->GetAttr(ino);
+    // A staged copy removed after its upload (ENOENT once the passthrough let go of it, or not
+    // yet noticed: no link left): the object's attributes, as a fresh lookup gives.
+    const bool removed = st.ok() ? st->st_nlink == 0 && S_ISREG(st->st_mode) : st.error().sys_errno() == ENOENT;
+    if (removed && options_.bucket) {
       if (const std::optional<BucketFiles::File> object = RemovedCopyObject(ino)) {
-        st = options_.bucket->StatOf(ino, *object, options_.uid, options_.gid);
+        return options_.bucket->StatOf(ino, *object, options_.uid, options_.gid);
       }
     }
     return st;

@@ -788,6 +788,12 @@ int ChooseMode(fuse_req_t req, Server& server, Ino ino, const OpenFile& file, fu
           close(fd);
           return 0;
         }
+        if (m.n_passthrough == 0 && m.backing_id > 0) {
+          // Registered for this open, which cannot use it (a writer, a read-only backing): given
+          // back now, or the kernel would hold the file until the mount ends.
+          fuse_passthrough_close(req, m.backing_id);
+          m.backing_id = 0;
+        }
       }
       close(fd);
     }
@@ -856,7 +862,9 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     } else {
       fi->keep_cache = 1;  // content never changes: keep pages across opens
     }
-    fi->noflush = 1;  // nothing to flush on close: skip the FLUSH round trip
+    // Nothing to flush on close: skip the FLUSH round trip; but a file being saved hears of each
+    // close(2) before it returns (its RELEASE comes later: `ucpfs sync` waits for it).
+    fi->noflush = file->passthrough && file->passthrough->captured && file->passthrough->writable ? 0 : 1;
     auto handle = std::make_unique<OpenFileHandle>(std::move(*file));
     handle->kernel_passthrough = passthrough;
     OpenHandle* raw = server.handles.Adopt(std::move(handle));

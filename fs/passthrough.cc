@@ -50,13 +50,18 @@ Status CheckName(std::string_view name) {
 
 }  // namespace
 
-bool Passthrough::CapturedNow(const Node& node) const {
-  return node.captured != nullptr && capture_ != nullptr && !capture_->Settled(*node.captured);
+bool Passthrough::CapturedNow(const Node& node) const { return CapturedNow(node.captured.load()); }
+
+bool Passthrough::CapturedNow(const std::shared_ptr<io::CapturedFile>& captured) const {
+  return captured != nullptr && capture_ != nullptr && !capture_->Settled(*captured);
 }
 
 bool Passthrough::Unplaced(const Node& node) const {
-  return CapturedNow(node) && !capture_->Placed(*node.captured);
+  const std::shared_ptr<io::CapturedFile> captured = node.captured.load();
+  return captured != nullptr && capture_ != nullptr && !capture_->Settled(*captured) && !capture_->Placed(*captured);
 }
+
+Status Passthrough::Gone(const Node& node) { return PosixError(ENOENT, node.name + " was removed"); }
 
 PassthroughHandle::~PassthroughHandle() {
   if (fd >= 0) close(fd);
@@ -130,14 +135,18 @@ std::optional<std::pair<Ino, std::string>> Passthrough::ParentOf(Ino ino) const 
 }
 
 Result<struct stat> Passthrough::StatNode(const Node& node) const {
-  if (CapturedNow(node)) {
-    struct stat st = capture_->Stat(*node.captured);
+  if (const std::shared_ptr<io::CapturedFile> captured = node.captured.load(); CapturedNow(captured)) {
+    struct stat st = capture_->Stat(*captured);
     st.st_ino = InoOf(node);
     return st;
   }
   struct stat st = {};
-  if (fstatat(node.fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
-    return Sys(errno, "stat " + node.name);
+  {
+    std::shared_lock use(node.fd_mu);
+    if (node.gone) return Gone(node);
+    if (fstatat(node.fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
+      return Sys(errno, "stat " + node.name);
+    }
   }
   st.st_ino = InoOf(node);
   return st;
@@ -195,7 +204,8 @@ std::shared_ptr<Passthrough::Node> Passthrough::Pending(uint64_t dir_id, const s
     }
     node = n->second;
   }
-  if (capture_ != nullptr && node->captured != nullptr && capture_->Placed(*node->captured)) {
+  if (const std::shared_ptr<io::CapturedFile> captured = node->captured.load();
+      capture_ != nullptr && captured != nullptr && capture_->Placed(*captured)) {
     std::lock_guard lock(mu_);
     overlay_.erase({dir_id, name});
     return nullptr;  // now a real entry
@@ -216,6 +226,7 @@ Result<struct stat> Passthrough::Lookup(Ino parent, std::string_view name_view) 
   Result<std::shared_ptr<Node>> node = NodeFor(dir, name, true, &st);
   if (!node.ok()) {
     if (node.error().sys_errno() == ENOENT) {
+      SweepSoon();  // a name the kernel may still know went: its file may be held here
       struct stat none = {};
       return none;  // st_ino 0: no such name
     }
@@ -236,12 +247,11 @@ void Passthrough::Forget(Ino ino, uint64_t n_lookups) {
   }
   if (now > n_lookups || node.open_writers > 0) return;
   // A pending captured file stays while its overlay entry names it.
-  for (const auto& [key, id] : overlay_) {
-    if (id == node.id) return;
-  }
+  if (PendingLocked(node)) return;
   released = it->second;
-  by_file_.erase({node.dev, node.ino});
+  if (const auto f = by_file_.find({node.dev, node.ino}); f != by_file_.end() && f->second == node.id) by_file_.erase(f);
   nodes_.erase(it);
+  std::unique_lock use(released->fd_mu);
   if (released->fd >= 0) close(released->fd);
   released->fd = -1;
 }
@@ -249,17 +259,21 @@ void Passthrough::Forget(Ino ino, uint64_t n_lookups) {
 Result<struct stat> Passthrough::GetAttr(Ino ino) {
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
-  return StatNode(*node);
+  Result<struct stat> st = StatNode(*node);
+  // Removed and not open: the kernel's inode outlived the name (nothing can open it again).
+  if (st.ok() && st->st_nlink == 0 && !node->is_dir && ReleaseIfRemoved(node)) return Gone(*node);
+  return st;
 }
 
 Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const struct stat& attr, int to_set,
                                          PassthroughHandle* handle) {
   const std::shared_ptr<Node> node = Find(ino);
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
-  if (CapturedNow(*node)) {
+  if (const std::shared_ptr<io::CapturedFile> captured = node->captured.load();
+      captured != nullptr && capture_ != nullptr && !capture_->Settled(*captured)) {
     // No inode of the caller's exists yet: the kernel's rules for chown/chmod/utimens, applied
     // here to what the capture keeps (and applies when it places the file).
-    const struct stat now = capture_->Stat(*node->captured);
+    const struct stat now = capture_->Stat(*captured);
     const bool owner = caller.Privileged() || caller.uid == now.st_uid;
     if ((to_set & (kSetUid | kSetGid)) != 0) {
       const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : now.st_uid;
@@ -267,18 +281,18 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
       if (!caller.Privileged() && (!owner || uid != now.st_uid || (gid != now.st_gid && !caller.InGroup(gid)))) {
         return PosixError(EPERM, "chown " + node->name + ": not permitted");
       }
-      UCPFS_RETURN_IF_ERROR(capture_->SetOwner(*node->captured, uid, gid));
-      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, KillPrivs(now.st_mode & 07777)));
+      UCPFS_RETURN_IF_ERROR(capture_->SetOwner(*captured, uid, gid));
+      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*captured, KillPrivs(now.st_mode & 07777)));
     }
     if ((to_set & kSetMode) != 0) {
       if (!owner) return PosixError(EPERM, "chmod " + node->name + ": not the owner");
       mode_t mode = attr.st_mode & 07777;
-      const gid_t gid = capture_->Stat(*node->captured).st_gid;
+      const gid_t gid = capture_->Stat(*captured).st_gid;
       if (!caller.Privileged() && !caller.InGroup(gid)) mode &= ~static_cast<mode_t>(S_ISGID);
-      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*node->captured, mode));
+      UCPFS_RETURN_IF_ERROR(capture_->SetMode(*captured, mode));
     }
     if ((to_set & kSetSize) != 0) {
-      UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, static_cast<uint64_t>(attr.st_size)));
+      UCPFS_RETURN_IF_ERROR(capture_->Truncate(*captured, static_cast<uint64_t>(attr.st_size)));
     }
     if ((to_set & (kSetAtime | kSetMtime)) != 0) {
       // Times of one's choosing: the owner's only (to now: anyone who may write, checked by the
@@ -291,7 +305,7 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
       times[1].tv_nsec = UTIME_OMIT;
       if ((to_set & kSetAtime) != 0) times[0] = (to_set & kSetAtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_atim;
       if ((to_set & kSetMtime) != 0) times[1] = (to_set & kSetMtimeNow) != 0 ? timespec{0, UTIME_NOW} : attr.st_mtim;
-      UCPFS_RETURN_IF_ERROR(capture_->SetTimes(*node->captured, times));
+      UCPFS_RETURN_IF_ERROR(capture_->SetTimes(*captured, times));
     }
     return StatNode(*node);
   }
@@ -303,14 +317,16 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
       std::lock_guard lock(mu_);
       for (const auto& [key, id] : overlay_) {
         const auto it = nodes_.find(id);
-        if (key.first == node->id && it != nodes_.end() && it->second->captured) pending.push_back(it->second->captured);
+        if (key.first == node->id && it != nodes_.end() && it->second->captured.load()) pending.push_back(it->second->captured.load());
       }
     }
     for (const auto& file : pending) UCPFS_RETURN_IF_ERROR(capture_->Fsync(*file));
   }
-  const std::string proc = ProcPath(node->fd);
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
+  std::shared_lock use(node->fd_mu);
+  if (node->gone) return Gone(*node);
+  const std::string proc = ProcPath(node->fd);
   if ((to_set & (kSetUid | kSetGid)) != 0) {
     const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : static_cast<uid_t>(-1);
     const gid_t gid = (to_set & kSetGid) != 0 ? attr.st_gid : static_cast<gid_t>(-1);
@@ -342,6 +358,7 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
                                     : utimensat(AT_FDCWD, proc.c_str(), times, 0);
     if (rc != 0) return Sys(errno, "set the times of " + node->name);
   }
+  use.unlock();
   return StatNode(*node);
 }
 
@@ -400,7 +417,7 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::StartCapture(const std::
   node->ino = st.st_ino;
   node->parent_id = dir->id;
   node->name = name;
-  node->captured = file;
+  node->captured.store(file);
   node->open_writers = 1;
   {
     std::lock_guard lock(mu_);
@@ -424,23 +441,25 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
   if (node->is_dir) return PosixError(EISDIR, node->name + " is a directory");
   if (node->is_symlink) return PosixError(ELOOP, node->name + " is a symlink");
+  if (node->gone) return Gone(*node);
+  const std::shared_ptr<io::CapturedFile> captured = node->captured.load();
   const bool write = (flags & O_ACCMODE) != O_RDONLY;
   bool open_writers = false;
   {
     std::lock_guard lock(mu_);
     open_writers = node->open_writers > 0;
   }
-  if (write && !open_writers && CapturedNow(*node) && (flags & O_TRUNC) == 0) {
+  if (write && !open_writers && CapturedNow(captured) && (flags & O_TRUNC) == 0) {
     // Reopened for writing after its last close, before it is durable: make it durable, then
     // write to it in place like any source file.
-    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*node->captured));
+    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*captured));
   }
-  if (CapturedNow(*node) && (!write || open_writers)) {
+  if (CapturedNow(captured) && (!write || open_writers)) {
     // Another open of a file being captured: reads see what was written; writes join it.
     // (Permission: the kernel checked it against the attributes served, default_permissions.)
     auto h = std::make_unique<PassthroughHandle>();
     h->ino = ino;
-    h->captured = node->captured;
+    h->captured = captured;
     h->writable = write;
     h->caller = caller;
     h->kill_privs = write && !caller.Privileged();
@@ -448,19 +467,22 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
       std::lock_guard lock(mu_);
       ++node->open_writers;
     }
-    if (write && (flags & O_TRUNC) != 0) UCPFS_RETURN_IF_ERROR(capture_->Truncate(*node->captured, 0));
+    if (write && (flags & O_TRUNC) != 0) UCPFS_RETURN_IF_ERROR(capture_->Truncate(*captured, 0));
     return h;
   }
-  const std::string proc = ProcPath(node->fd);
   if (write && (flags & O_TRUNC) != 0 && capture_ != nullptr) {
     // Rewriting a file: captured like a new one, which replaces it atomically when durable. The
     // caller must be able to open it for writing: asked of the kernel (without truncating it).
+    struct stat attr = {};
     {
       AsCaller as(caller);
       UCPFS_RETURN_IF_ERROR(as.status());
-      const int probe = open(proc.c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW | O_TRUNC)) | O_CLOEXEC);
+      std::shared_lock use(node->fd_mu);
+      if (node->gone) return Gone(*node);
+      const int probe = open(ProcPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW | O_TRUNC)) | O_CLOEXEC);
       if (probe < 0) return Sys(errno, "open " + node->name);
       close(probe);
+      if (fstatat(node->fd, "", &attr, AT_EMPTY_PATH) != 0) return Sys(errno, "stat " + node->name);
     }
     std::shared_ptr<Node> dir;
     std::string name;
@@ -470,8 +492,6 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
       if (it != nodes_.end()) dir = it->second;
       name = node->name;
     }
-    struct stat attr = {};
-    if (fstatat(node->fd, "", &attr, AT_EMPTY_PATH) != 0) return Sys(errno, "stat " + node->name);
     // It keeps its owner, group and mode; truncation by an unprivileged writer drops S_ISUID/S_ISGID.
     if (!caller.Privileged()) attr.st_mode = KillPrivs(attr.st_mode);
     if (dir != nullptr && !name.empty()) {
@@ -482,14 +502,19 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
       std::lock_guard lock(mu_);
       nodes_.erase(made->id);
       by_file_.erase({made->dev, made->ino});
-      by_file_.erase({node->dev, node->ino});
-      close(node->fd);
-      node->fd = made->fd;
-      made->fd = -1;
+      if (const auto f = by_file_.find({node->dev, node->ino}); f != by_file_.end() && f->second == node->id) {
+        by_file_.erase(f);
+      }
+      {
+        std::unique_lock use(node->fd_mu);
+        close(node->fd);
+        node->fd = made->fd;
+        made->fd = -1;
+      }
       node->dev = made->dev;
       node->ino = made->ino;
       by_file_[{node->dev, node->ino}] = node->id;
-      node->captured = made->captured;
+      node->captured.store(made->captured.load());
       node->open_writers = 1;
       overlay_[{dir->id, name}] = node->id;
       h->ino = ino;
@@ -505,7 +530,9 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
   {
     AsCaller as(caller);
     UCPFS_RETURN_IF_ERROR(as.status());
-    fd = open(proc.c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW)) | O_CLOEXEC);
+    std::shared_lock use(node->fd_mu);
+    if (node->gone) return Gone(*node);
+    fd = open(ProcPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW)) | O_CLOEXEC);
     if (fd < 0) return Sys(errno, "open " + node->name);
   }
   auto h = std::make_unique<PassthroughHandle>();
@@ -597,6 +624,10 @@ Result<size_t> Passthrough::Read(PassthroughHandle& h, uint64_t byte_offset, std
 
 Result<size_t> Passthrough::Write(PassthroughHandle& h, uint64_t byte_offset, std::span<const std::byte> data) {
   if (!h.writable) return PosixError(EBADF, "not open for writing");
+  if (h.closing.exchange(false)) {  // written after a close(2): open through another descriptor
+    std::lock_guard lock(mu_);
+    closing_.erase(&h);
+  }
   if (h.captured != nullptr) {
     if (h.kill_privs.exchange(false)) {  // an unprivileged write drops S_ISUID/S_ISGID
       const mode_t mode = capture_->Stat(*h.captured).st_mode & 07777;
@@ -631,19 +662,47 @@ Status Passthrough::Fsync(PassthroughHandle& h, bool datasync) {
 
 Status Passthrough::Flush(PassthroughHandle& h) {
   if (h.captured == nullptr) return Status::Ok();
+  if (h.writable) {
+    std::lock_guard lock(mu_);
+    closing_[&h] = {++n_closes_, h.ino};
+    h.closing = true;
+  }
   return capture_->Error(*h.captured);
 }
 
+std::vector<std::string> Passthrough::WaitClosesReleased(std::chrono::milliseconds max) {
+  std::vector<Ino> not_released;
+  {
+    std::unique_lock lock(mu_);
+    const uint64_t before = n_closes_;
+    const auto waited_for = [&] {
+      return std::none_of(closing_.begin(), closing_.end(), [&](const auto& e) { return e.second.first <= before; });
+    };
+    if (closing_cv_.wait_for(lock, max, waited_for)) return {};
+    for (auto it = closing_.begin(); it != closing_.end();) {
+      if (it->second.first <= before) {
+        not_released.push_back(it->second.second);
+        it = closing_.erase(it);  // not waited for again until closed again
+      } else {
+        ++it;
+      }
+    }
+  }
+  std::vector<std::string> paths;
+  for (const Ino ino : not_released) paths.push_back(PathOf(ino));
+  return paths;
+}
+
 Result<std::unique_ptr<PassthroughHandle>> Passthrough::Open(const Caller& caller, Ino ino, int flags) {
-  // Counted before the file is looked at: the bucket uploader unlinks an uploaded copy, then
-  // asks InUsePaths before it truncates it; an open counted after that finds it unlinked here.
+  // Counted before the file is looked at: a node is released (ReleaseIfRemoved) only while
+  // nothing has it open, so an open counted first finds it either kept or gone.
   CountOpen(ino, 1);
-  if (const std::shared_ptr<Node> node = refuse_unlinked_ ? Find(ino) : nullptr;
-      node != nullptr && !node->is_dir && !CapturedNow(*node)) {
-    struct stat st = {};
-    if (fstatat(node->fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) == 0 && st.st_nlink == 0) {
+  if (const std::shared_ptr<Node> node = Find(ino); node != nullptr && !node->is_dir) {
+    // Removed, and open nowhere else: a stale name (the kernel's, for up to a second), which a
+    // plain disk would not open either. An open file's /proc/PID/fd/N opens it still.
+    if (ReleaseIfRemoved(node, /*own_opens=*/1)) {
       CountOpen(ino, -1);
-      return PosixError(ENOENT, node->name + " was removed");  // a name unlinked since the lookup
+      return Gone(*node);
     }
   }
   Result<std::unique_ptr<PassthroughHandle>> h = OpenUncounted(caller, ino, flags);
@@ -697,13 +756,100 @@ std::vector<std::string> Passthrough::InUsePaths(uint64_t recent_ms) {
 
 Status Passthrough::Release(PassthroughHandle& h) {
   CountOpen(h.ino, -1);
-  if (h.captured == nullptr || !h.writable) return Status::Ok();
-  bool last = false;
-  if (const std::shared_ptr<Node> node = Find(h.ino)) {
+  const std::shared_ptr<Node> node = Find(h.ino);
+  Status closed;
+  if (h.captured != nullptr && h.writable) {
+    bool last = false;
+    if (node != nullptr) {
+      std::lock_guard lock(mu_);
+      last = --node->open_writers <= 0;
+    }
+    if (last) closed = capture_->Close(*h.captured);  // queued for commit before a waiting sync goes on
     std::lock_guard lock(mu_);
-    last = --node->open_writers <= 0;
+    if (closing_.erase(&h) > 0) closing_cv_.notify_all();
   }
-  return last ? capture_->Close(*h.captured) : Status::Ok();
+  // A file removed while open: at its last close the node lets its blocks go.
+  if (node != nullptr && !node->is_dir) ReleaseIfRemoved(node);
+  return closed;
+}
+
+bool Passthrough::PendingLocked(const Node& node) {
+  for (auto it = overlay_.begin(); it != overlay_.end();) {
+    if (it->second != node.id) {
+      ++it;
+      continue;
+    }
+    // Placed since (a real entry now; dropped here as Pending drops it when the name is next
+    // looked up), or still pending.
+    if (const std::shared_ptr<io::CapturedFile> captured = node.captured.load();
+        captured != nullptr && capture_ != nullptr && !capture_->Placed(*captured)) {
+      return true;
+    }
+    it = overlay_.erase(it);
+  }
+  return false;
+}
+
+std::shared_ptr<Passthrough::Node> Passthrough::NodeOfFile(dev_t dev, ino_t ino) const {
+  std::lock_guard lock(mu_);
+  const auto it = by_file_.find({dev, ino});
+  if (it == by_file_.end()) return nullptr;
+  const auto n = nodes_.find(it->second);
+  return n == nodes_.end() ? nullptr : n->second;
+}
+
+bool Passthrough::ReleaseIfRemoved(const std::shared_ptr<Node>& node, int own_opens) {
+  if (node->gone) return true;
+  if (node->is_dir || node->id == 1) return false;
+  // Removed: a capture not settled tells (an unlinked pending file is discarded); else the inode.
+  if (const std::shared_ptr<io::CapturedFile> captured = node->captured.load();
+      captured != nullptr && capture_ != nullptr && !capture_->Settled(*captured)) {
+    if (capture_->Stat(*captured).st_nlink != 0) return false;
+  } else {
+    std::shared_lock use(node->fd_mu);
+    struct stat st = {};
+    if (node->gone || fstatat(node->fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0 || st.st_nlink != 0) {
+      return node->gone;
+    }
+  }
+  // No name has it now (a link count never comes back from zero): released unless in use.
+  {
+    std::lock_guard lock(mu_);
+    if (node->gone) return true;
+    const Ino ino = InoOf(*node);
+    if (const auto it = opens_.find(ino); it != opens_.end() && it->second.n > own_opens) return false;
+    if (node->open_writers > 0 || PendingLocked(*node)) return false;
+    node->gone = true;  // opens counted from now on find it gone (Open counts before it looks)
+    if (const auto f = by_file_.find({node->dev, node->ino}); f != by_file_.end() && f->second == node->id) {
+      by_file_.erase(f);  // the inode number may be given to a new file
+    }
+  }
+  std::shared_ptr<io::CapturedFile> captured = node->captured.exchange(nullptr);  // its descriptors close with it
+  std::unique_lock use(node->fd_mu);
+  if (node->fd >= 0) close(node->fd);
+  node->fd = -1;
+  return true;
+}
+
+size_t Passthrough::ReleaseRemoved() {
+  last_sweep_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::vector<std::shared_ptr<Node>> files;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [id, node] : nodes_) {
+      if (!node->is_dir && id != 1 && !node->gone) files.push_back(node);
+    }
+  }
+  size_t n = 0;
+  for (const auto& node : files) n += ReleaseIfRemoved(node) ? 1 : 0;
+  return n;
+}
+
+void Passthrough::SweepSoon() {
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  int64_t last = last_sweep_ns_.load();
+  if (now - last < 1'000'000'000 || !last_sweep_ns_.compare_exchange_strong(last, now)) return;
+  ReleaseRemoved();
 }
 
 Result<struct stat> Passthrough::MakeEntry(const Caller& caller, Ino parent, std::string_view name_view,
@@ -749,6 +895,8 @@ Result<std::string> Passthrough::Readlink(Ino ino) {
   if (node == nullptr) return PosixError(ENOENT, "no inode " + std::to_string(ino));
   if (!node->is_symlink) return PosixError(EINVAL, node->name + " is not a symlink");
   std::string target(4096, '\0');
+  std::shared_lock use(node->fd_mu);
+  if (node->gone) return Gone(*node);
   const ssize_t n = readlinkat(node->fd, "", target.data(), target.size());
   if (n < 0) return Sys(errno, "readlink " + node->name);
   target.resize(static_cast<size_t>(n));
@@ -761,13 +909,17 @@ Status Passthrough::Unlink(const Caller& caller, Ino parent, std::string_view na
   UCPFS_RETURN_IF_ERROR(CheckName(name_view));
   const std::string name(name_view);
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
-    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, capture_->Stat(*pending->captured).st_uid));
-    const bool discarded = capture_->Discard(*pending->captured);
+    const std::shared_ptr<io::CapturedFile> captured = pending->captured.load();
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, capture_->Stat(*captured).st_uid));
+    const bool discarded = capture_->Discard(*captured);
     {
       std::lock_guard lock(mu_);
       overlay_.erase({dir->id, name});
     }
-    if (discarded) return Status::Ok();
+    if (discarded) {
+      ReleaseIfRemoved(pending);  // its part's descriptors, unless a writer still has it open
+      return Status::Ok();
+    }
     // Placed meanwhile: it is a real entry now, removed below.
   }
   struct stat st = {};
@@ -778,6 +930,7 @@ Status Passthrough::Unlink(const Caller& caller, Ino parent, std::string_view na
     UCPFS_RETURN_IF_ERROR(as.status());
     if (unlinkat(dir->fd, name.c_str(), 0) != 0) return Sys(errno, "unlink " + name);
   }
+  if (const std::shared_ptr<Node> node = NodeOfFile(st.st_dev, st.st_ino)) ReleaseIfRemoved(node);
   if (changed_) changed_(PathOf(InoOf(*dir)) + "/" + name);
   return Status::Ok();
 }
@@ -820,18 +973,26 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
   // A pending source is made durable under its name first (rename is a sync point: DCP writes
   // `.metadata.tmp`, fsyncs it and renames it to `.metadata`).
   if (std::shared_ptr<Node> pending = Pending(dir->id, name)) {
-    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, capture_->Stat(*pending->captured).st_uid));
-    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*pending->captured));
+    const std::shared_ptr<io::CapturedFile> captured = pending->captured.load();
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *dir, capture_->Stat(*captured).st_uid));
+    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*captured));
     Pending(dir->id, name);  // drops the overlay entry of the placed file
   }
   // A pending target would be placed later over what the rename put there: discard it.
+  std::shared_ptr<Node> discarded_target;
   if (std::shared_ptr<Node> target = Pending(new_dir->id, new_name)) {
     if ((flags & RENAME_NOREPLACE) != 0) return PosixError(EEXIST, new_name + " exists");
-    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *new_dir, capture_->Stat(*target->captured).st_uid));
-    (void)capture_->Discard(*target->captured);  // placed already: the rename replaces it
+    const std::shared_ptr<io::CapturedFile> captured = target->captured.load();
+    UCPFS_RETURN_IF_ERROR(MayDelete(caller, *new_dir, capture_->Stat(*captured).st_uid));
+    (void)capture_->Discard(*captured);  // placed already: the rename replaces it
     std::lock_guard lock(mu_);
     overlay_.erase({new_dir->id, new_name});
+    discarded_target = target;
   }
+  // What the rename replaces, if anything: its node lets the file go once it has no name.
+  struct stat replaced = {};
+  const bool replacing = (flags & RENAME_EXCHANGE) == 0 &&
+                         fstatat(new_dir->fd, new_name.c_str(), &replaced, AT_SYMLINK_NOFOLLOW) == 0;
   struct stat st = {};
   if (fstatat(dir->fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return Sys(errno, "rename " + name);
   if (!Shown(st.st_mode)) return PosixError(ENOENT, name + " is not shown");
@@ -842,8 +1003,8 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
     std::lock_guard lock(mu_);
     if (const auto it = by_file_.find({st.st_dev, st.st_ino}); it != by_file_.end()) {
       const Node& node = *nodes_.at(it->second);
-      if (CapturedNow(node)) {
-        captured = node.captured;
+      if (std::shared_ptr<io::CapturedFile> now = node.captured.load(); CapturedNow(now)) {
+        captured = std::move(now);
         closed = node.open_writers == 0;
       }
     }
@@ -867,6 +1028,10 @@ Status Passthrough::Rename(const Caller& caller, Ino parent, std::string_view na
       node.name = new_name;
     }
   }
+  if (discarded_target != nullptr) ReleaseIfRemoved(discarded_target);
+  if (replacing && (replaced.st_dev != st.st_dev || replaced.st_ino != st.st_ino)) {
+    if (const std::shared_ptr<Node> node = NodeOfFile(replaced.st_dev, replaced.st_ino)) ReleaseIfRemoved(node);
+  }
   if (changed_) {
     // Both ends, the new name first (an s3:// mount uploads it, then deletes the old object).
     changed_(PathOf(InoOf(*new_dir)) + "/" + new_name);
@@ -882,11 +1047,16 @@ Status Passthrough::SetXattr(const Caller& caller, Ino ino, const std::string& n
   if (!UserXattr(name)) return PosixError(ENOTSUP, "only user.* xattrs are kept");
   // A file being saved gets its inode under its name first (placed now, with its owner and
   // mode): the xattr then lives on the real file (cp -a sets them right after the data).
-  if (CapturedNow(*node) && !capture_->Placed(*node->captured)) UCPFS_RETURN_IF_ERROR(capture_->Fsync(*node->captured));
+  if (const std::shared_ptr<io::CapturedFile> captured = node->captured.load();
+      CapturedNow(captured) && !capture_->Placed(*captured)) {
+    UCPFS_RETURN_IF_ERROR(capture_->Fsync(*captured));
+  }
   // Through the /proc link only a file's own xattrs are safe to touch; a symlink has no user.* ones.
   if (node->is_symlink) return PosixError(EPERM, node->name + " is a symlink");
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
+  std::shared_lock use(node->fd_mu);
+  if (node->gone) return Gone(*node);
   if (setxattr(ProcPath(node->fd).c_str(), name.c_str(), value.data(), value.size(), flags) != 0) {
     return Sys(errno, "setxattr " + node->name);
   }
@@ -900,6 +1070,8 @@ Result<std::vector<std::byte>> Passthrough::GetXattr(const Caller& caller, Ino i
   if (!UserXattr(name) || Unplaced(*node) || node->is_symlink) return PosixError(ENODATA, "no such xattr");
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
+  std::shared_lock use(node->fd_mu);
+  if (node->gone) return Gone(*node);
   std::vector<std::byte> value(size);
   const ssize_t n = getxattr(ProcPath(node->fd).c_str(), name.c_str(), size == 0 ? nullptr : value.data(), size);
   if (n < 0) return Sys(errno, "getxattr " + node->name);
@@ -917,6 +1089,8 @@ Result<std::vector<std::byte>> Passthrough::ListXattr(const Caller& caller, Ino 
   {
     AsCaller as(caller);
     UCPFS_RETURN_IF_ERROR(as.status());
+    std::shared_lock use(node->fd_mu);
+    if (node->gone) return Gone(*node);
     const std::string proc = ProcPath(node->fd);
     for (int attempt = 0; attempt < 4; ++attempt) {
       const ssize_t need = listxattr(proc.c_str(), nullptr, 0);
@@ -947,6 +1121,8 @@ Status Passthrough::RemoveXattr(const Caller& caller, Ino ino, const std::string
   if (!UserXattr(name) || Unplaced(*node) || node->is_symlink) return PosixError(ENODATA, "no such xattr");
   AsCaller as(caller);
   UCPFS_RETURN_IF_ERROR(as.status());
+  std::shared_lock use(node->fd_mu);
+  if (node->gone) return Gone(*node);
   if (removexattr(ProcPath(node->fd).c_str(), name.c_str()) != 0) return Sys(errno, "removexattr " + node->name);
   return Status::Ok();
 }
@@ -954,6 +1130,7 @@ Status Passthrough::RemoveXattr(const Caller& caller, Ino ino, const std::string
 Result<std::vector<Passthrough::DirItem>> Passthrough::List(Ino ino) {
   const std::shared_ptr<Node> dir = DirNode(ino);
   if (dir == nullptr) return PosixError(ENOTDIR, "not a directory");
+  SweepSoon();  // files removed from outside, whose names the kernel may still hold
   const int fd = openat(dir->fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return Sys(errno, "opendir " + dir->name);
   DIR* d = fdopendir(fd);
@@ -989,7 +1166,8 @@ Result<std::vector<Passthrough::DirItem>> Passthrough::List(Ino ino) {
   return items;
 }
 
-struct statvfs Passthrough::StatFs() const {
+struct statvfs Passthrough::StatFs() {
+  SweepSoon();  // so the free space shown counts what files removed from outside held
   struct statvfs sv = {};
   fstatvfs(root_fd_, &sv);
   return sv;

@@ -38,9 +38,23 @@
 // does not drop. Setting one on a file being saved places it first (as fsync does), so the
 // xattr lands on the real file.
 //
+// Removed files: a node whose file has no name left (unlinked or renamed over, through the
+// mount or from outside) and that no open file uses is released at once: its descriptors (the
+// O_PATH one, and the capture's of a file saved through the mount) are closed and its
+// (st_dev, st_ino) forgotten, so the daemon keeps no blocks of a deleted file even while the
+// kernel still knows the inode (it forgets a file removed from outside only when its name is
+// looked up again). Later requests for that inode are ENOENT, as for the name on a plain disk;
+// an open file keeps working, and its node is released at its last close. Noticed: at an
+// unlink or rename through the mount, at the last close, at an open (a stale name), at a
+// getattr, and by a sweep of every node (ReleaseRemoved: the bucket uploader after it removes
+// staged copies, and at most once a second on a statfs, a listing or a lookup of a missing name).
+// Directories are not released (their descriptors are every lookup's): a removed one's node
+// keeps its O_PATH descriptor, which holds no data, until the kernel forgets it.
+//
 // Thread-safety: every method may be called from any thread at once. Lock order: mu_ (the node
 // map and overlay), then a file's capture locks (inside WriteCapture); no lock is held across a
-// blocking capture call.
+// blocking capture call. A node's fd_mu is a leaf (nothing else is taken while it is held): held
+// shared while its descriptor is used, exclusive while it is closed or replaced.
 #pragma once
 
 #include <sys/stat.h>
@@ -48,12 +62,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -79,6 +95,7 @@ struct PassthroughHandle {
   // kernel does (kill_privs: the file had such a bit at open).
   Caller caller;
   std::atomic<bool> kill_privs{false};
+  std::atomic<bool> closing{false};  // flushed (a close(2)) and not written since
   ~PassthroughHandle();
 };
 
@@ -113,10 +130,18 @@ class Passthrough {
   Result<size_t> Read(PassthroughHandle& h, uint64_t byte_offset, std::span<std::byte> out);
   Result<size_t> Write(PassthroughHandle& h, uint64_t byte_offset, std::span<const std::byte> data);
   Status Fsync(PassthroughHandle& h, bool datasync);
-  // close(2) of a handle (every close, not only the last): a flush error the file met so far.
+  // close(2) of a handle (every close, not only the last): a flush error the file met so far. A
+  // handle that captures writes is noted as closing until its Release or its next write
+  // (WaitClosesReleased).
   Status Flush(PassthroughHandle& h);
   // The handle is closed: a captured file whose last writer this was is queued for commit.
   Status Release(PassthroughHandle& h);
+  // close(2) returns before the kernel's RELEASE reaches the daemon, and the commit of a saved
+  // file is queued only at its RELEASE: waits, at most `max`, until every handle that captures
+  // writes and was closed (Flush) before this call is released. Returns the paths of those that
+  // were not (still open through another descriptor of the same open file: a dup, a fork), which
+  // later calls do not wait for again (until closed again).
+  std::vector<std::string> WaitClosesReleased(std::chrono::milliseconds max);
 
   Result<struct stat> Mkdir(const Caller& caller, Ino parent, std::string_view name, mode_t mode);
   // A regular file (empty, created directly); any other type is EPERM.
@@ -142,7 +167,7 @@ class Passthrough {
   };
   // The directory's entries (files and directories only), sorted by name.
   Result<std::vector<DirItem>> List(Ino dir);
-  struct statvfs StatFs() const;
+  struct statvfs StatFs();
   // Called after a rename (for the new name, then the old one), unlink or rmdir changed the source
   // (relative path of the name).
   void SetChanged(std::function<void(const std::string&)> changed) { changed_ = std::move(changed); }
@@ -155,22 +180,25 @@ class Passthrough {
   // released) or last released less than `recent_ms` ago (at most an hour), for the bucket uploader: it removes no
   // staged copy in use (DCP renames `.metadata.tmp` right after closing it).
   std::vector<std::string> InUsePaths(uint64_t recent_ms);
-  // Whether a file unlinked since its lookup (an open of /proc/PID/fd/N, a stale dentry) is
-  // refused with ENOENT (set where the bucket uploader truncates the copies it removes).
-  void SetRefuseUnlinked(bool refuse) { refuse_unlinked_ = refuse; }
+  // Releases every node whose file was removed and that nothing has open (see the file comment);
+  // how many. One fstat per file node.
+  size_t ReleaseRemoved();
 
  private:
   struct Node {
     uint64_t id = 0;
     dev_t dev = 0;
     ino_t ino = 0;
-    int fd = -1;  // O_PATH
+    int fd = -1;  // O_PATH; -1 once released (gone)
+    mutable std::shared_mutex fd_mu;  // shared while fd is used, exclusive to close or replace it
+    std::atomic<bool> gone{false};    // its file was removed and the node released: ENOENT
     bool is_dir = false;
     bool is_symlink = false;
     std::atomic<uint64_t> n_lookups{0};
     uint64_t parent_id = 0;
     std::string name;
-    std::shared_ptr<io::CapturedFile> captured;  // pending or still written through the mount
+    // Pending or still written through the mount (kept after, until the node goes or is released).
+    std::atomic<std::shared_ptr<io::CapturedFile>> captured;
     int open_writers = 0;                        // captured: handles open for writing
   };
   Passthrough(int root_fd, std::string source_dir, std::shared_ptr<io::WriteCapture> capture);
@@ -203,6 +231,19 @@ class Passthrough {
   Status MayDelete(const Caller& caller, const Node& dir, uid_t owner);
   // Captured and not settled: its attributes are the capture's.
   bool CapturedNow(const Node& node) const;
+  bool CapturedNow(const std::shared_ptr<io::CapturedFile>& captured) const;
+  // Releases `node` (see the file comment) when its file has no name left and nothing has it
+  // open (but `own_opens` counted opens: the caller's); whether it did (or it was already).
+  bool ReleaseIfRemoved(const std::shared_ptr<Node>& node, int own_opens = 0);
+  // Whether `node` is a pending file's overlay entry (mu_ held); entries of files placed since
+  // are dropped.
+  bool PendingLocked(const Node& node);
+  // The node of (st_dev, st_ino), or null.
+  std::shared_ptr<Node> NodeOfFile(dev_t dev, ino_t ino) const;
+  // ReleaseRemoved, at most once a second (what a statfs, listing or missed lookup calls).
+  void SweepSoon();
+  // ENOENT for a released node.
+  static Status Gone(const Node& node);
   // Captured and not yet under its name at all (no inode of its own there: no xattrs).
   bool Unplaced(const Node& node) const;
   // mkdir/mknod/symlink: `make(dirfd, name)` (0 or -1 with errno) run as the caller, then the
@@ -214,7 +255,12 @@ class Passthrough {
   const std::string source_dir_;
   const std::shared_ptr<io::WriteCapture> capture_;
   std::function<void(const std::string&)> changed_;
-  std::atomic<bool> refuse_unlinked_{false};
+  std::atomic<int64_t> last_sweep_ns_{0};  // SweepSoon's last sweep (steady clock)
+  // Handles that capture writes, closed (flushed) and not yet released: (its close's number, its
+  // inode). Keys are never dereferenced. Guarded by mu_.
+  std::map<const PassthroughHandle*, std::pair<uint64_t, Ino>> closing_;
+  uint64_t n_closes_ = 0;                // guarded by mu_
+  std::condition_variable closing_cv_;  // closing_ lost an entry
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Node>> nodes_;                      // id -> node; guarded by mu_
   struct OpenCount {

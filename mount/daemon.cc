@@ -54,6 +54,41 @@ Result<ReadAheadSizes> ParseReadAhead(const std::string& readahead, const std::s
 
 namespace {
 
+// What `ucpfs sync` waits for before the capture's Sync (fs::Passthrough::WaitClosesReleased),
+// set once the passthrough is made, and what its waits gave up on.
+class CloseWaits {
+ public:
+  void Set(const std::shared_ptr<fs::Passthrough>& p) {
+    std::lock_guard lock(mu_);
+    passthrough_ = p;
+  }
+  void Wait(std::chrono::milliseconds max) {
+    std::shared_ptr<fs::Passthrough> p;
+    {
+      std::lock_guard lock(mu_);
+      p = passthrough_.lock();
+    }
+    if (p == nullptr) return;
+    std::vector<std::string> left = p->WaitClosesReleased(max);
+    if (left.empty()) return;
+    std::lock_guard lock(mu_);
+    ++timeouts_;
+    if (left.size() > 16) left.resize(16);
+    not_released_ = std::move(left);
+  }
+  // How many syncs gave up waiting, and the files the last one named.
+  std::pair<uint64_t, std::vector<std::string>> Stats() const {
+    std::lock_guard lock(mu_);
+    return {timeouts_, not_released_};
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::weak_ptr<fs::Passthrough> passthrough_;
+  uint64_t timeouts_ = 0;
+  std::vector<std::string> not_released_;
+};
+
 // The default readahead follows the source disk's window between the FUSE request size (1 MiB,
 // fs/fuse_mount.cc's default max_read: the window it has anyway) and 64 MiB.
 constexpr uint64_t kRequestBytes = uint64_t{1} << 20;
@@ -274,12 +309,18 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   // Saves into a bucket mount: `ucpfs sync` (and umount) return once they are in the bucket too,
   // or fail naming what is not after 30 s of failures without progress.
   constexpr uint64_t kUploadStuckMs = 30000;
+  // close(2) returns before the RELEASE that queues a saved file's commit reaches the daemon: a
+  // sync first waits that long at most for the RELEASEs of closes made before it (the files
+  // still open through another descriptor after that are named in stats.json, and by sync).
+  constexpr std::chrono::milliseconds kCloseReleaseWait{5000};
+  const auto closes = std::make_shared<CloseWaits>();
   if (capture) {
-    hooks.sync = [capture, uploader] {
+    hooks.sync = [capture, uploader, closes, kCloseReleaseWait] {
+      closes->Wait(kCloseReleaseWait);
       UCPFS_RETURN_IF_ERROR(capture->Sync());
       return uploader ? uploader->WaitUploaded(kUploadStuckMs, nullptr) : Status::Ok();
     };
-    hooks.capture_stats = [capture] {
+    hooks.capture_stats = [capture, closes] {
       const io::CaptureStats s = capture->Stats();
       nlohmann::ordered_json j;
       j["cache_bytes"] = s.cache_capacity_bytes;
@@ -304,6 +345,9 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
         unplaced.push_back({{"path", u.path}, {"reason", u.reason}, {"kept_in", u.kept_in}});
       }
       j["unplaced"] = std::move(unplaced);
+      const auto [timeouts, not_released] = closes->Stats();
+      j["sync_release_timeouts"] = timeouts;
+      j["sync_not_released"] = not_released;
       return j;
     };
   }
@@ -431,13 +475,16 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
       });
     }
     mo.bucket = bucket_files;
+    closes->Set(mo.passthrough);
     if (uploader) {
-      mo.passthrough->SetRefuseUnlinked(true);
       // Uploaded copies are removed once kept long enough, never one in use through the mount
-      // (unset before the passthrough goes, below).
+      // (unset before the passthrough goes, below); the mount then lets go of their inodes.
       uploader->SetInUse([weak = std::weak_ptr<fs::Passthrough>(mo.passthrough)](uint64_t recent_ms) {
         const std::shared_ptr<fs::Passthrough> p = weak.lock();
         return p ? p->InUsePaths(recent_ms) : std::vector<std::string>{};
+      });
+      uploader->SetRemoved([weak = std::weak_ptr<fs::Passthrough>(mo.passthrough)] {
+        if (const std::shared_ptr<fs::Passthrough> p = weak.lock()) p->ReleaseRemoved();
       });
     }
   }
@@ -470,7 +517,10 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   if (reindexer) reindexer->Detach();
   changed->Set(nullptr);
   reindexer.reset();
-  if (uploader) uploader->SetInUse(nullptr);
+  if (uploader) {
+    uploader->SetInUse(nullptr);
+    uploader->SetRemoved(nullptr);
+  }
   mo.passthrough.reset();
   capture.reset();  // drains: everything captured is made durable before the daemon exits
   int rc = 0;

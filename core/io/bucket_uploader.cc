@@ -95,8 +95,9 @@ struct BucketUploader::Impl {
     Clock::time_point uploaded_at;
   };
   std::map<std::string, Kept> uploaded;
-  std::mutex in_use_mu;  // held while in_use is called
+  std::mutex in_use_mu;  // held while in_use or removed is called
   std::function<std::vector<std::string>(uint64_t)> in_use;
+  std::function<void()> on_removed;
   Clock::time_point last_collect = Clock::now();
   // The version last queued at each path (this mount's life).
   std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
@@ -439,8 +440,10 @@ struct BucketUploader::Impl {
         due.emplace_back(path, kept);
       }
     }
+    size_t n_removed = 0;
     for (const auto& [path, kept] : due) {
-      const bool removed = RemoveCopy(path, kept, /*truncate=*/!at_stop);
+      const bool removed = RemoveCopy(path, kept);
+      n_removed += removed ? 1 : 0;
       std::lock_guard lock(mu);
       const auto it = uploaded.find(path);
       if (it == uploaded.end() || it->second.uploaded_at != kept.uploaded_at) continue;  // uploaded again meanwhile
@@ -454,12 +457,16 @@ struct BucketUploader::Impl {
         }
       }
     }
+    if (n_removed > 0 && !at_stop) {
+      std::lock_guard lock(in_use_mu);
+      if (on_removed) on_removed();
+    }
   }
 
-  // Removes the staged copy at `path` when it is still `kept`'s version (`truncate`: its blocks
-  // freed at once, see below), then its directories when empty. The name is moved into STATE first and checked there: a file renamed onto it
+  // Removes the staged copy at `path` when it is still `kept`'s version, then its directories
+  // when empty. The name is moved into STATE first and checked there: a file renamed onto it
   // meanwhile (not uploaded yet) is moved back, not removed.
-  bool RemoveCopy(const std::string& path, const Kept& kept, bool truncate) {
+  bool RemoveCopy(const std::string& path, const Kept& kept) {
     const size_t slash = path.rfind('/');
     const std::string parent = slash == std::string::npos ? "." : path.substr(0, slash);
     const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
@@ -475,23 +482,7 @@ struct BucketUploader::Impl {
     if (fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && same() &&
         renameat(dir, name.c_str(), state_fd, kRemoving) == 0) {
       if (fstatat(state_fd, kRemoving, &st, AT_SYMLINK_NOFOLLOW) == 0 && same()) {
-        const int fd = truncate ? openat(state_fd, kRemoving, O_WRONLY | O_NOFOLLOW | O_CLOEXEC) : -1;
         removed = unlinkat(state_fd, kRemoving, 0) == 0;
-        // The mount's nodes may still hold the unlinked inode (O_PATH) until the kernel forgets
-        // them, keeping its blocks: freed now by truncating it, unless an open came meanwhile
-        // (the Passthrough counts an open before it refuses an unlinked file).
-        if (removed && fd >= 0) {
-          std::vector<std::string> busy;
-          {
-            std::lock_guard lock(in_use_mu);
-            if (in_use) busy = in_use(options.keep_ms);
-          }
-          if (std::find(busy.begin(), busy.end(), path) == busy.end() && ftruncate(fd, 0) != 0) {
-            Log("ucpfs: upload: truncate the removed copy of " + options.stage_dir + "/" + path + ": " +
-                std::strerror(errno));
-          }
-        }
-        if (fd >= 0) close(fd);
       } else if (renameat2(state_fd, kRemoving, dir, name.c_str(), RENAME_NOREPLACE) != 0) {
         // The name was taken again meanwhile: the newer file stays; this one (not uploaded:
         // it was not the uploaded version) is kept in STATE under a name of its own.
@@ -750,6 +741,11 @@ UploaderStats BucketUploader::Stats() const {
 void BucketUploader::SetInUse(std::function<std::vector<std::string>(uint64_t recent_ms)> in_use) {
   std::lock_guard lock(impl_->in_use_mu);
   impl_->in_use = std::move(in_use);
+}
+
+void BucketUploader::SetRemoved(std::function<void()> removed) {
+  std::lock_guard lock(impl_->in_use_mu);
+  impl_->on_removed = std::move(removed);
 }
 
 std::string BucketUploader::Url(const std::string& rel_path) const { return impl_->Url(Clean(rel_path)); }

@@ -15,8 +15,9 @@
 // mount, or closed less than keep_ms ago: DCP renames `.metadata.tmp` right after closing it and
 // the rename needs the staged bytes); then its directories, when empty (never the staging root).
 // The removal moves the name into STATE first and checks the inode there, so a file renamed
-// onto the name meanwhile is put back, never lost; the unlinked copy is truncated (its blocks
-// freed although the mount's nodes may still hold its inode) unless it came into use meanwhile. Removing a copy needs no journal record: its
+// onto the name meanwhile is put back, never lost; then `removed` is called, so the mount lets
+// go of what it still holds of the copies (fs/passthrough.h: their blocks are freed then, or at
+// the last close of one that came into use meanwhile). Removing a copy needs no journal record: its
 // item is done (kDone) already. At Stop every such copy is removed, in use or not.
 //
 // Crash safety: each item is recorded in a journal (STATE/journal, upload_journal.h) and the
@@ -112,6 +113,9 @@ class BucketUploader {
   // recent_ms ago); until it is set, and once it is set to null, no copy is removed before Stop.
   // Returns once no earlier function is being called.
   void SetInUse(std::function<std::vector<std::string>(uint64_t recent_ms)> in_use);
+  // Called on the uploader's thread after it removed staged copies (not at Stop). Returns once
+  // no earlier function is being called.
+  void SetRemoved(std::function<void()> removed);
 
   UploaderStats Stats() const;
   std::string Url(const std::string& rel_path) const;  // s3://BUCKET/PREFIX/rel_path

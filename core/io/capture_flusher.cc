@@ -252,6 +252,8 @@ void WriteCapture::Impl::FlusherLoop() {
     // Completed last chunk first: the cache hands chunks out LIFO, so the next file's chunks
     // come out ascending in memory, and coalesce again.
     for (size_t k = flights.size(); k-- > 0;) Complete(flights[k], outcome[k]);
+    // Holds no file past its flush: a file removed since keeps its blocks while referenced.
+    flights.clear();
   }
 }
 

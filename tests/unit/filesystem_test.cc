@@ -501,7 +501,6 @@ class BucketFixture : public PassthroughFixture {
     bucket_->SetRemove([this](const std::string& rel) { return RemoveObject(rel); });
     FilesystemOptions options;
     options.passthrough = std::shared_ptr<Passthrough>(std::move(Passthrough::Make(dir_.string(), capture_)).value());
-    options.passthrough->SetRefuseUnlinked(true);  // as an s3:// mount's daemon sets it
     options.bucket = bucket_;
     fs_ = std::move(Filesystem::Make(ViewTree("view"), std::move(options))).value();
   }
