@@ -17,11 +17,14 @@ daemon's peak RSS (VmHWM) is read before each unmount. --baseline-ucpfs adds
 the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
 `tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`); --copy-replies adds both variants again with the
 daemon's replies copied through its buffer (UCPFS_READ_PATH=copy: no splice), measured in the same
-run.
+run. --drop-caches makes each cold round drop the whole page cache (sync; drop_caches=3) instead
+of evicting only the source and the on-disk files (POSIX_FADV_DONTNEED): on a VM whose disk is
+cached by its host the two give different cold ratios, and this one also drops what both sides
+read besides the checkpoint (torch's own files, dentries).
 
 Usage: .venv/bin/python tests/bench/fast_paths_bench.py [--ucpfs build/cli/ucpfs]
        [--baseline-ucpfs build314/cli/ucpfs [--baseline-materialize]] [--workdir DIR] [--rounds 7] [--cold-rounds 3]
-       [--layout tp2_pp1_dp1] [--tensors 28] [--gen-python .venv/bin/python] [--copy-replies]
+       [--layout tp2_pp1_dp1] [--tensors 28] [--gen-python .venv/bin/python] [--copy-replies] [--drop-caches]
 """
 import argparse
 import json
@@ -62,6 +65,8 @@ def main():
     ap.add_argument("--workdir", default="/tmp/ucpfs-fastpaths-bench")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cold-rounds", type=int, default=3)
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="cold rounds drop the whole page cache (root), not only the checkpoint's files")
     ap.add_argument("--copy-replies", action="store_true",
                     help="also measure each variant with UCPFS_READ_PATH=copy (replies copied, not spliced)")
     ap.add_argument("--layout", default="tp2_pp1_dp1")
@@ -127,14 +132,23 @@ def main():
         print(f"  {row[0]:58s} disk {row[1]:6.3f} s  mount {row[2]:6.3f} s  ratio {row[1] / row[2]:5.3f}x"
               f"  (rounds {min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
 
+    def cold(paths):
+        """Evicts `paths` (or, with --drop-caches, the whole page cache) before a cold round."""
+        if a.drop_caches:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        else:
+            evict(paths)
+
     for name, binary, extra, read_path in variants:
         peak_mib = 0.0
         for mmap in (False, True):
             d, m = [], []
             for _ in range(a.cold_rounds):
-                evict(sources + on_disk)
+                cold(sources + on_disk)
                 d.append(load_seconds(on_disk, mmap))
-                evict(sources)
+                cold(sources)
                 pid = mount(binary, extra, read_path)  # a fresh daemon empties the --materialize cache
                 try:
                     m.append(load_seconds(on_mnt, mmap))
