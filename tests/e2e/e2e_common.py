@@ -129,6 +129,15 @@ class Results:
         sys.exit(1 if self.failed or not self.passed else 0)
 
 
+def as_nobody(*cmd, stdin=None, timeout=60):
+    """Runs cmd as user nobody (uid and gid 65534, no groups): the CompletedProcess, stdout as
+    bytes, stderr as text."""
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd],
+                       input=stdin, capture_output=True, timeout=timeout)
+    p.stderr = p.stderr.decode(errors="replace")
+    return p
+
+
 class _WorkDir(tempfile.TemporaryDirectory):
     """A temporary directory whose cleanup first detaches whatever a failed check left mounted
     inside it, so one failure is reported as itself and not as the cleanup's ENOTCONN."""

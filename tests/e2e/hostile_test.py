@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from e2e_common import Results, run, tmpdir, ucpfs_bin
+from e2e_common import Results, as_nobody, run, tmpdir, ucpfs_bin
 from mount_common import expected_atomic, gen_fixture, mounted, step_equal
 
 
@@ -308,14 +308,6 @@ def mount_safety(work, src):
     finally:
         subprocess.run(["umount", foreign])
     clean_error([ucpfs_bin(), "umount", foreign], ["nothing is mounted there"])
-
-
-def as_nobody(*cmd):
-    """Runs cmd as user nobody; stdout is discarded, stderr returned as text."""
-    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
-    p.stderr = p.stderr.decode(errors="replace")
-    return p
 
 
 def permissions_allow_other(work, src):

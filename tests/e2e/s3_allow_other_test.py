@@ -17,34 +17,27 @@ Run by hand: tests/s3/rgw.sh exec DIR env UCPFS_BIN=build/cli/ucpfs \
     .venv/bin/python tests/e2e/s3_allow_other_test.py
 """
 import os
-import subprocess
 import sys
 
 import torch
 
-from e2e_common import Results, run, tmpdir, ucpfs_bin
+from e2e_common import Results, as_nobody, run, tmpdir, ucpfs_bin
 from mount_common import mounted
 import s3_common
 from s3_mount_test import view_files
 
 LAYOUT = "tp1_pp1_dp2_zero1"
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-
-
-def as_nobody(*cmd, stdin=None):
-    """Runs cmd as user nobody: (exit code, stdout bytes, stderr text)."""
-    p = subprocess.run([*NOBODY, *cmd], input=stdin, capture_output=True, timeout=60)
-    return p.returncode, p.stdout, p.stderr.decode(errors="replace")
-
 
 def refused(what, cmd, reason):
-    rc, _, err = as_nobody(*cmd)
+    p = as_nobody(*cmd)
+    rc, _, err = p.returncode, p.stdout, p.stderr
     assert rc != 0 and reason in err, f"{what}: nobody was not refused ({reason}): rc {rc}, {err!r}"
 
 
 def nobody_reads_equal(m, files):
     for f in files:
-        rc, out, err = as_nobody("cat", os.path.join(m, f))
+        p = as_nobody("cat", os.path.join(m, f))
+        rc, out, err = p.returncode, p.stdout, p.stderr
         assert rc == 0, f"nobody cannot read {f}: {err}"
         with open(os.path.join(m, f), "rb") as fh:
             assert out == fh.read(), f"{f}: nobody read {len(out)} bytes, not root's"
@@ -56,7 +49,8 @@ def check_read_only(url, work):
         files = view_files(m)
         assert any(f.startswith(f"target/{LAYOUT}/rank_1/") for f in files) and any(
             f.startswith("atomic/") for f in files), files[:10]
-        rc, out, err = as_nobody("ls", "-A", m)
+        p = as_nobody("ls", "-A", m)
+        rc, out, err = p.returncode, p.stdout, p.stderr
         assert rc == 0 and b"target" in out.split(), (rc, out, err)
         nobody_reads_equal(m, files + [".ucpfs/status.json"])
         refused("create in a read-only mount", ["touch", os.path.join(m, "new")], "Read-only file system")
@@ -85,7 +79,8 @@ def check_writable(url, work, fs):
         os.chmod(os.path.join(m, "shared"), 0o777)
         data = os.urandom(100000)
         mine = os.path.join(m, "shared", "mine.bin")
-        rc, _, err = as_nobody("dd", f"of={mine}", "status=none", stdin=data)
+        p = as_nobody("dd", f"of={mine}", "status=none", stdin=data)
+        rc, _, err = p.returncode, p.stdout, p.stderr
         assert rc == 0, f"nobody cannot save into a 0777 directory: {err}"
         st = os.stat(mine)
         assert (st.st_uid, st.st_gid) == (65534, 65534), f"nobody's file is {st.st_uid}:{st.st_gid}"
