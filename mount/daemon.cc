@@ -448,32 +448,28 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   if (!object_store || capture) {
     auto passthrough = fs::Passthrough::Make(write_dir, capture);
     if (!passthrough.ok()) return report("source", passthrough.error());
+    // A change in the bucket (a rename or unlink in the staging directory, an unlink of an
+    // object), journaled behind the uploads of every file closed before it: write capture queues
+    // a file's upload when it makes it durable, so Sync first, and an unlink right after a save
+    // never deletes before it lands.
+    const auto bucket_change = [weak_capture = std::weak_ptr<io::WriteCapture>(capture),
+                                weak = std::weak_ptr<io::BucketUploader>(uploader)](const std::string& rel) -> Status {
+      const std::shared_ptr<io::WriteCapture> c = weak_capture.lock();
+      const std::shared_ptr<io::BucketUploader> u = weak.lock();
+      if (!c || !u) return fs::PosixError(EROFS, rel + ": the mount is stopping");
+      if (Status s = c->Sync(); !s.ok()) return s.WithContext("change of " + u->Url(rel) + ": the saves before it");
+      return u->Changed(rel);
+    };
     if (uploader) {
-      // A rename or unlink in the staging directory: the new name uploaded, what is gone deleted,
-      // behind the uploads of every file closed before (queued as write capture makes them
-      // durable: Sync first), so an unlink right after a save never deletes before it lands.
-      (*passthrough)->SetChanged([uploader, weak_capture = std::weak_ptr<io::WriteCapture>(capture)](const std::string& rel) {
-        if (const std::shared_ptr<io::WriteCapture> c = weak_capture.lock()) {
-          if (Status s = c->Sync(); !s.ok()) std::cerr << "ucpfs: upload of " << rel << ": " << s.ToString() << std::endl;
-        }
-        if (Status s = uploader->Changed(rel); !s.ok()) std::cerr << "ucpfs: upload: " << s.ToString() << std::endl;
+      // The new name uploaded, what is gone deleted.
+      (*passthrough)->SetChanged([bucket_change](const std::string& rel) {
+        if (Status s = bucket_change(rel); !s.ok()) std::cerr << "ucpfs: upload: " << s.ToString() << std::endl;
       });
     } else if (reindexer) {
       (*passthrough)->SetChanged([r = reindexer.get()](const std::string& rel) { r->Changed(rel); });
     }
     mo.passthrough = std::shared_ptr<fs::Passthrough>(std::move(*passthrough));
-    if (bucket_files) {
-      // An unlink of an object: a DELETE, journaled behind the uploads of every file closed
-      // before it (write capture queues a file's upload when it makes it durable: Sync first).
-      bucket_files->SetRemove([weak_capture = std::weak_ptr<io::WriteCapture>(capture),
-                               weak = std::weak_ptr<io::BucketUploader>(uploader)](const std::string& rel) {
-        const std::shared_ptr<io::WriteCapture> c = weak_capture.lock();
-        const std::shared_ptr<io::BucketUploader> u = weak.lock();
-        if (!c || !u) return fs::PosixError(EROFS, rel + ": the mount is stopping");
-        if (Status s = c->Sync(); !s.ok()) return s.WithContext("delete " + u->Url(rel) + ": the saves before it");
-        return u->Changed(rel);
-      });
-    }
+    if (bucket_files) bucket_files->SetRemove(bucket_change);  // an unlink of an object: a DELETE
     mo.bucket = bucket_files;
     closes->Set(mo.passthrough);
     if (uploader) {
