@@ -274,6 +274,13 @@ int RunStatus(const std::string& mountpoint, bool json) {
               << " staged in " << status.value("object_store", nlohmann::json::object()).value("stage_dir", "?")
               << " (" << num(u, "removed_files") << " uploaded copies removed)\n";
     if (!u.value("failing", std::string()).empty()) std::cout << "  failing:   " << u["failing"].get<std::string>() << '\n';
+    if (u.contains("streamed") && u["streamed"].is_object()) {
+      // Full parts sent while their files were still written.
+      const auto& st = u["streamed"];
+      std::cout << "  streamed:  " << num(st, "parts_sent") << " parts (" << mib(st.value("bytes_sent", uint64_t{0}))
+                << ") sent while written, " << num(st, "files") << " file(s) being written now, "
+                << num(st, "parts_stale") << " part(s) sent again after a rewrite\n";
+    }
   }
   std::string layouts;
   for (const auto& l : status.value("target_layouts", nlohmann::json::array())) {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <mutex>
@@ -195,6 +196,10 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
     uo.stage_dir = args.stage_dir;
     uo.state_dir = args.stage_dir + "/.ucpfs/upload";
     uo.keep_ms = args.stage_keep_s * 1000;
+    // UCPFS_UPLOAD_STREAM=off: every part goes at the file's turn (to measure what streaming saves).
+    if (const char* v = std::getenv("UCPFS_UPLOAD_STREAM"); v != nullptr && std::string(v) == "off") {
+      uo.stream_parts = false;
+    }
     uo.log = [mount_report](const std::string& line) {
       std::cerr << line << std::endl;
       if (line.find(" failed: ") != std::string::npos || line.find("journal") != std::string::npos) {
@@ -243,6 +248,8 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
       // Queued (durably) before the file shows under its name in the staging directory; the
       // views change when the upload lands (on_uploaded), not now.
       wo.before_settled = [uploader](const std::string& rel, const struct stat& st) { return uploader->Queue(rel, st); };
+      // Full parts go to the bucket while the file is written; its close sends the rest.
+      wo.on_part_change = [uploader](const io::PartChange& change) { uploader->PartChanged(change); };
     } else {
       wo.on_durable = [changed](const std::string& rel) { (*changed)(rel); };
       wo.before_replace = [served](const std::string& rel) { served->BeforeReplace(rel); };
@@ -289,7 +296,12 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
                        {"uploaded_files", u.uploaded_files}, {"uploaded_bytes", u.uploaded_bytes},
                        {"deleted_objects", u.deleted_objects}, {"skipped", u.skipped}, {"failing", u.failing},
                        {"waiting", u.waiting}, {"staged_bytes", u.staged_bytes},
-                       {"removed_files", u.removed_files}};
+                       {"removed_files", u.removed_files},
+                       {"streamed", {{"files", u.streamed.files}, {"uploads_open", u.streamed.uploads_open},
+                                     {"parts_sent", u.streamed.parts_sent}, {"bytes_sent", u.streamed.bytes_sent},
+                                     {"parts_taken", u.streamed.parts_taken},
+                                     {"parts_stale", u.streamed.parts_stale},
+                                     {"uploads_aborted", u.streamed.uploads_aborted}}}};
       }
       return j;
     };

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "core/io/capture_journal.h"
+#include "core/io/streamed_uploads.h"
 #include "core/io/upload_journal.h"
 
 namespace ucpfs::io {
@@ -101,6 +102,7 @@ struct BucketUploader::Impl {
   Clock::time_point last_collect = Clock::now();
   // The version last queued at each path (this mount's life).
   std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
+  std::unique_ptr<StreamedUploads> streams;  // null without stream_parts
   std::thread thread;
 
   void Log(const std::string& line) const {
@@ -202,7 +204,41 @@ struct BucketUploader::Impl {
     return s;
   }
 
+  // The part size of a multipart upload of n_bytes: part_bytes, or larger (whole MiBs) past
+  // 10,000 parts.
+  uint64_t PartSize(uint64_t n_bytes) const {
+    uint64_t part = options.part_bytes;
+    if ((n_bytes + part - 1) / part > 10000) part = ((n_bytes / 10000) | ((1u << 20) - 1)) + 1;
+    return part;
+  }
+
+  // The file's streamed upload (streamed_uploads.h), taken over by the item and journaled as its
+  // own (kBegun) before the stream's end: nullopt when there is none.
+  Result<std::optional<StreamedUploads::Taken>> TakeStream(const PendingUpload& p, uint64_t part) {
+    if (!streams) return std::optional<StreamedUploads::Taken>();
+    std::optional<StreamedUploads::Taken> taken = streams->Take(p.ino, p.path, p.size, part);
+    if (!taken) return taken;
+    {
+      std::lock_guard journal_lock(journal_mu);
+      UploadRecord r;
+      r.type = UploadRecordType::kBegun;
+      r.id = p.id;
+      r.upload_id = taken->upload_id;
+      UCPFS_RETURN_IF_ERROR(Append(r));  // the stream's record stays open: the next mount aborts it
+    }
+    streams->Done(taken->stream_id);
+    return taken;
+  }
+
   Status PutWhole(int fd, const PendingUpload& p, const std::string& shown) {
+    // A stream of a file cut to one part since: not needed.
+    UCPFS_ASSIGN_OR_RETURN(std::optional<StreamedUploads::Taken> taken, TakeStream(p, PartSize(p.size)));
+    if (taken) {
+      const Status a = options.client->AbortMultipartUpload(options.bucket, Key(p.path), taken->upload_id);
+      if (!a.ok() && a.code() != StatusCode::kNotFound) {
+        Log("ucpfs: upload: cannot abort the streamed upload of " + Url(p.path) + ": " + a.ToString());
+      }
+    }
     std::vector<std::byte> body(p.size);
     UCPFS_RETURN_IF_ERROR(ReadFully(fd, 0, body, shown));
     return options.client->PutObject(options.bucket, Key(p.path), body).status();
@@ -210,12 +246,17 @@ struct BucketUploader::Impl {
 
   Status PutMultipart(int fd, PendingUpload& p, const std::string& shown) {
     const std::string key = Key(p.path);
-    // At most 10,000 parts: larger files get larger parts (whole MiBs).
-    uint64_t part = options.part_bytes;
-    if ((p.size + part - 1) / part > 10000) part = ((p.size / 10000) | ((1u << 20) - 1)) + 1;
+    const uint64_t part = PartSize(p.size);  // at most 10,000 parts
     const uint64_t n_parts = (p.size + part - 1) / part;
-    UCPFS_ASSIGN_OR_RETURN(const std::string upload_id, options.client->CreateMultipartUpload(options.bucket, key));
-    {
+    std::vector<s3::CompletedPart> parts(n_parts);
+    UCPFS_ASSIGN_OR_RETURN(std::optional<StreamedUploads::Taken> taken, TakeStream(p, part));
+    std::string upload_id;
+    if (taken) {
+      // Sent while the file was written and unchanged since: not sent again.
+      upload_id = taken->upload_id;
+      for (const auto& [number, etag] : taken->parts) parts[static_cast<size_t>(number - 1)] = {number, etag};
+    } else {
+      UCPFS_ASSIGN_OR_RETURN(upload_id, options.client->CreateMultipartUpload(options.bucket, key));
       std::lock_guard journal_lock(journal_mu);
       UploadRecord r;
       r.type = UploadRecordType::kBegun;
@@ -226,7 +267,6 @@ struct BucketUploader::Impl {
         return s;
       }
     }
-    std::vector<s3::CompletedPart> parts(n_parts);
     std::atomic<uint64_t> next{0};
     std::mutex err_mu;
     Status first_error;
@@ -236,6 +276,7 @@ struct BucketUploader::Impl {
       for (;;) {
         const uint64_t i = next.fetch_add(1);
         if (i >= n_parts) return;
+        if (parts[i].part_number != 0) continue;  // streamed
         {
           std::lock_guard lock(err_mu);
           if (!first_error.ok()) return;
@@ -396,9 +437,15 @@ struct BucketUploader::Impl {
           uploaded[item.what.path] = {item.what.ino, item.what.size, item.what.mtime_ns, Clock::now()};
         }
         if (queue.empty()) {
-          // Every record is spent: start the journal afresh so it stays small over a long mount.
+          // Every item's record is spent: start the journal afresh so it stays small over a long
+          // mount, with the streamed uploads open now written again.
           if (ftruncate(journal_fd, sizeof(kUploadJournalMagic)) != 0 || fdatasync(journal_fd) != 0) {
             Log("ucpfs: upload journal cannot be truncated: " + std::string(std::strerror(errno)));
+          }
+          if (streams) {
+            for (const UploadRecord& open : streams->Open()) {
+              if (Status a = Append(open); !a.ok()) Log("ucpfs: upload journal: " + a.ToString());
+            }
           }
         }
       }
@@ -551,6 +598,7 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
     if (Status r = ReadFully(m.journal_fd, 0, bytes, m.journal_path); !r.ok()) return fail("read " + m.journal_path, EIO);
   }
   std::vector<PendingUpload> pending;
+  std::vector<UploadPlan::Streaming> streaming;
   if (!bytes.empty()) {
     Result<ParsedUploadJournal> parsed = ParseUploadJournal(bytes);
     if (!parsed.ok()) {
@@ -560,6 +608,7 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
       UploadPlan plan = PlanUploads(*parsed);
       for (const std::string& d : plan.dropped) m.Log("ucpfs: upload journal " + m.journal_path + ": " + d);
       pending = std::move(plan.pending);
+      streaming = std::move(plan.streaming);
       m.next_id = plan.max_id + 1;
     }
   }
@@ -569,6 +618,20 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
     return fail("write " + m.journal_path, errno);
   }
   if (fdatasync(m.journal_fd) != 0 || fsync(m.state_fd) != 0) return fail("fsync " + m.journal_path, errno);
+  for (const UploadPlan::Streaming& open : streaming) {
+    // A file a killed daemon was streaming: its upload is aborted (its item, if it was queued,
+    // uploads it again whole), or kept in the journal for the next mount when that fails.
+    const Status a = m.options.client->AbortMultipartUpload(m.options.bucket, m.Key(open.path), open.upload_id);
+    if (a.ok() || a.code() == StatusCode::kNotFound) continue;
+    m.Log("ucpfs: upload: cannot abort " + m.Url(open.path) + "'s streamed upload begun by an earlier mount: " +
+          a.ToString() + " (tried again at the next mount)");
+    UploadRecord r;
+    r.type = UploadRecordType::kStreaming;
+    r.id = open.id;
+    r.path = open.path;
+    r.upload_id = open.upload_id;
+    if (Status s = m.Append(r); !s.ok()) return fail(s.message(), s.sys_errno() != 0 ? s.sys_errno() : EIO);
+  }
   for (PendingUpload& p : pending) {
     // A multipart upload a killed daemon began: aborted before the item is done again (kept in
     // the item, so a failed abort is retried with it).
@@ -581,6 +644,24 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
     if (Status s = m.Enqueue(p); !s.ok()) return fail(s.message(), s.sys_errno() != 0 ? s.sys_errno() : EIO);
     std::lock_guard lock(m.mu);
     m.queue.back().what.begun_upload_ids = begun;
+  }
+  if (m.options.stream_parts) {
+    StreamedUploadsOptions so;
+    so.client = m.options.client;
+    so.bucket = m.options.bucket;
+    so.key = [&m](const std::string& rel) { return m.Key(rel); };
+    so.part_bytes = m.options.part_bytes;
+    so.threads = m.options.parts_in_flight;
+    so.new_id = [&m] {
+      std::lock_guard lock(m.mu);
+      return m.next_id++;
+    };
+    so.append = [&m](const UploadRecord& r) {
+      std::lock_guard journal_lock(m.journal_mu);
+      return m.Append(r);
+    };
+    so.log = m.options.log;
+    m.streams = std::make_unique<StreamedUploads>(std::move(so));
   }
   m.thread = std::thread([&m] { m.Loop(); });
   return std::unique_ptr<BucketUploader>(new BucketUploader(std::move(impl)));
@@ -596,6 +677,7 @@ BucketUploader::~BucketUploader() {
   impl_->cv.notify_all();
   impl_->done_cv.notify_all();
   if (impl_->thread.joinable()) impl_->thread.join();
+  if (impl_->streams) impl_->streams->Stop();
   close(impl_->journal_fd);
   close(impl_->state_fd);
   close(impl_->stage_fd);
@@ -614,6 +696,10 @@ PendingUpload UploadOf(const std::string& rel_path, const struct stat& st) {
 
 Status BucketUploader::Queue(const std::string& rel_path, const struct stat& st) {
   return impl_->Enqueue(UploadOf(rel_path, st), /*from_capture=*/true);
+}
+
+void BucketUploader::PartChanged(const PartChange& change) {
+  if (impl_->streams) impl_->streams->Changed(change);
 }
 
 Status BucketUploader::Changed(const std::string& rel_path) {
@@ -716,6 +802,7 @@ Status BucketUploader::Stop(uint64_t stuck_ms, const std::function<void(const st
   impl_->cv.notify_all();
   impl_->done_cv.notify_all();
   if (impl_->thread.joinable()) impl_->thread.join();
+  if (impl_->streams) impl_->streams->Stop();  // what no item took over is aborted
   impl_->Collect(/*at_stop=*/true);
   return s;
 }
@@ -735,6 +822,7 @@ UploaderStats BucketUploader::Stats() const {
   s.staged_bytes = s.queued_bytes;
   for (const auto& [path, kept] : m.uploaded) s.staged_bytes += kept.size;
   s.removed_files = m.removed_files;
+  if (m.streams) s.streamed = m.streams->Stats();
   return s;
 }
 

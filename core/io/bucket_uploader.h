@@ -8,8 +8,10 @@
 // unlink in the staging directory (Changed) queues the new name's upload and a DELETE of what is
 // gone, in the same order.
 //
-// It is not streaming: bytes go cache -> staged file (WriteCapture) -> bucket, read back from
-// the staging disk. A staged copy uploaded and unchanged since queued (same inode, size and
+// Streaming (stream_parts): a file still being written sends its full parts as they are flushed
+// (streamed_uploads.h, fed by PartChanged); its item then takes that upload over and sends only
+// the parts not sent or changed since, then completes it in its turn. Bytes go cache -> the
+// file's part on the staging disk (WriteCapture) -> bucket, read back from the part. A staged copy uploaded and unchanged since queued (same inode, size and
 // mtime), with no item queued at its path, is removed (by the uploader's thread, checked about
 // once a second) once it was uploaded keep_ms ago and is not in use (in_use: open through the
 // mount, or closed less than keep_ms ago: DCP renames `.metadata.tmp` right after closing it and
@@ -46,6 +48,8 @@
 #include <vector>
 
 #include "core/io/s3_client.h"
+#include "core/io/streamed_uploads.h"
+#include "core/io/write_capture.h"
 #include "core/status.h"
 
 namespace ucpfs::io {
@@ -63,6 +67,8 @@ struct BucketUploaderOptions {
   std::function<void(const std::string& rel_path)> on_uploaded;
   // How long an uploaded staged copy stays (after its upload and its last close), at least 1 s.
   uint64_t keep_ms = 60000;
+  // Send a file's full parts while it is written (see above), parts_in_flight at once.
+  bool stream_parts = true;
 };
 
 struct UploaderStats {
@@ -76,6 +82,7 @@ struct UploaderStats {
   std::vector<std::string> waiting;  // s3://BUCKET/KEY of each item not done, in order (at most 1000)
   uint64_t staged_bytes = 0;      // queued_bytes plus the uploaded copies still kept
   uint64_t removed_files = 0;     // uploaded copies removed from the staging directory (this life)
+  StreamedStats streamed;         // parts sent while their files were written
 };
 
 class BucketUploader {
@@ -101,6 +108,8 @@ class BucketUploader {
   // two ends, an unlink, an rmdir): a regular file there now is queued, a directory's regular
   // files beneath it are queued (at most 100,000), nothing there queues a DELETE of the object.
   Status Changed(const std::string& rel_path);
+  // A captured file's part changed (WriteCaptureOptions::on_part_change): followed for streaming.
+  void PartChanged(const PartChange& change);
   // Returns once every item queued before the call is done. Gives up, with kIo naming every
   // s3://BUCKET/KEY not uploaded, when the head has failed for stuck_ms with no progress;
   // `progress` (may be null) gets a line every 2 s while it waits.

@@ -259,6 +259,7 @@ void WriteCapture::Impl::FlusherLoop() {
 
 void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
   CapturedFile& f = *fl.file;
+  bool whole = false;  // the part holds all of the chunk, as it is now
   {
     std::lock_guard lock(f.mu);
     ChunkSlot& slot = f.chunks[fl.index];
@@ -279,6 +280,7 @@ void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
       bytes_flushed.fetch_add(fl.n_written);
       slot.on_disk = true;
       if (slot.generation == fl.generation) {
+        whole = slot.filled.Covers(chunk_bytes);
         slot.dirty = false;
         slot.dirty_pages.clear();
         dirty_chunks.fetch_sub(1);
@@ -295,6 +297,23 @@ void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
     }
   }
   f.cv.notify_all();
+  // Even a failed write may have changed some of the chunk's bytes in the part.
+  if (options.on_part_change) {
+    PartChange change;
+    change.kind = PartChange::Kind::kFlushed;
+    change.byte_offset = fl.index * chunk_bytes;
+    change.n_bytes = chunk_bytes;
+    change.whole = whole;
+    NotifyPartChange(f, change);
+  }
+}
+
+void WriteCapture::Impl::NotifyPartChange(const CapturedFile& f, PartChange change) const {
+  change.seq = f.seq;
+  change.ino = f.part_stat.st_ino;
+  change.part_fd = f.fd;
+  change.rel_path = RelPath(f);
+  options.on_part_change(change);
 }
 
 }  // namespace ucpfs::io

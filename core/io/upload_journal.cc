@@ -16,6 +16,15 @@ bool GetString(std::span<const std::byte> p, size_t at, size_t max_bytes, std::s
   return true;
 }
 
+// An upload id goes into a URL query: printable ASCII only, never empty.
+bool UploadIdOk(const std::string& id) {
+  if (id.empty()) return false;
+  for (char c : id) {
+    if (c < 0x21 || c > 0x7e) return false;
+  }
+  return true;
+}
+
 bool Decode(std::span<const std::byte> p, UploadRecord* r) {
   if (p.size() < 9) return false;
   r->id = GetLittleEndian(p, 1, 8);
@@ -32,11 +41,16 @@ bool Decode(std::span<const std::byte> p, UploadRecord* r) {
       return GetString(p, 9, kMaxJournalPathBytes, &r->path);
     case static_cast<uint8_t>(UploadRecordType::kBegun):
       r->type = UploadRecordType::kBegun;
-      if (!GetString(p, 9, kMaxUploadIdBytes, &r->upload_id) || r->upload_id.empty()) return false;
-      for (char c : r->upload_id) {
-        if (c < 0x21 || c > 0x7e) return false;  // goes into a URL query: printable ASCII only
-      }
-      return true;
+      return GetString(p, 9, kMaxUploadIdBytes, &r->upload_id) && UploadIdOk(r->upload_id);
+    case static_cast<uint8_t>(UploadRecordType::kStreaming): {
+      r->type = UploadRecordType::kStreaming;
+      if (p.size() < 13) return false;
+      const uint64_t path_len = GetLittleEndian(p, 9, 4);
+      if (path_len > kMaxJournalPathBytes || p.size() < 13 + path_len) return false;
+      r->path.assign(reinterpret_cast<const char*>(p.data() + 13), static_cast<size_t>(path_len));
+      return GetString(p, 13 + static_cast<size_t>(path_len), kMaxUploadIdBytes, &r->upload_id) &&
+             UploadIdOk(r->upload_id);
+    }
     case static_cast<uint8_t>(UploadRecordType::kDone):
       r->type = UploadRecordType::kDone;
       return p.size() == 9;
@@ -65,6 +79,10 @@ std::vector<std::byte> EncodeUploadRecord(const UploadRecord& r) {
       break;
     case UploadRecordType::kDelete: PutString(payload, r.path); break;
     case UploadRecordType::kBegun: PutString(payload, r.upload_id); break;
+    case UploadRecordType::kStreaming:
+      PutString(payload, r.path);
+      PutString(payload, r.upload_id);
+      break;
     case UploadRecordType::kDone: break;
   }
   return FrameJournalPayload(payload);
@@ -88,6 +106,8 @@ UploadPlan PlanUploads(const ParsedUploadJournal& journal) {
   std::map<uint64_t, size_t> index;  // id -> position in plan.pending (or npos: dropped / done)
   constexpr size_t kGone = static_cast<size_t>(-1);
   std::vector<bool> done;
+  std::map<uint64_t, size_t> streaming;  // id -> position in plan.streaming
+  std::vector<bool> streaming_done;
   for (const UploadRecord& r : journal.records) {
     plan.max_id = std::max(plan.max_id, r.id);
     const auto it = index.find(r.id);
@@ -122,8 +142,21 @@ UploadPlan PlanUploads(const ParsedUploadJournal& journal) {
           plan.pending[it->second].begun_upload_ids.push_back(r.upload_id);
         }
         break;
+      case UploadRecordType::kStreaming:
+        if (it != index.end() || streaming.contains(r.id)) {
+          plan.dropped.push_back("streamed upload " + std::to_string(r.id) + ": the id is taken (ignored)");
+        } else if (Status s = CheckPlacePath(r.path); !s.ok()) {
+          plan.dropped.push_back("streamed upload " + std::to_string(r.id) + ": " + s.message());
+        } else {
+          streaming[r.id] = plan.streaming.size();
+          plan.streaming.push_back({r.id, r.path, r.upload_id});
+          streaming_done.push_back(false);
+        }
+        break;
       case UploadRecordType::kDone:
-        if (it == index.end()) {
+        if (const auto st = streaming.find(r.id); st != streaming.end()) {
+          streaming_done[st->second] = true;
+        } else if (it == index.end()) {
           plan.dropped.push_back("item " + std::to_string(r.id) + " done, never queued");
         } else if (it->second != kGone) {
           done[it->second] = true;
@@ -136,6 +169,11 @@ UploadPlan PlanUploads(const ParsedUploadJournal& journal) {
     if (!done[i]) left.push_back(std::move(plan.pending[i]));
   }
   plan.pending = std::move(left);
+  std::vector<UploadPlan::Streaming> open;
+  for (size_t i = 0; i < plan.streaming.size(); ++i) {
+    if (!streaming_done[i]) open.push_back(std::move(plan.streaming[i]));
+  }
+  plan.streaming = std::move(open);
   return plan;
 }
 

@@ -12,7 +12,12 @@
 //   kDelete  path length u32, path: delete PREFIX/path (the staged file was unlinked or renamed)
 //   kBegun   upload-id length u32, upload id: a multipart upload of the item was created (abort
 //            it when the item is done again after a crash)
-//   kDone    the item's upload or delete completed (or it was given up, as its log line says)
+//   kStreaming  path length u32, path, upload-id length u32, upload id: a multipart upload of the
+//            file being written at path was created before the file was queued, to send its full
+//            parts as they are written (its id is one of its own, never an item's; abort it after
+//            a crash unless a kDone of that id follows)
+//   kDone    the item's upload or delete completed (or it was given up, as its log line says), or
+//            the streamed upload of that id was taken over by an item (its kBegun names it) or aborted
 // A torn or damaged record ends the journal there (everything after it is ignored).
 #pragma once
 
@@ -31,7 +36,7 @@ inline constexpr char kUploadJournalMagic[8] = {'U', 'C', 'P', 'F', 'S', 'U', '0
 inline constexpr size_t kMaxUploadJournalBytes = size_t{64} << 20;
 inline constexpr size_t kMaxUploadIdBytes = 1024;
 
-enum class UploadRecordType : uint8_t { kQueued = 1, kDelete = 2, kBegun = 3, kDone = 4 };
+enum class UploadRecordType : uint8_t { kQueued = 1, kDelete = 2, kBegun = 3, kDone = 4, kStreaming = 5 };
 
 struct UploadRecord {
   UploadRecordType type = UploadRecordType::kQueued;
@@ -39,8 +44,8 @@ struct UploadRecord {
   uint64_t size = 0;       // kQueued
   uint64_t ino = 0;        // kQueued
   int64_t mtime_ns = 0;    // kQueued
-  std::string path;        // kQueued, kDelete
-  std::string upload_id;   // kBegun
+  std::string path;        // kQueued, kDelete, kStreaming
+  std::string upload_id;   // kBegun, kStreaming
 };
 
 // One encoded record, ready to append.
@@ -74,6 +79,13 @@ struct UploadPlan {
   // (CheckPlacePath), an id queued twice, a kBegun/kDone of an id never queued.
   std::vector<std::string> dropped;
   uint64_t max_id = 0;  // the largest id seen (new items take larger ones)
+  // Streamed multipart uploads (kStreaming) never taken over or aborted: abort them.
+  struct Streaming {
+    uint64_t id = 0;
+    std::string path;
+    std::string upload_id;
+  };
+  std::vector<Streaming> streaming;
 };
 
 UploadPlan PlanUploads(const ParsedUploadJournal& journal);

@@ -306,6 +306,7 @@ Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
                   "a size of " + std::to_string(n_bytes) + " bytes passes the source filesystem's file size limit", EFBIG);
   }
   std::unique_lock lock(f.mu);
+  bool cut = false;
   if (n_bytes < f.size) {
     // No write of this file may land after the part is cut: it would bring bytes past the new
     // size back, which a later extension must read as zeros.
@@ -339,9 +340,17 @@ Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
       ++it;
     }
     if (ftruncate(f.fd, static_cast<off_t>(n_bytes)) != 0) return Errno("truncate " + m.PartPath(f), errno);
+    cut = true;
   }
   f.size = n_bytes;
   clock_gettime(CLOCK_REALTIME, &f.mtime);
+  lock.unlock();
+  if (cut && m.options.on_part_change) {
+    PartChange change;
+    change.kind = PartChange::Kind::kCut;
+    change.byte_offset = n_bytes;
+    m.NotifyPartChange(f, change);
+  }
   return Status::Ok();
 }
 
@@ -407,6 +416,11 @@ bool WriteCapture::Discard(CapturedFile& f) {
   if (ftruncate(f.fd, 0) != 0) m.Log("ucpfs: capture: cannot free " + m.PartPath(f) + ": " + std::strerror(errno));
   m.names->UnlinkAt(m.capture_fd, f.part_name.c_str(), 0);
   m.Journal({JournalType::kDiscard, f.seq, 0, 0, 0, 0, 0, {}});
+  if (m.options.on_part_change) {
+    PartChange change;
+    change.kind = PartChange::Kind::kDiscarded;
+    m.NotifyPartChange(f, change);
+  }
   {
     std::lock_guard lock(m.mu);
     m.pending.erase(f.seq);

@@ -66,6 +66,25 @@
 
 namespace ucpfs::io {
 
+// A change to a captured file's part (WriteCaptureOptions::on_part_change).
+struct PartChange {
+  enum class Kind {
+    kFlushed,    // a write of [byte_offset, byte_offset + n_bytes) (one chunk) into the part completed
+    kCut,        // the part was cut to byte_offset bytes (a truncate)
+    kDiscarded,  // the file was unlinked before it was placed: it is never committed
+  };
+  Kind kind = Kind::kFlushed;
+  uint64_t seq = 0;       // the captured file (unique in this mount's life)
+  uint64_t ino = 0;       // the part's inode: the file's under its final name once placed
+  int part_fd = -1;       // the part, open for reading (only during the call: dup it to keep it)
+  std::string rel_path;   // where it goes, relative to SRC ("" when that cannot be told)
+  uint64_t byte_offset = 0;
+  uint64_t n_bytes = 0;
+  // kFlushed: the part now holds every byte of the chunk (it was written full and has not changed
+  // since); false: only some of it (a partial chunk, or one changed again while in flight).
+  bool whole = false;
+};
+
 struct WriteCaptureOptions {
   // SRC, opened O_DIRECTORY by the caller; must outlive the WriteCapture. Final paths are
   // relative to it.
@@ -98,6 +117,10 @@ struct WriteCaptureOptions {
   // file is kept and tried again, as after any commit error; recovery keeps it for the next
   // mount). The bucket uploader (bucket_uploader.h) queues the file here.
   std::function<Status(const std::string& rel_path, const struct stat& st)> before_settled;
+  // Called (on a flusher's or a writer's thread, no lock held) whenever a file's part changed
+  // before its close is committed: what a streamed upload of its bytes needs (the bucket
+  // uploader, bucket_uploader.h, sends its full parts while the file is still being written).
+  std::function<void(const PartChange& change)> on_part_change;
   // Another host's mount whose lease was not renewed for this long is dead (capture_mount.h).
   uint64_t lease_timeout_s = 60;
   // A writer that needs a free chunk of a full cache while the flushers cannot write (their

@@ -275,6 +275,8 @@ struct WriteCapture::Impl {
   Status MakeResident(const std::shared_ptr<CapturedFile>& f, std::unique_lock<std::mutex>& lock, uint64_t index);
   void FlusherLoop();
   void Complete(const Flight& fl, const IoCompletion& c);
+  // options.on_part_change(change), filled in with f's identity (no lock of f held).
+  void NotifyPartChange(const CapturedFile& f, PartChange change) const;
 
   // capture_committer.cc
   std::string RelPath(const CapturedFile& f) const;

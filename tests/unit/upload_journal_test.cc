@@ -187,5 +187,60 @@ TEST(UploadJournal, PlanDropsUnsafePathsAndInconsistentItems) {
   EXPECT_GE(plan.max_id, 99u);
 }
 
+UploadRecord Streaming(uint64_t id, const std::string& path, const std::string& upload_id) {
+  UploadRecord r;
+  r.type = UploadRecordType::kStreaming;
+  r.id = id;
+  r.path = path;
+  r.upload_id = upload_id;
+  return r;
+}
+
+TEST(UploadJournal, StreamedUploadsOpenAreAbortedDoneOnesAreNot) {
+  std::vector<std::byte> j = Magic();
+  Add(j, Streaming(1, "step1/__0_0.distcp", "2~open"));
+  Add(j, Streaming(2, "step1/__1_0.distcp", "2~taken"));
+  Add(j, Queued(3, "step1/__1_0.distcp", 20 << 20));
+  Add(j, Of(UploadRecordType::kBegun, 3, "2~taken"));
+  Add(j, Of(UploadRecordType::kDone, 2));  // taken over by item 3
+  Add(j, Streaming(4, "../outside", "2~hostile"));
+  Add(j, Streaming(3, "step1/x", "2~id-of-an-item"));
+  Result<ParsedUploadJournal> parsed = ParseUploadJournal(j);
+  ASSERT_TRUE(parsed.ok()) << parsed.error().ToString();
+  ASSERT_EQ(parsed->records.size(), 7u);
+  EXPECT_EQ(parsed->records[0].path, "step1/__0_0.distcp");
+  EXPECT_EQ(parsed->records[0].upload_id, "2~open");
+  const UploadPlan plan = PlanUploads(*parsed);
+  ASSERT_EQ(plan.streaming.size(), 1u);
+  EXPECT_EQ(plan.streaming[0].id, 1u);
+  EXPECT_EQ(plan.streaming[0].path, "step1/__0_0.distcp");
+  EXPECT_EQ(plan.streaming[0].upload_id, "2~open");
+  ASSERT_EQ(plan.pending.size(), 1u);  // item 3, its begun upload aborted before it is done again
+  EXPECT_EQ(plan.pending[0].begun_upload_ids, std::vector<std::string>{"2~taken"});
+  EXPECT_EQ(plan.dropped.size(), 2u);  // the path outside, the id taken
+  EXPECT_EQ(plan.max_id, 4u);
+}
+
+TEST(UploadJournal, HostileStreamingRecordsAreNotDecoded) {
+  for (const std::string& bad_id : {std::string(), std::string("a b"), std::string(kMaxUploadIdBytes + 1, 'x')}) {
+    std::vector<std::byte> j = Magic();
+    Add(j, Streaming(1, "a", bad_id));
+    Result<ParsedUploadJournal> parsed = ParseUploadJournal(j);
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_TRUE(parsed->records.empty()) << "upload id of " << bad_id.size() << " bytes";
+  }
+  // A path length past the payload.
+  std::vector<std::byte> payload{std::byte{5}};
+  for (int i = 0; i < 8; ++i) payload.push_back(std::byte{0});
+  for (std::byte b : {std::byte{0xff}, std::byte{0xff}, std::byte{0}, std::byte{0}}) payload.push_back(b);
+  payload.push_back(std::byte{'a'});
+  std::vector<std::byte> j = Magic();
+  AddRaw(j, payload);
+  Result<ParsedUploadJournal> parsed = ParseUploadJournal(j);
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_TRUE(parsed->records.empty());
+  EXPECT_FALSE(parsed->stopped.empty());
+}
+
 }  // namespace
 }  // namespace ucpfs::io

@@ -99,6 +99,7 @@ class WriteCaptureTest : public ::testing::Test {
     };
     o.before_replace = before_replace_;
     o.before_settled = before_settled_;
+    o.on_part_change = on_part_change_;
     o.write_stall_timeout_ms = write_stall_timeout_ms_;
     o.names = names_;
     auto wc = WriteCapture::Start(std::move(o));
@@ -126,6 +127,7 @@ class WriteCaptureTest : public ::testing::Test {
   std::vector<std::string> durable_;
   std::function<void(const std::string&)> before_replace_;  // set before Start
   std::function<Status(const std::string&, const struct stat&)> before_settled_;  // set before Start
+  std::function<void(const PartChange&)> on_part_change_;                         // set before Start
   uint64_t write_stall_timeout_ms_ = 30000;                 // set before Start
   std::shared_ptr<NameOps> names_;                          // set before Start (null: the real ones)
 };
@@ -196,6 +198,82 @@ TEST_F(WriteCaptureTest, BeforeReplaceIsCalledWhileTheOldFileIsStillInPlace) {
   close(old_fd);
   const std::vector<std::byte> placed = ReadFile(dir_ / "sub" / "shard.bin");
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(placed.data()), placed.size()), text);
+}
+
+TEST_F(WriteCaptureTest, PartChangesTellWhenEachChunkIsWholeInThePartAndWhenThePartIsCutOrDropped) {
+  // What streamed uploads follow: each full chunk, once flushed, is reported whole with the part's
+  // descriptor holding exactly its bytes; a chunk rewritten is reported again; a truncate is a
+  // cut; an unlinked pending file is discarded. Events come with the file's path and inode.
+  constexpr size_t kChunk = 64 << 10;
+  struct Seen {
+    PartChange change;
+    std::vector<std::byte> bytes;  // kFlushed and whole: what the part held then
+  };
+  std::mutex mu;
+  std::vector<Seen> seen;
+  on_part_change_ = [&](const PartChange& c) {
+    Seen s{c, {}};
+    if (c.kind == PartChange::Kind::kFlushed && c.whole && c.rel_path == "sub/big") {  // "gone" is cut at once
+      s.bytes.resize(c.n_bytes);
+      EXPECT_EQ(pread(c.part_fd, s.bytes.data(), s.bytes.size(), static_cast<off_t>(c.byte_offset)),
+                static_cast<ssize_t>(c.n_bytes));
+    }
+    std::lock_guard lock(mu);
+    seen.push_back(std::move(s));
+  };
+  Start(/*n_chunks=*/8, kChunk);
+  std::vector<std::byte> data(3 * kChunk + 100);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>((i * 131) >> 3);
+  auto f = Create("big", sub_fd_);
+  WriteAll(*f, data, 4096);
+  // The first three chunks are full: each is flushed (and reported whole) without a close.
+  for (int i = 0; i < 500; ++i) {
+    {
+      std::lock_guard lock(mu);
+      if (std::count_if(seen.begin(), seen.end(), [](const Seen& s) { return s.change.whole; }) >= 3) break;
+    }
+    usleep(10000);
+  }
+  {
+    std::lock_guard lock(mu);
+    std::vector<uint64_t> whole_at;
+    for (const Seen& s : seen) {
+      EXPECT_EQ(s.change.rel_path, "sub/big");
+      EXPECT_EQ(s.change.ino, capture_->Stat(*f).st_ino);
+      if (!s.change.whole) continue;
+      whole_at.push_back(s.change.byte_offset);
+      EXPECT_EQ(s.change.n_bytes, kChunk);
+      EXPECT_TRUE(std::equal(s.bytes.begin(), s.bytes.end(), data.begin() + static_cast<ptrdiff_t>(s.change.byte_offset)))
+          << "the part did not hold the chunk's bytes when it was reported whole";
+    }
+    std::sort(whole_at.begin(), whole_at.end());
+    EXPECT_EQ(whole_at, (std::vector<uint64_t>{0, kChunk, 2 * kChunk}));
+    seen.clear();
+  }
+  // A rewrite of chunk 1: reported again (at the latest when it is flushed for the commit).
+  ASSERT_TRUE(capture_->Write(*f, kChunk + 10, std::span(data.data(), 5)).ok());
+  ASSERT_TRUE(capture_->Truncate(*f, 2 * kChunk + 7).ok());
+  ASSERT_TRUE(capture_->Fsync(*f).ok());
+  {
+    std::lock_guard lock(mu);
+    EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [&](const Seen& s) {
+      return s.change.kind == PartChange::Kind::kFlushed && s.change.byte_offset == kChunk;
+    })) << "the rewritten chunk was not reported";
+    EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [&](const Seen& s) {
+      return s.change.kind == PartChange::Kind::kCut && s.change.byte_offset == 2 * kChunk + 7;
+    })) << "the truncate was not reported";
+    seen.clear();
+  }
+  ASSERT_TRUE(capture_->Close(*f).ok());
+  auto g = Create("gone");
+  WriteAll(*g, data, 4096);
+  ASSERT_TRUE(capture_->Discard(*g));
+  ASSERT_TRUE(capture_->Close(*g).ok());
+  ASSERT_TRUE(capture_->Sync().ok());
+  std::lock_guard lock(mu);
+  EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](const Seen& s) {
+    return s.change.kind == PartChange::Kind::kDiscarded && s.change.rel_path == "gone";
+  })) << "the discard was not reported";
 }
 
 TEST_F(WriteCaptureTest, BeforeSettledRecordsEveryCommitBeforeItsBytesShowAndItsErrorHoldsTheFileBack) {
