@@ -12,14 +12,24 @@
 #                          the libFuzzer targets built with clang, each for a bounded time;
 #   tests/run.sh --full    both: the whole suite, as CI runs it (CI then adds the sanitizers,
 #                          long fuzzing and the examples).
+#   --no-fuzz (after --rest or --full) leaves out the bounded-time fuzz runs: for CI, whose
+#                          next step (tests/long-fuzz.sh) runs every target on the same build.
 #
-# CI (.ci/run) runs the quick tier, then --rest, then the sanitizers and the examples.
+# CI (.ci/run) runs the quick tier, then --rest --no-fuzz, then the sanitizers, long fuzzing and
+# the examples.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=${1:---quick}
+fuzz=yes
 case "$tier" in
   --quick|--rest|--full) ;;
-  *) echo "usage: tests/run.sh [--quick|--rest|--full]" >&2; exit 2 ;;
+  *) echo "usage: tests/run.sh [--quick|--rest [--no-fuzz]|--full [--no-fuzz]]" >&2; exit 2 ;;
+esac
+case "${2:-}" in
+  "") ;;
+  --no-fuzz) [ "$tier" != --quick ] || { echo "tests/run.sh: --no-fuzz goes with --rest or --full" >&2; exit 2; }
+             fuzz=no ;;
+  *) echo "usage: tests/run.sh [--quick|--rest [--no-fuzz]|--full [--no-fuzz]]" >&2; exit 2 ;;
 esac
 # Runs a step and then says how long it took and how busy the machine was, so a time reported
 # from this script can be compared with docs/testing.md's (a shared machine stretches it).
@@ -39,7 +49,9 @@ fi
 if [ "$tier" != --quick ]; then
   # Everything the quick tier did not run (one regex: CTest takes a single -LE).
   timed ctest --test-dir build --output-on-failure -j2 -LE 'fuzz|unit|property|index|quick'
-  CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
-  cmake --build build-fuzz -j"$(nproc)" --target fuzz_targets   # every ucpfs_fuzz target
-  ctest --test-dir build-fuzz --output-on-failure -j"$(nproc)" -L fuzz   # each target is one process: run them side by side
+  if [ "$fuzz" = yes ]; then
+    CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
+    cmake --build build-fuzz -j"$(nproc)" --target fuzz_targets   # every ucpfs_fuzz target
+    ctest --test-dir build-fuzz --output-on-failure -j"$(nproc)" -L fuzz   # each target is one process: run them side by side
+  fi
 fi
