@@ -259,8 +259,8 @@ void WriteCapture::Impl::FlusherLoop() {
 
 void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
   CapturedFile& f = *fl.file;
-  bool whole = false;  // the part holds all of the chunk, as it is now
   {
+    bool whole = false;  // the part holds all of the chunk, as it is now
     std::lock_guard lock(f.mu);
     ChunkSlot& slot = f.chunks[fl.index];
     slot.in_flight = false;
@@ -295,17 +295,19 @@ void WriteCapture::Impl::Complete(const Flight& fl, const IoCompletion& c) {
         QueueChunk(fl.file, fl.index, slot);  // changed while in flight: write it again
       }
     }
+    // Reported before the lock is let go: a commit waiting for this write (the committer sees
+    // in_flight under this lock) must not be queued for upload before the report is in. Even
+    // a failed write may have changed some of the chunk's bytes in the part.
+    if (options.on_part_change) {
+      PartChange change;
+      change.kind = PartChange::Kind::kFlushed;
+      change.byte_offset = fl.index * chunk_bytes;
+      change.n_bytes = chunk_bytes;
+      change.whole = whole;
+      NotifyPartChange(f, change);
+    }
   }
   f.cv.notify_all();
-  // Even a failed write may have changed some of the chunk's bytes in the part.
-  if (options.on_part_change) {
-    PartChange change;
-    change.kind = PartChange::Kind::kFlushed;
-    change.byte_offset = fl.index * chunk_bytes;
-    change.n_bytes = chunk_bytes;
-    change.whole = whole;
-    NotifyPartChange(f, change);
-  }
 }
 
 void WriteCapture::Impl::NotifyPartChange(const CapturedFile& f, PartChange change) const {

@@ -117,9 +117,12 @@ struct WriteCaptureOptions {
   // file is kept and tried again, as after any commit error; recovery keeps it for the next
   // mount). The bucket uploader (bucket_uploader.h) queues the file here.
   std::function<Status(const std::string& rel_path, const struct stat& st)> before_settled;
-  // Called (on a flusher's or a writer's thread, no lock held) whenever a file's part changed
-  // before its close is committed: what a streamed upload of its bytes needs (the bucket
+  // Called whenever a file's part changed: what a streamed upload of its bytes needs (the bucket
   // uploader, bucket_uploader.h, sends its full parts while the file is still being written).
+  // A write's report comes on a flusher's thread before the commit that waits for that write
+  // goes on (so before_settled never runs ahead of it), with the file's lock held: it must not
+  // block or call back into the capture. A cut comes on the truncating thread, a discard on
+  // the unlinking one, with no lock held.
   std::function<void(const PartChange& change)> on_part_change;
   // Another host's mount whose lease was not renewed for this long is dead (capture_mount.h).
   uint64_t lease_timeout_s = 60;

@@ -275,7 +275,8 @@ struct WriteCapture::Impl {
   Status MakeResident(const std::shared_ptr<CapturedFile>& f, std::unique_lock<std::mutex>& lock, uint64_t index);
   void FlusherLoop();
   void Complete(const Flight& fl, const IoCompletion& c);
-  // options.on_part_change(change), filled in with f's identity (no lock of f held).
+  // options.on_part_change(change), filled in with f's identity. A flush's report is made with
+  // f.mu held (see Complete); the others with no lock.
   void NotifyPartChange(const CapturedFile& f, PartChange change) const;
 
   // capture_committer.cc
