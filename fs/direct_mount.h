@@ -6,7 +6,7 @@
 // userspace options, yet it cost a cold start ~5 ms quiet and ~30 ms with the page cache dropped
 // (mount(8) and its four libraries loaded from disk).
 //
-// Used only where the result is exactly libfuse's: effective uid 0, no user -o options (their
+// Used only where the result is exactly libfuse's: effective uid 0, no user -o options but `ro` (their
 // split into kernel and session options is libfuse's), /etc/mtab a symlink; anything else, or a
 // mount(2) that fails, leaves the mount to libfuse (fusermount3 for other users).
 //

@@ -297,10 +297,13 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
   direct.mountpoint = mountpoint;
   direct.fsname = options.fsname.empty() ? "ucpfs" : options.fsname;
   direct.subtype = "ucpfs";
-  direct.read_only = !options.passthrough;
+  // "ro" (a read-only mount: no write capture) is MS_RDONLY, which DirectMount sets itself; any
+  // other option is the user's, whose split into kernel and session options is libfuse's.
+  const bool ro = std::find(options.fuse_options.begin(), options.fuse_options.end(), "ro") != options.fuse_options.end();
+  direct.read_only = !options.passthrough || ro;
   direct.max_read_bytes = server.max_read_bytes;
   direct.user_options = std::any_of(options.fuse_options.begin(), options.fuse_options.end(),
-                                    [](const std::string& o) { return !o.empty(); });
+                                    [](const std::string& o) { return !o.empty() && o != "ro"; });
   const int direct_fd = DirectMount(direct);
   const std::string session_mountpoint = direct_fd >= 0 ? "/dev/fd/" + std::to_string(direct_fd) : mountpoint;
   errno = 0;

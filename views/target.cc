@@ -52,6 +52,10 @@ class ConcatProvider final : public format::TensorBytesProvider {
     return slice::ReadConcatBytes(raw_, DType::kFloat32, padded_n_elems_, *files_,
                                   window_byte_offset_ + byte_offset, out);
   }
+  void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override {
+    slice::PrefetchConcatBytes(raw_, DType::kFloat32, padded_n_elems_, *files_, window_byte_offset_ + byte_offset,
+                               n_bytes);
+  }
   Status DescribeReads(uint64_t byte_offset, uint64_t n_bytes, const SourceRunSink& sink) const override {
     return slice::DescribeConcatReads(raw_, DType::kFloat32, padded_n_elems_, *files_,
                                       window_byte_offset_ + byte_offset, n_bytes, sink);

@@ -103,6 +103,9 @@ struct BucketUploader::Impl {
   // The version last queued at each path (this mount's life).
   std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
   std::unique_ptr<StreamedUploads> streams;  // null without stream_parts
+  // Streamed uploads of an earlier mount that could not be aborted at Start: kept in the journal
+  // (written again whenever it is started afresh) for the next mount to try again.
+  std::vector<UploadRecord> unaborted;
   std::thread thread;
 
   void Log(const std::string& line) const {
@@ -442,10 +445,12 @@ struct BucketUploader::Impl {
           if (ftruncate(journal_fd, sizeof(kUploadJournalMagic)) != 0 || fdatasync(journal_fd) != 0) {
             Log("ucpfs: upload journal cannot be truncated: " + std::string(std::strerror(errno)));
           }
+          std::vector<UploadRecord> keep = unaborted;
           if (streams) {
-            for (const UploadRecord& open : streams->Open()) {
-              if (Status a = Append(open); !a.ok()) Log("ucpfs: upload journal: " + a.ToString());
-            }
+            for (UploadRecord& open : streams->Open()) keep.push_back(std::move(open));
+          }
+          for (const UploadRecord& rec : keep) {
+            if (Status a = Append(rec); !a.ok()) Log("ucpfs: upload journal: " + a.ToString());
           }
         }
       }
@@ -631,6 +636,7 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
     r.path = open.path;
     r.upload_id = open.upload_id;
     if (Status s = m.Append(r); !s.ok()) return fail(s.message(), s.sys_errno() != 0 ? s.sys_errno() : EIO);
+    m.unaborted.push_back(std::move(r));
   }
   for (PendingUpload& p : pending) {
     // A multipart upload a killed daemon began: aborted before the item is done again (kept in

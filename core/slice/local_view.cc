@@ -371,6 +371,18 @@ Status DescribeConcatReads(const std::vector<const TensorLayout*>& parts, DType 
       [&](uint64_t, uint64_t n) { sink(SourceRun{nullptr, 0, n, 1, 1, 1}); });  // in bytes: exact
 }
 
+void PrefetchConcatBytes(const std::vector<const TensorLayout*>& parts, DType dst, uint64_t padded_n_elems,
+                         std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                         uint64_t n_bytes) {
+  (void)WalkConcat(
+      parts, dst, padded_n_elems, byte_offset, n_bytes,
+      [&](size_t k, uint64_t part_offset, uint64_t n, uint64_t) {
+        PrefetchTensorBytes(*parts[k], dst, files, part_offset, n);
+        return Status::Ok();
+      },
+      [](uint64_t, uint64_t) {});
+}
+
 Status ReadBoxBytes(const TensorLayout& global, const Box& box, DType dst,
                     std::span<const std::shared_ptr<const ByteSource>> files, std::span<std::byte> out) {
   if (box.offsets.size() != global.shape.size() || box.sizes.size() != global.shape.size()) {

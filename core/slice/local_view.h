@@ -75,6 +75,12 @@ Status ReadConcatBytes(const std::vector<const TensorLayout*>& parts, DType dst,
                        std::span<const std::shared_ptr<const ByteSource>> files,
                        uint64_t byte_offset, std::span<std::byte> out);
 
+// A hint that ReadConcatBytes of [byte_offset, byte_offset + n_bytes) comes soon: each part's
+// range announced (PrefetchTensorBytes). Never fails; a bad window is ignored.
+void PrefetchConcatBytes(const std::vector<const TensorLayout*>& parts, DType dst, uint64_t padded_n_elems,
+                         std::span<const std::shared_ptr<const ByteSource>> files, uint64_t byte_offset,
+                         uint64_t n_bytes);
+
 // What ReadConcatBytes of the same window reads, without reading (DescribeTensorReads per part;
 // the trailing padding as zero fill). Errors as ReadConcatBytes's.
 Status DescribeConcatReads(const std::vector<const TensorLayout*>& parts, DType dst, uint64_t padded_n_elems,
