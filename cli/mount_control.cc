@@ -317,6 +317,13 @@ int RunStatus(const std::string& mountpoint, bool json) {
     std::cout << "s3:          " << c.value("requests", uint64_t{0}) << " requests (" << c.value("retries", uint64_t{0})
               << " retries, " << c.value("failures", uint64_t{0}) << " failed), " << mib(c.value("bytes_get", uint64_t{0}))
               << " GET, " << c.value("connects", uint64_t{0}) << " connections made\n";
+    if (c.contains("read_ahead") && c["read_ahead"].is_object()) {  // what the views announced, fetched ahead
+      const auto& r = c["read_ahead"];
+      std::cout << "  read-ahead: " << mib(r.value("bytes_served", uint64_t{0})) << " served from "
+                << num(r, "blocks_fetched") << " blocks, " << mib(r.value("held_bytes", uint64_t{0}))
+                << " held now (at most " << mib(r.value("peak_held_bytes", uint64_t{0})) << ", bound "
+                << mib(r.value("max_held_bytes", uint64_t{0})) << ")\n";
+    }
   }
   if (stats.contains("capture")) {
     const auto& c = stats["capture"];

@@ -388,6 +388,8 @@ def main():
                 # The rewritten part went twice: streamed again, or stale at close and sent then.
                 assert got["parts_taken"] >= 3 and got["parts_sent"] + got["parts_stale"] >= 5, got
                 assert got["uploads_open"] == 0 and got["files"] == 0, got
+                out = run([ucpfs_bin(), "status", m]).stdout
+                assert f"  streamed:  {got['parts_sent']} parts" in out and "  read-ahead: " in out, out
             # kill -9 while a file is streamed: its upload is aborted by the next mount, and the
             # file, never closed, never shows in the bucket.
             wait_for("the first daemon to exit (it holds the stage's journal)", lambda: not daemon_alive(first_pid), 30)
