@@ -1,14 +1,20 @@
 #include "core/io/s3_readahead.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <thread>
 
 namespace ucpfs::s3 {
+
+void BlockFree::operator()(std::byte* p) const { std::free(p); }
+
 namespace {
 
 std::atomic<uint64_t> g_held_total{0};
@@ -34,26 +40,31 @@ class BufferPool {
     static BufferPool* pool = new BufferPool;
     return *pool;
   }
-  std::unique_ptr<std::byte[]> Take() {
+  BlockBuffer Take() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       last_use_ = Clock::now();
       if (!free_.empty()) {
-        std::unique_ptr<std::byte[]> buffer = std::move(free_.back());
+        BlockBuffer buffer = std::move(free_.back());
         free_.pop_back();
         return buffer;
       }
     }
     // Not value-initialised: the GET writes every byte the block uses before any is read.
-    return std::unique_ptr<std::byte[]>(new std::byte[kReadAheadBlockBytes]);
+    constexpr size_t kHugePage = size_t{2} << 20;
+    static_assert(kReadAheadBlockBytes % kHugePage == 0);
+    void* p = std::aligned_alloc(kHugePage, kReadAheadBlockBytes);
+    if (p == nullptr) throw std::bad_alloc();
+    (void)madvise(p, kReadAheadBlockBytes, MADV_HUGEPAGE);  // a hint: without THP, small pages
+    return BlockBuffer(static_cast<std::byte*>(p));
   }
-  void Give(std::unique_ptr<std::byte[]> buffer) {
+  void Give(BlockBuffer buffer) {
     std::lock_guard<std::mutex> lock(mu_);
     last_use_ = Clock::now();
     if (free_.size() < kMaxPooledBlocks) free_.push_back(std::move(buffer));
   }
   void Trim() {
-    std::vector<std::unique_ptr<std::byte[]>> freed;  // freed outside the lock
+    std::vector<BlockBuffer> freed;  // freed outside the lock
     std::lock_guard<std::mutex> lock(mu_);
     if (Clock::now() - last_use_ >= std::chrono::milliseconds(kPoolIdleMs)) freed.swap(free_);
   }
@@ -64,7 +75,7 @@ class BufferPool {
 
  private:
   std::mutex mu_;
-  std::vector<std::unique_ptr<std::byte[]>> free_;
+  std::vector<BlockBuffer> free_;
   Clock::time_point last_use_;
 };
 
