@@ -74,7 +74,7 @@ std::optional<std::pair<int, std::string>> RankLocal(const std::string& key) {
 constexpr uint64_t kWholeItemReadBytes = 1 << 20;
 
 // Small non-tensor items' bytes read ahead, by item index (PreReadSmallItems).
-using PreRead = std::unordered_map<int32_t, std::shared_ptr<MemorySource>>;
+using PreRead = std::unordered_map<int32_t, std::vector<std::byte>>;
 
 // Reads the small non-tensor items among `indices` (each at most kWholeItemReadBytes), each
 // file's as one batch (ByteSource::ReadPieces: on an object store, ranged GETs in flight at once
@@ -104,9 +104,7 @@ PreRead PreReadSmallItems(const Checkpoint& c, const std::vector<int32_t>& indic
       pieces.push_back({it.byte_offset, bytes[i]});
     }
     if (!in_range || !file.ReadPieces(pieces).ok()) continue;
-    for (size_t i = 0; i < idxs.size(); ++i) {
-      out[idxs[i]] = std::make_shared<MemorySource>(file.Name(), std::move(bytes[i]));
-    }
+    for (size_t i = 0; i < idxs.size(); ++i) out[idxs[i]] = std::move(bytes[i]);
   }
   return out;
 }
@@ -128,8 +126,8 @@ Result<SaveValue> ItemValue(const Item& it, const FileTable& files, const PreRea
   if (it.file_id >= files->size()) return CorruptError("item file id out of range");
   UCPFS_ASSIGN_OR_RETURN(auto blob, SliceSource::Make((*files)[it.file_id], it.byte_offset, it.n_bytes));
   if (pre != nullptr) {
-    if (const auto found = pre->find(index); found != pre->end()) {
-      return format::DecodePlainValue(found->second);
+    if (const auto found = pre->find(index); found != pre->end()) {  // named as read alone
+      return format::DecodePlainValue(std::make_shared<MemorySource>(blob->Name(), found->second));
     }
   }
   if (it.n_bytes <= kWholeItemReadBytes) {

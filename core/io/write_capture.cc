@@ -344,8 +344,7 @@ Status WriteCapture::Truncate(CapturedFile& f, uint64_t n_bytes) {
   }
   f.size = n_bytes;
   clock_gettime(CLOCK_REALTIME, &f.mtime);
-  lock.unlock();
-  if (cut && m.options.on_part_change) {
+  if (cut && m.options.on_part_change) {  // under the lock, as a flush's report (Complete)
     PartChange change;
     change.kind = PartChange::Kind::kCut;
     change.byte_offset = n_bytes;

@@ -121,8 +121,8 @@ struct WriteCaptureOptions {
   // uploader, bucket_uploader.h, sends its full parts while the file is still being written).
   // A write's report comes on a flusher's thread before the commit that waits for that write
   // goes on (so before_settled never runs ahead of it), with the file's lock held: it must not
-  // block or call back into the capture. A cut comes on the truncating thread, a discard on
-  // the unlinking one, with no lock held.
+  // block or call back into the capture. A cut comes on the truncating thread, also with the
+  // file's lock held; a discard on the unlinking one, with no lock held.
   std::function<void(const PartChange& change)> on_part_change;
   // Another host's mount whose lease was not renewed for this long is dead (capture_mount.h).
   uint64_t lease_timeout_s = 60;

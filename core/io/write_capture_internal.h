@@ -275,8 +275,8 @@ struct WriteCapture::Impl {
   Status MakeResident(const std::shared_ptr<CapturedFile>& f, std::unique_lock<std::mutex>& lock, uint64_t index);
   void FlusherLoop();
   void Complete(const Flight& fl, const IoCompletion& c);
-  // options.on_part_change(change), filled in with f's identity. A flush's report is made with
-  // f.mu held (see Complete); the others with no lock.
+  // options.on_part_change(change), filled in with f's identity. A flush's and a cut's report
+  // are made with f.mu held (see Complete); a discard's with no lock.
   void NotifyPartChange(const CapturedFile& f, PartChange change) const;
 
   // capture_committer.cc
