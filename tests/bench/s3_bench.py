@@ -2,7 +2,8 @@
 against what a job does without ucpfs: download the checkpoint's objects from the bucket to
 local disk (s3fs `get`) and load them there (dcp.load), in one run.
 
-Run under a store's variables, as root (page cache dropped between cold rounds):
+Run under a store's variables, as root (page cache dropped between cold rounds; `--link-mbit N`
+limits the store's answers to N Mbit/s with tc on lo, as a store across a link of that speed):
     tests/s3/rgw.sh start /tmp/ucpfs-rgw
     tests/s3/rgw.sh exec /tmp/ucpfs-rgw .venv/bin/python tests/bench/s3_bench.py [--rounds 3]
 
@@ -77,6 +78,34 @@ def load_files(files):
         torch.load(f)
 
 
+class Link:
+    """--link-mbit: the store's answers to this machine limited to N Mbit/s (tc HTB on lo, matching
+    the RGW port as source port), as a store reached over a link of that speed rather than from
+    memory over loopback; both sides of the comparison go through it. Removed on exit."""
+
+    def __init__(self, mbit):
+        from urllib.parse import urlparse
+        self.mbit = mbit
+        self.port = urlparse(os.environ["AWS_ENDPOINT_URL"]).port
+
+    def __enter__(self):
+        if not self.mbit:
+            return self
+        tc = lambda *a: subprocess.run(["tc", *a], check=True)  # noqa: E731
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+        tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10")
+        tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", "100gbit", "burst", "16mb")
+        tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:20", "htb", "rate", f"{self.mbit}mbit",
+           "ceil", f"{self.mbit}mbit", "burst", "1mb")
+        tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+           "match", "ip", "sport", str(self.port), "0xffff", "flowid", "1:20")
+        return self
+
+    def __exit__(self, *exc):
+        if self.mbit:
+            subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ucpfs", default=os.path.join(ROOT, "build", "cli", "ucpfs"))
@@ -85,6 +114,8 @@ def main():
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--mount-option", action="append", default=[], help="more `ucpfs mount` options (repeat)")
+    ap.add_argument("--link-mbit", type=int, default=0,
+                    help="limit the store's answers to this many Mbit/s (tc on lo; 0: no limit)")
     a = ap.parse_args()
     work = a.workdir or tempfile.mkdtemp(prefix="ucpfs-s3-bench.")
     os.makedirs(work, exist_ok=True)
@@ -144,6 +175,9 @@ def main():
             return time.perf_counter() - t
 
         results = {}
+        link = Link(a.link_mbit).__enter__()  # left in the finally below
+        if a.link_mbit:
+            log(f"the store's answers limited to {a.link_mbit} Mbit/s (tc on lo, port {link.port})")
         mount_s = []  # of `ucpfs mount` alone
         peak_held = []  # the mount's read-ahead: the most bytes held at once (stats.json)
         for name, layout, rank, goal in CASES:
@@ -172,8 +206,9 @@ def main():
                 f"{ratio:.2f}x (goal >= {goal}x: {'met' if ratio >= goal else 'missed'}), "
                 f"{med['fsspec'] / med['mount']:.2f}x over FsspecReader")
         print(json.dumps({"bench": "s3_bench", "date": time.strftime("%Y-%m-%d"), "rounds": a.rounds,
-                          "results": results}))
+                          "link_mbit": a.link_mbit, "results": results}))
     finally:
+        Link(a.link_mbit).__exit__()
         s3_common.remove_bucket(fs, bucket)
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
