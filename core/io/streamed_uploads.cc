@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <condition_variable>
 #include <mutex>
+#include <set>
+#include <tuple>
 #include <thread>
 
 namespace ucpfs::io {
@@ -35,6 +37,9 @@ struct Stream {
   std::map<uint64_t, ChunkState> chunks;  // by byte offset
   std::map<uint64_t, PartSent> sent;      // by part index
   std::map<uint64_t, bool> in_flight;     // part index -> being sent
+  // Parts an event may have made ready to send (NextPart looks at these only, and drops each
+  // it finds not ready or sent already: a later event that concerns it puts it back).
+  std::set<uint64_t> candidates;
   uint64_t stream_id = 0;
   std::string upload_id;
   bool creating = false;    // a thread is creating its upload
@@ -81,14 +86,25 @@ struct StreamedUploads::Impl {
   std::optional<std::pair<uint64_t, uint64_t>> NextPart() {
     for (auto& [seq, s] : streams) {
       if (s.closing || s.failed || s.creating) continue;
-      const uint64_t n_full = std::min(kMaxParts, s.flushed_end / options.part_bytes);
-      for (uint64_t k = 0; k < n_full; ++k) {
-        if ((k + 1) * options.part_bytes >= s.flushed_end) break;  // never the last part
-        if (s.in_flight.contains(k)) continue;
-        const auto [stamp, whole] = PartState(s, k);
-        if (!whole) continue;
-        const auto sent = s.sent.find(k);
-        if (sent != s.sent.end() && sent->second.stamp == stamp) continue;
+      for (auto it = s.candidates.begin(); it != s.candidates.end();) {
+        const uint64_t k = *it;
+        if (s.in_flight.contains(k)) {  // looked at again once sent (Worker puts it back)
+          it = s.candidates.erase(it);
+          continue;
+        }
+        // Never the last part, never past S3's 10,000.
+        bool ready = k < kMaxParts && (k + 1) * options.part_bytes < s.flushed_end;
+        uint64_t stamp = 0;
+        if (ready) {
+          bool whole = false;
+          std::tie(stamp, whole) = PartState(s, k);
+          const auto sent = s.sent.find(k);
+          ready = whole && (sent == s.sent.end() || sent->second.stamp != stamp);
+        }
+        if (!ready) {
+          it = s.candidates.erase(it);
+          continue;
+        }
         return std::pair{seq, k};
       }
     }
@@ -196,6 +212,7 @@ struct StreamedUploads::Impl {
       lock.lock();
       Stream& t = streams.at(seq);
       t.in_flight.erase(k);
+      t.candidates.insert(k);  // changed while it was sent: it goes again
       if (short_read) {
         t.failed = true;  // a file cut while written (rare): its parts go at its close
       } else if (etag.ok()) {
@@ -260,7 +277,14 @@ void StreamedUploads::Changed(const PartChange& change) {
     c.n_bytes = std::max(c.n_bytes, change.n_bytes);
     c.stamp = stamp;
     c.whole = change.whole;
-    s.flushed_end = std::max(s.flushed_end, change.byte_offset + change.n_bytes);
+    const uint64_t p = m.options.part_bytes, end = change.byte_offset + change.n_bytes;
+    // The parts this chunk overlaps, and those it makes not the last (the file's end passed them).
+    for (uint64_t k = change.byte_offset / p; k * p < end && k < kMaxParts; ++k) s.candidates.insert(k);
+    for (uint64_t k = s.flushed_end / p; k * p < end && k < kMaxParts; ++k) {
+      if (k > 0) s.candidates.insert(k - 1);
+      s.candidates.insert(k);
+    }
+    s.flushed_end = std::max(s.flushed_end, end);
   } else {  // kCut: nothing at or past the new end is whole any more
     for (auto& [offset, c] : s.chunks) {
       if (offset + c.n_bytes > change.byte_offset) {
