@@ -235,13 +235,7 @@ struct BucketUploader::Impl {
 
   Status PutWhole(int fd, const PendingUpload& p, const std::string& shown) {
     // A stream of a file cut to one part since: not needed.
-    UCPFS_ASSIGN_OR_RETURN(std::optional<StreamedUploads::Taken> taken, TakeStream(p, PartSize(p.size)));
-    if (taken) {
-      const Status a = options.client->AbortMultipartUpload(options.bucket, Key(p.path), taken->upload_id);
-      if (!a.ok() && a.code() != StatusCode::kNotFound) {
-        Log("ucpfs: upload: cannot abort the streamed upload of " + Url(p.path) + ": " + a.ToString());
-      }
-    }
+    if (streams) streams->Abandon(p.ino, "it is uploaded whole, in one PUT");
     std::vector<std::byte> body(p.size);
     UCPFS_RETURN_IF_ERROR(ReadFully(fd, 0, body, shown));
     return options.client->PutObject(options.bucket, Key(p.path), body).status();

@@ -130,6 +130,14 @@ struct StreamedUploads::Impl {
     if (s.fd >= 0) close(s.fd);
   }
 
+  // The stream of the file with inode `ino` not being taken out already; 0 when none (mu held).
+  uint64_t SeqOf(uint64_t ino) const {
+    for (const auto& [seq, s] : streams) {
+      if (s.ino == ino && !s.closing) return seq;
+    }
+    return 0;
+  }
+
   // Marks the stream closing, waits for its parts in flight and takes it out (mu held by lock).
   Stream Detach(std::unique_lock<std::mutex>& lock, uint64_t seq) {
     streams.at(seq).closing = true;
@@ -297,14 +305,21 @@ void StreamedUploads::Changed(const PartChange& change) {
   m.cv.notify_all();
 }
 
+void StreamedUploads::Abandon(uint64_t ino, const std::string& why) {
+  Impl& m = *impl_;
+  std::unique_lock lock(m.mu);
+  const uint64_t seq = m.SeqOf(ino);
+  if (seq == 0) return;
+  Stream s = m.Detach(lock, seq);
+  lock.unlock();
+  m.AbortStream(std::move(s), why);
+}
+
 std::optional<StreamedUploads::Taken> StreamedUploads::Take(uint64_t ino, const std::string& rel_path,
                                                             uint64_t n_bytes, uint64_t part_bytes) {
   Impl& m = *impl_;
   std::unique_lock lock(m.mu);
-  uint64_t seq = 0;
-  for (const auto& [q, s] : m.streams) {
-    if (s.ino == ino && !s.closing) seq = q;
-  }
+  const uint64_t seq = m.SeqOf(ino);
   if (seq == 0) return std::nullopt;
   Stream s = m.Detach(lock, seq);
   if (s.upload_id.empty()) {

@@ -20,9 +20,10 @@
 //
 // Bounds: at most kMaxStreamedFiles files followed at once (later ones upload at close, as
 // before), parts 1..10000 only, one part_bytes buffer per thread while it sends.
-// An upload never taken over is aborted (and journaled done) when its file is discarded or cut
-// below a part sent, when Take finds it begun at another path, and at Stop; after a crash the
-// next mount aborts what the journal lists open (upload_journal.h).
+// An upload never taken over is aborted (and journaled done) when its file is discarded, when
+// the file goes up in one PUT (Abandon), when Take finds it begun at another path or for other
+// part sizes, and at Stop; after a crash the next mount aborts what the journal lists open
+// (upload_journal.h). A cut only makes the parts past it not whole (sent again if need be).
 //
 // Thread-safety: every method may be called from any thread at once. Lock order: the owner's
 // journal lock (inside `append`) before this class's mutex, never after.
@@ -90,6 +91,9 @@ class StreamedUploads {
   // none, or none usable: begun at another path or for other part sizes, then aborted). The
   // caller journals its own kBegun of upload_id, then Done(stream_id).
   std::optional<Taken> Take(uint64_t ino, const std::string& rel_path, uint64_t n_bytes, uint64_t part_bytes);
+  // The file with inode `ino` is uploaded without its stream (in one PUT): its upload, if any,
+  // is aborted and journaled done (`why` goes into the log line should the abort fail).
+  void Abandon(uint64_t ino, const std::string& why);
   // Journals the end (kDone) of a stream handed over.
   void Done(uint64_t stream_id);
   // The kStreaming records of the uploads open now (to write again into a journal started afresh).
