@@ -413,11 +413,12 @@ int RunMount(const MountArgs& mount_args) {
   if (opened) daemon.opened_index = std::make_shared<const index::OpenedIndex>(std::move(*opened));
   if (IsS3Source(args.source.src)) {
     // The daemon is forked: its client must not share a connection this process opened (the
-    // checks above), or both would talk over one socket. A fresh client has none yet.
-    std::string url;
-    auto fresh = SourceTreeOf(args.source, &url);
+    // checks above), or both would talk over one socket. A fresh client has none yet; the tree
+    // over it keeps what this one just listed (its checks need not ask again).
+    auto tree = std::static_pointer_cast<const S3Tree>(daemon.snapshot.tree);
+    auto fresh = s3::Client::Make(tree->client()->options());
     if (!fresh.ok()) return Fail("mount", fresh.error());
-    daemon.snapshot.tree = std::move(*fresh);
+    daemon.snapshot.tree = tree->WithClient(std::move(*fresh));
   }
   daemon.views = std::move(*targets);
   daemon.mountpoint = args.mountpoint;

@@ -98,6 +98,14 @@ struct Client::Impl {
   CURLSH* share = nullptr;
   std::mutex locks[CURL_LOCK_DATA_LAST];
   std::atomic<uint64_t> requests{0}, retries{0}, failures{0}, bytes_get{0}, bytes_put{0}, connects{0};
+  std::atomic<uint64_t> writes{0};  // Client::writes()
+  // A request that changes objects, counted in writes when it begins and when it ends.
+  Status ExecuteWrite(Request& r) {
+    writes += 1;
+    Status st = ExecuteOne(r);
+    writes += 1;
+    return st;
+  }
   // Ranged GET body bytes per object (Client::ObjectBytesGet), at most kMaxCountedObjects names.
   mutable std::mutex objects_mu;
   std::unordered_map<std::string, uint64_t> object_bytes_get;
@@ -456,6 +464,8 @@ Result<std::shared_ptr<Client>> Client::Make(Options options) {
   return c;
 }
 
+uint64_t Client::writes() const { return impl_->writes.load(); }
+
 CounterValues Client::counters() const {
   return CounterValues{impl_->requests.load(), impl_->retries.load(), impl_->failures.load(), impl_->bytes_get.load(),
                        impl_->bytes_put.load(), impl_->connects.load()};
@@ -615,23 +625,23 @@ Result<Listing> Client::ListObjects(const std::string& bucket, const std::string
 Result<std::string> Client::PutObject(const std::string& bucket, const std::string& key, std::span<const std::byte> body) {
   UCPFS_ASSIGN_OR_RETURN(Request r, MakeRequest(options_, Kind::kText, "PUT", bucket, key, {}, "PUT " + std::to_string(body.size()) + " bytes"));
   r.body = body;
-  UCPFS_RETURN_IF_ERROR(impl_->ExecuteOne(r));
+  UCPFS_RETURN_IF_ERROR(impl_->ExecuteWrite(r));
   return r.etag;
 }
 
 Status Client::DeleteObject(const std::string& bucket, const std::string& key) {
   UCPFS_ASSIGN_OR_RETURN(Request r, MakeRequest(options_, Kind::kText, "DELETE", bucket, key, {}, "DELETE"));
-  return impl_->ExecuteOne(r);
+  return impl_->ExecuteWrite(r);
 }
 
 Status Client::CreateBucket(const std::string& bucket) {
   UCPFS_ASSIGN_OR_RETURN(Request r, MakeRequest(options_, Kind::kText, "PUT", bucket, "", {}, "CreateBucket"));
-  return impl_->ExecuteOne(r);
+  return impl_->ExecuteWrite(r);
 }
 
 Status Client::DeleteBucket(const std::string& bucket) {
   UCPFS_ASSIGN_OR_RETURN(Request r, MakeRequest(options_, Kind::kText, "DELETE", bucket, "", {}, "DeleteBucket"));
-  return impl_->ExecuteOne(r);
+  return impl_->ExecuteWrite(r);
 }
 
 Result<std::string> Client::CreateMultipartUpload(const std::string& bucket, const std::string& key) {
@@ -669,8 +679,8 @@ Result<std::string> Client::CompleteMultipartUpload(const std::string& bucket, c
     UCPFS_ASSIGN_OR_RETURN(Request r, MakeRequest(options_, Kind::kText, "POST", bucket, key, {{"uploadId", upload_id}},
                             "CompleteMultipartUpload of " + std::to_string(parts.size()) + " parts"));
     r.body = std::as_bytes(std::span<const char>(body.data(), body.size()));
-      r.headers.push_back("Content-Type: application/xml");
-    UCPFS_RETURN_IF_ERROR(impl_->ExecuteOne(r));
+    r.headers.push_back("Content-Type: application/xml");
+    UCPFS_RETURN_IF_ERROR(impl_->ExecuteWrite(r));
     ErrorBody eb;
     UCPFS_ASSIGN_OR_RETURN(std::string etag, ParseCompleteMultipartUpload(r.text, r.what, &eb));
     if (eb.code.empty()) {

@@ -90,6 +90,10 @@ class Client {
 
   const Options& options() const { return options_; }
   CounterValues counters() const;
+  // Requests that change the bucket's objects (PUT, DELETE, CompleteMultipartUpload, bucket
+  // create and delete) begun plus those finished: an answer taken while it stood still holds
+  // for what this client wrote (S3Tree's remembered listings).
+  uint64_t writes() const;
   ObjectBytes ObjectBytesGet() const;
 
   // HEAD: size, ETag, Last-Modified.

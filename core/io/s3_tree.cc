@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 namespace ucpfs {
@@ -58,6 +59,11 @@ TreeEntry DirEntry(std::string name) {
   e.kind = EntryKind::kDirectory;
   e.mode = 0555;
   return e;
+}
+
+int64_t SteadyMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 bool CleanComponent(std::string_view name) {
@@ -196,6 +202,59 @@ std::string S3Tree::Shared::Recall(const std::string& key) const {
   return it == etags.end() ? std::string() : it->second;
 }
 
+void S3Tree::Shared::RememberListing(const std::string& dir_key, Listed l) {
+  if (l.entries.empty()) return;
+  std::lock_guard<std::mutex> lock(mu);
+  if (listed.size() >= kMaxRememberedListings && listed.count(dir_key) == 0) listed.clear();
+  listed[dir_key] = std::move(l);
+}
+
+void S3Tree::Shared::RememberNotEmpty(const std::string& dir_key, Listed l) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (not_empty.size() >= kMaxRememberedListings && not_empty.count(dir_key) == 0) not_empty.clear();
+  not_empty[dir_key] = std::move(l);
+}
+
+namespace {
+
+// The listing of `dir_key` in `listed` while fresh for a client that has made `writes` writes.
+const S3Tree::Shared::Listed* Fresh(const std::unordered_map<std::string, S3Tree::Shared::Listed>& listed,
+                                    const std::string& dir_key, uint64_t writes) {
+  auto it = listed.find(dir_key);
+  if (it == listed.end() || it->second.writes != writes || SteadyMs() - it->second.at_ms >= kListingFreshMs) {
+    return nullptr;
+  }
+  return &it->second;
+}
+
+}  // namespace
+
+std::optional<std::vector<TreeEntry>> S3Tree::Shared::FreshListing(const std::string& dir_key) const {
+  const uint64_t writes = client->writes();
+  std::lock_guard<std::mutex> lock(mu);
+  const Listed* l = Fresh(listed, dir_key, writes);
+  if (l == nullptr) return std::nullopt;
+  return l->entries;
+}
+
+bool S3Tree::Shared::FreshNotEmpty(const std::string& dir_key) const {
+  const uint64_t writes = client->writes();
+  std::lock_guard<std::mutex> lock(mu);
+  return Fresh(listed, dir_key, writes) != nullptr || Fresh(not_empty, dir_key, writes) != nullptr;
+}
+
+std::optional<std::optional<TreeEntry>> S3Tree::Shared::FreshEntry(const std::string& dir_key,
+                                                                   std::string_view name) const {
+  const uint64_t writes = client->writes();
+  std::lock_guard<std::mutex> lock(mu);
+  const Listed* l = Fresh(listed, dir_key, writes);
+  if (l == nullptr) return std::nullopt;
+  auto it = std::lower_bound(l->entries.begin(), l->entries.end(), name,
+                             [](const TreeEntry& e, std::string_view n) { return e.name < n; });
+  if (it == l->entries.end() || it->name != name) return std::optional<TreeEntry>();
+  return std::optional<TreeEntry>(*it);
+}
+
 S3Tree::S3Tree(std::shared_ptr<Shared> shared, std::string bucket, std::string prefix)
     : shared_(std::move(shared)), bucket_(std::move(bucket)), prefix_(std::move(prefix)) {
   root_ = s3::S3Name(bucket_, prefix_);
@@ -222,6 +281,35 @@ Result<std::shared_ptr<const S3Tree>> S3Tree::FromEnvironment(const std::string&
   return Make(std::move(client), url);
 }
 
+std::shared_ptr<const S3Tree> S3Tree::WithClient(std::shared_ptr<s3::Client> client) const {
+  auto shared = std::make_shared<Shared>();
+  shared->client = std::move(client);
+  const uint64_t old_writes = shared_->client->writes();
+  const uint64_t new_writes = shared->client->writes();
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared->etags = shared_->etags;
+    for (auto [from, to] : {std::pair(&shared_->listed, &shared->listed), std::pair(&shared_->not_empty, &shared->not_empty)}) {
+      for (const auto& [dir_key, l] : *from) {
+        if (Fresh(*from, dir_key, old_writes) == nullptr) continue;
+        Shared::Listed copy = l;
+        copy.writes = new_writes;
+        to->emplace(dir_key, std::move(copy));
+      }
+    }
+  }
+  return std::make_shared<const S3Tree>(std::move(shared), bucket_, prefix_);
+}
+
+std::optional<Result<TreeEntry>> S3Tree::FromListing(std::string_view rel) const {
+  const size_t slash = rel.rfind('/');
+  const std::string_view parent = slash == std::string_view::npos ? std::string_view() : rel.substr(0, slash);
+  std::optional<std::optional<TreeEntry>> known = shared_->FreshEntry(KeyOf(parent), LastComponent(rel));
+  if (!known) return std::nullopt;
+  if (!*known) return Result<TreeEntry>(NotFoundError(PathOf(rel) + ": no such object or prefix"));
+  return Result<TreeEntry>(std::move(**known));
+}
+
 std::string S3Tree::KeyOf(std::string_view rel) const {
   if (prefix_.empty()) return std::string(rel);
   if (rel.empty()) return prefix_;
@@ -230,15 +318,30 @@ std::string S3Tree::KeyOf(std::string_view rel) const {
 
 Result<bool> S3Tree::HasKeysUnder(std::string_view rel) const {
   const std::string dir = KeyOf(rel);
+  if (shared_->FreshNotEmpty(dir)) return true;
+  if (!rel.empty()) {
+    std::optional<Result<TreeEntry>> known = FromListing(rel);
+    if (known && known->ok() && (*known)->kind == EntryKind::kDirectory) return true;
+    if (known && !known->ok()) return false;  // the parent's listing has no such name
+  }
   const std::string p = dir.empty() ? "" : dir + "/";
+  Shared::Listed found;
+  found.at_ms = SteadyMs();
+  found.writes = shared_->client->writes();
   UCPFS_ASSIGN_OR_RETURN(s3::ListPage page, shared_->client->ListObjectsPage(bucket_, p, "/", 1, ""));
-  return !page.objects.empty() || !page.common_prefixes.empty();
+  if (page.objects.empty() && page.common_prefixes.empty()) return false;
+  shared_->RememberNotEmpty(dir, std::move(found));
+  return true;
 }
 
 Result<std::vector<TreeEntry>> S3Tree::List(std::string_view rel_dir) const {
   if (!SafeTreePath(rel_dir)) return BadPath(root_, rel_dir);
   const std::string dir = KeyOf(rel_dir);
+  if (std::optional<std::vector<TreeEntry>> fresh = shared_->FreshListing(dir)) return std::move(*fresh);
   const std::string p = dir.empty() ? "" : dir + "/";
+  Shared::Listed remembered;
+  remembered.at_ms = SteadyMs();
+  remembered.writes = shared_->client->writes();
   Result<s3::Listing> listing = shared_->client->ListObjects(bucket_, p, "/", 1000, kMaxTreeListEntries);
   if (!listing.ok()) {
     if (listing.error().code() == StatusCode::kResourceExhausted) {
@@ -268,12 +371,15 @@ Result<std::vector<TreeEntry>> S3Tree::List(std::string_view rel_dir) const {
   std::stable_sort(out.begin(), out.end(), [](const TreeEntry& a, const TreeEntry& b) { return a.name < b.name; });
   out.erase(std::unique(out.begin(), out.end(), [](const TreeEntry& a, const TreeEntry& b) { return a.name == b.name; }),
             out.end());
+  remembered.entries = out;
+  shared_->RememberListing(dir, std::move(remembered));
   return out;
 }
 
 Result<TreeEntry> S3Tree::Stat(std::string_view rel) const {
   if (!SafeTreePath(rel)) return BadPath(root_, rel);
   if (!rel.empty()) {
+    if (std::optional<Result<TreeEntry>> known = FromListing(rel)) return std::move(*known);
     const std::string key = KeyOf(rel);
     Result<s3::ObjectInfo> head = shared_->client->Head(bucket_, key);
     if (head.ok()) {
@@ -290,6 +396,15 @@ Result<TreeEntry> S3Tree::Stat(std::string_view rel) const {
 Result<OpenedFile> S3Tree::Open(std::string_view rel) const {
   if (rel.empty() || !SafeTreePath(rel)) return BadPath(root_, rel);
   const std::string key = KeyOf(rel);
+  if (std::optional<Result<TreeEntry>> known = FromListing(rel); known && known->ok() && (*known)->kind == EntryKind::kFile) {
+    const std::string etag = shared_->Recall(key);
+    if (!etag.empty() && ETagInode(etag) == (*known)->identity.ino) {
+      OpenedFile f;
+      f.identity = (*known)->identity;
+      f.bytes = s3::S3ObjectSource::FromRecorded(shared_->client, bucket_, key, f.identity.n_bytes, etag);
+      return f;
+    }
+  }
   Result<s3::ObjectInfo> head = shared_->client->Head(bucket_, key);
   if (!head.ok()) {
     if (head.error().code() == StatusCode::kNotFound) {

@@ -14,6 +14,13 @@
 // its ETag's hash compared with the indexed identity. A replaced or removed object fails with
 // kDataLoss naming s3://BUCKET/KEY, never with other bytes.
 //
+// A listing is remembered for kListingFreshMs while the tree's client writes nothing
+// (s3::Client::writes()): List of that directory again, and Stat, Open and the directory checks of
+// the names in it, are answered from it without a request. A mount's checks would otherwise HEAD
+// every file the listing just described, in the command and again in its daemon (WithClient hands
+// the daemon what the command listed). What another client changes in that window is seen a
+// second late, as a listing seen a second ago would be anyway.
+//
 // Not for: writing to the bucket (the write side of a mount stays local), the index directory.
 // Thread-safe.
 #pragma once
@@ -21,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -33,6 +41,10 @@ namespace ucpfs {
 
 // ETags remembered for lazy files: past this many the map is cleared (a later open HEADs).
 inline constexpr size_t kMaxRememberedETags = size_t{1} << 20;
+// How long a listing answers for its directory, and how many directories' listings are kept (past
+// that they are all dropped).
+inline constexpr int64_t kListingFreshMs = 1000;
+inline constexpr size_t kMaxRememberedListings = 64;
 
 // The inode an object's ETag stands for (64-bit xxHash of the ETag as sent, quotes included).
 uint64_t ETagInode(std::string_view etag);
@@ -63,17 +75,38 @@ class S3Tree final : public SourceTree {
                                                      std::shared_ptr<FdCache> cache) const override;
   Result<std::shared_ptr<const SourceTree>> Subtree(std::string_view rel_dir) const override;
 
+  // The same tree over another client (a forked daemon's own: it must not share this one's
+  // connections), taking over the ETags and the listings still fresh.
+  std::shared_ptr<const S3Tree> WithClient(std::shared_ptr<s3::Client> client) const;
+
   const std::shared_ptr<s3::Client>& client() const { return shared_->client; }
   const std::string& bucket() const { return bucket_; }
   const std::string& prefix() const { return prefix_; }  // no trailing '/'; "" for the bucket
 
-  // What the tree and its subtrees share: the client and the remembered ETags (by object key).
+  // What the tree and its subtrees share: the client, the remembered ETags (by object key) and
+  // listings (by the directory's key: "" for the bucket's root, else "a/b").
   struct Shared {
+    struct Listed {
+      std::vector<TreeEntry> entries;  // as List returns them: sorted by name, never empty
+      int64_t at_ms = 0;               // steady clock, when the request was sent
+      uint64_t writes = 0;             // the client's writes() then
+    };
     std::shared_ptr<s3::Client> client;
     mutable std::mutex mu;
     std::unordered_map<std::string, std::string> etags;
+    std::unordered_map<std::string, Listed> listed;
+    std::unordered_map<std::string, Listed> not_empty;  // one-key listings that found a key (no entries)
     void Remember(const std::string& key, const std::string& etag);
     std::string Recall(const std::string& key) const;  // "" when not remembered
+    void RememberListing(const std::string& dir_key, Listed listed);
+    void RememberNotEmpty(const std::string& dir_key, Listed listed);
+    // The directory's listing while fresh (kListingFreshMs, no write by the client since).
+    std::optional<std::vector<TreeEntry>> FreshListing(const std::string& dir_key) const;
+    // `name` in the directory's fresh listing: the entry, or an empty optional inside when the
+    // listing lacks it; nullopt when no fresh listing is remembered.
+    std::optional<std::optional<TreeEntry>> FreshEntry(const std::string& dir_key, std::string_view name) const;
+    // Whether a fresh listing (whole or of one key) found a key under the directory.
+    bool FreshNotEmpty(const std::string& dir_key) const;
   };
   S3Tree(std::shared_ptr<Shared> shared, std::string bucket, std::string prefix);  // use Make
 
@@ -81,6 +114,9 @@ class S3Tree final : public SourceTree {
   std::string KeyOf(std::string_view rel) const;
   // Whether some key lies under the directory `rel` (one-key list of `KEY/`).
   Result<bool> HasKeysUnder(std::string_view rel) const;
+  // `rel` (not "") as its parent's fresh listing has it: the entry, or kNotFound when the listing
+  // lacks it; nullopt when no fresh listing of the parent is remembered.
+  std::optional<Result<TreeEntry>> FromListing(std::string_view rel) const;
 
   std::shared_ptr<Shared> shared_;
   std::string bucket_;

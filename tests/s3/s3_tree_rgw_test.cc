@@ -138,6 +138,64 @@ TEST_F(S3TreeTest, OpensObjectsOnly) {
   EXPECT_EQ(CodeOf(tree().Open("nope")), StatusCode::kNotFound);
 }
 
+// A listing answers Stat, Open, directory checks and List of its names for a second, unless the
+// client writes; a tree over another client (the forked daemon's) takes the listing with it.
+TEST_F(S3TreeTest, AnswersFromAFreshListing) {
+  auto made = S3Tree::Make(tree().client(), "s3://" + bucket() + "/ckpt");  // nothing remembered yet
+  ASSERT_TRUE(made.ok());
+  const S3Tree& t = **made;
+  auto requests = [&] { return client().counters().requests; };
+  auto root = t.List("");
+  ASSERT_TRUE(root.ok()) << root.error().ToString();
+  uint64_t before = requests();
+  auto a = t.Stat("a.bin");
+  ASSERT_TRUE(a.ok()) << a.error().ToString();
+  EXPECT_EQ(a->kind, EntryKind::kFile);
+  EXPECT_EQ(a->name, "a.bin");
+  EXPECT_EQ((*root)[0].identity.Differences(a->identity), "");
+  EXPECT_EQ(t.Stat("b")->kind, EntryKind::kDirectory);
+  EXPECT_EQ(CodeOf(t.Stat("nope")), StatusCode::kNotFound);
+  EXPECT_TRUE(t.IsDirectory(""));
+  auto opened = t.Open("a.bin");
+  ASSERT_TRUE(opened.ok()) << opened.error().ToString();
+  EXPECT_EQ(opened->identity.Differences(a->identity), "");
+  auto again = t.List("");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(Names(*again), Names(*root));
+  EXPECT_EQ(requests(), before) << "answered from the listing";
+  EXPECT_EQ(Read(*opened->bytes), "abc");  // the bytes are the object's (one GET)
+
+  // Handed to another client: it asks nothing for what was listed.
+  auto other = s3::Client::Make(client().options());
+  ASSERT_TRUE(other.ok());
+  auto moved = t.WithClient(*other);
+  auto moved_a = moved->Stat("a.bin");
+  ASSERT_TRUE(moved_a.ok());
+  EXPECT_EQ(moved_a->identity.Differences(a->identity), "");
+  EXPECT_EQ((*other)->counters().requests, 0u);
+
+  // A write through the tree's client: asked again, so what it wrote is seen at once.
+  ASSERT_TRUE(client().PutObject(bucket(), "ckpt/new.bin", Bytes("n")).ok());
+  before = requests();
+  EXPECT_TRUE(t.Stat("new.bin").ok());
+  EXPECT_GT(requests(), before);
+  auto listed = t.List("");
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(Names(*listed), (std::vector<std::string>{"a.bin", "b", "e", "new.bin"}));
+
+  // Another client's write is seen once the listing is a second old.
+  const auto listed_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE((*other)->PutObject(bucket(), "ckpt/late.bin", Bytes("l")).ok());
+  const bool still_fresh = std::chrono::steady_clock::now() - listed_at < std::chrono::milliseconds(kListingFreshMs / 2);
+  if (still_fresh) {
+    EXPECT_EQ(CodeOf(t.Stat("late.bin")), StatusCode::kNotFound) << "answered from the listing";
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(kListingFreshMs + 50));
+  EXPECT_TRUE(t.Stat("late.bin").ok());
+  ASSERT_TRUE(client().DeleteObject(bucket(), "ckpt/new.bin").ok());
+  ASSERT_TRUE(client().DeleteObject(bucket(), "ckpt/late.bin").ok());
+}
+
 TEST_F(S3TreeTest, LazyFilesFailOnAReplacedObject) {
   ASSERT_TRUE(client().PutObject(bucket(), "ckpt/lazy.bin", Bytes("version-1")).ok());
   auto st = tree().Stat("lazy.bin");
