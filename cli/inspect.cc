@@ -15,7 +15,7 @@ namespace {
 
 void PrintJson(const std::string& path, const format::TorchFile& f, std::ostream& out) {
   nlohmann::ordered_json j;
-  j["format"] = "torch.save";
+  j["format"] = f.legacy() ? "torch.save (legacy)" : "torch.save";
   j["path"] = path;
   j["size"] = f.source().Size();
   auto tensors = nlohmann::ordered_json::array();
@@ -38,7 +38,7 @@ void PrintJson(const std::string& path, const format::TorchFile& f, std::ostream
 void PrintTable(const std::string& path, const format::TorchFile& f, std::ostream& out) {
   uint64_t total = 0;
   for (const auto& t : f.tensors()) total += t.n_bytes;
-  out << path << ": torch.save, " << f.source().Size() << " bytes, " << f.tensors().size()
+  out << path << (f.legacy() ? ": torch.save (legacy format), " : ": torch.save, ") << f.source().Size() << " bytes, " << f.tensors().size()
       << " tensors, " << HumanBytes(total) << " of tensor data\n";
   if (f.tensors().empty()) return;
   size_t key_w = 3;

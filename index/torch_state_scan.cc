@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/format/plain_value.h"
+#include "core/format/torch_file.h"
 #include "index/checkpoint_builder.h"
 #include "index/pickle_walk.h"
 #include "index/positional_optim.h"
@@ -217,6 +218,8 @@ class TorchStateScan {
         auto id = probe.AddFile(torch[i]);
         if (!id.ok()) continue;
         auto tf = probe.OpenTorchFile(*id);
+        // Some other program's data (not even the start of a torch.save file): not a candidate.
+        if (!tf.ok() && !format::LooksLikeTorchFile(*probe.source(*id))) continue;
         // A torch.save file that does not read may be the optimizer's (IsTorchStateDirectory):
         // named, with the reader's reason, rather than served without it.
         if (!tf.ok()) return tf.error();
@@ -604,7 +607,9 @@ bool IsTorchStateDirectory(const SourceTree& tree) {
     // A .ckpt, or a torch.save file beside others, that does not read is claimed, so the scan
     // names it and the reader's reason (a truncated optim.pt, optimizer.pt or .ckpt), rather than
     // the weights scanner serving the rest without a word about it, or failing on how many
-    // files there are.
+    // files there are. A file that does not even begin as a torch.save file does is some other
+    // program's data (format::LooksLikeTorchFile), not a broken optimizer.
+    if (!tf.ok() && !ckpt && !format::LooksLikeTorchFile(*probe.source(*id))) continue;
     if (!tf.ok()) return ckpt || torch_files > 1;
     if (!FindOptimizers(tf->graph()).empty() || (ckpt && IsLightning(tf->graph()))) return true;
   }

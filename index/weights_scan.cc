@@ -79,6 +79,17 @@ class WeightsScan {
     const std::string dir = options_.sub_dir.empty() ? builder_.dir() : builder_.dir() + "/" + options_.sub_dir;
     Listing l = ListWeights(builder_.tree(), options_.sub_dir);
     std::erase_if(l.torch, [&](const std::string& n) { return options_.exclude.count(n) != 0; });
+    // A .bin/.pt/.pth file that does not begin as a torch.save file (a zip or the legacy format)
+    // is some other program's data, not weights: left out, and named when nothing else is found.
+    std::vector<std::string> not_torch;
+    if (!l.safetensors_index && l.safetensors.empty() && !l.torch_index) {
+      std::erase_if(l.torch, [&](const std::string& n) {
+        Result<OpenedFile> f = builder_.tree().Open(RelPath(n));
+        if (!f.ok() || format::LooksLikeTorchFile(*f->bytes)) return false;  // its errors come when it is read
+        not_torch.push_back(n);
+        return true;
+      });
+    }
     l.pytorch_model = std::find(l.torch.begin(), l.torch.end(), std::string(kPytorchModel)) != l.torch.end();
     WeightsFound found;
     if (l.safetensors_index) {
@@ -102,8 +113,14 @@ class WeightsScan {
                               ", " + l.torch[1] + ", ...) and no " + std::string(kTorchIndex) +
                               " saying which tensors each holds; ucpfs serves one state dict per directory");
     } else {
+      std::string skipped;
+      for (const std::string& n : not_torch) skipped += (skipped.empty() ? "; " : ", ") + n;
+      if (!skipped.empty()) {
+        skipped += not_torch.size() == 1 ? ": not a torch.save file" : ": not torch.save files";
+        skipped += " (neither a zip nor torch's legacy format)";
+      }
       return NotFoundError(dir + ": no weights (" + std::string(kSafetensorsIndex) + ", *.safetensors, " +
-                           std::string(kTorchIndex) + " or a .pt/.pth/.bin file)");
+                           std::string(kTorchIndex) + " or a .pt/.pth/.bin file)" + skipped);
     }
     found.skipped_values = skipped_values_;
     found.state_dict_key = state_dict_key_;

@@ -1560,14 +1560,17 @@ class PickleGraph::Parser {
     return Status::Ok();
   }
 
-  // BINPERSID: ('storage', <storage class>, key, location, numel) becomes a Storage node,
-  // anything else a PersistentId node.
+  // BINPERSID: ('storage', <storage class>, key, location, numel) becomes a Storage node, as
+  // does torch's legacy format's ('storage', <storage class>, key, location, numel, None) (its
+  // sixth item, a view of another storage when not None, is not served); anything else a
+  // PersistentId node.
   Status PersistentLoad(NodeId pid) {
     bool untyped = false;
     DType dtype = DType::kUInt8;
     bool is_storage = false;
     NodeId key = kNoNode, loc = kNoNode, numel = kNoNode;
-    if (KindOf(pid) == Kind::kTuple && g_.items(pid).size() == 5) {
+    const size_t n_items = KindOf(pid) == Kind::kTuple ? g_.items(pid).size() : 0;
+    if (n_items == 5 || (n_items == 6 && KindOf(g_.items(pid)[5]) == Kind::kNone)) {
       const auto p = g_.items(pid);
       const NodeId tag = p[0], cls = p[1];
       key = p[2];
@@ -1684,6 +1687,7 @@ Status PickleGraph::Parser::Step() {
     case kStop:
       UCPFS_RETURN_IF_ERROR(NeedStack(1));
       g_.root_ = stack_.back();
+      g_.end_offset_ = pos_;
       done_ = true;
       return Status::Ok();
     case kMark:

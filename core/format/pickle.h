@@ -144,6 +144,8 @@ Result<PickleGraph> ParsePickle(std::span<const std::byte> data, std::string_vie
 class PickleGraph {
  public:
   NodeId root() const { return root_; }
+  // The byte offset just past the pickle's STOP in the data parsed (where a next pickle begins).
+  uint64_t end_offset() const { return end_offset_; }
   size_t size() const { return nodes_.size(); }
 
   // kNone for kNoNode or any other id outside the graph, like every other accessor.
@@ -269,6 +271,7 @@ class PickleGraph {
   std::vector<StorageRecord> storages_;
   std::vector<TensorRecord> tensors_;
   NodeId root_ = kNoNode;
+  uint64_t end_offset_ = 0;
 };
 
 // A Python int Enum the caller knows: its class and members (aliases included).

@@ -1,7 +1,10 @@
 #include "core/format/torch_file.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <span>
+#include <unordered_map>
 #include <utility>
 
 #include "core/checked.h"
@@ -145,7 +148,131 @@ bool IsRowMajorContiguous(const std::vector<int64_t>& shape, const std::vector<i
   return true;
 }
 
+// torch's legacy format (torch.save(..., _use_new_zipfile_serialization=False), and every save of
+// torch before 1.6): five pickles, then each storage in the order of the fifth's keys as a
+// little-endian int64 element count and its bytes. The first pickle is the magic number
+// 0x1950a86a20f9469cfc6c as LONG1: PROTO n, an optional FRAME, the LONG1, STOP.
+constexpr uint8_t kLegacyMagicLong1[] = {0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
+constexpr int64_t kLegacyProtocolVersion = 1001;
+constexpr uint64_t kLegacyFirstRead = uint64_t{1} << 20;  // read again 4x larger while the pickles go on
+
+// The offset just past the magic number's pickle, or 0 when `head` does not begin with it.
+uint64_t LegacyMagicEnd(std::span<const std::byte> head) {
+  const auto* b = reinterpret_cast<const uint8_t*>(head.data());
+  size_t at = 0;
+  if (head.size() < 2 || b[0] != 0x80 || b[1] < 2) return 0;
+  at = 2;
+  if (head.size() > at && b[at] == 0x95) at += 9;  // FRAME: 8-byte length
+  if (head.size() < at + sizeof(kLegacyMagicLong1) + 1) return 0;
+  if (std::memcmp(b + at, kLegacyMagicLong1, sizeof(kLegacyMagicLong1)) != 0) return 0;
+  at += sizeof(kLegacyMagicLong1);
+  return b[at] == '.' ? at + 1 : 0;
+}
+
+struct LegacyPickles {
+  PickleGraph object;
+  std::vector<std::string> keys;  // the storages, in the order their bytes follow
+  uint64_t data_offset = 0;       // where the first storage's count begins
+};
+
+// The four pickles after the magic number, from `head` (the file's first bytes).
+Result<LegacyPickles> ParseLegacyPickles(std::span<const std::byte> head, uint64_t at, const std::string& name,
+                                         const TorchFileLimits& limits) {
+  auto next = [&](const char* what) -> Result<PickleGraph> {
+    Result<PickleGraph> g = pickle::ParsePickle(head.subspan(at), name + ": " + what, limits.pickle);
+    if (g.ok()) at += g->end_offset();
+    return g;
+  };
+  UCPFS_ASSIGN_OR_RETURN(PickleGraph version, next("legacy protocol version"));
+  if (version.kind(version.root()) != Kind::kInt || version.int_value(version.root()) != kLegacyProtocolVersion) {
+    return UnsupportedError(name + ": a legacy torch.save file of protocol version other than 1001");
+  }
+  UCPFS_ASSIGN_OR_RETURN(PickleGraph sys_info, next("legacy sys_info"));
+  for (const auto& [k, v] : sys_info.dict_items(sys_info.root())) {
+    if (sys_info.text(k) == "little_endian" && sys_info.kind(v) == Kind::kBool && !sys_info.bool_value(v)) {
+      return UnsupportedError(name + ": saved on a big-endian machine (legacy format)");
+    }
+  }
+  LegacyPickles out;
+  UCPFS_ASSIGN_OR_RETURN(out.object, next("data"));
+  UCPFS_ASSIGN_OR_RETURN(PickleGraph keys, next("legacy storage keys"));
+  if (keys.kind(keys.root()) != Kind::kList) return CorruptError(name + ": legacy storage keys are not a list");
+  for (NodeId k : keys.items(keys.root())) {
+    if (keys.kind(k) != Kind::kString) return CorruptError(name + ": a legacy storage key is not a string");
+    out.keys.emplace_back(keys.text(k));
+  }
+  out.data_offset = at;
+  return out;
+}
+
+// The legacy file's storages as records "data/<key>" at their exact offsets, each count checked.
+Result<ZipArchive> LegacyRecords(const ByteSource& s, const LegacyPickles& p) {
+  std::unordered_map<std::string, uint64_t> n_bytes;  // by key, from the object's persistent ids
+  std::unordered_map<std::string, uint64_t> item;     // element size
+  const PickleGraph& g = p.object;
+  for (NodeId id = 0; id < g.size(); ++id) {
+    if (g.kind(id) != Kind::kStorage) continue;
+    const pickle::StorageInfo st = g.storage(id);
+    const uint64_t size = st.untyped ? 1 : ItemSize(st.dtype);
+    auto total = CheckedMul(st.numel, size);
+    if (!total) return CorruptError(s.Name() + ": storage '" + std::string(st.key) + "' size overflows");
+    auto [it, fresh] = n_bytes.emplace(std::string(st.key), *total);
+    if (!fresh && it->second != *total) {
+      return CorruptError(s.Name() + ": storage '" + std::string(st.key) + "' is declared with two sizes");
+    }
+    item.emplace(std::string(st.key), size);
+  }
+  std::vector<ZipEntry> entries;
+  std::vector<ReadPiece> counts;
+  std::vector<int64_t> count_values(p.keys.size());
+  uint64_t at = p.data_offset;
+  for (size_t i = 0; i < p.keys.size(); ++i) {
+    const std::string& key = p.keys[i];
+    auto found = n_bytes.find(key);
+    if (found == n_bytes.end()) {
+      return CorruptError(s.Name() + ": legacy storage key '" + key + "' is not a storage of the object");
+    }
+    ZipEntry e;
+    e.name = "data/" + key;
+    e.local_header_offset = at;
+    e.data_offset = at + 8;
+    e.n_bytes = e.compressed_n_bytes = found->second;
+    auto end = CheckedAdd(e.data_offset, e.n_bytes);
+    if (!end || *end > s.Size()) {
+      return CorruptError(s.Name() + ": legacy storage '" + key + "' (" + std::to_string(found->second) +
+                          " bytes at offset " + std::to_string(e.data_offset) + ") runs past the end of the file (" +
+                          std::to_string(s.Size()) + " bytes)");
+    }
+    counts.push_back({at, std::as_writable_bytes(std::span(&count_values[i], 1))});
+    at = *end;
+    entries.push_back(std::move(e));
+  }
+  if (!counts.empty()) UCPFS_RETURN_IF_ERROR(s.ReadPieces(counts));
+  for (size_t i = 0; i < p.keys.size(); ++i) {
+    const uint64_t want = entries[i].n_bytes / item.at(p.keys[i]);
+    if (count_values[i] < 0 || static_cast<uint64_t>(count_values[i]) != want) {
+      return CorruptError(s.Name() + ": legacy storage '" + p.keys[i] + "' holds " + std::to_string(count_values[i]) +
+                          " elements at offset " + std::to_string(entries[i].local_header_offset) +
+                          " but the pickle declares " + std::to_string(want));
+    }
+  }
+  return ZipArchive::FromRecords(std::move(entries));
+}
+
 }  // namespace
+
+bool IsLegacyTorchFile(const ByteSource& src) {
+  std::byte head[32];
+  const uint64_t n = std::min<uint64_t>(sizeof(head), src.Size());
+  if (!src.ReadAt(0, std::span(head, n)).ok()) return false;
+  return LegacyMagicEnd(std::span<const std::byte>(head, n)) != 0;
+}
+
+bool LooksLikeTorchFile(const ByteSource& src) {
+  std::byte head[4];
+  if (src.Size() < sizeof(head) || !src.ReadAt(0, std::span(head, sizeof(head))).ok()) return false;
+  return std::memcmp(head, "PK\x03\x04", 4) == 0 || IsLegacyTorchFile(src);
+}
 
 Result<TensorRecord> ResolveTensor(const ByteSource& src, const ZipArchive& archive,
                                    const PickleGraph& graph, NodeId tensor, std::string key) {
@@ -240,6 +367,30 @@ Result<TorchFile> TorchFile::Open(std::shared_ptr<const ByteSource> src,
   TorchFile file;
   file.src_ = std::move(src);
   const ByteSource& s = *file.src_;
+  if (IsLegacyTorchFile(s)) {
+    // The pickles' length is not written anywhere: read more until they parse (or the limit).
+    uint64_t want = std::min(s.Size(), kLegacyFirstRead);
+    for (;;) {
+      UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> head, ReadRange(s, 0, want, limits.max_pickle_bytes));
+      Result<LegacyPickles> parsed = ParseLegacyPickles(head, LegacyMagicEnd(head), s.Name(), limits);
+      if (parsed.ok()) {
+        UCPFS_ASSIGN_OR_RETURN(file.archive_, LegacyRecords(s, *parsed));
+        file.graph_ = std::move(parsed->object);
+        file.legacy_ = true;
+        break;
+      }
+      if (want >= s.Size()) return parsed.error();
+      if (want >= limits.max_pickle_bytes) {
+        return ResourceExhaustedError(s.Name() + ": the pickles of a legacy torch.save file are over " +
+                                      std::to_string(limits.max_pickle_bytes) + " bytes, the limit");
+      }
+      want = std::min({s.Size(), want * 4, limits.max_pickle_bytes});
+    }
+    Walker walker(s, file.archive_, file.graph_, limits);
+    UCPFS_RETURN_IF_ERROR(walker.Walk(file.graph_.root(), "", 0));
+    file.tensors_ = walker.take();
+    return file;
+  }
   UCPFS_ASSIGN_OR_RETURN(file.archive_, ZipArchive::Open(s, limits.zip));
   const ZipEntry* pkl = file.archive_.FindRecord("data.pkl");
   if (pkl == nullptr) {

@@ -3,6 +3,12 @@
 // exact bytes it occupies in the file: (storage record, absolute byte offset of the first
 // element, dtype, shape, strides, storage offset).
 //
+// torch's legacy format (no zip: torch.save(..., _use_new_zipfile_serialization=False), torch
+// before 1.6) is read too: its storages become stored records "data/<key>" at their exact
+// offsets (archive(), no prefix), each one's element count, written before its bytes, checked
+// against the pickle. A storage that is a view of another (legacy persistent ids with view
+// metadata) is kUnsupported.
+//
 // Not for: loading tensor data (callers read the bytes they need through the ByteSource).
 // Invariants: every reported tensor's strided extent lies inside its storage record, and every
 // storage record lies inside the file; storage records must be STORED (uncompressed), else
@@ -57,6 +63,7 @@ class TorchFile {
                                 const TorchFileLimits& limits = {});
 
   const ByteSource& source() const { return *src_; }
+  bool legacy() const { return legacy_; }  // torch's legacy format (no zip, no checksums)
   const ZipArchive& archive() const { return archive_; }
   const pickle::PickleGraph& graph() const { return graph_; }
   // Tensors in object-graph order (pickle order); a tensor reachable by two paths is listed
@@ -68,7 +75,14 @@ class TorchFile {
   ZipArchive archive_;
   pickle::PickleGraph graph_;
   std::vector<TensorRecord> tensors_;
+  bool legacy_ = false;
 };
+
+// Whether `src` begins as torch's legacy format does (the magic number's pickle).
+bool IsLegacyTorchFile(const ByteSource& src);
+// Whether `src` begins as a torch.save file does: a zip's first local header, or the legacy
+// format's magic number. False for a file too short or unreadable there.
+bool LooksLikeTorchFile(const ByteSource& src);
 
 // Resolves one tensor node (kind kTensor) against the archive. `key` is copied into the
 // result. Exposed for DCP scanning, which resolves tensors inside slices of .distcp files.

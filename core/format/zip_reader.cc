@@ -392,6 +392,13 @@ Result<ZipArchive> ZipArchive::Open(const ByteSource& src, const ZipLimits& limi
   return archive;
 }
 
+ZipArchive ZipArchive::FromRecords(std::vector<ZipEntry> entries) {
+  ZipArchive archive;
+  archive.entries_ = std::move(entries);
+  for (size_t i = 0; i < archive.entries_.size(); ++i) archive.index_.emplace(archive.entries_[i].name, i);
+  return archive;
+}
+
 const ZipEntry* ZipArchive::Find(std::string_view full_name) const {
   const auto it = index_.find(full_name);
   return it == index_.end() ? nullptr : &entries_[it->second];

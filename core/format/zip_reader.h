@@ -44,6 +44,9 @@ class ZipArchive {
   // Errors: kCorrupt (no EOCD, bad signature, an offset/size outside the file, overflow,
   // local name length mismatch, ...), kResourceExhausted (limits), kIo from the source.
   static Result<ZipArchive> Open(const ByteSource& src, const ZipLimits& limits = {});
+  // The records of a torch file that is no zip (the legacy format, torch_file.h), stored, with
+  // no prefix, so they are found as an archive's are. Names must be distinct.
+  static ZipArchive FromRecords(std::vector<ZipEntry> entries);
 
   const std::vector<ZipEntry>& entries() const { return entries_; }
 

@@ -9,6 +9,8 @@ tensors, Parameters, nested dicts/OrderedDicts/lists/tuples, argparse.Namespace,
 tensor ucpfs reports, the raw file bytes at `data_offset`, read with the reported
 dtype/shape/stride, must equal the tensor torch wrote; the reported storage record must be the
 one Python's zipfile finds; and every tensor of the object must be reported exactly once per path.
+The random objects and the every-dtype file are also saved in torch's legacy format
+(_use_new_zipfile_serialization=False, no zip), checked alike.
 """
 import argparse
 import collections
@@ -90,18 +92,22 @@ def local_data_offset(zf_path, info):
         return info.header_offset + 30 + name_len + extra_len
 
 
-def check_file(path, obj):
+def check_file(path, obj, legacy=False):
+    """Every tensor's bytes at its reported offset are the tensor's; in a zip, its storage record
+    is the one zipfile finds; in torch's legacy format, the 8 bytes before its storage are the
+    storage's count (of elements, or of bytes when torch saved it untyped)."""
     out = run([ucpfs_bin(), "inspect", "--json", path]).stdout
     report = json.loads(out)
-    assert report["format"] == "torch.save", report["format"]
+    assert report["format"] == ("torch.save (legacy)" if legacy else "torch.save"), report["format"]
+    assert zipfile.is_zipfile(path) != legacy, path
     assert report["size"] == os.path.getsize(path), (report["size"], os.path.getsize(path))
     expected = flatten(obj, "", [])
     got = report["tensors"]
     assert [k for k, _ in expected] == [t["key"] for t in got], \
         f"keys differ:\n{[k for k, _ in expected]}\n{[t['key'] for t in got]}"
     data = open(path, "rb").read()
-    zf = zipfile.ZipFile(path)
-    prefix = zf.namelist()[0].split("/")[0]
+    zf = None if legacy else zipfile.ZipFile(path)
+    prefix = None if legacy else zf.namelist()[0].split("/")[0]
     for (key, want), t in zip(expected, got):
         dtype = getattr(torch, t["dtype"])
         assert dtype == want.dtype, (key, t["dtype"], want.dtype)
@@ -110,9 +116,17 @@ def check_file(path, obj):
         assert t["storage_offset"] == want.storage_offset(), key
         item = want.element_size()
         assert t["nbytes"] == want.numel() * item, key
-        info = zf.getinfo(f"{prefix}/data/{t['storage_key']}")
-        start = local_data_offset(path, info)
-        assert t["data_offset"] == start + t["storage_offset"] * item, (key, t["data_offset"], start)
+        if legacy:
+            start = t["data_offset"] - t["storage_offset"] * item
+            count = struct.unpack("<q", data[start - 8:start])[0]
+            storage = want.untyped_storage() if hasattr(want, "untyped_storage") else want.storage()  # torch 1.13
+            # Elements of the storage's type; bytes where torch 2.x saved it untyped (a dtype with
+            # no legacy storage class, or a storage viewed as two dtypes).
+            assert count in (storage.nbytes() // item, storage.nbytes()), (key, count, storage.nbytes())
+        else:
+            info = zf.getinfo(f"{prefix}/data/{t['storage_key']}")
+            start = local_data_offset(path, info)
+            assert t["data_offset"] == start + t["storage_offset"] * item, (key, t["data_offset"], start)
         if want.numel() == 0:
             continue
         extent = 1 + sum((s - 1) * st for s, st in zip(t["shape"], t["stride"]))
@@ -134,6 +148,11 @@ def main():
             path = os.path.join(d, f"rand{i}.pt")
             torch.save(obj, path, pickle_protocol=proto)
             res.check(f"random file {i} (protocol {proto})", lambda p=path, o=obj: check_file(p, o))
+            # The same object in torch's legacy format (no zip): the same tensors, the same bytes.
+            legacy_path = os.path.join(d, f"rand{i}.legacy.pt")
+            torch.save(obj, legacy_path, pickle_protocol=proto, _use_new_zipfile_serialization=False)
+            res.check(f"random file {i} (protocol {proto}, legacy format)",
+                      lambda p=legacy_path, o=obj: check_file(p, o, legacy=True))
 
         # Every dtype, 0-d and empty, in one file.
         every = collections.OrderedDict()
@@ -159,15 +178,21 @@ def main():
         torch.save(ns, p3)
         res.check("argparse.Namespace with a tensor", lambda: check_file(p3, ns))
 
-        # The legacy (non-zip) format is refused with a clear error, not a crash.
-        p4 = os.path.join(d, "legacy.pt")
-        torch.save({"a": torch.ones(2)}, p4, _use_new_zipfile_serialization=False)
+        # torch's legacy format: every dtype; a file cut short is refused with a clear error.
+        p4 = os.path.join(d, "every_dtype.legacy.pt")
+        torch.save(every, p4, _use_new_zipfile_serialization=False)
+        res.check("every dtype, legacy format", lambda: check_file(p4, every, legacy=True))
 
-        def legacy():
-            r = run([ucpfs_bin(), "inspect", "--json", p4], check=False)
+        def legacy_cut():
+            cut = os.path.join(d, "cut.legacy.pt")
+            with open(p4, "rb") as f:
+                data = f.read()
+            with open(cut, "wb") as f:
+                f.write(data[:len(data) - 3])
+            r = run([ucpfs_bin(), "inspect", "--json", cut], check=False)
             assert r.returncode == 1, r.returncode
-            assert p4 in r.stderr and "corrupt" in r.stderr, r.stderr
-        res.check("legacy format refused", legacy)
+            assert cut in r.stderr and "corrupt" in r.stderr and "past the end" in r.stderr, r.stderr
+        res.check("legacy format cut short: refused, saying where", legacy_cut)
     res.finish()
 
 

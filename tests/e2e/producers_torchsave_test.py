@@ -34,6 +34,9 @@ Several .ckpt files without last.ckpt, or two optimizer files, are refused namin
 optim.pt, optimizer.pt or .ckpt is named with the zip reader's reason (inspect, mount, and a run
 folder's status.json).
 A Lightning .ckpt renamed to model.pt is still recognised by structure.
+torch's legacy format (a script's model.pt + optim.pt saved with
+_use_new_zipfile_serialization=False, under torch 2.13 and 1.13) is served alike; a directory
+whose only .bin is no torch.save file mounts with no views, the reason in status.json.
 Pickled under both interpreters we ship: the Trainer, Lightning and torchtune cases also run under
 Debian 12's Python 3.11.2 (tests/install-python-debian.sh, the venv's torch 2.13), checked the
 same way (debian_*); a script's model.pt + optim.pt saved under the venv's torch 2.13 and under
@@ -245,8 +248,10 @@ for _ in range(2):
     model(torch.randn(5, 4)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
-torch.save(model.state_dict(), sys.argv[1] + "/model.pt")
-torch.save(opt.state_dict(), sys.argv[1] + "/optim.pt")
+# "legacy": torch's format before 1.6, still one argument away (no zip; tensors after 5 pickles)
+kw = {"_use_new_zipfile_serialization": False} if sys.argv[2:] == ["legacy"] else {}
+torch.save(model.state_dict(), sys.argv[1] + "/model.pt", **kw)
+torch.save(opt.state_dict(), sys.argv[1] + "/optim.pt", **kw)
 names = {p: n for n, p in model.named_parameters()}
 truth = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "lr": 1e-3}
 for k in ("exp_avg", "exp_avg_sq", "step"):
@@ -255,12 +260,15 @@ torch.save(truth, sys.argv[1] + "_truth.pt")
 """
 
 
-def script_files(work, python, name):
-    """model.pt + optim.pt saved by a plain script under `python`: atomic = the live job, model.pt
-    loads strictly into the script's model, optim.pt into its optimizer."""
+def script_files(work, python, name, legacy=False):
+    """model.pt + optim.pt saved by a plain script under `python` (in torch's legacy format with
+    `legacy`): atomic = the live job, model.pt loads strictly into the script's model, optim.pt
+    into its optimizer."""
     src = os.path.join(work, name)
     os.makedirs(src)
-    run([python, "-c", SCRIPT_PRODUCER, src], timeout=120)
+    run([python, "-c", SCRIPT_PRODUCER, src] + (["legacy"] if legacy else []), timeout=120)
+    for f in ("model.pt", "optim.pt"):
+        assert zipfile.is_zipfile(os.path.join(src, f)) != legacy, f"{f}: legacy {legacy}"
     truth = torch.load(src + "_truth.pt")
     mnt = os.path.join(work, "mnt-" + name)
     with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx") as (m, _):
@@ -361,6 +369,28 @@ def corrupt_optimizer(work, script_src, trainer_ckpt, ckpt_dir):
         assert "checkpoint-6/optimizer.pt: " + reason in listed["checkpoint-6"], listed
 
 
+def not_torch_bin(work):
+    """A directory whose only candidate is some other program's data.bin: `ucpfs index` says so,
+    and a mount serves the directory (its files, a save target) with no views, the reason in
+    status.json; a save into it then becomes the checkpoint."""
+    src, mnt = os.path.join(work, "not_torch"), os.path.join(work, "mnt-not_torch")
+    os.makedirs(src)
+    data = os.urandom(4096)
+    with open(os.path.join(src, "data.bin"), "wb") as f:
+        f.write(data)
+    r = run([ucpfs_bin(), "index", src, "--index-dir", mnt + ".idx0"], check=False, timeout=60)
+    assert r.returncode != 0 and "data.bin: not a torch.save file" in r.stderr, r.stderr
+    with mounted(src, mnt, "--index-dir", mnt + ".idx") as (m, _):
+        s = status(m)
+        assert s["format"] == "none" and "data.bin: not a torch.save file" in s["no_checkpoint"], s
+        assert open(os.path.join(m, "data.bin"), "rb").read() == data
+        model = torch.nn.Linear(3, 2)
+        torch.save(model.state_dict(), os.path.join(m, "model.pt"))
+    with mounted(src, mnt, "--read-only", "--index-dir", mnt + ".idx2") as (m, _):
+        got = torch.load(os.path.join(m, "atomic", "weight", "fp32.pt"))["param"]
+        assert bits_equal(got, model.weight.detach()), "atomic weight"
+
+
 def has_torch113():
     return run(["/usr/bin/python3", "-c", "import torch"], check=False).returncode == 0
 
@@ -417,6 +447,14 @@ def main():
         if has_torch113():
             res.check("the same script under Debian's Python 3.11.2 and torch 1.13: served alike",
                       lambda: script("/usr/bin/python3", "script_torch113"))
+        # torch's legacy format (_use_new_zipfile_serialization=False), under both torches.
+        res.check("the script saving torch's legacy format (torch 2.13): served alike",
+                  lambda: script_files(work, PY, "script_legacy", legacy=True))
+        if has_torch113():
+            res.check("the script saving torch's legacy format (torch 1.13): served alike",
+                      lambda: script_files(work, "/usr/bin/python3", "script_torch113_legacy", legacy=True))
+        res.check("a .bin that is no torch.save file: mounted with no views, named in status.json",
+                  lambda: not_torch_bin(work))
         res.check("a truncated optim.pt / optimizer.pt / .ckpt: named with the zip reader's reason "
                   "(inspect, mount, a run folder's status.json)",
                   lambda: corrupt_optimizer(work, scripts["script"], cases[0][1], lt + "/ckpt"))

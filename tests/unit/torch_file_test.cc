@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 #include "core/format/torch_writer.h"
+#include "core/io/file_source.h"
 
 namespace ucpfs::format {
 namespace {
@@ -195,6 +197,98 @@ TEST_F(CorruptTorchFile, TruncatedEverywhereGivesCleanErrors) {
     auto src = std::make_shared<MemorySource>("t.pt", std::move(part));
     auto r = TorchFile::Open(src);
     EXPECT_FALSE(r.ok()) << "cut " << cut;
+  }
+}
+
+// torch's legacy format, read from a real save (tests/data/pickles/make_torch_pickles.py, Debian's
+// torch 1.13): the same state dict saved as a zip and as the legacy format gives the same tensors,
+// with the same bytes.
+class LegacyTorchFile : public ::testing::Test {
+ protected:
+  static std::shared_ptr<const ByteSource> Fixture(const std::string& name) {
+    const char* env = std::getenv("UCPFS_TEST_DATA");
+    const std::string dir = env != nullptr && *env != '\0'
+                                ? std::string(env)
+                                : (std::filesystem::path(__FILE__).parent_path().parent_path() / "data").string();
+    auto src = FileSource::Open(dir + "/pickles/" + name);
+    EXPECT_TRUE(src.ok()) << src.error().ToString();
+    return src.ok() ? *src : nullptr;
+  }
+  void SetUp() override {
+    legacy_ = Fixture("torch_legacy.pt");
+    zip_ = Fixture("torch_state_dict.pt");
+    ASSERT_TRUE(legacy_ && zip_);
+    bytes_ = ReadAll(*legacy_);
+  }
+  Status OpenBytes(std::vector<std::byte> bytes) {
+    return TorchFile::Open(std::make_shared<MemorySource>("l.pt", std::move(bytes))).status();
+  }
+  std::shared_ptr<const ByteSource> legacy_, zip_;
+  std::vector<std::byte> bytes_;
+};
+
+TEST_F(LegacyTorchFile, SameTensorsAndBytesAsTheZip) {
+  EXPECT_TRUE(IsLegacyTorchFile(*legacy_));
+  EXPECT_FALSE(IsLegacyTorchFile(*zip_));
+  EXPECT_TRUE(LooksLikeTorchFile(*legacy_));
+  EXPECT_TRUE(LooksLikeTorchFile(*zip_));
+  auto legacy = TorchFile::Open(legacy_);
+  ASSERT_TRUE(legacy.ok()) << legacy.error().ToString();
+  auto zip = TorchFile::Open(zip_);
+  ASSERT_TRUE(zip.ok()) << zip.error().ToString();
+  EXPECT_TRUE(legacy->legacy());
+  EXPECT_FALSE(zip->legacy());
+  ASSERT_EQ(legacy->tensors().size(), zip->tensors().size());
+  ASSERT_GE(legacy->tensors().size(), 5u);
+  for (size_t i = 0; i < zip->tensors().size(); ++i) {
+    const TensorRecord& l = legacy->tensors()[i];
+    const TensorRecord& z = zip->tensors()[i];
+    SCOPED_TRACE(z.key);
+    EXPECT_EQ(l.key, z.key);
+    EXPECT_EQ(l.dtype, z.dtype);
+    EXPECT_EQ(l.shape, z.shape);
+    EXPECT_EQ(l.stride, z.stride);
+    EXPECT_EQ(l.storage_offset, z.storage_offset);
+    EXPECT_EQ(l.record_n_bytes, z.record_n_bytes);
+    EXPECT_EQ(l.n_bytes, z.n_bytes);
+    EXPECT_EQ(l.is_parameter, z.is_parameter);
+    // The whole storage's bytes: a strided tensor's elements lie anywhere in it.
+    auto lb = ReadRange(*legacy_, l.record_offset, l.record_n_bytes);
+    auto zb = ReadRange(*zip_, z.record_offset, z.record_n_bytes);
+    ASSERT_TRUE(lb.ok() && zb.ok());
+    EXPECT_EQ(*lb, *zb);
+  }
+  MemorySource random("r.bin", std::vector<std::byte>(64, std::byte{0x5a}));
+  EXPECT_FALSE(LooksLikeTorchFile(random));
+}
+
+TEST_F(LegacyTorchFile, AStorageCountThatDisagreesIsCorrupt) {
+  auto legacy = TorchFile::Open(legacy_);
+  ASSERT_TRUE(legacy.ok());
+  const uint64_t count_at = legacy->tensors()[0].record_offset - 8;
+  bytes_[count_at] = static_cast<std::byte>(static_cast<uint8_t>(bytes_[count_at]) + 1);
+  Status s = OpenBytes(bytes_);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.ToString();
+  EXPECT_NE(s.message().find("but the pickle declares"), std::string::npos) << s.ToString();
+}
+
+TEST_F(LegacyTorchFile, ABigEndianSaveIsUnsupported) {
+  const std::string key = "little_endian";
+  auto* p = reinterpret_cast<const char*>(bytes_.data());
+  const char* at = std::search(p, p + bytes_.size(), key.begin(), key.end());
+  ASSERT_NE(at, p + bytes_.size());
+  const char* truth = std::find(at, p + bytes_.size(), static_cast<char>(0x88));  // NEWTRUE
+  ASSERT_NE(truth, p + bytes_.size());
+  bytes_[static_cast<size_t>(truth - p)] = std::byte{0x89};  // NEWFALSE
+  Status s = OpenBytes(bytes_);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.ToString();
+  EXPECT_NE(s.message().find("big-endian"), std::string::npos) << s.ToString();
+}
+
+TEST_F(LegacyTorchFile, TruncatedEverywhereGivesCleanErrors) {
+  for (size_t cut = 0; cut < bytes_.size(); ++cut) {
+    Status s = OpenBytes(std::vector<std::byte>(bytes_.begin(), bytes_.begin() + static_cast<long>(cut)));
+    EXPECT_FALSE(s.ok()) << "cut " << cut;
   }
 }
 

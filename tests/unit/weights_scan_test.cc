@@ -257,12 +257,21 @@ TEST_F(WeightsScanTest, AmbiguousOrEmptyDirectories) {
   // Two torch files without an index.
   fs::remove_all(dir_);
   fs::create_directory(dir_);
-  WriteText(dir_ / "a.pt", "x");
-  WriteText(dir_ / "b.pt", "y");
+  WriteText(dir_ / "a.pt", std::string("PK\x03\x04x", 5));  // each begins as a zip does
+  WriteText(dir_ / "b.pt", std::string("PK\x03\x04y", 5));
   ASSERT_TRUE(IsWeightsDirectory(LocalTree(dir_)));
   c = ScanWeights(LocalTree(dir_));
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.error().code(), StatusCode::kUnsupported);
+  // Files named as torch files that are some other program's data: no weights, each named.
+  fs::remove_all(dir_);
+  fs::create_directory(dir_);
+  WriteText(dir_ / "a.bin", "not a torch file");
+  WriteText(dir_ / "b.pt", "y");
+  c = ScanWeights(LocalTree(dir_));
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().code(), StatusCode::kNotFound);
+  EXPECT_NE(c.error().message().find("a.bin, b.pt: not torch.save files"), std::string::npos) << c.error().ToString();
 }
 
 }  // namespace

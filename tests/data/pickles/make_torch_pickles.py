@@ -12,6 +12,10 @@ Outputs:
   torch_state_dict.json   the expected tensor attributes, per state-dict key: storage key,
                           dtype, storage offset, shape, stride (elements), storage numel and
                           class, requires_grad, is_parameter.
+  torch_state_dict.pt     that state dict as torch.save writes it (a zip), and
+  torch_legacy.pt         as torch's legacy format writes it (_use_new_zipfile_serialization=False:
+                          no zip, five pickles, then each storage's element count and bytes):
+                          tests/unit/torch_file_test.cc reads both and compares every tensor.
   dcp113.metadata         the .metadata pickle of a real 2-rank gloo DCP save
                           (torch.distributed._shard.checkpoint, protocol 4) of build_dcp_state:
                           two ShardedTensors split by rows, plain tensors and
@@ -180,10 +184,17 @@ def write_dcp(outdir):
         f.write(data)
 
 
+def write_legacy(outdir):
+    sd = state_dict()
+    torch.save(sd, os.path.join(outdir, "torch_state_dict.pt"))
+    torch.save(sd, os.path.join(outdir, "torch_legacy.pt"), _use_new_zipfile_serialization=False)
+
+
 def main():
     outdir = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
     os.makedirs(outdir, exist_ok=True)
     write_state_dict(outdir)
+    write_legacy(outdir)
     write_dcp(outdir)
     print("wrote", outdir, sorted(os.listdir(outdir)))
 
