@@ -18,7 +18,9 @@ are the truth. For each checkpoint, mounted (real FUSE):
 A Hugging Face source (a tied LlamaForCausalLM and a WordLevel tokenizer, saved here by
 save_pretrained in 3 shards) is served as itself: the same tensors, config.json and tokenizer files
 passed through (AutoTokenizer encodes as the original), the live model's logits (exact) and greedy
-tokens; `--hf-dtype bf16` rewrites config.json's dtype and narrows every tensor.
+tokens; `--hf-dtype bf16` rewrites config.json's dtype and narrows every tensor. The same folder
+with its weights as one pytorch_model.bin in torch's legacy format (as older Hub models hold
+them): hf/ holds the same tensors and gives the live logits.
 A torchtitan 0.3.0 save (fixtures/gen_torchtitan.py: its llama3 debug model under FSDP2, Meta's
 rotary layout, llama3 rope scaling) mounted without --hf-config names the missing facts in
 hf.error; with the base model's config.json (written here from torchtitan's model config) hf/
@@ -127,6 +129,29 @@ def hf_source(r, work):
                 gen = model.generate(tokens[:1], max_new_tokens=4, do_sample=False)
                 assert torch.equal(gen, greedy), (gen, greedy)
         r.check("a Hugging Face source: hf/ is itself (tensors, config, tokenizer, logits)", identity)
+    # The same folder as older Hub models hold it: one pytorch_model.bin in torch's legacy format
+    # (no zip; what torch.save wrote before 1.6), without the tied lm_head.weight as
+    # save_pretrained leaves it out.
+    legacy = os.path.join(work, "hf-src-legacy")
+    os.makedirs(legacy)
+    for f in os.listdir(src):
+        if f.endswith(".json") and "safetensors" not in f:
+            shutil.copy(os.path.join(src, f), legacy)
+    torch.save({k: v for k, v in want_sd.items() if k != "lm_head.weight"}, os.path.join(legacy, "pytorch_model.bin"),
+               _use_new_zipfile_serialization=False)
+    with mounted(legacy, os.path.join(work, "mnt-hf-legacy")) as (mnt, _):
+        hf = os.path.join(mnt, "hf")
+
+        def from_legacy():
+            got = shards(hf)
+            assert set(got) == {k for k in want_sd if k != "lm_head.weight"}, sorted(got)
+            for k, t in got.items():
+                assert torch.equal(t, want_sd[k]), k
+            model = hf_model(hf)
+            with torch.no_grad():
+                assert torch.equal(model(tokens).logits, want), "logits differ"
+        r.check("a Hugging Face folder with a legacy-format pytorch_model.bin: hf/ gives the live logits",
+                from_legacy)
     with mounted(src, os.path.join(work, "mnt-hf-bf16"), "--hf-dtype", "bf16") as (mnt, _):
         hf = os.path.join(mnt, "hf")
 
