@@ -180,6 +180,10 @@ class Passthrough {
   // released) or last released less than `recent_ms` ago (at most an hour), for the bucket uploader: it removes no
   // staged copy in use (DCP renames `.metadata.tmp` right after closing it).
   std::vector<std::string> InUsePaths(uint64_t recent_ms);
+  // Whether the kernel holds the directory (dev, ino) (a node with a lookup count) or a file is
+  // being saved in it, for the bucket uploader: it removes no such empty staging directory, since
+  // a create in it through a name or a descriptor the kernel still has would fail (ENOENT).
+  bool KnowsDirectory(dev_t dev, ino_t ino);
   // Releases every node whose file was removed and that nothing has open (see the file comment);
   // how many. One fstat per file node.
   size_t ReleaseRemoved();

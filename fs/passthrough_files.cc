@@ -414,6 +414,17 @@ std::vector<std::string> Passthrough::InUsePaths(uint64_t recent_ms) {
   return paths;
 }
 
+bool Passthrough::KnowsDirectory(dev_t dev, ino_t ino) {
+  std::lock_guard lock(mu_);
+  const auto f = by_file_.find({dev, ino});
+  if (f == by_file_.end()) return false;
+  const auto n = nodes_.find(f->second);
+  if (n == nodes_.end() || !n->second->is_dir) return false;
+  if (n->second->n_lookups.load() > 0) return true;
+  const auto pending = overlay_.lower_bound({f->second, std::string()});
+  return pending != overlay_.end() && pending->first.first == f->second;
+}
+
 Status Passthrough::Release(PassthroughHandle& h) {
   CountOpen(h.ino, -1);
   const std::shared_ptr<Node> node = Find(h.ino);

@@ -494,6 +494,11 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
       uploader->SetRemoved([weak = std::weak_ptr<fs::Passthrough>(mo.passthrough)] {
         if (const std::shared_ptr<fs::Passthrough> p = weak.lock()) p->ReleaseRemoved();
       });
+      // An emptied staging directory the kernel still holds stays (a save may create in it next).
+      uploader->SetDirInUse([weak = std::weak_ptr<fs::Passthrough>(mo.passthrough)](dev_t dev, ino_t ino) {
+        const std::shared_ptr<fs::Passthrough> p = weak.lock();
+        return p != nullptr && p->KnowsDirectory(dev, ino);
+      });
     }
   }
   mo.kernel_passthrough = !args.no_passthrough;
@@ -528,6 +533,7 @@ int ServeMount(const DaemonOptions& args, int ready_fd) {
   if (uploader) {
     uploader->SetInUse(nullptr);
     uploader->SetRemoved(nullptr);
+    uploader->SetDirInUse(nullptr);
   }
   mo.passthrough.reset();
   capture.reset();  // drains: everything captured is made durable before the daemon exits

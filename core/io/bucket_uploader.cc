@@ -18,6 +18,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "core/io/capture_journal.h"
@@ -99,6 +100,11 @@ struct BucketUploader::Impl {
   std::mutex in_use_mu;  // held while in_use or removed is called
   std::function<std::vector<std::string>(uint64_t)> in_use;
   std::function<void()> on_removed;
+  std::function<bool(dev_t, ino_t)> dir_in_use;
+  // Emptied staging directories not removed because the mount knew them (the uploader's thread
+  // only, then Stop's), at most kMaxKeptDirs.
+  static constexpr size_t kMaxKeptDirs = 4096;
+  std::set<std::string> kept_dirs;
   Clock::time_point last_collect = Clock::now();
   // The version last queued at each path (this mount's life).
   std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
@@ -362,7 +368,7 @@ struct BucketUploader::Impl {
       {
         std::unique_lock lock(mu);
         const auto ready = [&] { return stopping || !queue.empty(); };
-        if (uploaded.empty()) {
+        if (uploaded.empty() && kept_dirs.empty()) {
           cv.wait(lock, ready);
         } else {
           cv.wait_for(lock, std::chrono::seconds(1), ready);  // copies to remove when due
@@ -488,7 +494,7 @@ struct BucketUploader::Impl {
     }
     size_t n_removed = 0;
     for (const auto& [path, kept] : due) {
-      const bool removed = RemoveCopy(path, kept);
+      const bool removed = RemoveCopy(path, kept, at_stop);
       n_removed += removed ? 1 : 0;
       std::lock_guard lock(mu);
       const auto it = uploaded.find(path);
@@ -503,16 +509,33 @@ struct BucketUploader::Impl {
         }
       }
     }
+    // Emptied directories the mount knew: removed once it no longer does (all at Stop), if still empty.
+    for (auto it = kept_dirs.begin(); it != kept_dirs.end();) {
+      if (!at_stop && DirInUse(*it)) {
+        ++it;
+        continue;
+      }
+      const std::string dir = *it;
+      it = kept_dirs.erase(it);
+      RemoveEmptyDirs(dir, at_stop);
+    }
     if (n_removed > 0 && !at_stop) {
       std::lock_guard lock(in_use_mu);
       if (on_removed) on_removed();
     }
   }
 
+  bool DirInUse(const std::string& dir) {
+    struct stat st = {};
+    if (fstatat(stage_fd, dir.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) return false;
+    std::lock_guard lock(in_use_mu);
+    return dir_in_use && dir_in_use(st.st_dev, st.st_ino);
+  }
+
   // Removes the staged copy at `path` when it is still `kept`'s version, then its directories
   // when empty. The name is moved into STATE first and checked there: a file renamed onto it
   // meanwhile (not uploaded yet) is moved back, not removed.
-  bool RemoveCopy(const std::string& path, const Kept& kept) {
+  bool RemoveCopy(const std::string& path, const Kept& kept, bool at_stop) {
     const size_t slash = path.rfind('/');
     const std::string parent = slash == std::string::npos ? "." : path.substr(0, slash);
     const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
@@ -541,13 +564,22 @@ struct BucketUploader::Impl {
     }
     close(dir);
     if (!removed) return false;
-    // Its directories, when empty now (a save's step directory); never the staging root.
-    for (std::string d = parent; d != "." && !d.empty();) {
-      if (unlinkat(stage_fd, d.c_str(), AT_REMOVEDIR) != 0) break;
-      const size_t s = d.rfind('/');
-      d = s == std::string::npos ? "." : d.substr(0, s);
-    }
+    RemoveEmptyDirs(parent, at_stop);
     return true;
+  }
+
+  // `dir` and its parents, each while empty (a save's step directory) and not known to the mount
+  // (then kept in kept_dirs, tried again each pass); never the staging root.
+  void RemoveEmptyDirs(std::string dir, bool at_stop) {
+    while (dir != "." && !dir.empty()) {
+      if (!at_stop && DirInUse(dir)) {
+        if (kept_dirs.size() < kMaxKeptDirs) kept_dirs.insert(dir);
+        return;
+      }
+      if (unlinkat(stage_fd, dir.c_str(), AT_REMOVEDIR) != 0) return;
+      const size_t s = dir.rfind('/');
+      dir = s == std::string::npos ? "." : dir.substr(0, s);
+    }
   }
 };
 
@@ -834,6 +866,11 @@ void BucketUploader::SetInUse(std::function<std::vector<std::string>(uint64_t re
 void BucketUploader::SetRemoved(std::function<void()> removed) {
   std::lock_guard lock(impl_->in_use_mu);
   impl_->on_removed = std::move(removed);
+}
+
+void BucketUploader::SetDirInUse(std::function<bool(dev_t, ino_t)> dir_in_use) {
+  std::lock_guard lock(impl_->in_use_mu);
+  impl_->dir_in_use = std::move(dir_in_use);
 }
 
 std::string BucketUploader::Url(const std::string& rel_path) const { return impl_->Url(Clean(rel_path)); }

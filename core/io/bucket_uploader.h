@@ -15,7 +15,9 @@
 // mtime), with no item queued at its path, is removed (by the uploader's thread, checked about
 // once a second) once it was uploaded keep_ms ago and is not in use (in_use: open through the
 // mount, or closed less than keep_ms ago: DCP renames `.metadata.tmp` right after closing it and
-// the rename needs the staged bytes); then its directories, when empty (never the staging root).
+// the rename needs the staged bytes); then its directories, when empty and not known to the mount
+// (dir_in_use: the kernel may still create in one through a name or descriptor it holds; never the
+// staging root).
 // The removal moves the name into STATE first and checks the inode there, so a file renamed
 // onto the name meanwhile is put back, never lost; then `removed` is called, so the mount lets
 // go of what it still holds of the copies (fs/passthrough.h: their blocks are freed then, or at
@@ -125,6 +127,10 @@ class BucketUploader {
   // Called on the uploader's thread after it removed staged copies (not at Stop). Returns once
   // no earlier function is being called.
   void SetRemoved(std::function<void()> removed);
+  // Who tells whether an empty staging directory (its st_dev, st_ino) is still known to the mount
+  // (fs::Passthrough::KnowsDirectory); such a one, and its parents, are not removed (a create in
+  // it would fail). Unset: directories are removed when empty. Not asked at Stop.
+  void SetDirInUse(std::function<bool(dev_t, ino_t)> dir_in_use);
 
   UploaderStats Stats() const;
   std::string Url(const std::string& rel_path) const;  // s3://BUCKET/PREFIX/rel_path

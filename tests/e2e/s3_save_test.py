@@ -18,13 +18,17 @@ chosen uploads fail.
  B. Order under failure: PUTs of one shard are denied. `.metadata`, closed after it, never
     reaches the bucket while it fails; stats.json names the failing object; once the policy is
     lifted everything lands and `ucpfs sync` returns.
- D. Staged copies leave (--stage-keep 1): after `ucpfs sync` of a save, its staged copies and
-    their directories leave the staging directory within seconds (stats.json counts them, no
+ D. Staged copies leave (--stage-keep 1): after `ucpfs sync` of a save, its staged copies leave
+    the staging directory within seconds (their emptied directories at the unmount: the kernel
+    holds them) (stats.json counts them, no
     bytes staged, none held by the daemon's descriptors of the removed files) while the objects stay byte-equal; a file saved, then held open for reading
     while it is uploaded, closed and renamed 0.8 s later keeps its staged copy until the rename
     (kept 1 s after its last close); a removed name reads the object from the bucket and its rename
     fails with EXDEV; a second save into the same
     prefix lands whole (DCP's `.metadata.tmp` renamed right after its close).
+ F. An emptied directory stays while held: step/a.bin saved and uploaded, its copy removed
+    (--stage-keep 1); step/ stays in the staging directory while the kernel holds it, and a file
+    created in it through a descriptor taken before lands in the bucket; the unmount removes it.
  E. Streaming: a 45 MiB file written through the mount and held open has its full parts but the
     last in the bucket's multipart upload (listed, each part's ETag the MD5 of the written bytes)
     and no object yet; a rewrite of its first bytes sends that part again at close; after sync the
@@ -247,9 +251,10 @@ def main():
             prefix, mnt, stage = "d", os.path.join(work, "mnt-d"), os.path.join(work, "stage-d")
             t_start = time.monotonic()
 
-            def staged():  # files and directories in the staging directory but its state
+            def staged(dirs=False):  # files (and directories) in the staging directory but its state
                 return sorted(os.path.relpath(os.path.join(r, n), stage) for r, ds, fs in os.walk(stage)
-                              for n in ds + fs if not os.path.relpath(os.path.join(r, n), stage).startswith(".ucpfs"))
+                              for n in (ds + fs if dirs else fs)
+                              if not os.path.relpath(os.path.join(r, n), stage).startswith(".ucpfs"))
             with mounted(f"s3://{bucket}/{prefix}", mnt, "--stage-dir", stage, "--stage-keep", "1",
                          "--index-dir", os.path.join(work, "index-d"), "--cache-size", "64M") as (m, _):
                 save(m)
@@ -308,7 +313,41 @@ def main():
                 print(f"D: staged copies gone {gone_s:.1f} s after sync; "
                       f"{stats(m)['s3']['upload']['removed_files']} removed in all; D took "
                       f"{time.monotonic() - t_start:.1f} s", flush=True)
+            # Emptied directories the kernel held (extra/) stayed while mounted; the unmount removes them.
+            assert staged(dirs=True) == [], staged(dirs=True)
         res.check("D: uploaded staged copies leave after --stage-keep, saves still land", staged_copies_leave)
+
+        def emptied_dir_stays():
+            """F: a step directory whose staged copies left stays while the kernel holds it: a file
+            created in it through a descriptor of it taken before (no lookup, so no chance to make
+            it again) lands; the unmount removes the emptied directory."""
+            prefix, mnt, stage = "f", os.path.join(work, "mnt-f"), os.path.join(work, "stage-f")
+            with mounted(f"s3://{bucket}/{prefix}", mnt, "--stage-dir", stage, "--stage-keep", "1",
+                         "--index-dir", os.path.join(work, "index-f")) as (m, _):
+                os.mkdir(os.path.join(m, "step"))
+                first, second = os.urandom(3000), os.urandom(5000)
+                with open(os.path.join(m, "step", "a.bin"), "wb") as f:
+                    f.write(first)
+                dir_fd = os.open(os.path.join(m, "step"), os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    run([ucpfs_bin(), "sync", m, "-q"])
+                    wait_for("step/a.bin's staged copy to leave",
+                             lambda: not os.path.exists(os.path.join(stage, "step", "a.bin")), 10)
+                    time.sleep(1.5)  # another pass of the uploader's removals
+                    assert os.path.isdir(os.path.join(stage, "step")), "the emptied step/ was removed while held"
+                    fd = os.open("b.bin", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644, dir_fd=dir_fd)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(second)
+                finally:
+                    os.close(dir_fd)
+                run([ucpfs_bin(), "sync", m, "-q"])
+                assert objects(c, bucket, prefix) == ["step/a.bin", "step/b.bin"], objects(c, bucket, prefix)
+                assert body(c, bucket, f"{prefix}/step/a.bin") == first
+                assert body(c, bucket, f"{prefix}/step/b.bin") == second
+            left = [os.path.join(r, n) for r, ds, fs in os.walk(stage) for n in ds + fs
+                    if not os.path.relpath(os.path.join(r, n), stage).startswith(".ucpfs")]
+            assert left == [], left
+        res.check("F: an emptied step directory the kernel holds stays; a create in it lands", emptied_dir_stays)
 
         def kill9():
             prefix, mnt, stage = "c", os.path.join(work, "mnt-c"), os.path.join(work, "stage-c")
