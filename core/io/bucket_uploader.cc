@@ -3,9 +3,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <linux/openat2.h>
 #include <sys/file.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,10 +16,11 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <set>
 #include <thread>
 
+#include "core/io/beneath.h"
 #include "core/io/capture_journal.h"
+#include "core/io/staged_copies.h"
 #include "core/io/streamed_uploads.h"
 #include "core/io/upload_journal.h"
 
@@ -29,18 +28,6 @@ namespace ucpfs::io {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// `rel` beneath `root`, never through a symlink or out of it.
-int OpenUnder(int root, const std::string& rel, uint64_t flags) {
-  struct open_how how = {};
-  how.flags = flags | O_CLOEXEC;
-  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
-  return static_cast<int>(syscall(SYS_openat2, root, rel.c_str(), &how, sizeof(how)));
-}
-
-int64_t MtimeNs(const struct stat& st) {
-  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-}
 
 // "/a/b", "./a/b" -> "a/b" (the passthrough's paths of top-level names start with '/').
 std::string Clean(std::string rel) {
@@ -100,11 +87,7 @@ struct BucketUploader::Impl {
   std::mutex in_use_mu;  // held while in_use or removed is called
   std::function<std::vector<std::string>(uint64_t)> in_use;
   std::function<void()> on_removed;
-  std::function<bool(dev_t, ino_t)> dir_in_use;
-  // Emptied staging directories not removed because the mount knew them (the uploader's thread
-  // only, then Stop's), at most kMaxKeptDirs.
-  static constexpr size_t kMaxKeptDirs = 4096;
-  std::set<std::string> kept_dirs;
+  std::unique_ptr<StagedCopyRemover> copies;  // made by Start, before the thread
   Clock::time_point last_collect = Clock::now();
   // The version last queued at each path (this mount's life).
   std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
@@ -191,7 +174,7 @@ struct BucketUploader::Impl {
       return s.code() == StatusCode::kNotFound ? Status::Ok() : s;
     }
     const std::string shown = options.stage_dir + "/" + p.path;
-    const int fd = OpenUnder(stage_fd, p.path, O_RDONLY | O_NOFOLLOW);
+    const int fd = OpenBeneath(stage_fd, p.path, O_RDONLY | O_NOFOLLOW);
     if (fd < 0) {
       if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP || errno == EXDEV) {
         Log("ucpfs: upload: " + shown + " is gone since it was queued: not uploaded to " + Url(p.path));
@@ -314,7 +297,7 @@ struct BucketUploader::Impl {
 
   // Whether the staging path names the item's inode now.
   bool Visible(const PendingUpload& p) const {
-    const int fd = OpenUnder(stage_fd, p.path, O_PATH | O_NOFOLLOW);
+    const int fd = OpenBeneath(stage_fd, p.path, O_PATH | O_NOFOLLOW);
     if (fd < 0) return false;
     struct stat st = {};
     const bool same = fstat(fd, &st) == 0 && st.st_ino == p.ino;
@@ -368,7 +351,7 @@ struct BucketUploader::Impl {
       {
         std::unique_lock lock(mu);
         const auto ready = [&] { return stopping || !queue.empty(); };
-        if (uploaded.empty() && kept_dirs.empty()) {
+        if (uploaded.empty() && !copies->HasKeptDirs()) {
           cv.wait(lock, ready);
         } else {
           cv.wait_for(lock, std::chrono::seconds(1), ready);  // copies to remove when due
@@ -494,7 +477,7 @@ struct BucketUploader::Impl {
     }
     size_t n_removed = 0;
     for (const auto& [path, kept] : due) {
-      const bool removed = RemoveCopy(path, kept, at_stop);
+      const bool removed = copies->Remove(path, {kept.ino, kept.size, kept.mtime_ns}, at_stop);
       n_removed += removed ? 1 : 0;
       std::lock_guard lock(mu);
       const auto it = uploaded.find(path);
@@ -509,76 +492,10 @@ struct BucketUploader::Impl {
         }
       }
     }
-    // Emptied directories the mount knew: removed once it no longer does (all at Stop), if still empty.
-    for (auto it = kept_dirs.begin(); it != kept_dirs.end();) {
-      if (!at_stop && DirInUse(*it)) {
-        ++it;
-        continue;
-      }
-      const std::string dir = *it;
-      it = kept_dirs.erase(it);
-      RemoveEmptyDirs(dir, at_stop);
-    }
+    copies->RetryKeptDirs(at_stop);  // emptied directories the mount knew, once it no longer does
     if (n_removed > 0 && !at_stop) {
       std::lock_guard lock(in_use_mu);
       if (on_removed) on_removed();
-    }
-  }
-
-  bool DirInUse(const std::string& dir) {
-    struct stat st = {};
-    if (fstatat(stage_fd, dir.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) return false;
-    std::lock_guard lock(in_use_mu);
-    return dir_in_use && dir_in_use(st.st_dev, st.st_ino);
-  }
-
-  // Removes the staged copy at `path` when it is still `kept`'s version, then its directories
-  // when empty. The name is moved into STATE first and checked there: a file renamed onto it
-  // meanwhile (not uploaded yet) is moved back, not removed.
-  bool RemoveCopy(const std::string& path, const Kept& kept, bool at_stop) {
-    const size_t slash = path.rfind('/');
-    const std::string parent = slash == std::string::npos ? "." : path.substr(0, slash);
-    const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
-    const int dir = OpenUnder(stage_fd, parent, O_RDONLY | O_DIRECTORY);
-    if (dir < 0) return false;
-    bool removed = false;
-    struct stat st = {};
-    const auto same = [&] {
-      return S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_ino) == kept.ino &&
-             static_cast<uint64_t>(st.st_size) == kept.size && MtimeNs(st) == kept.mtime_ns;
-    };
-    static constexpr char kRemoving[] = "removing";
-    if (fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && same() &&
-        renameat(dir, name.c_str(), state_fd, kRemoving) == 0) {
-      if (fstatat(state_fd, kRemoving, &st, AT_SYMLINK_NOFOLLOW) == 0 && same()) {
-        removed = unlinkat(state_fd, kRemoving, 0) == 0;
-      } else if (renameat2(state_fd, kRemoving, dir, name.c_str(), RENAME_NOREPLACE) != 0) {
-        // The name was taken again meanwhile: the newer file stays; this one (not uploaded:
-        // it was not the uploaded version) is kept in STATE under a name of its own.
-        const std::string kept_name = "not-removed." + std::to_string(st.st_ino);
-        if (renameat(state_fd, kRemoving, state_fd, kept_name.c_str()) == 0) {
-          Log("ucpfs: upload: " + options.stage_dir + "/" + path + " was replaced while its uploaded copy was removed: "
-              "the file in between is kept as " + options.state_dir + "/" + kept_name);
-        }
-      }
-    }
-    close(dir);
-    if (!removed) return false;
-    RemoveEmptyDirs(parent, at_stop);
-    return true;
-  }
-
-  // `dir` and its parents, each while empty (a save's step directory) and not known to the mount
-  // (then kept in kept_dirs, tried again each pass); never the staging root.
-  void RemoveEmptyDirs(std::string dir, bool at_stop) {
-    while (dir != "." && !dir.empty()) {
-      if (!at_stop && DirInUse(dir)) {
-        if (kept_dirs.size() < kMaxKeptDirs) kept_dirs.insert(dir);
-        return;
-      }
-      if (unlinkat(stage_fd, dir.c_str(), AT_REMOVEDIR) != 0) return;
-      const size_t s = dir.rfind('/');
-      dir = s == std::string::npos ? "." : dir.substr(0, s);
     }
   }
 };
@@ -607,6 +524,8 @@ Result<std::unique_ptr<BucketUploader>> BucketUploader::Start(BucketUploaderOpti
   if (fstat(m.state_fd, &dst) != 0 || dst.st_uid != geteuid()) {
     return fail(m.options.state_dir + " is not owned by this user", EPERM);
   }
+  m.copies = std::make_unique<StagedCopyRemover>(m.stage_fd, m.state_fd, m.options.stage_dir, m.options.state_dir,
+                                                 m.options.log);
   m.journal_path = m.options.state_dir + "/journal";
   // O_APPEND: every record lands at the end, also after the journal is truncated.
   m.journal_fd = openat(m.state_fd, "journal", O_RDWR | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -742,7 +661,7 @@ Status BucketUploader::Changed(const std::string& rel_path) {
   if (rel.empty() || name.starts_with(".ucpfs-create.") || rel == ".ucpfs" || rel.starts_with(".ucpfs/")) {
     return Status::Ok();
   }
-  const int fd = OpenUnder(m.stage_fd, rel, O_PATH | O_NOFOLLOW);
+  const int fd = OpenBeneath(m.stage_fd, rel, O_PATH | O_NOFOLLOW);
   if (fd < 0) {
     if (errno != ENOENT) return Status::Ok();  // a symlink (ELOOP) or not beneath: not mirrored
     PendingUpload p;
@@ -759,7 +678,7 @@ Status BucketUploader::Changed(const std::string& rel_path) {
   // A directory renamed into place: its files, in name order, depth first (bounded).
   size_t budget = 100000;
   std::function<Status(const std::string&)> walk = [&](const std::string& dir) -> Status {
-    const int dfd = OpenUnder(m.stage_fd, dir, O_RDONLY | O_DIRECTORY);
+    const int dfd = OpenBeneath(m.stage_fd, dir, O_RDONLY | O_DIRECTORY);
     if (dfd < 0) return Status::Ok();
     DIR* d = fdopendir(dfd);
     if (d == nullptr) {
@@ -777,7 +696,7 @@ Status BucketUploader::Changed(const std::string& rel_path) {
       if (budget == 0) return Status::Ok();
       --budget;
       const std::string child = dir + "/" + n;
-      const int cfd = OpenUnder(m.stage_fd, child, O_PATH | O_NOFOLLOW);
+      const int cfd = OpenBeneath(m.stage_fd, child, O_PATH | O_NOFOLLOW);
       if (cfd < 0) continue;
       struct stat cst = {};
       const int crc = fstat(cfd, &cst);
@@ -869,8 +788,7 @@ void BucketUploader::SetRemoved(std::function<void()> removed) {
 }
 
 void BucketUploader::SetDirInUse(std::function<bool(dev_t, ino_t)> dir_in_use) {
-  std::lock_guard lock(impl_->in_use_mu);
-  impl_->dir_in_use = std::move(dir_in_use);
+  impl_->copies->SetDirInUse(std::move(dir_in_use));
 }
 
 std::string BucketUploader::Url(const std::string& rel_path) const { return impl_->Url(Clean(rel_path)); }

@@ -18,8 +18,8 @@
 // the rename needs the staged bytes); then its directories, when empty and not known to the mount
 // (dir_in_use: the kernel may still create in one through a name or descriptor it holds; never the
 // staging root).
-// The removal moves the name into STATE first and checks the inode there, so a file renamed
-// onto the name meanwhile is put back, never lost; then `removed` is called, so the mount lets
+// The removal (staged_copies.h) moves the name into STATE first and checks the inode there, so a
+// file renamed onto the name meanwhile is put back, never lost; then `removed` is called, so the mount lets
 // go of what it still holds of the copies (fs/passthrough.h: their blocks are freed then, or at
 // the last close of one that came into use meanwhile). Removing a copy needs no journal record: its
 // item is done (kDone) already. At Stop every such copy is removed, in use or not.

@@ -11,9 +11,7 @@
 #pragma once
 
 #include <fcntl.h>
-#include <linux/openat2.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/io/beneath.h"
 #include "core/io/capture_journal.h"
 #include "core/io/capture_mount.h"
 #include "core/io/write_capture.h"
@@ -50,14 +49,6 @@ inline uint64_t NowNs() {
 inline Status Errno(const std::string& what, int err) {
   if (err == ENOSPC || err == EDQUOT) return Status(StatusCode::kNoSpace, what + ": " + std::strerror(err), err);
   return IoError(what, err);
-}
-
-// A directory beneath `root` by a relative path, never through a symlink or out of `root`.
-inline int OpenBeneath(int root, const std::string& rel, uint64_t flags) {
-  struct open_how how = {};
-  how.flags = flags | O_CLOEXEC;
-  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
-  return static_cast<int>(syscall(SYS_openat2, root, rel.c_str(), &how, sizeof(how)));
 }
 
 inline std::string PartName(uint64_t seq) { return std::to_string(seq) + ".part"; }
