@@ -151,11 +151,11 @@ std::vector<CrcWork> PlanCrcs(const index::Checkpoint& c, const index::FileTable
       continue;
     }
     const auto& source = (*files)[id];
-    if (format::IsLegacyTorchFile(*source)) {
+    auto zip = format::ZipArchive::Open(*source);
+    if (!zip.ok() && format::IsLegacyTorchFile(*source)) {
       r.unchecked.push_back({{"file", rel}, {"why", "torch's legacy format carries no checksums"}});
       continue;
     }
-    auto zip = format::ZipArchive::Open(*source);
     if (!zip.ok()) {
       r.Add(zip.error(), rel);
       continue;

@@ -79,18 +79,18 @@ class WeightsScan {
     const std::string dir = options_.sub_dir.empty() ? builder_.dir() : builder_.dir() + "/" + options_.sub_dir;
     Listing l = ListWeights(builder_.tree(), options_.sub_dir);
     std::erase_if(l.torch, [&](const std::string& n) { return options_.exclude.count(n) != 0; });
+    l.pytorch_model = std::find(l.torch.begin(), l.torch.end(), std::string(kPytorchModel)) != l.torch.end();
     // A .bin/.pt/.pth file that does not begin as a torch.save file (a zip or the legacy format)
     // is some other program's data, not weights: left out, and named when nothing else is found.
+    // Looked at only where it matters: several candidates (which count), or the one that fails.
     std::vector<std::string> not_torch;
-    if (!l.safetensors_index && l.safetensors.empty() && !l.torch_index) {
+    if (!l.safetensors_index && l.safetensors.empty() && !l.torch_index && !l.pytorch_model && l.torch.size() > 1) {
       std::erase_if(l.torch, [&](const std::string& n) {
-        Result<OpenedFile> f = builder_.tree().Open(RelPath(n));
-        if (!f.ok() || format::LooksLikeTorchFile(*f->bytes)) return false;  // its errors come when it is read
+        if (!NotTorch(n)) return false;
         not_torch.push_back(n);
         return true;
       });
     }
-    l.pytorch_model = std::find(l.torch.begin(), l.torch.end(), std::string(kPytorchModel)) != l.torch.end();
     WeightsFound found;
     if (l.safetensors_index) {
       found.container = "safetensors";
@@ -107,24 +107,37 @@ class WeightsScan {
       // training_args.bin, rng_state.pth).
       found.container = "torch";
       total_ = 1;
-      UCPFS_RETURN_IF_ERROR(AddTorchFile(l.pytorch_model ? std::string(kPytorchModel) : l.torch.front(), nullptr));
+      const std::string name = l.pytorch_model ? std::string(kPytorchModel) : l.torch.front();
+      const Status added = AddTorchFile(name, nullptr);
+      if (!added.ok() && !l.pytorch_model && NotTorch(name)) return NoWeights(dir, {name});
+      UCPFS_RETURN_IF_ERROR(added);
     } else if (l.torch.size() > 1) {
       return UnsupportedError(dir + ": " + std::to_string(l.torch.size()) + " torch.save files (" + l.torch[0] +
                               ", " + l.torch[1] + ", ...) and no " + std::string(kTorchIndex) +
                               " saying which tensors each holds; ucpfs serves one state dict per directory");
     } else {
-      std::string skipped;
-      for (const std::string& n : not_torch) skipped += (skipped.empty() ? "; " : ", ") + n;
-      if (!skipped.empty()) {
-        skipped += not_torch.size() == 1 ? ": not a torch.save file" : ": not torch.save files";
-        skipped += " (neither a zip nor torch's legacy format)";
-      }
-      return NotFoundError(dir + ": no weights (" + std::string(kSafetensorsIndex) + ", *.safetensors, " +
-                           std::string(kTorchIndex) + " or a .pt/.pth/.bin file)" + skipped);
+      return NoWeights(dir, not_torch);
     }
     found.skipped_values = skipped_values_;
     found.state_dict_key = state_dict_key_;
     return found;
+  }
+
+  // Whether `name` is some other program's data: it does not begin as a torch.save file does.
+  bool NotTorch(const std::string& name) const {
+    Result<OpenedFile> f = builder_.tree().Open(RelPath(name));
+    return f.ok() && !format::LooksLikeTorchFile(*f->bytes);  // an open's error comes when it is read
+  }
+
+  static Status NoWeights(const std::string& dir, const std::vector<std::string>& not_torch) {
+    std::string skipped;
+    for (const std::string& n : not_torch) skipped += (skipped.empty() ? "; " : ", ") + n;
+    if (!skipped.empty()) {
+      skipped += not_torch.size() == 1 ? ": not a torch.save file" : ": not torch.save files";
+      skipped += " (neither a zip nor torch's legacy format)";
+    }
+    return NotFoundError(dir + ": no weights (" + std::string(kSafetensorsIndex) + ", *.safetensors, " +
+                         std::string(kTorchIndex) + " or a .pt/.pth/.bin file)" + skipped);
   }
 
  private:

@@ -110,9 +110,8 @@ PreRead PreReadSmallItems(const Checkpoint& c, const std::vector<int32_t>& indic
 }
 
 // The value of an item: a decoded blob, or a tensor read lazily from its fragments. `pre`
-// (may be null): bytes of small items read ahead.
-Result<SaveValue> ItemValue(const Item& it, const FileTable& files, const PreRead* pre = nullptr,
-                            int32_t index = -1) {
+// (may be null): bytes of small items read ahead (an item's are moved out when used).
+Result<SaveValue> ItemValue(const Item& it, const FileTable& files, PreRead* pre = nullptr, int32_t index = -1) {
   if (it.kind == ItemKind::kTensor) {
     return SaveValue::Tensor(it.dtype, it.layout.shape,
                              std::make_shared<views::LayoutProvider>(
@@ -125,16 +124,19 @@ Result<SaveValue> ItemValue(const Item& it, const FileTable& files, const PreRea
   }
   if (it.file_id >= files->size()) return CorruptError("item file id out of range");
   UCPFS_ASSIGN_OR_RETURN(auto blob, SliceSource::Make((*files)[it.file_id], it.byte_offset, it.n_bytes));
-  if (pre != nullptr) {
-    if (const auto found = pre->find(index); found != pre->end()) {  // named as read alone
-      return format::DecodePlainValue(std::make_shared<MemorySource>(blob->Name(), found->second));
-    }
-  }
   if (it.n_bytes <= kWholeItemReadBytes) {
-    // A small blob is read whole, once: its decoder's several small reads (zip records, the
-    // pickle) would each be a request to an object store.
-    std::vector<std::byte> bytes(it.n_bytes);
-    UCPFS_RETURN_IF_ERROR(blob->ReadAt(0, bytes));
+    // A small blob is read whole, once (or was, with its file's other small items: `pre`): its
+    // decoder's several small reads (zip records, the pickle) would each be a request to an
+    // object store. Named as the slice it is, read ahead or not.
+    std::vector<std::byte> bytes;
+    const auto found = pre != nullptr ? pre->find(index) : PreRead::iterator();
+    if (pre != nullptr && found != pre->end()) {
+      bytes = std::move(found->second);
+      pre->erase(found);
+    } else {
+      bytes.resize(it.n_bytes);
+      UCPFS_RETURN_IF_ERROR(blob->ReadAt(0, bytes));
+    }
     return format::DecodePlainValue(std::make_shared<MemorySource>(blob->Name(), std::move(bytes)));
   }
   return format::DecodePlainValue(std::move(blob));
@@ -330,7 +332,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
 
   const auto* dcp = std::get_if<DcpSourceFacts>(&c.facts);
   const bool megatron_core = dcp != nullptr && dcp->megatron_core;
-  const PreRead pre = PreReadSmallItems(c, mapping.other_items, files);
+  PreRead pre = PreReadSmallItems(c, mapping.other_items, files);
   for (int32_t idx : mapping.other_items) {
     const Item& it = c.items[static_cast<size_t>(idx)];
     if (megatron_core && it.kind == ItemKind::kTensor &&

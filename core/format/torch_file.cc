@@ -367,7 +367,9 @@ Result<TorchFile> TorchFile::Open(std::shared_ptr<const ByteSource> src,
   TorchFile file;
   file.src_ = std::move(src);
   const ByteSource& s = *file.src_;
-  if (IsLegacyTorchFile(s)) {
+  Result<ZipArchive> zip = ZipArchive::Open(s, limits.zip);
+  // Not a zip: torch's legacy format, looked at only then (a zip, the common case, reads no more).
+  if (!zip.ok() && IsLegacyTorchFile(s)) {
     // The pickles' length is not written anywhere: read more until they parse (or the limit).
     uint64_t want = std::min(s.Size(), kLegacyFirstRead);
     for (;;) {
@@ -391,7 +393,8 @@ Result<TorchFile> TorchFile::Open(std::shared_ptr<const ByteSource> src,
     file.tensors_ = walker.take();
     return file;
   }
-  UCPFS_ASSIGN_OR_RETURN(file.archive_, ZipArchive::Open(s, limits.zip));
+  if (!zip.ok()) return zip.error();
+  file.archive_ = std::move(*zip);
   const ZipEntry* pkl = file.archive_.FindRecord("data.pkl");
   if (pkl == nullptr) {
     return CorruptError(s.Name() + ": not a torch.save file: no '" +

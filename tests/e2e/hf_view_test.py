@@ -152,6 +152,14 @@ def hf_source(r, work):
                 assert torch.equal(model(tokens).logits, want), "logits differ"
         r.check("a Hugging Face folder with a legacy-format pytorch_model.bin: hf/ gives the live logits",
                 from_legacy)
+
+    def verify_legacy():
+        v = json.loads(run([ucpfs_bin(), "verify", legacy, "--view", "hf", "--json", "-q", "--index-dir",
+                            os.path.join(work, "hf-legacy-verify")], timeout=300).stdout)
+        assert v["ok"], v
+        assert [u["why"] for u in v["unchecked"]] == ["torch's legacy format carries no checksums"], v["unchecked"]
+    r.check("`ucpfs verify` of the legacy folder: its views read, the file named as carrying no checksums",
+            verify_legacy)
     with mounted(src, os.path.join(work, "mnt-hf-bf16"), "--hf-dtype", "bf16") as (mnt, _):
         hf = os.path.join(mnt, "hf")
 
