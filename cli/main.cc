@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/io/curl_api.h"
 #include "core/io/lazy_file_source.h"
 #include "cli/checkpoint_cmds.h"
 #include "cli/mount_control.h"
@@ -55,7 +56,8 @@ int main(int argc, char** argv) {
                "                                                    durable in the background and shown as\n"
                "                                                    views without a remount\n"
                "  MNT/.ucpfs/status.json, stats.json                what is mounted; counters"};
-  app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION + "\n" + ucpfs::fs::LinkedFuseText());
+  app.set_version_flag("--version", std::string("ucpfs ") + UCPFS_VERSION + "\n" + ucpfs::fs::LinkedFuseText() + "\n" +
+                                         ucpfs::s3::CurlLibraryText());
   app.require_subcommand(0, 1);
 
   ucpfs::cli::MountArgs mount;

@@ -3,11 +3,8 @@
 # that Debian 12's libfuse 3.14 cannot reach: FUSE passthrough (3.17) and FUSE over io_uring
 # (3.18). Called by tests/install-deps.sh; idempotent. Nothing of libfuse lives in the clone.
 #
-# - The source comes from a `deb-src` entry written into a private apt directory
-#   ($root/apt-src: its own sources, lists and cache; the machine's apt state is not touched),
-#   whose archive address is the machine's own (the first `URIs:` of
-#   /etc/apt/sources.list.d/debian.sources, or the first `deb` line of /etc/apt/sources.list).
-#   `apt-get source` checks it against the archive's signed Release (the keyring named there).
+# - The source comes through a private apt directory (tests/debian-source.sh: `deb-src` entries
+#   for the machine's own archives, sid and trixie added on the first; signature checked by apt).
 # - Versions tried in order: sid's 3.18.x (io_uring), then trixie's 3.17.x (passthrough only);
 #   UCPFS_LIBFUSE_VERSIONS overrides the list (Debian versions, e.g. "3.18.3-1 3.17.2-3").
 # - Built with Debian's meson and ninja as a static library (no rpath, ucpfs carries it) into
@@ -33,39 +30,12 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 0
 fi
 
-# The archive's address, from the machine's own sources (deb822 first, then the one-line form).
-uri=""
-if [ -f /etc/apt/sources.list.d/debian.sources ]; then
-  uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
-fi
-if [ -z "$uri" ] && [ -f /etc/apt/sources.list ]; then
-  uri=$(awk '$1 == "deb" && $2 !~ /^\[/ {print $2; exit} $1 == "deb" {print $3; exit}' /etc/apt/sources.list)
-fi
-keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-if [ -z "$uri" ] || [ ! -f "$keyring" ]; then
-  say "no Debian archive address or keyring on this machine; the build uses the system's libfuse (fast paths off)"
-  exit 0
-fi
-
-apt_dir=$root/apt-src
-mkdir -p "$apt_dir"/lists/partial "$apt_dir"/cache/archives/partial "$apt_dir"/sources "$apt_dir"/work
-exec 9>"$apt_dir.lock"
-flock 9
+. "$(dirname "$0")/debian-source.sh"
 suites=""
-for entry in $versions; do suites="$suites ${entry%%:*}"; done
-cat >"$apt_dir/sources/ucpfs-src.sources" <<EOF
-Types: deb-src
-URIs: $uri
-Suites:$suites
-Components: main
-Signed-By: $keyring
-EOF
-apt_opts=(-o "Dir::Etc::sourcelist=/dev/null" -o "Dir::Etc::sourceparts=$apt_dir/sources"
-          -o "Dir::State=$apt_dir" -o "Dir::State::lists=$apt_dir/lists"
-          -o "Dir::Cache=$apt_dir/cache" -o "Dir::State::status=/var/lib/dpkg/status"
-          -o "APT::Sandbox::User=root" -q)
-if ! apt-get "${apt_opts[@]}" update >"$apt_dir/update.log" 2>&1; then
-  say "apt-get update of the source lists failed ($apt_dir/update.log); the build uses the system's libfuse (fast paths off)"
+for entry in $versions; do [[ $entry == *:* ]] && suites="$suites ${entry%%:*}"; done
+[ -n "$suites" ] || suites="sid trixie"  # exact versions given: look where they come from
+if ! debsrc_setup "$suites"; then
+  say "the build uses the system's libfuse (fast paths off)"
   exit 0
 fi
 
@@ -78,8 +48,7 @@ fi
 
 for entry in $versions; do
   suite=${entry%%:*} series=${entry#*:}
-  version=$(apt-cache "${apt_opts[@]}" showsrc fuse3 2>/dev/null |
-            awk '/^Version:/ {print $2}' | grep -E "^${series//./\\.}(\.|-)" | sort -V | tail -1)
+  version=$(debsrc_versions fuse3 | grep -E "^${series//./\\.}(\.|-)" | tail -1)
   # UCPFS_LIBFUSE_VERSIONS may name an exact Debian version instead of suite:series.
   [[ $entry == *-* && $entry != *:* ]] && version=$entry
   if [ -z "$version" ]; then
@@ -89,9 +58,8 @@ for entry in $versions; do
   prefix=$root/libfuse-$version
   work=$apt_dir/work/$version
   rm -rf "$work" "$prefix"
-  mkdir -p "$work"
-  say "fetching fuse3 $version from $uri (deb-src, signature checked by apt)"
-  if ! (cd "$work" && apt-get "${apt_opts[@]}" source "fuse3=$version" >"$work/source.log" 2>&1); then
+  say "fetching fuse3 $version (deb-src, signature checked by apt)"
+  if ! debsrc_fetch "fuse3=$version" "$work"; then
     say "apt-get source fuse3=$version failed ($work/source.log)"
     continue
   fi

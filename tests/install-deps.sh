@@ -23,3 +23,6 @@ fi
 # libfuse >= 3.17 from Debian's source package, for the kernel's fast paths (passthrough,
 # io_uring); the build falls back to libfuse3-dev (3.14) when it cannot be had.
 bash "$(dirname "$0")/build-libfuse.sh" >/dev/null
+# An HTTP(S)-only libcurl from Debian's source package of the machine's curl, for the S3 client
+# (3 libraries loaded instead of ~30); ucpfs loads the system's libcurl when it cannot be had.
+bash "$(dirname "$0")/build-curl.sh" >/dev/null

@@ -2,6 +2,7 @@
 #include "core/io/curl_api.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <mutex>
 #include <string>
@@ -12,14 +13,35 @@ namespace {
 
 constexpr const char* kWhy = " (s3:// sources need libcurl 7.75 or later: Debian's package libcurl4)";
 
+// The installed copy beside the running binary: BIN/../lib/ucpfs/libcurl.so.4.
+std::string InstalledCopy() {
+#ifdef UCPFS_CURL_INSTALLED
+  std::string exe(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
+  if (n <= 0) return "";
+  exe.resize(static_cast<size_t>(n));
+  const size_t slash = exe.rfind('/');
+  if (slash == std::string::npos) return "";
+  return exe.substr(0, slash) + "/../" + UCPFS_CURL_INSTALLED;
+#else
+  return "";
+#endif
+}
+
 Result<const CurlApi*> Load() {
   // RTLD_LOCAL: curl's symbols are reached only through the table, never resolved by name.
-  void* lib = dlopen(kCurlLibrary, RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
+  void* lib = nullptr;
+  std::string loaded_name, errors;
+  for (const std::string& candidate : CurlLibraryCandidates()) {
+    lib = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib) {
+      loaded_name = candidate;
+      break;
+    }
     const char* err = dlerror();
-    return Status(StatusCode::kUnsupported,
-                  std::string("cannot load ") + kCurlLibrary + ": " + (err ? err : "unknown error") + kWhy);
+    errors += std::string(errors.empty() ? "" : "; ") + (err ? err : candidate + ": unknown error");
   }
+  if (!lib) return Status(StatusCode::kUnsupported, "cannot load libcurl: " + errors + kWhy);
   static CurlApi api;
   bool missing = false;
   std::string missing_name;
@@ -54,11 +76,11 @@ Result<const CurlApi*> Load() {
   bind(api.share_cleanup, "curl_share_cleanup");
   if (missing) {
     return Status(StatusCode::kUnsupported,
-                  std::string(kCurlLibrary) + " has no " + missing_name + kWhy);
+                  loaded_name + " has no " + missing_name + kWhy);
   }
   const curl_version_info_data* v = api.version_info(CURLVERSION_NOW);
   if (!v || v->version_num < 0x074b00) {
-    return Status(StatusCode::kUnsupported, std::string(kCurlLibrary) + " is libcurl " +
+    return Status(StatusCode::kUnsupported, loaded_name + " is libcurl " +
                                                 (v ? v->version : "of unknown version") + ", which has no SigV4 signing" +
                                                 kWhy);
   }
@@ -67,6 +89,25 @@ Result<const CurlApi*> Load() {
 }
 
 }  // namespace
+
+std::vector<std::string> CurlLibraryCandidates() {
+  std::vector<std::string> out;
+  auto add_file = [&](const std::string& path) {
+    if (!path.empty() && access(path.c_str(), R_OK) == 0) out.push_back(path);
+  };
+  add_file(InstalledCopy());
+#ifdef UCPFS_CURL_BUILT
+  add_file(UCPFS_CURL_BUILT);
+#endif
+  out.push_back(kCurlLibrary);
+  return out;
+}
+
+std::string CurlLibraryText() {
+  const std::vector<std::string> candidates = CurlLibraryCandidates();
+  if (candidates.front() == kCurlLibrary) return std::string("libcurl for s3://: the system's ") + kCurlLibrary;
+  return "libcurl for s3://: " + candidates.front() + " (HTTP and HTTPS only)";
+}
 
 Result<const CurlApi*> LoadCurl() {
   static std::once_flag once;

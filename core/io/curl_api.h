@@ -1,4 +1,4 @@
-// libcurl reached through a table of function pointers filled by dlopen("libcurl.so.4") on the
+// libcurl reached through a table of function pointers filled by dlopen on the
 // first use of an s3:// source, so that the binary does not link libcurl: its ~30 dependencies
 // (TLS, Kerberos, LDAP, IDN...) are then loaded only by the mounts and commands that talk to
 // object storage, not by every `ucpfs` start (a local mount's cold start was ~40 ms of loading
@@ -9,12 +9,27 @@
 
 #include <curl/curl.h>
 
+#include <string>
+#include <vector>
+
 #include "core/status.h"
 
 namespace ucpfs::s3 {
 
-// The soname loaded: Debian's libcurl4 (OpenSSL), what libcurl4-openssl-dev builds against.
+// The system's soname: Debian's libcurl4 (OpenSSL), what libcurl4-openssl-dev builds against.
 inline constexpr const char* kCurlLibrary = "libcurl.so.4";
+
+// Where libcurl is looked for, in order: the installed copy of the one the build chose
+// (BIN/../lib/ucpfs/libcurl.so.4 of the running binary, put there by `cmake --install`), the one
+// the build chose (UCPFS_CURL in the top CMakeLists.txt: tests/build-curl.sh's HTTP(S)-only
+// build of Debian's curl source), then kCurlLibrary by the system's search. Paths are tried
+// only when the file exists.
+std::vector<std::string> CurlLibraryCandidates();
+
+// For `ucpfs --version`: the libcurl an s3:// source would load (without loading it), e.g.
+// "libcurl for s3://: /var/cache/ucpfs/libcurl-7.88.1-10+deb12u15/lib/libcurl.so.4 (HTTP and
+// HTTPS only)" or "libcurl for s3://: the system's libcurl.so.4".
+std::string CurlLibraryText();
 
 // Each member has the type of the libcurl function it is named after (decltype of the header's
 // declaration, so a mismatch cannot compile).
@@ -44,8 +59,8 @@ struct CurlApi {
 
 // The table, loaded, checked and curl_global_init'ed once per process (thread-safe); the same
 // answer on every later call. The library stays loaded for the process's life.
-// Errors: kUnsupported naming libcurl.so.4 when it cannot be loaded (not installed) or lacks a
-// function; kUnsupported when it is older than 7.75 (no SigV4 signing); kInternal when
+// The first candidate that loads is used. Errors: kUnsupported naming the library when none
+// loads (not installed) or the one loaded lacks a function; kUnsupported when it is older than 7.75 (no SigV4 signing); kInternal when
 // curl_global_init fails.
 Result<const CurlApi*> LoadCurl();
 

@@ -83,6 +83,16 @@ def wheel_test():
     # The command, the module, and no torch anywhere in the venv.
     out = run([os.path.join(venv, "bin", "ucpfs"), "--version"]).stdout
     assert "ucpfs" in out, out
+    # The wheel carries the HTTP(S)-only libcurl the build chose (tests/build-curl.sh), and its
+    # binary loads that copy, not the build machine's cache; else the system's.
+    curl = [line for line in out.splitlines() if line.startswith("libcurl for s3://: ")]
+    assert len(curl) == 1, out
+    if curl[0].endswith("(HTTP and HTTPS only)"):
+        path = curl[0].split(": ", 1)[1].rsplit(" (", 1)[0]
+        assert path.startswith(venv) and path.endswith("/ucpfs/bin/../lib/ucpfs/libcurl.so.4"), out
+        assert os.path.isfile(path), path
+    else:
+        assert curl[0].endswith("the system's libcurl.so.4"), out
     out = run([vpy, "-c", "import importlib.util, ucpfs; print(ucpfs.__file__); "
                           "print(importlib.util.find_spec('torch')); print(ucpfs.binary())"]).stdout.split()
     assert out[0].startswith(venv) and out[1] == "None" and out[2].startswith(venv), out

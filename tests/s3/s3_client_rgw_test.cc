@@ -3,16 +3,23 @@
 // PUT, batched ranged GETs equal to the bytes, ListObjectsV2 pages and delimiter, a 3-part
 // multipart upload, abort, the uploads in progress, an object replaced under a reader (If-Match),
 // a wrong secret (no retries on 403), virtual-host addressing and retries on a refused connection.
+// The libcurl behind all of it is the one the build chose (tests/build-curl.sh's HTTP(S)-only
+// build where it could be had): loaded from the first candidate, without the libraries of the
+// protocols an S3 client never speaks.
 // Without AWS_ENDPOINT_URL it fails: the store must be there, never skipped.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
+#include "core/io/curl_api.h"
 #include "core/io/s3_client.h"
 
 namespace ucpfs::s3 {
@@ -365,6 +372,39 @@ TEST_F(RgwTest, TransportErrorsAreRetriedThenReported) {
   EXPECT_NE(st.message().find("after 3 attempts"), std::string::npos) << st.ToString();
   EXPECT_EQ((*dc)->counters().retries, 2u);
   EXPECT_EQ((*dc)->counters().requests, 3u);
+}
+
+// Runs after the store tests above (gtest keeps file order): libcurl has served them.
+TEST(CurlLibrary, TheFirstCandidateIsLoadedWithNoUnusedProtocolLibraries) {
+  const std::vector<std::string> candidates = CurlLibraryCandidates();
+  ASSERT_FALSE(candidates.empty());
+  EXPECT_EQ(candidates.back(), kCurlLibrary);  // the system's, always last
+  auto api = LoadCurl();
+  ASSERT_TRUE(api.ok()) << api.error().ToString();
+  Dl_info info{};
+  ASSERT_NE(dladdr(reinterpret_cast<void*>((*api)->version_info), &info), 0);
+  const std::string loaded = std::filesystem::canonical(info.dli_fname);
+  const curl_version_info_data* v = (*api)->version_info(CURLVERSION_NOW);
+  ASSERT_NE(v, nullptr);
+  EXPECT_GE(v->version_num, 0x074b00u) << v->version;
+  if (candidates.front() == kCurlLibrary) {
+    GTEST_LOG_(INFO) << "no HTTP(S)-only libcurl was built here (tests/build-curl.sh): the system's " << loaded;
+    return;
+  }
+  EXPECT_EQ(loaded, std::filesystem::canonical(candidates.front()));
+  EXPECT_NE(v->features & CURL_VERSION_SSL, 0) << "built without TLS";
+  std::vector<std::string> protocols;
+  for (const char* const* p = v->protocols; p != nullptr && *p != nullptr; ++p) protocols.emplace_back(*p);
+  EXPECT_EQ(protocols, (std::vector<std::string>{"http", "https"}));
+  // None of Debian libcurl4's extra libraries is in this process.
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    for (const char* lib : {"libldap", "libkrb5", "libgssapi", "librtmp", "libssh", "libnghttp2", "libidn2",
+                            "libpsl", "libbrotli", "libgnutls", "libsasl2"}) {
+      EXPECT_EQ(line.find(lib), std::string::npos) << line;
+    }
+  }
 }
 
 }  // namespace

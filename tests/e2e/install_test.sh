@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `cmake --install` of the build (README's install line) into a DESTDIR, run from there against
+# the tests' RGW (run under tests/s3/rgw.sh exec): the installed binary names its libcurl in
+# --version and loads it for an s3:// source — the HTTP(S)-only copy installed beside it when the
+# build chose one (tests/build-curl.sh), with none of Debian libcurl4's protocol libraries —
+# and reads a real object through it (`ucpfs inspect` of a safetensors file PUT into the bucket).
+# Usage: install_test.sh BUILD_DIR S3_PUT_TREE SAFETENSORS_FILE
+set -euo pipefail
+build=$1 put=$2 file=$3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# The mount helper links go under DESTDIR too (cli/CMakeLists.txt): nothing outside $tmp.
+DESTDIR=$tmp/root cmake --install "$build" --prefix /usr/local >"$tmp/install.log"
+bin=$tmp/root/usr/local/bin/ucpfs
+[ -x "$bin" ] || { echo "FAIL: no $bin"; cat "$tmp/install.log"; exit 1; }
+version=$("$bin" --version)
+echo "$version"
+if grep -q 'lib/ucpfs/libcurl.so.4' "$tmp/install.log"; then
+  want="$tmp/root/usr/local/bin/../lib/ucpfs/libcurl.so.4"
+  [[ $version == *"libcurl for s3://: $want (HTTP and HTTPS only)"* ]] ||
+    { echo "FAIL: --version does not name the installed copy $want"; exit 1; }
+else
+  want=libcurl.so.4
+  [[ $version == *"libcurl for s3://: the system's libcurl.so.4"* ]] ||
+    { echo "FAIL: --version names no libcurl"; exit 1; }
+  echo "no HTTP(S)-only libcurl was built here (tests/build-curl.sh): the system's is used"
+fi
+bucket=ucpfs-install-$$
+"$put" "$file" "s3://$bucket/w/model.safetensors"
+LD_DEBUG=files "$bin" inspect "s3://$bucket/w" >"$tmp/inspect.out" 2>"$tmp/ld.log" ||
+  { echo "FAIL: inspect"; cat "$tmp/inspect.out"; grep -v '^ *[0-9]*:' "$tmp/ld.log"; exit 1; }
+grep -q "safetensors" "$tmp/inspect.out" || { echo "FAIL: inspect output"; cat "$tmp/inspect.out"; exit 1; }
+loaded=$(grep -o 'file=[^ ]*libcurl[^ ]*' "$tmp/ld.log" | head -1)
+echo "loaded: $loaded"
+if [ "$want" != libcurl.so.4 ]; then
+  [ "$loaded" = "file=$want" ] || { echo "FAIL: loaded $loaded, not $want"; exit 1; }
+  if grep -E 'file=[^ ]*(libldap|libkrb5|libgssapi|librtmp|libssh|libnghttp2|libidn2|libpsl|libbrotli|libgnutls)' "$tmp/ld.log"; then
+    echo "FAIL: an unused protocol's library was loaded"
+    exit 1
+  fi
+fi
+echo "install: ok"
