@@ -50,6 +50,9 @@
 
 namespace ucpfs::fs {
 
+// The smallest step in which a view's read-ahead is topped up (FilesystemOptions::read_ahead_bytes).
+inline constexpr uint64_t kReadAheadMinStepBytes = uint64_t{4} << 20;
+
 struct FilesystemOptions {
   uid_t uid = 0;  // owner of nodes that have none of their own (TreeNode::uid == -1)
   gid_t gid = 0;
@@ -74,7 +77,8 @@ struct FilesystemOptions {
   // Read-ahead of views: after a read of a view file that continues the reads before it, the
   // next `read_ahead_bytes` of the file are announced to its source (ByteSource::Prefetch: the
   // source files' pages are read into the page cache in the background, so the next requests
-  // find them there). 0: off.
+  // find them there). 0: off. The announced part is topped up in steps of an eighth of it
+  // (kReadAheadMinStepBytes at least, half at most).
   uint64_t read_ahead_bytes = 0;
   // Where view reads are counted and errors recorded besides the log (null: the log only).
   std::shared_ptr<MountReport> report;

@@ -151,18 +151,35 @@ class HintedSource final : public ByteSource {
   mutable std::vector<std::pair<uint64_t, uint64_t>> hints_;
 };
 
+// A tree of one view file of `n_bytes` over a HintedSource.
+struct HintedFile {
+  explicit HintedFile(uint64_t n_bytes) : source(std::make_shared<HintedSource>(n_bytes)) {
+    tree = std::make_shared<Tree>(kMtime);
+    auto s = source;
+    ino = *tree->AddFile(kRootIno, "model.pt", n_bytes, kMtime, [s]() -> Result<std::shared_ptr<const ByteSource>> {
+      return std::shared_ptr<const ByteSource>(s);
+    });
+  }
+  // A Filesystem with this read-ahead window, and the file opened in it.
+  std::pair<std::unique_ptr<Filesystem>, OpenFile> Open(uint64_t read_ahead_bytes) const {
+    FilesystemOptions options;
+    options.read_ahead_bytes = read_ahead_bytes;
+    auto fs = std::move(Filesystem::Make(tree, std::move(options))).value();
+    OpenFile open = *fs->Open(ino, O_RDONLY);
+    return {std::move(fs), std::move(open)};
+  }
+  std::shared_ptr<HintedSource> source;
+  std::shared_ptr<Tree> tree;
+  Ino ino = 0;
+};
+
 TEST(FilesystemTest, SequentialViewReadsPrefetchTheirSourceAhead) {
   constexpr uint64_t kMiB = 1 << 20;
-  auto source = std::make_shared<HintedSource>(100 * kMiB);
-  auto tree = std::make_shared<Tree>(kMtime);
-  const Ino file = *tree->AddFile(kRootIno, "model.pt", 100 * kMiB, kMtime,
-                                  [source]() -> Result<std::shared_ptr<const ByteSource>> {
-                                    return std::shared_ptr<const ByteSource>(source);
-                                  });
-  FilesystemOptions options;
-  options.read_ahead_bytes = 8 * kMiB;
-  auto fs = std::move(Filesystem::Make(tree, std::move(options))).value();
-  OpenFile open = *fs->Open(file, O_RDONLY);
+  HintedFile f(100 * kMiB);
+  auto& source = f.source;
+  auto& tree = f.tree;
+  const Ino file = f.ino;
+  auto [fs, open] = f.Open(8 * kMiB);
   // torch.load's order: the zip directory at the end first, then front to back.
   fs->ReadAhead(open, 100 * kMiB - 4096, 4096);  // the last bytes: nothing lies ahead
   fs->ReadAhead(open, 99 * kMiB, kMiB);          // idem
@@ -173,7 +190,7 @@ TEST(FilesystemTest, SequentialViewReadsPrefetchTheirSourceAhead) {
   ASSERT_EQ(hints.size(), 4u);
   EXPECT_EQ(hints[0], std::make_pair(91 * kMiB, 99 * kMiB));
   EXPECT_EQ(hints[1], std::make_pair(1 * kMiB, 9 * kMiB));    // a new stream from the front
-  EXPECT_EQ(hints[2], std::make_pair(9 * kMiB, 13 * kMiB));   // topped up at half a window
+  EXPECT_EQ(hints[2], std::make_pair(9 * kMiB, 13 * kMiB));   // topped up at half (the step: at least 4 MiB)
   EXPECT_EQ(hints[3], std::make_pair(13 * kMiB, 17 * kMiB));
   // Off: no hints at all.
   auto quiet = std::move(Filesystem::Make(tree, {})).value();
@@ -181,6 +198,28 @@ TEST(FilesystemTest, SequentialViewReadsPrefetchTheirSourceAhead) {
   EXPECT_EQ(q.prefetched_until, nullptr);
   quiet->ReadAhead(q, 0, kMiB);
   EXPECT_EQ(source->Hints().size(), 4u);
+}
+
+// A larger window is topped up in eighths (4 MiB of 32M), not halves: an s3:// source then keeps
+// GETs going as the reader advances, instead of waves that leave the link idle between them.
+TEST(FilesystemTest, ALargeReadAheadWindowIsToppedUpInEighths) {
+  constexpr uint64_t kMiB = 1 << 20;
+  HintedFile f(200 * kMiB);
+  auto [fs, open] = f.Open(32 * kMiB);
+  for (uint64_t off = 0; off < 16 * kMiB; off += kMiB) fs->ReadAhead(open, off, kMiB);
+  const auto hints = f.source->Hints();
+  ASSERT_EQ(hints.size(), 4u);
+  EXPECT_EQ(hints[0], std::make_pair(1 * kMiB, 33 * kMiB));  // the window
+  EXPECT_EQ(hints[1], std::make_pair(33 * kMiB, 37 * kMiB)); // then 4 MiB each 4 MiB read
+  EXPECT_EQ(hints[2], std::make_pair(37 * kMiB, 41 * kMiB));
+  EXPECT_EQ(hints[3], std::make_pair(41 * kMiB, 45 * kMiB));
+  // A 128M window: steps of 16 MiB.
+  auto [fs2, open2] = f.Open(128 * kMiB);
+  for (uint64_t off = 0; off < 20 * kMiB; off += kMiB) fs2->ReadAhead(open2, off, kMiB);
+  const auto wide_hints = f.source->Hints();
+  ASSERT_EQ(wide_hints.size(), 6u);
+  EXPECT_EQ(wide_hints[4], std::make_pair(1 * kMiB, 129 * kMiB));
+  EXPECT_EQ(wide_hints[5], std::make_pair(129 * kMiB, 145 * kMiB));
 }
 
 TEST(FilesystemTest, ASubtreeIsBuiltOnceAndEvictedWhenEveryReferenceIsForgotten) {
