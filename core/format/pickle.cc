@@ -694,8 +694,12 @@ class PickleGraph::Parser {
   }
 
   Status Run();
+  // After Run failed: whether it failed because the input ended before STOP (more bytes of the
+  // same stream might parse), not on a byte it could read.
+  bool ran_out() const { return ran_out_; }
 
  private:
+  bool ran_out_ = false;
   // ---- errors ----
   Status Error(StatusCode code, std::string_view reason) const {
     std::string msg;
@@ -720,7 +724,8 @@ class PickleGraph::Parser {
 
   // ---- input ----
   uint64_t Left() const { return size_ - pos_; }
-  Status Truncated(uint64_t need) const {
+  Status Truncated(uint64_t need) {
+    ran_out_ = true;
     return Corrupt("truncated: needs " + std::to_string(need) + " bytes, " +
                    std::to_string(Left()) + " left");
   }
@@ -741,7 +746,10 @@ class PickleGraph::Parser {
   }
   Status ReadLine(std::string_view* line) {
     const void* nl = std::memchr(data_ + pos_, '\n', size_ - pos_);
-    if (nl == nullptr) return Corrupt("truncated: line has no newline");
+    if (nl == nullptr) {
+      ran_out_ = true;
+      return Corrupt("truncated: line has no newline");
+    }
     const auto* end = static_cast<const uint8_t*>(nl);
     if (static_cast<uint64_t>(end - (data_ + pos_)) > max_string_bytes_) {
       return Exhausted("line longer than max_string_bytes");
@@ -1657,6 +1665,7 @@ Status PickleGraph::Parser::Run() {
   while (!done_) {
     if (pos_ >= size_) {
       op_offset_ = pos_;
+      ran_out_ = true;
       return Status(StatusCode::kCorrupt, std::string(source_) + ": pickle offset " +
                                               std::to_string(pos_) + ": truncated: no STOP");
     }
@@ -1995,12 +2004,16 @@ Status PickleGraph::Parser::Step() {
 }
 
 Result<PickleGraph> ParsePickle(std::span<const std::byte> data, std::string_view source_name,
-                                const PickleLimits& limits) {
+                                const PickleLimits& limits, bool* ran_out) {
   PickleGraph graph;
+  if (ran_out != nullptr) *ran_out = false;
   try {
     PickleGraph::Parser parser(data, source_name, limits, graph);
     Status st = parser.Run();
-    if (!st.ok()) return st;
+    if (!st.ok()) {
+      if (ran_out != nullptr) *ran_out = parser.ran_out();
+      return st;
+    }
   } catch (const std::bad_alloc&) {
     // Limits bound every structure, but generous limits on a small machine can still run out.
     return ResourceExhaustedError(std::string(source_name) + ": pickle: out of memory");

@@ -131,9 +131,11 @@ class PickleGraph;
 // ("<file>: pickle offset 123: <reason>"). Trailing bytes after STOP are ignored.
 // Errors: kCorrupt (truncated, unknown opcode, stack underflow, wrong operand types, bad memo
 // index, ...), kResourceExhausted (a PickleLimits bound, more than 2^32-1 items in one container,
-// or out of memory).
+// or out of memory). When it fails and `ran_out` is given, *ran_out says whether `data` ended
+// before the pickle's STOP (a longer prefix of the same stream might parse), rather than the
+// pickle being wrong in the bytes it has.
 Result<PickleGraph> ParsePickle(std::span<const std::byte> data, std::string_view source_name,
-                                const PickleLimits& limits = {});
+                                const PickleLimits& limits = {}, bool* ran_out = nullptr);
 
 // The parsed graph: nodes are numbered [0, size()) and read through the accessors below.
 // kind(id) requires id < size(). Every other accessor takes any id (kNoNode included) and, for
@@ -182,7 +184,7 @@ class PickleGraph {
 
  private:
   friend Result<PickleGraph> ParsePickle(std::span<const std::byte>, std::string_view,
-                                         const PickleLimits&);
+                                         const PickleLimits&, bool*);
   class Parser;
 
   // A byte range of text_.

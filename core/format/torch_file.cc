@@ -175,11 +175,13 @@ struct LegacyPickles {
   uint64_t data_offset = 0;       // where the first storage's count begins
 };
 
-// The four pickles after the magic number, from `head` (the file's first bytes).
+// The four pickles after the magic number, from `head` (the file's first bytes). On failure
+// *ran_out says whether `head` ended inside them (more of the file might parse).
 Result<LegacyPickles> ParseLegacyPickles(std::span<const std::byte> head, uint64_t at, const std::string& name,
-                                         const TorchFileLimits& limits) {
+                                         const TorchFileLimits& limits, bool* ran_out) {
+  *ran_out = false;
   auto next = [&](const char* what) -> Result<PickleGraph> {
-    Result<PickleGraph> g = pickle::ParsePickle(head.subspan(at), name + ": " + what, limits.pickle);
+    Result<PickleGraph> g = pickle::ParsePickle(head.subspan(at), name + ": " + what, limits.pickle, ran_out);
     if (g.ok()) at += g->end_offset();
     return g;
   };
@@ -370,18 +372,20 @@ Result<TorchFile> TorchFile::Open(std::shared_ptr<const ByteSource> src,
   Result<ZipArchive> zip = ZipArchive::Open(s, limits.zip);
   // Not a zip: torch's legacy format, looked at only then (a zip, the common case, reads no more).
   if (!zip.ok() && IsLegacyTorchFile(s)) {
-    // The pickles' length is not written anywhere: read more until they parse (or the limit).
+    // The pickles' length is not written anywhere: read more while they end past what was read
+    // (or the limit); a pickle wrong in the bytes read is refused at once.
     uint64_t want = std::min(s.Size(), kLegacyFirstRead);
     for (;;) {
       UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> head, ReadRange(s, 0, want, limits.max_pickle_bytes));
-      Result<LegacyPickles> parsed = ParseLegacyPickles(head, LegacyMagicEnd(head), s.Name(), limits);
+      bool ran_out = false;
+      Result<LegacyPickles> parsed = ParseLegacyPickles(head, LegacyMagicEnd(head), s.Name(), limits, &ran_out);
       if (parsed.ok()) {
         UCPFS_ASSIGN_OR_RETURN(file.archive_, LegacyRecords(s, *parsed));
         file.graph_ = std::move(parsed->object);
         file.legacy_ = true;
         break;
       }
-      if (want >= s.Size()) return parsed.error();
+      if (!ran_out || want >= s.Size()) return parsed.error();
       if (want >= limits.max_pickle_bytes) {
         return ResourceExhaustedError(s.Name() + ": the pickles of a legacy torch.save file are over " +
                                       std::to_string(limits.max_pickle_bytes) + " bytes, the limit");

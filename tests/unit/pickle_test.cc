@@ -1193,8 +1193,22 @@ TEST(PickleCorrupt, EveryTruncationIsCorrupt) {
       ASSERT_FALSE(r.ok()) << "prefix " << len;
       EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
       EXPECT_NE(r.status().message().find("test.pkl: pickle offset "), std::string::npos);
+      bool ran_out = false;  // ... and is said to have run out of bytes, not to be wrong
+      EXPECT_FALSE(ParsePickle({reinterpret_cast<const std::byte*>(prefix.data()), prefix.size()}, "t", {}, &ran_out).ok());
+      EXPECT_TRUE(ran_out) << "prefix " << len << ": " << r.status().ToString();
     }
   }
+}
+
+TEST(PickleCorrupt, AWrongByteIsNotRunningOutOfBytes) {
+  bool ran_out = true;
+  const Asm bad = Asm().Proto(2).Op(0xff).Stop();
+  EXPECT_FALSE(ParsePickle(bad.span(), "t", {}, &ran_out).ok());
+  EXPECT_FALSE(ran_out);
+  const Asm underflow = Asm().Proto(2).Op('t').Stop();  // TUPLE with no MARK
+  ran_out = true;
+  EXPECT_FALSE(ParsePickle(underflow.span(), "t", {}, &ran_out).ok());
+  EXPECT_FALSE(ran_out);
 }
 
 TEST(PickleCorrupt, UnknownOpcodes) {
