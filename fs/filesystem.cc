@@ -480,10 +480,10 @@ void Filesystem::ReadAhead(const OpenFile& file, uint64_t byte_offset, uint64_t 
   // Announce up to end + window once the announced part just ahead of this read has shrunk by
   // a step (an eighth of the window, at least kReadAheadMinStepBytes, at most half: 4 MiB of
   // the default 32M), so the source gets hints of a few MiB rather than one per request, and
-  // keeps fetching as the reader goes: with half-window steps
-  // an s3:// source's GETs ran in waves (all finishing together, then the link idle while the
-  // reader drained them: 15-35 ms of every 130 ms over a 2 Gbit/s link). A read elsewhere
-  // (torch.load reads the zip's directory at the end first; a seek) starts over from where it is.
+  // keeps fetching as the reader goes: with half-window steps an s3:// source's GETs ran in
+  // waves (all finishing together, then the link idle while the reader drained them: 15-35 ms
+  // of every 130 ms over a 2 Gbit/s link). A read elsewhere (torch.load reads the zip's
+  // directory at the end first; a seek) starts over from where it is.
   const uint64_t step = std::min(window / 2, std::max(window / 8, kReadAheadMinStepBytes));
   uint64_t until = file.prefetched_until->load(std::memory_order_relaxed);
   uint64_t from;

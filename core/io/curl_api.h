@@ -59,9 +59,9 @@ struct CurlApi {
 
 // The table, loaded, checked and curl_global_init'ed once per process (thread-safe); the same
 // answer on every later call. The library stays loaded for the process's life.
-// The first candidate that loads is used. Errors: kUnsupported naming the library when none
-// loads (not installed) or the one loaded lacks a function; kUnsupported when it is older than 7.75 (no SigV4 signing); kInternal when
-// curl_global_init fails.
+// The first candidate that loads is used. Errors: kUnsupported naming each candidate's failure
+// when none loads (not installed), or naming the one loaded when it lacks a function or is older
+// than 7.75 (no SigV4 signing); kInternal when curl_global_init fails.
 Result<const CurlApi*> LoadCurl();
 
 }  // namespace ucpfs::s3
