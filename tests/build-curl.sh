@@ -61,7 +61,8 @@ if ! debsrc_fetch "curl=$version" "$work"; then
 fi
 src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'curl-*' | head -1)
 log=$work/build.log
-# Only the library, shared (loaded with dlopen), HTTP and HTTPS.
+# Only the library, shared (loaded with dlopen), HTTP and HTTPS; no headers (ucpfs compiles
+# against libcurl4-openssl-dev's, the same version's).
 if ! (mkdir -p "$src/ucpfs-build" && cd "$src/ucpfs-build" &&
       ../configure --prefix="$prefix" --libdir="$prefix/lib" --enable-shared --disable-static \
         --with-openssl --with-ca-path=/etc/ssl/certs --with-ca-bundle=/etc/ssl/certs/ca-certificates.crt \
@@ -73,8 +74,7 @@ if ! (mkdir -p "$src/ucpfs-build" && cd "$src/ucpfs-build" &&
         --without-nghttp2 --without-libssh2 --without-libssh --without-librtmp --without-gssapi \
         >"$log" 2>&1 &&
       make -C lib -j"$(nproc)" >>"$log" 2>&1 &&
-      make -C lib install >>"$log" 2>&1 &&
-      make -C include install >>"$log" 2>&1); then
+      make -C lib install >>"$log" 2>&1); then
   say "building curl $version failed ($log); ucpfs loads the system's libcurl.so.4"
   rm -rf "$prefix"
   exit 0

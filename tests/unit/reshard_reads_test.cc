@@ -14,6 +14,7 @@
 
 #include "core/byte_source.h"
 #include "core/layout/layout.h"
+#include "tests/unit/counting_source.h"
 #include "views/reshard_reads.h"
 
 namespace ucpfs::views {
@@ -22,28 +23,7 @@ namespace {
 constexpr int kW = static_cast<int>(TargetState::kWeight);
 constexpr int kExpAvg = static_cast<int>(TargetState::kExpAvg);
 
-// Counts the bytes actually read, per source.
-class CountingSource final : public ByteSource {
- public:
-  explicit CountingSource(std::string name, uint64_t n_bytes)
-      : inner_(std::move(name), std::vector<std::byte>(n_bytes, std::byte{1})) {}
-  uint64_t Size() const override { return inner_.Size(); }
-  const std::string& Name() const override { return inner_.Name(); }
-  Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    n_read_ += out.size();
-    return inner_.ReadAt(byte_offset, out);
-  }
-  uint64_t n_read() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return n_read_;
-  }
-
- private:
-  MemorySource inner_;
-  mutable std::mutex mu_;
-  mutable uint64_t n_read_ = 0;
-};
+using ::ucpfs::testing::CountingSource;  // counts the bytes actually read, per source
 
 // A fragment of rows [row, row + n_rows) of a 4x4 float32 tensor at byte_offset of file_id.
 slice::Fragment Rows(int64_t row, int64_t n_rows, uint32_t file_id, uint64_t byte_offset) {
@@ -64,9 +44,10 @@ struct Fixture {
 Fixture MakeCheckpoint() {
   Fixture fx;
   // Files 0 and 1: [wq rows, wo rows] (32 + 32 bytes each); file 2: wo's exp_avg (64 bytes).
-  fx.sources = {std::make_shared<CountingSource>("__0_0.distcp", 64),
-                std::make_shared<CountingSource>("__1_0.distcp", 64),
-                std::make_shared<CountingSource>("exp_avg.bin", 64)};
+  const std::vector<std::byte> ones(64, std::byte{1});
+  fx.sources = {std::make_shared<CountingSource>("__0_0.distcp", ones),
+                std::make_shared<CountingSource>("__1_0.distcp", ones),
+                std::make_shared<CountingSource>("exp_avg.bin", ones)};
   auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>(fx.sources.begin(), fx.sources.end());
   auto in = std::make_shared<TargetInput>();
   const char* names[] = {"layers.0.attention.wq.weight", "layers.0.attention.wo.weight"};
@@ -180,7 +161,7 @@ TEST(ReshardReads, MatchesTheBytesARealReadFetches) {
       }
     }
     for (size_t i = 0; i < fx.sources.size(); ++i) {
-      EXPECT_EQ(fx.sources[i]->n_read(), reads.sources[i].read_n_bytes) << name << " file " << i;
+      EXPECT_EQ(fx.sources[i]->bytes_read(), reads.sources[i].read_n_bytes) << name << " file " << i;
     }
   }
 }

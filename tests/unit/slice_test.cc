@@ -4,6 +4,7 @@
 // element-by-element gather. Seed: UCPFS_TEST_SEED, else random; printed either way.
 #include <gtest/gtest.h>
 
+#include "tests/unit/counting_source.h"
 #include "tests/unit/test_seed.h"
 
 #include <algorithm>
@@ -28,29 +29,7 @@ using Files = std::vector<std::shared_ptr<const ByteSource>>;
 
 using ::ucpfs::testing::TestSeed;
 
-// A source that counts reads and bytes, and can fail reads that touch [fail_lo, fail_hi).
-class CountingSource final : public ByteSource {
- public:
-  CountingSource(std::string name, std::vector<std::byte> bytes)
-      : inner_(name, std::move(bytes)), name_(std::move(name)) {}
-  uint64_t Size() const override { return inner_.Size(); }
-  const std::string& Name() const override { return name_; }
-  Status ReadAt(uint64_t byte_offset, std::span<std::byte> out) const override {
-    ++reads;
-    bytes_read += out.size();
-    if (byte_offset < fail_hi && byte_offset + out.size() > fail_lo) {
-      return IoError(name_ + ": pread at offset " + std::to_string(byte_offset) + ": EIO", 5);
-    }
-    return inner_.ReadAt(byte_offset, out);
-  }
-  mutable uint64_t reads = 0;
-  mutable uint64_t bytes_read = 0;
-  uint64_t fail_lo = 0, fail_hi = 0;
-
- private:
-  MemorySource inner_;
-  std::string name_;
-};
+using ::ucpfs::testing::CountingSource;
 
 std::vector<std::byte> F32Bytes(const std::vector<float>& v) {
   std::vector<std::byte> b(v.size() * 4);
@@ -382,8 +361,8 @@ TEST(Plan, TransposedChunkReadsOnce) {
   std::vector<std::byte> out(24 * 4);
   ASSERT_TRUE(ExecutePlan(ops, files, out).ok());
   EXPECT_EQ(AsF32(out), b.expect);
-  EXPECT_EQ(counting->reads, 1u);
-  EXPECT_EQ(counting->bytes_read, 48u);
+  EXPECT_EQ(counting->reads(), 1u);
+  EXPECT_EQ(counting->bytes_read(), 48u);
   // A 3-D chunk with permuted storage order and padded strides.
   Fragment p = Frag({0, 0, 0}, {2, 3, 4}, 0);
   p.strides = {1, 10, 2};
@@ -462,8 +441,8 @@ TEST(Plan, TransposedColumnShardReadsOnce) {
   std::vector<std::byte> out(64 * 8 * 4);
   ASSERT_TRUE(ExecutePlan(ops, files, out).ok());
   EXPECT_EQ(AsF32(out), b.expect);
-  EXPECT_EQ(counting->reads, 1u);
-  EXPECT_EQ(counting->bytes_read, 64u * 4 * 4);
+  EXPECT_EQ(counting->reads(), 1u);
+  EXPECT_EQ(counting->bytes_read(), 64u * 4 * 4);
 }
 
 TEST(Plan, LargeTransposedChunkInBoundedWindows) {
@@ -496,8 +475,8 @@ TEST(Plan, LargeTransposedChunkInBoundedWindows) {
   Status s = ReadTensorBytes(l, DType::kFloat32, files, 0, out);
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_TRUE(AsF32(out) == expect);
-  EXPECT_EQ(t->reads, 2u);
-  EXPECT_LT(t->bytes_read, top.size() * 4 + 64);
+  EXPECT_EQ(t->reads(), 2u);
+  EXPECT_LT(t->bytes_read(), top.size() * 4 + 64);
 }
 
 // ---- Coverage validation: replicas and the corrupt-layout catalogue ----

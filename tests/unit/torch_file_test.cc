@@ -10,6 +10,7 @@
 
 #include "core/format/torch_writer.h"
 #include "core/io/file_source.h"
+#include "tests/unit/counting_source.h"
 
 namespace ucpfs::format {
 namespace {
@@ -288,17 +289,6 @@ TEST_F(LegacyTorchFile, ABigEndianSaveIsUnsupported) {
 // A pickle wrong in the bytes read is refused at once: only a pickle that runs past them is read
 // again larger (the reader would otherwise read a corrupt multi-GB file up to its 1 GiB bound).
 TEST_F(LegacyTorchFile, ACorruptPickleIsRefusedWithoutReadingFurther) {
-  struct ByteCounter final : ByteSource {
-    explicit ByteCounter(std::vector<std::byte> b) : mem("big.pt", std::move(b)) {}
-    uint64_t Size() const override { return mem.Size(); }
-    const std::string& Name() const override { return mem.Name(); }
-    Status ReadAt(uint64_t off, std::span<std::byte> out) const override {
-      n_bytes += out.size();
-      return mem.ReadAt(off, out);
-    }
-    MemorySource mem;
-    mutable uint64_t n_bytes = 0;
-  };
   // A parameter's name in the object pickle: BINUNICODE ('X', 4-byte length) before its text.
   auto legacy = TorchFile::Open(legacy_);
   ASSERT_TRUE(legacy.ok());
@@ -310,14 +300,14 @@ TEST_F(LegacyTorchFile, ACorruptPickleIsRefusedWithoutReadingFurther) {
   std::vector<std::byte> big = bytes_;
   big.resize(64 << 20);  // 64 MiB: the storages' bytes follow the pickles in a real file
   big[static_cast<size_t>(at - p) - 5] = std::byte{0xff};  // no such opcode
-  auto src = std::make_shared<ByteCounter>(big);
+  auto src = std::make_shared<::ucpfs::testing::CountingSource>("big.pt", big);
   Status s = TorchFile::Open(src).status();
   EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.ToString();
   EXPECT_NE(s.message().find("unknown opcode"), std::string::npos) << s.ToString();
-  EXPECT_LE(src->n_bytes, uint64_t{2} << 20);  // the zip check and the first 1 MiB read
+  EXPECT_LE(src->bytes_read(), uint64_t{2} << 20);  // the zip check and the first 1 MiB read
   // The same file intact opens (its pickles end inside the first read).
   big[static_cast<size_t>(at - p) - 5] = std::byte{'X'};
-  auto intact = std::make_shared<ByteCounter>(big);
+  auto intact = std::make_shared<::ucpfs::testing::CountingSource>("big.pt", big);
   EXPECT_TRUE(TorchFile::Open(intact).ok());
 }
 
