@@ -38,8 +38,8 @@ void PrintJson(const std::string& path, const format::TorchFile& f, std::ostream
 void PrintTable(const std::string& path, const format::TorchFile& f, std::ostream& out) {
   uint64_t total = 0;
   for (const auto& t : f.tensors()) total += t.n_bytes;
-  out << path << (f.legacy() ? ": torch.save (legacy format), " : ": torch.save, ") << f.source().Size() << " bytes, " << f.tensors().size()
-      << " tensors, " << HumanBytes(total) << " of tensor data\n";
+  out << path << (f.legacy() ? ": torch.save (legacy format), " : ": torch.save, ") << f.source().Size()
+      << " bytes, " << f.tensors().size() << " tensors, " << HumanBytes(total) << " of tensor data\n";
   if (f.tensors().empty()) return;
   size_t key_w = 3;
   for (const auto& t : f.tensors()) key_w = std::max(key_w, t.key.size());

@@ -129,10 +129,8 @@ Result<SaveValue> ItemValue(const Item& it, const FileTable& files, PreRead* pre
     // decoder's several small reads (zip records, the pickle) would each be a request to an
     // object store. Named as the slice it is, read ahead or not.
     std::vector<std::byte> bytes;
-    const auto found = pre != nullptr ? pre->find(index) : PreRead::iterator();
-    if (pre != nullptr && found != pre->end()) {
-      bytes = std::move(found->second);
-      pre->erase(found);
+    if (auto found = pre != nullptr ? pre->extract(index) : PreRead::node_type(); !found.empty()) {
+      bytes = std::move(found.mapped());
     } else {
       bytes.resize(it.n_bytes);
       UCPFS_RETURN_IF_ERROR(blob->ReadAt(0, bytes));

@@ -209,8 +209,10 @@ Result<LegacyPickles> ParseLegacyPickles(std::span<const std::byte> head, uint64
 
 // The legacy file's storages as records "data/<key>" at their exact offsets, each count checked.
 Result<ZipArchive> LegacyRecords(const ByteSource& s, const LegacyPickles& p) {
-  std::unordered_map<std::string, uint64_t> n_bytes;  // by key, from the object's persistent ids
-  std::unordered_map<std::string, uint64_t> item;     // element size
+  struct Declared {
+    uint64_t n_bytes = 0, item = 0;  // the storage's bytes and element size
+  };
+  std::unordered_map<std::string, Declared> declared;  // by key, from the object's persistent ids
   const PickleGraph& g = p.object;
   for (NodeId id = 0; id < g.size(); ++id) {
     if (g.kind(id) != Kind::kStorage) continue;
@@ -218,11 +220,10 @@ Result<ZipArchive> LegacyRecords(const ByteSource& s, const LegacyPickles& p) {
     const uint64_t size = st.untyped ? 1 : ItemSize(st.dtype);
     auto total = CheckedMul(st.numel, size);
     if (!total) return CorruptError(s.Name() + ": storage '" + std::string(st.key) + "' size overflows");
-    auto [it, fresh] = n_bytes.emplace(std::string(st.key), *total);
-    if (!fresh && it->second != *total) {
+    auto [it, fresh] = declared.emplace(std::string(st.key), Declared{*total, size});
+    if (!fresh && it->second.n_bytes != *total) {
       return CorruptError(s.Name() + ": storage '" + std::string(st.key) + "' is declared with two sizes");
     }
-    item.emplace(std::string(st.key), size);
   }
   std::vector<ZipEntry> entries;
   std::vector<ReadPiece> counts;
@@ -230,18 +231,18 @@ Result<ZipArchive> LegacyRecords(const ByteSource& s, const LegacyPickles& p) {
   uint64_t at = p.data_offset;
   for (size_t i = 0; i < p.keys.size(); ++i) {
     const std::string& key = p.keys[i];
-    auto found = n_bytes.find(key);
-    if (found == n_bytes.end()) {
+    auto found = declared.find(key);
+    if (found == declared.end()) {
       return CorruptError(s.Name() + ": legacy storage key '" + key + "' is not a storage of the object");
     }
     ZipEntry e;
     e.name = "data/" + key;
     e.local_header_offset = at;
     e.data_offset = at + 8;
-    e.n_bytes = e.compressed_n_bytes = found->second;
+    e.n_bytes = e.compressed_n_bytes = found->second.n_bytes;
     auto end = CheckedAdd(e.data_offset, e.n_bytes);
     if (!end || *end > s.Size()) {
-      return CorruptError(s.Name() + ": legacy storage '" + key + "' (" + std::to_string(found->second) +
+      return CorruptError(s.Name() + ": legacy storage '" + key + "' (" + std::to_string(e.n_bytes) +
                           " bytes at offset " + std::to_string(e.data_offset) + ") runs past the end of the file (" +
                           std::to_string(s.Size()) + " bytes)");
     }
@@ -251,7 +252,7 @@ Result<ZipArchive> LegacyRecords(const ByteSource& s, const LegacyPickles& p) {
   }
   if (!counts.empty()) UCPFS_RETURN_IF_ERROR(s.ReadPieces(counts));
   for (size_t i = 0; i < p.keys.size(); ++i) {
-    const uint64_t want = entries[i].n_bytes / item.at(p.keys[i]);
+    const uint64_t want = entries[i].n_bytes / declared.at(p.keys[i]).item;
     if (count_values[i] < 0 || static_cast<uint64_t>(count_values[i]) != want) {
       return CorruptError(s.Name() + ": legacy storage '" + p.keys[i] + "' holds " + std::to_string(count_values[i]) +
                           " elements at offset " + std::to_string(entries[i].local_header_offset) +
@@ -261,19 +262,42 @@ Result<ZipArchive> LegacyRecords(const ByteSource& s, const LegacyPickles& p) {
   return ZipArchive::FromRecords(std::move(entries));
 }
 
-}  // namespace
-
-bool IsLegacyTorchFile(const ByteSource& src) {
-  std::byte head[32];
-  const uint64_t n = std::min<uint64_t>(sizeof(head), src.Size());
-  if (!src.ReadAt(0, std::span(head, n)).ok()) return false;
-  return LegacyMagicEnd(std::span<const std::byte>(head, n)) != 0;
+// A legacy file's pickles. Their length is not written anywhere: the file's start is read again
+// 4x larger while they end past what was read (up to the limit); a pickle wrong in the bytes read
+// is refused at once.
+Result<LegacyPickles> ReadLegacyPickles(const ByteSource& s, const TorchFileLimits& limits) {
+  uint64_t want = std::min(s.Size(), kLegacyFirstRead);
+  for (;;) {
+    UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> head, ReadRange(s, 0, want, limits.max_pickle_bytes));
+    bool ran_out = false;
+    Result<LegacyPickles> parsed = ParseLegacyPickles(head, LegacyMagicEnd(head), s.Name(), limits, &ran_out);
+    if (parsed.ok() || !ran_out || want >= s.Size()) return parsed;
+    if (want >= limits.max_pickle_bytes) {
+      return ResourceExhaustedError(s.Name() + ": the pickles of a legacy torch.save file are over " +
+                                    std::to_string(limits.max_pickle_bytes) + " bytes, the limit");
+    }
+    want = std::min({s.Size(), want * 4, limits.max_pickle_bytes});
+  }
 }
 
+}  // namespace
+
+namespace {
+
+// The file's first bytes, enough for the legacy magic number's pickle (empty when unreadable).
+std::vector<std::byte> Head(const ByteSource& src) {
+  std::vector<std::byte> head(std::min<uint64_t>(32, src.Size()));
+  if (!src.ReadAt(0, head).ok()) head.clear();
+  return head;
+}
+
+}  // namespace
+
+bool IsLegacyTorchFile(const ByteSource& src) { return LegacyMagicEnd(Head(src)) != 0; }
+
 bool LooksLikeTorchFile(const ByteSource& src) {
-  std::byte head[4];
-  if (src.Size() < sizeof(head) || !src.ReadAt(0, std::span(head, sizeof(head))).ok()) return false;
-  return std::memcmp(head, "PK\x03\x04", 4) == 0 || IsLegacyTorchFile(src);
+  const std::vector<std::byte> head = Head(src);
+  return (head.size() >= 4 && std::memcmp(head.data(), "PK\x03\x04", 4) == 0) || LegacyMagicEnd(head) != 0;
 }
 
 Result<TensorRecord> ResolveTensor(const ByteSource& src, const ZipArchive& archive,
@@ -372,52 +396,31 @@ Result<TorchFile> TorchFile::Open(std::shared_ptr<const ByteSource> src,
   Result<ZipArchive> zip = ZipArchive::Open(s, limits.zip);
   // Not a zip: torch's legacy format, looked at only then (a zip, the common case, reads no more).
   if (!zip.ok() && IsLegacyTorchFile(s)) {
-    // The pickles' length is not written anywhere: read more while they end past what was read
-    // (or the limit); a pickle wrong in the bytes read is refused at once.
-    uint64_t want = std::min(s.Size(), kLegacyFirstRead);
-    for (;;) {
-      UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> head, ReadRange(s, 0, want, limits.max_pickle_bytes));
-      bool ran_out = false;
-      Result<LegacyPickles> parsed = ParseLegacyPickles(head, LegacyMagicEnd(head), s.Name(), limits, &ran_out);
-      if (parsed.ok()) {
-        UCPFS_ASSIGN_OR_RETURN(file.archive_, LegacyRecords(s, *parsed));
-        file.graph_ = std::move(parsed->object);
-        file.legacy_ = true;
-        break;
-      }
-      if (!ran_out || want >= s.Size()) return parsed.error();
-      if (want >= limits.max_pickle_bytes) {
-        return ResourceExhaustedError(s.Name() + ": the pickles of a legacy torch.save file are over " +
-                                      std::to_string(limits.max_pickle_bytes) + " bytes, the limit");
-      }
-      want = std::min({s.Size(), want * 4, limits.max_pickle_bytes});
+    UCPFS_ASSIGN_OR_RETURN(LegacyPickles parsed, ReadLegacyPickles(s, limits));
+    UCPFS_ASSIGN_OR_RETURN(file.archive_, LegacyRecords(s, parsed));
+    file.graph_ = std::move(parsed.object);
+    file.legacy_ = true;
+  } else {
+    if (!zip.ok()) return zip.error();
+    file.archive_ = std::move(*zip);
+    const ZipEntry* pkl = file.archive_.FindRecord("data.pkl");
+    if (pkl == nullptr) {
+      return CorruptError(s.Name() + ": not a torch.save file: no '" +
+                          (file.archive_.prefix().empty() ? std::string() : file.archive_.prefix() + "/") +
+                          "data.pkl' record");
     }
-    Walker walker(s, file.archive_, file.graph_, limits);
-    UCPFS_RETURN_IF_ERROR(walker.Walk(file.graph_.root(), "", 0));
-    file.tensors_ = walker.take();
-    return file;
+    if (pkl->method != 0) {
+      return UnsupportedError(s.Name() + ": record '" + pkl->name + "' is compressed (method " +
+                              std::to_string(pkl->method) + ")");
+    }
+    if (pkl->n_bytes > limits.max_pickle_bytes) {
+      return ResourceExhaustedError(s.Name() + ": '" + pkl->name + "' is " + std::to_string(pkl->n_bytes) +
+                                    " bytes, over the limit of " + std::to_string(limits.max_pickle_bytes));
+    }
+    UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
+                           ReadRange(s, pkl->data_offset, pkl->n_bytes, limits.max_pickle_bytes));
+    UCPFS_ASSIGN_OR_RETURN(file.graph_, pickle::ParsePickle(bytes, s.Name() + ": " + pkl->name, limits.pickle));
   }
-  if (!zip.ok()) return zip.error();
-  file.archive_ = std::move(*zip);
-  const ZipEntry* pkl = file.archive_.FindRecord("data.pkl");
-  if (pkl == nullptr) {
-    return CorruptError(s.Name() + ": not a torch.save file: no '" +
-                        (file.archive_.prefix().empty() ? std::string() : file.archive_.prefix() + "/") +
-                        "data.pkl' record");
-  }
-  if (pkl->method != 0) {
-    return UnsupportedError(s.Name() + ": record '" + pkl->name + "' is compressed (method " +
-                            std::to_string(pkl->method) + ")");
-  }
-  if (pkl->n_bytes > limits.max_pickle_bytes) {
-    return ResourceExhaustedError(s.Name() + ": '" + pkl->name + "' is " +
-                                  std::to_string(pkl->n_bytes) + " bytes, over the limit of " +
-                                  std::to_string(limits.max_pickle_bytes));
-  }
-  UCPFS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
-                         ReadRange(s, pkl->data_offset, pkl->n_bytes, limits.max_pickle_bytes));
-  UCPFS_ASSIGN_OR_RETURN(file.graph_,
-                         pickle::ParsePickle(bytes, s.Name() + ": " + pkl->name, limits.pickle));
   Walker walker(s, file.archive_, file.graph_, limits);
   UCPFS_RETURN_IF_ERROR(walker.Walk(file.graph_.root(), "", 0));
   file.tensors_ = walker.take();

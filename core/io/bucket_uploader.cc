@@ -79,8 +79,7 @@ struct BucketUploader::Impl {
   uint64_t uploaded_files = 0, uploaded_bytes = 0, deleted_objects = 0, skipped = 0, removed_files = 0;
   // Uploaded staged files, kept until removed (Collect) when still the same.
   struct Kept {
-    uint64_t ino = 0, size = 0;
-    int64_t mtime_ns = 0;
+    StagedCopyRemover::Version version;  // the version uploaded
     Clock::time_point uploaded_at;
   };
   std::map<std::string, Kept> uploaded;
@@ -420,7 +419,7 @@ struct BucketUploader::Impl {
         } else {
           ++uploaded_files;
           uploaded_bytes += item.n_bytes;
-          uploaded[item.what.path] = {item.what.ino, item.what.size, item.what.mtime_ns, Clock::now()};
+          uploaded[item.what.path] = {{item.what.ino, item.what.size, item.what.mtime_ns}, Clock::now()};
         }
         if (queue.empty()) {
           // Every item's record is spent: start the journal afresh so it stays small over a long
@@ -477,7 +476,7 @@ struct BucketUploader::Impl {
     }
     size_t n_removed = 0;
     for (const auto& [path, kept] : due) {
-      const bool removed = copies->Remove(path, {kept.ino, kept.size, kept.mtime_ns}, at_stop);
+      const bool removed = copies->Remove(path, kept.version, at_stop);
       n_removed += removed ? 1 : 0;
       std::lock_guard lock(mu);
       const auto it = uploaded.find(path);
@@ -487,7 +486,7 @@ struct BucketUploader::Impl {
         ++removed_files;
         // A file at this path later is a new one (and the map stays small over a long mount).
         const auto last = last_queued.find(path);
-        if (last != last_queued.end() && last->second == std::tuple{kept.ino, kept.size, kept.mtime_ns}) {
+        if (last != last_queued.end() && last->second == std::tuple{kept.version.ino, kept.version.size, kept.version.mtime_ns}) {
           last_queued.erase(last);
         }
       }
@@ -771,7 +770,7 @@ UploaderStats BucketUploader::Stats() const {
   s.failing = m.head_error.ok() ? "" : m.head_error.ToString();
   s.waiting = m.Waiting(1000);
   s.staged_bytes = s.queued_bytes;
-  for (const auto& [path, kept] : m.uploaded) s.staged_bytes += kept.size;
+  for (const auto& [path, kept] : m.uploaded) s.staged_bytes += kept.version.size;
   s.removed_files = m.removed_files;
   if (m.streams) s.streamed = m.streams->Stats();
   return s;
