@@ -3,7 +3,8 @@
 # the tests' RGW (run under tests/s3/rgw.sh exec): the installed binary names its libcurl in
 # --version and loads it for an s3:// source — the HTTP(S)-only copy installed beside it when the
 # build chose one (tests/build-curl.sh), with none of Debian libcurl4's protocol libraries —
-# and reads a real object through it (`ucpfs inspect` of a safetensors file PUT into the bucket).
+# and reads a real object through it: `ucpfs inspect` of a safetensors file PUT into the bucket
+# says what it says of a local copy.
 # Usage: install_test.sh BUILD_DIR S3_PUT_TREE SAFETENSORS_FILE
 set -euo pipefail
 build=$1 put=$2 file=$3
@@ -29,7 +30,17 @@ bucket=ucpfs-install-$$
 "$put" "$file" "s3://$bucket/w/model.safetensors"
 LD_DEBUG=files "$bin" inspect "s3://$bucket/w" >"$tmp/inspect.out" 2>"$tmp/ld.log" ||
   { echo "FAIL: inspect"; cat "$tmp/inspect.out"; grep -v '^ *[0-9]*:' "$tmp/ld.log"; exit 1; }
-grep -q "safetensors" "$tmp/inspect.out" || { echo "FAIL: inspect output"; cat "$tmp/inspect.out"; exit 1; }
+# What it read through that libcurl (headers by ranged GETs) equals a local copy's, path aside.
+mkdir -p "$tmp/local/w"
+cp "$file" "$tmp/local/w/model.safetensors"
+"$bin" inspect "$tmp/local/w" >"$tmp/local.out" 2>/dev/null
+if ! diff <(tail -n +2 "$tmp/inspect.out") <(tail -n +2 "$tmp/local.out") ||
+   [ "$(head -1 "$tmp/inspect.out" | cut -d: -f3-)" != "$(head -1 "$tmp/local.out" | cut -d: -f2-)" ] ||
+   ! grep -q "weights (safetensors)" "$tmp/local.out"; then
+  echo "FAIL: inspect of the object differs from the local copy's"
+  cat "$tmp/inspect.out" "$tmp/local.out"
+  exit 1
+fi
 loaded=$(grep -o 'file=[^ ]*libcurl[^ ]*' "$tmp/ld.log" | head -1)
 echo "loaded: $loaded"
 if [ "$want" != libcurl.so.4 ]; then
