@@ -487,12 +487,23 @@ void Filesystem::ReadAhead(const OpenFile& file, uint64_t byte_offset, uint64_t 
   const uint64_t step = std::min(window / 2, std::max(window / 8, kReadAheadMinStepBytes));
   uint64_t until = file.prefetched_until->load(std::memory_order_relaxed);
   uint64_t from;
+  bool first;
   do {
     const bool ahead = until > end && until <= end + window;
     if (ahead && until - end > window - step) return;
     from = ahead ? until : end;
+    first = until == 0;
   } while (!file.prefetched_until->compare_exchange_weak(until, end + window, std::memory_order_relaxed));
   const uint64_t to = std::min(end + window, file.n_bytes);
+  // A reader that starts at the front of an open file gets the file's tail announced before
+  // the window: torch.load reads a zip's directory at the end right after the head, and that
+  // read, queued behind the window's source reads, waited for them (24 ms of a 0.08 s cold
+  // load of a 49 MB atomic file). The kernel's read-ahead sends the first reads together, so
+  // whichever of them is answered first announces.
+  if (first && byte_offset < step && file.n_bytes - end > kReadAheadTailBytes) {
+    const uint64_t tail = file.n_bytes - kReadAheadTailBytes;
+    file.source->Prefetch(tail, file.n_bytes - tail);
+  }
   if (to > from) file.source->Prefetch(from, to - from);
 }
 

@@ -52,6 +52,9 @@ namespace ucpfs::fs {
 
 // The smallest step in which a view's read-ahead is topped up (FilesystemOptions::read_ahead_bytes).
 inline constexpr uint64_t kReadAheadMinStepBytes = uint64_t{4} << 20;
+// The tail of a view announced ahead of the window when a reader starts at its front
+// (Filesystem::ReadAhead).
+inline constexpr uint64_t kReadAheadTailBytes = uint64_t{64} << 10;
 
 struct FilesystemOptions {
   uid_t uid = 0;  // owner of nodes that have none of their own (TreeNode::uid == -1)
@@ -78,7 +81,9 @@ struct FilesystemOptions {
   // next `read_ahead_bytes` of the file are announced to its source (ByteSource::Prefetch: the
   // source files' pages are read into the page cache in the background, so the next requests
   // find them there). 0: off. The announced part is topped up in steps of an eighth of it
-  // (kReadAheadMinStepBytes at least, half at most).
+  // (kReadAheadMinStepBytes at least, half at most). The first announcement, when the read
+  // was at the front (within a step of offset 0), also names the file's last
+  // kReadAheadTailBytes, before the window (where zip readers look next).
   uint64_t read_ahead_bytes = 0;
   // Where view reads are counted and errors recorded besides the log (null: the log only).
   std::shared_ptr<MountReport> report;

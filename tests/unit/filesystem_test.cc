@@ -208,18 +208,55 @@ TEST(FilesystemTest, ALargeReadAheadWindowIsToppedUpInEighths) {
   auto [fs, open] = f.Open(32 * kMiB);
   for (uint64_t off = 0; off < 16 * kMiB; off += kMiB) fs->ReadAhead(open, off, kMiB);
   const auto hints = f.source->Hints();
-  ASSERT_EQ(hints.size(), 4u);
-  EXPECT_EQ(hints[0], std::make_pair(1 * kMiB, 33 * kMiB));  // the window
-  EXPECT_EQ(hints[1], std::make_pair(33 * kMiB, 37 * kMiB)); // then 4 MiB each 4 MiB read
-  EXPECT_EQ(hints[2], std::make_pair(37 * kMiB, 41 * kMiB));
-  EXPECT_EQ(hints[3], std::make_pair(41 * kMiB, 45 * kMiB));
+  ASSERT_EQ(hints.size(), 5u);
+  EXPECT_EQ(hints[0], std::make_pair(200 * kMiB - kReadAheadTailBytes, 200 * kMiB));  // the tail
+  EXPECT_EQ(hints[1], std::make_pair(1 * kMiB, 33 * kMiB));  // the window
+  EXPECT_EQ(hints[2], std::make_pair(33 * kMiB, 37 * kMiB)); // then 4 MiB each 4 MiB read
+  EXPECT_EQ(hints[3], std::make_pair(37 * kMiB, 41 * kMiB));
+  EXPECT_EQ(hints[4], std::make_pair(41 * kMiB, 45 * kMiB));
   // A 128M window: steps of 16 MiB.
   auto [fs2, open2] = f.Open(128 * kMiB);
   for (uint64_t off = 0; off < 20 * kMiB; off += kMiB) fs2->ReadAhead(open2, off, kMiB);
   const auto wide_hints = f.source->Hints();
-  ASSERT_EQ(wide_hints.size(), 6u);
-  EXPECT_EQ(wide_hints[4], std::make_pair(1 * kMiB, 129 * kMiB));
-  EXPECT_EQ(wide_hints[5], std::make_pair(129 * kMiB, 145 * kMiB));
+  ASSERT_EQ(wide_hints.size(), 8u);
+  EXPECT_EQ(wide_hints[6], std::make_pair(1 * kMiB, 129 * kMiB));
+  EXPECT_EQ(wide_hints[7], std::make_pair(129 * kMiB, 145 * kMiB));
+}
+
+// torch.load reads a zip's head, then its directory at the end, then the data: a reader that
+// starts at the front gets the file's tail announced before the window, so its second read does
+// not wait behind the window's source reads. Only the first read of an open file does it, and
+// only at offset 0; a tail already covered by the read is not announced again.
+TEST(FilesystemTest, AReaderStartingAtTheFrontGetsTheTailAnnouncedFirst) {
+  constexpr uint64_t kMiB = 1 << 20;
+  HintedFile f(100 * kMiB);
+  {
+    auto [fs, open] = f.Open(8 * kMiB);
+    fs->ReadAhead(open, 0, kMiB);
+    fs->ReadAhead(open, 100 * kMiB - 4096, 4096);  // the directory: nothing more
+    fs->ReadAhead(open, 0, kMiB);                   // the front again: within the window
+    const auto hints = f.source->Hints();
+    ASSERT_EQ(hints.size(), 2u);
+    EXPECT_EQ(hints[0], std::make_pair(100 * kMiB - kReadAheadTailBytes, 100 * kMiB));
+    EXPECT_EQ(hints[1], std::make_pair(1 * kMiB, 9 * kMiB));
+  }
+  {  // A first read elsewhere (mmap faults, a seek): the window alone.
+    auto [fs, open] = f.Open(8 * kMiB);
+    fs->ReadAhead(open, 40 * kMiB, kMiB);
+    fs->ReadAhead(open, 0, kMiB);
+    const auto hints = f.source->Hints();
+    ASSERT_EQ(hints.size(), 4u);
+    EXPECT_EQ(hints[2], std::make_pair(41 * kMiB, 49 * kMiB));
+    EXPECT_EQ(hints[3], std::make_pair(1 * kMiB, 9 * kMiB));
+  }
+  {  // A file no larger than the first read plus the tail: nothing to announce apart.
+    HintedFile small(kMiB + kReadAheadTailBytes);
+    auto [fs, open] = small.Open(8 * kMiB);
+    fs->ReadAhead(open, 0, kMiB);
+    const auto hints = small.source->Hints();
+    ASSERT_EQ(hints.size(), 1u);
+    EXPECT_EQ(hints[0], std::make_pair(1 * kMiB, kMiB + kReadAheadTailBytes));
+  }
 }
 
 TEST(FilesystemTest, ASubtreeIsBuiltOnceAndEvictedWhenEveryReferenceIsForgotten) {
