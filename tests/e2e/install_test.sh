@@ -14,6 +14,13 @@ trap 'rm -rf "$tmp"' EXIT
 DESTDIR=$tmp/root cmake --install "$build" --prefix /usr/local >"$tmp/install.log"
 bin=$tmp/root/usr/local/bin/ucpfs
 [ -x "$bin" ] || { echo "FAIL: no $bin"; cat "$tmp/install.log"; exit 1; }
+# Installed without debug sections, its symbol table kept (backtraces name functions).
+# (grep -c reads all its input: with pipefail, grep -q's early exit would fail the pipe.)
+if [ "$(readelf -S --wide "$bin" | grep -c '\.debug_info')" != 0 ]; then
+  echo "FAIL: $bin was installed with its debug sections ($(stat -c %s "$bin") bytes)"; exit 1
+fi
+[ "$(nm "$bin" | grep -c 'FileSource')" != 0 ] || { echo "FAIL: $bin has no symbol table"; exit 1; }
+echo "installed $(stat -c %s "$bin") bytes (build: $(stat -c %s "$build/cli/ucpfs"))"
 version=$("$bin" --version)
 echo "$version"
 if grep -q 'lib/ucpfs/libcurl.so.4' "$tmp/install.log"; then
