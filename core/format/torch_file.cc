@@ -280,10 +280,6 @@ Result<LegacyPickles> ReadLegacyPickles(const ByteSource& s, const TorchFileLimi
   }
 }
 
-}  // namespace
-
-namespace {
-
 // The file's first bytes, enough for the legacy magic number's pickle (empty when unreadable).
 std::vector<std::byte> Head(const ByteSource& src) {
   std::vector<std::byte> head(std::min<uint64_t>(32, src.Size()));

@@ -89,7 +89,7 @@ struct BucketUploader::Impl {
   std::unique_ptr<StagedCopyRemover> copies;  // made by Start, before the thread
   Clock::time_point last_collect = Clock::now();
   // The version last queued at each path (this mount's life).
-  std::map<std::string, std::tuple<uint64_t, uint64_t, int64_t>> last_queued;
+  std::map<std::string, StagedCopyRemover::Version> last_queued;
   std::unique_ptr<StreamedUploads> streams;  // null without stream_parts
   // Streamed uploads of an earlier mount that could not be aborted at Start: kept in the journal
   // (written again whenever it is started afresh) for the next mount to try again.
@@ -123,7 +123,7 @@ struct BucketUploader::Impl {
       std::lock_guard lock(mu);
       // The same version queued again (an fsync, then the close of an unchanged file): once.
       const auto last = last_queued.find(p.path);
-      const std::tuple<uint64_t, uint64_t, int64_t> version{p.ino, p.size, p.mtime_ns};
+      const StagedCopyRemover::Version version{p.ino, p.size, p.mtime_ns};
       if (!p.is_delete && last != last_queued.end() && last->second == version) return Status::Ok();
       if (p.is_delete) {
         last_queued.erase(p.path);
@@ -486,7 +486,7 @@ struct BucketUploader::Impl {
         ++removed_files;
         // A file at this path later is a new one (and the map stays small over a long mount).
         const auto last = last_queued.find(path);
-        if (last != last_queued.end() && last->second == std::tuple{kept.version.ino, kept.version.size, kept.version.mtime_ns}) {
+        if (last != last_queued.end() && last->second == kept.version) {
           last_queued.erase(last);
         }
       }

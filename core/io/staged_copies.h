@@ -32,6 +32,7 @@ class StagedCopyRemover {
   struct Version {
     uint64_t ino = 0, size = 0;
     int64_t mtime_ns = 0;
+    bool operator==(const Version&) const = default;
   };
 
   // The descriptors stay the caller's and must outlive this; the names are for messages.
