@@ -2,7 +2,9 @@
 
   wheel  Builds the wheel (`pip wheel .`, scikit-build-core and nanobind from PyPI in pip's
          isolated build environment; its CMake build directory .build-python/ is kept, so a
-         rebuild compiles only what changed) and installs it into a fresh venv with no torch:
+         rebuild compiles only what changed, and it compiles through ccache when installed, so
+         a fresh clone's build reuses the last one's objects) and installs it into a fresh venv
+         with no torch:
          the `ucpfs` command runs, `import ucpfs` works, torch is not there, the extension
          needs no libfuse3 and every library it needs resolves. The wheel is also installed
          with `pip install --target` for the `views` test (the shared venv's torch 2.13 then
@@ -66,12 +68,26 @@ def run(cmd, **kw):
     return p
 
 
+def wheel_build_env():
+    """pip's environment for the wheel build. With ccache installed (tests/install-deps.sh installs
+    it), CMake compiles through it as tests/build.sh does (CMake takes the launcher from these
+    variables at the build directory's first configure), paths hashed relative to the clone: a
+    fresh clone's first wheel build, as in CI, reuses the objects of the last one instead of
+    compiling the whole Release build again."""
+    env = dict(os.environ)
+    if shutil.which("ccache"):
+        env.update(CMAKE_C_COMPILER_LAUNCHER="ccache", CMAKE_CXX_COMPILER_LAUNCHER="ccache",
+                   CCACHE_BASEDIR=ROOT, CCACHE_NOHASHDIR="1")
+    return env
+
+
 def wheel_test():
     d = package_dir()
     for sub in ("wheel", "venv", "site"):
         shutil.rmtree(os.path.join(d, sub), ignore_errors=True)
     py = "/usr/bin/python3"  # Debian 12's, as a new user's
-    run([py, "-m", "pip", "wheel", "--no-deps", "-w", os.path.join(d, "wheel"), ROOT], timeout=1700)
+    run([py, "-m", "pip", "wheel", "--no-deps", "-w", os.path.join(d, "wheel"), ROOT], timeout=1700,
+        env=wheel_build_env())
     wheels = [w for w in os.listdir(os.path.join(d, "wheel")) if w.endswith(".whl")]
     assert len(wheels) == 1, wheels
     wheel = os.path.join(d, "wheel", wheels[0])
