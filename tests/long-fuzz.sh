@@ -8,8 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-1000000}
-CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DUCPFS_FUZZ=ON -DUCPFS_WERROR=ON >/dev/null
-cmake --build build-fuzz -j"$(nproc)" --target fuzz_targets   # every ucpfs_fuzz target
+# Through tests/build.sh, so the build compiles through ccache like the others (a fresh clone's
+# build-fuzz, as in CI, reuses the last one's objects).
+CC=clang CXX=clang++ bash tests/build.sh build-fuzz --target fuzz_targets -DUCPFS_FUZZ=ON   # every ucpfs_fuzz target
 # The targets' names: the fuzz-labelled tests (one per target, named as it).
 mapfile -t targets < <(ctest --test-dir build-fuzz -N -L fuzz | sed -n 's/^ *Test *#[0-9]*: \(fuzz_[a-z0-9_]*\)$/\1/p')
 (( ${#targets[@]} > 0 )) || { echo "long-fuzz: no fuzz targets found"; exit 1; }
