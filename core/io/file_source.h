@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "core/byte_source.h"
@@ -57,12 +58,19 @@ class FileSource final : public ByteSource, public std::enable_shared_from_this<
   // Each piece is at its own offset of this file's descriptor (held by the extents). Errors:
   // kOutOfRange past Size().
   Result<bool> LocatePieces(std::span<const ReadPiece> pieces, std::span<FileExtent> extents) const override;
-  // posix_fadvise(POSIX_FADV_WILLNEED), and the range handed to the process's read-ahead
-  // readers (core/io/prefetcher.h), which read what is not in the page cache yet into it; a
-  // hint only: dropped when they are busy (io::LegacyReadPath: the hint alone).
+  // The range handed to the process's read-ahead readers (core/io/prefetcher.h), which read
+  // what is not in the page cache yet into it; a hint only. Where they cannot take it (their
+  // queue is full) or with io::LegacyReadPath, posix_fadvise(POSIX_FADV_WILLNEED) instead.
   void Prefetch(uint64_t byte_offset, uint64_t n_bytes) const override;
-  // The descriptor (valid while this object lives), for the read-ahead readers.
+  // The descriptor (valid while this object lives).
   int fd() const { return fd_; }
+  // A second open of the same file (the open descriptor reopened through /proc/self/fd, so the
+  // same inode whatever became of the path since), marked POSIX_FADV_SEQUENTIAL, for the
+  // read-ahead readers: it has read-ahead state of its own, which the readers' sequential
+  // reads grow to the device's full window, where the readers' reads interleaved with the
+  // serving threads' on fd() looked random to the kernel. Opened on first use; fd() when it
+  // cannot be (no /proc). Valid while this object lives.
+  int read_ahead_fd() const;
 
   // The file's identity when it was opened.
   const FileIdentity& identity() const { return identity_; }
@@ -77,6 +85,8 @@ class FileSource final : public ByteSource, public std::enable_shared_from_this<
         make_engine_(std::move(make_engine)) {}
   std::string path_;
   int fd_;
+  mutable std::once_flag read_ahead_once_;
+  mutable int read_ahead_fd_ = -1;  // set once under read_ahead_once_; fd_ when not reopened
   uint64_t n_bytes_;
   FileIdentity identity_;
   io::IoEngineFactory make_engine_;  // empty: pread

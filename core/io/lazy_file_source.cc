@@ -51,7 +51,7 @@ size_t FdCache::size() const {
 size_t FdCache::DefaultCapacity() {
   struct rlimit rl {};
   if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return 65536;
-  return std::clamp<size_t>(static_cast<size_t>(rl.rlim_cur / 2), 16, 65536);
+  return std::clamp<size_t>(static_cast<size_t>(rl.rlim_cur / 4), 16, 65536);
 }
 
 uint64_t RaiseOpenFileLimit() {

@@ -45,8 +45,9 @@ class FdCache {
   size_t capacity() const { return capacity_; }
   size_t size() const;
 
-  // A capacity that fits the process's open-file limit: half the soft RLIMIT_NOFILE (the rest
-  // for FUSE, LMDB and the daemon), at least 16, at most 65536.
+  // A capacity that fits the process's open-file limit: a quarter of the soft RLIMIT_NOFILE
+  // (a cached file may hold two descriptors, its own and FileSource::read_ahead_fd; the other
+  // half for FUSE, LMDB and the daemon), at least 16, at most 65536.
   static size_t DefaultCapacity();
 
  private:

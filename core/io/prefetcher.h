@@ -1,8 +1,11 @@
 // Prefetcher: the read-ahead readers of a process. FileSource::Prefetch hands them ranges of
 // source files that a view read will need soon; they bring what the page cache lacks into it,
-// a chunk at a time: a WILLNEED hint where the kernel then shows the pages present (cachestat:
-// being read, no copy), else a pread into a small scratch buffer that is thrown away, so the
-// later reads find the pages there, whatever the file system does with the hint.
+// a chunk at a time: sendfile to /dev/null from the file's read-ahead descriptor
+// (FileSource::read_ahead_fd), so the kernel's own read-ahead reads the pages in large requests
+// and nothing is copied; where the file system cannot splice, a WILLNEED hint where the kernel
+// then shows the pages present (cachestat: being read, no copy), else a pread into a small
+// scratch buffer that is thrown away, so the later reads find the pages there, whatever the
+// file system does with the hint.
 //
 // Not for: holding data for readers (the page cache does), or ordering reads.
 // Invariants: memory is bounded (a fixed queue of ranges, one 1 MiB scratch buffer per reader

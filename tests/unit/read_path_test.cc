@@ -6,6 +6,7 @@
 // (where they lie, exactly) and still catches an edit in place; the read-ahead readers read ranges into the page cache, bounded.
 // Seeded: UCPFS_TEST_SEED replays a run.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -535,6 +536,110 @@ TEST_F(FilePieces, PrefetcherReadsRangesIntoThePageCache) {
   prefetcher.Drain();
   EXPECT_EQ(prefetcher.counters().ranges_dropped, dropped);
   EXPECT_EQ(prefetcher.counters().ranges_queued + dropped, 1002u);
+}
+
+
+// How many pages of [byte_offset, +n_bytes) of `path` (page-aligned) are in the page cache
+// with their reads complete (mincore over a mapping).
+size_t PagesCached(const std::string& path, size_t byte_offset, size_t n_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  void* map = ::mmap(nullptr, n_bytes, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(byte_offset));
+  ::close(fd);
+  if (map == MAP_FAILED) return 0;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> present((n_bytes + page - 1) / page);
+  size_t n = 0;
+  if (::mincore(map, n_bytes, present.data()) == 0) {
+    for (unsigned char p : present) n += p & 1;
+  }
+  ::munmap(map, n_bytes);
+  return n;
+}
+
+TEST_F(FilePieces, ReadAheadDescriptorIsASecondOpenOfTheSameFile) {
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 9);
+  const std::string path = Write("ra.bin", RandomBytes(rng, 1 << 16));
+  const auto open_fds = [] {
+    return std::distance(fs::directory_iterator("/proc/self/fd"), fs::directory_iterator{});
+  };
+  const auto before = open_fds();
+  std::shared_ptr<FileSource> file, other;
+  {
+    auto opened = FileSource::Open(path);
+    ASSERT_TRUE(opened.ok());
+    file = *opened;
+  }
+  const int fd = file->read_ahead_fd();
+  EXPECT_EQ(fd, file->read_ahead_fd());  // opened once
+  const bool reopened = fd != file->fd();
+  struct stat a {}, b {};
+  ASSERT_EQ(::fstat(file->fd(), &a), 0);
+  ASSERT_EQ(::fstat(fd, &b), 0);
+  EXPECT_EQ(a.st_dev, b.st_dev);
+  EXPECT_EQ(a.st_ino, b.st_ino);
+  // Its own descriptor where /proc is there, read-only and closed on exec.
+  if (reopened) {
+    EXPECT_EQ(::fcntl(fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+    EXPECT_NE(::fcntl(fd, F_GETFD) & FD_CLOEXEC, 0);
+  } else {
+    EXPECT_FALSE(fs::exists("/proc/self/fd")) << "read_ahead_fd() fell back to fd() with /proc there";
+  }
+  // The same inode even when the path names another file by then (reopened through
+  // /proc/self/fd, never by the path).
+  {
+    auto opened = FileSource::Open(path);
+    ASSERT_TRUE(opened.ok());
+    other = *opened;
+  }
+  fs::rename(path, (dir_ / "moved.bin").string());
+  Write("ra.bin", RandomBytes(rng, 100));
+  struct stat c {};
+  ASSERT_EQ(::fstat(other->read_ahead_fd(), &c), 0);
+  EXPECT_EQ(c.st_ino, a.st_ino);
+  EXPECT_EQ(c.st_size, 1 << 16);
+  // Both descriptors close with the file.
+  EXPECT_EQ(open_fds(), before + (reopened ? 4 : 2));
+  file.reset();
+  other.reset();
+  EXPECT_EQ(open_fds(), before);
+}
+
+TEST_F(FilePieces, PrefetcherBringsAColdRangeIntoThePageCache) {
+  // A file written and synced, its pages dropped (POSIX_FADV_DONTNEED; where the file system
+  // keeps them, e.g. tmpfs, only the byte count is checked): the readers' pass brings every page
+  // of the range into the page cache (the kernel's read-ahead may go on past its end: those
+  // later chunks count as found cached), and nothing before its start.
+  std::mt19937_64 rng(ucpfs::testing::TestSeed() + 10);
+  const size_t n_bytes = size_t{24} << 20;
+  const std::string path = Write("cold.bin", RandomBytes(rng, n_bytes));
+  {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fdatasync(fd), 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    ::close(fd);
+  }
+  const bool evicted = PagesCached(path, 0, n_bytes) == 0;
+  auto file = FileSource::Open(path);
+  ASSERT_TRUE(file.ok());
+  io::Prefetcher prefetcher(1, 4);
+  const uint64_t from = 3 << 20, n = 17 << 20;  // two 8 MiB chunks and a part
+  ASSERT_TRUE(prefetcher.Enqueue(*file, from, n));
+  prefetcher.Drain();
+  const auto c = prefetcher.counters();
+  EXPECT_EQ(c.bytes_read + c.bytes_cached, n);
+  if (!evicted) GTEST_SKIP() << "the file system kept the pages: only the byte count was checked";
+  EXPECT_GE(c.bytes_read, uint64_t{8} << 20);  // at least the first chunk was read, not found
+  // mincore counts a page once its read has completed: wait for the reads the pass started.
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  size_t in_range = 0;
+  for (int i = 0; i < 500 && in_range < n / page; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    in_range = PagesCached(path, from, n);
+  }
+  EXPECT_EQ(in_range, n / page);
+  EXPECT_EQ(PagesCached(path, 0, from), 0u);
 }
 
 }  // namespace
