@@ -95,8 +95,9 @@ FileSource::~FileSource() {
 
 int FileSource::read_ahead_fd() const {
   std::call_once(read_ahead_once_, [this] {
+    // The same open file, so a regular file (Open checked): no O_NONBLOCK needed here.
     const std::string self = "/proc/self/fd/" + std::to_string(fd_);
-    const int fd = ::open(self.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    const int fd = ::open(self.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
       read_ahead_fd_ = fd_;
       return;
@@ -113,10 +114,11 @@ void FileSource::Prefetch(uint64_t byte_offset, uint64_t n_bytes) const {
   const uint64_t n = std::min(n_bytes, n_bytes_ - byte_offset);
   // The readers read the range through the kernel's ordinary read-ahead (large requests). A
   // WILLNEED as well, made first, had the kernel read the same pages in 1 MiB requests (its
-  // reads fill single pages, not the large folios of the ordinary read-ahead): with both, a cold 1.88 GB load through the
-  // mount sent ~1,800 requests of 1 MiB queued ~15 deep, not ~950 of 2 MiB, and took 10 %
-  // longer. WILLNEED alone is bounded by the device's read-ahead and ignored by some file
-  // systems (network and FUSE ones), so it is what is left when the readers are busy.
+  // reads fill single pages, not the large folios of the ordinary read-ahead): with both, a
+  // cold 1.88 GB load through the mount sent ~1,800 requests of 1 MiB queued ~15 deep, not
+  // ~950 of 2 MiB, and took 6-8 % longer. WILLNEED alone is bounded by the device's read-ahead
+  // and ignored by some file systems (network and FUSE ones), so it is what is left when the
+  // readers are busy.
   if (LegacyReadPath() || !io::Prefetcher::Global().Enqueue(shared_from_this(), byte_offset, n)) {
     (void)::posix_fadvise(fd_, static_cast<off_t>(byte_offset), static_cast<off_t>(n), POSIX_FADV_WILLNEED);
   }

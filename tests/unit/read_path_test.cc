@@ -538,7 +538,6 @@ TEST_F(FilePieces, PrefetcherReadsRangesIntoThePageCache) {
   EXPECT_EQ(prefetcher.counters().ranges_queued + dropped, 1002u);
 }
 
-
 // How many pages of [byte_offset, +n_bytes) of `path` (page-aligned) are in the page cache
 // with their reads complete (mincore over a mapping).
 size_t PagesCached(const std::string& path, size_t byte_offset, size_t n_bytes) {
