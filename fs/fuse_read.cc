@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/io/beneath.h"
 #include "fs/errno_map.h"
 #include "fs/materialize.h"
 #include "fs/mount_report.h"
@@ -35,7 +36,7 @@ int BackingFdOf(Server& server, const OpenFile& file, bool* writable) {
   *writable = false;
   if (const auto& h = file.passthrough) {
     if (h->captured != nullptr || h->fd < 0 || (h->writable && h->kill_privs.load())) return -1;
-    const std::string proc = "/proc/self/fd/" + std::to_string(h->fd);
+    const std::string proc = io::ProcFdPath(h->fd);
     int fd = open(proc.c_str(), O_RDWR | O_CLOEXEC);
     if (fd >= 0) {
       *writable = true;

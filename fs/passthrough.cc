@@ -299,7 +299,7 @@ Result<struct stat> Passthrough::SetAttr(const Caller& caller, Ino ino, const st
   UCPFS_RETURN_IF_ERROR(as.status());
   std::shared_lock use(node->fd_mu);
   if (node->gone) return Gone(*node);
-  const std::string proc = ProcPath(node->fd);
+  const std::string proc = ProcFdPath(node->fd);
   if ((to_set & (kSetUid | kSetGid)) != 0) {
     const uid_t uid = (to_set & kSetUid) != 0 ? attr.st_uid : static_cast<uid_t>(-1);
     const gid_t gid = (to_set & kSetGid) != 0 ? attr.st_gid : static_cast<gid_t>(-1);

@@ -139,7 +139,7 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
       UCPFS_RETURN_IF_ERROR(as.status());
       std::shared_lock use(node->fd_mu);
       if (node->gone) return Gone(*node);
-      const int probe = open(ProcPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW | O_TRUNC)) | O_CLOEXEC);
+      const int probe = open(ProcFdPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW | O_TRUNC)) | O_CLOEXEC);
       if (probe < 0) return Sys(errno, "open " + node->name);
       close(probe);
       if (fstatat(node->fd, "", &attr, AT_EMPTY_PATH) != 0) return Sys(errno, "stat " + node->name);
@@ -192,7 +192,7 @@ Result<std::unique_ptr<PassthroughHandle>> Passthrough::OpenUncounted(const Call
     UCPFS_RETURN_IF_ERROR(as.status());
     std::shared_lock use(node->fd_mu);
     if (node->gone) return Gone(*node);
-    fd = open(ProcPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW)) | O_CLOEXEC);
+    fd = open(ProcFdPath(node->fd).c_str(), (flags & ~(O_CREAT | O_EXCL | O_NOCTTY | O_NOFOLLOW)) | O_CLOEXEC);
     if (fd < 0) return Sys(errno, "open " + node->name);
   }
   auto h = std::make_unique<PassthroughHandle>();

@@ -227,7 +227,7 @@ Status Passthrough::SetXattr(const Caller& caller, Ino ino, const std::string& n
   UCPFS_RETURN_IF_ERROR(as.status());
   std::shared_lock use(node->fd_mu);
   if (node->gone) return Gone(*node);
-  if (setxattr(ProcPath(node->fd).c_str(), name.c_str(), value.data(), value.size(), flags) != 0) {
+  if (setxattr(ProcFdPath(node->fd).c_str(), name.c_str(), value.data(), value.size(), flags) != 0) {
     return Sys(errno, "setxattr " + node->name);
   }
   return Status::Ok();
@@ -243,7 +243,7 @@ Result<std::vector<std::byte>> Passthrough::GetXattr(const Caller& caller, Ino i
   std::shared_lock use(node->fd_mu);
   if (node->gone) return Gone(*node);
   std::vector<std::byte> value(size);
-  const ssize_t n = getxattr(ProcPath(node->fd).c_str(), name.c_str(), size == 0 ? nullptr : value.data(), size);
+  const ssize_t n = getxattr(ProcFdPath(node->fd).c_str(), name.c_str(), size == 0 ? nullptr : value.data(), size);
   if (n < 0) return Sys(errno, "getxattr " + node->name);
   // size 0 asks only the size: a vector of that many (unused) bytes tells it.
   value.resize(static_cast<size_t>(n));
@@ -261,7 +261,7 @@ Result<std::vector<std::byte>> Passthrough::ListXattr(const Caller& caller, Ino 
     UCPFS_RETURN_IF_ERROR(as.status());
     std::shared_lock use(node->fd_mu);
     if (node->gone) return Gone(*node);
-    const std::string proc = ProcPath(node->fd);
+    const std::string proc = ProcFdPath(node->fd);
     for (int attempt = 0; attempt < 4; ++attempt) {
       const ssize_t need = listxattr(proc.c_str(), nullptr, 0);
       if (need < 0) return Sys(errno, "listxattr " + node->name);
@@ -293,7 +293,7 @@ Status Passthrough::RemoveXattr(const Caller& caller, Ino ino, const std::string
   UCPFS_RETURN_IF_ERROR(as.status());
   std::shared_lock use(node->fd_mu);
   if (node->gone) return Gone(*node);
-  if (removexattr(ProcPath(node->fd).c_str(), name.c_str()) != 0) return Sys(errno, "removexattr " + node->name);
+  if (removexattr(ProcFdPath(node->fd).c_str(), name.c_str()) != 0) return Sys(errno, "removexattr " + node->name);
   return Status::Ok();
 }
 }  // namespace ucpfs::fs

@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/io/beneath.h"
 #include "core/status.h"
 #include "fs/errno_map.h"
 
@@ -31,7 +32,7 @@ inline bool UserXattr(const std::string& name) { return name.starts_with("user."
 
 inline Status Sys(int err, const std::string& what) { return PosixError(err, what + ": " + std::strerror(err)); }
 
-inline std::string ProcPath(int fd) { return "/proc/self/fd/" + std::to_string(fd); }
+using io::ProcFdPath;
 
 // A name the kernel hands us is one component; refuse anything else outright.
 inline Status CheckName(std::string_view name) {

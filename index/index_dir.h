@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "core/io/beneath.h"
 #include "core/status.h"
 
 namespace ucpfs::index {
@@ -39,7 +40,7 @@ class Fd {
   }
   int get() const { return fd_; }
   // The magic link that reopens this very inode, whatever its names now are.
-  std::string ProcPath() const { return "/proc/self/fd/" + std::to_string(fd_); }
+  std::string ProcPath() const { return io::ProcFdPath(fd_); }
 
  private:
   int fd_ = -1;

@@ -7,10 +7,8 @@ namespace ucpfs::io {
 
 // Destination of `f` relative to SRC, "" when it is not beneath SRC any more.
 std::string WriteCapture::Impl::RelPath(const CapturedFile& f) const {
-  char link[64];
-  std::snprintf(link, sizeof(link), "/proc/self/fd/%d", f.parent_fd);
   char buf[PATH_MAX];
-  const ssize_t n = readlink(link, buf, sizeof(buf) - 1);
+  const ssize_t n = readlink(ProcFdPath(f.parent_fd).c_str(), buf, sizeof(buf) - 1);
   if (n <= 0) return "";
   std::string dir(buf, static_cast<size_t>(n));
   if (dir == source_real) return f.name;

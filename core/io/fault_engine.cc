@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <unordered_map>
 
+#include "core/io/beneath.h"
 #include "core/io/io_engine.h"
 #include "core/io/name_ops.h"
 #include "core/io/op_progress.h"
@@ -109,8 +110,7 @@ void FaultPlan::Completed(const IoOp& op, size_t n_bytes) {
   if (u.fd < 0) {
     // A descriptor of our own (not O_DIRECT, unlike a dup), that holds the inode through
     // renames and unlinks.
-    const std::string proc = "/proc/self/fd/" + std::to_string(op.fd);
-    u.fd = open(proc.c_str(), O_WRONLY | O_CLOEXEC);
+    u.fd = open(ProcFdPath(op.fd).c_str(), O_WRONLY | O_CLOEXEC);
   }
   u.ranges.emplace_back(op.byte_offset, n_bytes);
 }
@@ -142,7 +142,7 @@ void FaultPlan::UndoNameChange(const NameChange& c) {
       if (NodeAt(c.dir_fd, c.name) == c.node && unlinkat(c.dir_fd, c.name.c_str(), AT_REMOVEDIR) != 0) {
         // Not empty: what was made inside goes with it.
         std::error_code ec;
-        std::filesystem::remove_all("/proc/self/fd/" + std::to_string(c.dir_fd) + "/" + c.name, ec);
+        std::filesystem::remove_all(ProcFdPath(c.dir_fd) + "/" + c.name, ec);
       }
       break;
     case Kind::kRename:

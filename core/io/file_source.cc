@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/checked.h"
+#include "core/io/beneath.h"
 #include "core/io/prefetcher.h"
 
 namespace ucpfs {
@@ -96,8 +97,7 @@ FileSource::~FileSource() {
 int FileSource::read_ahead_fd() const {
   std::call_once(read_ahead_once_, [this] {
     // The same open file, so a regular file (Open checked): no O_NONBLOCK needed here.
-    const std::string self = "/proc/self/fd/" + std::to_string(fd_);
-    const int fd = ::open(self.c_str(), O_RDONLY | O_CLOEXEC);
+    const int fd = ::open(io::ProcFdPath(fd_).c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
       read_ahead_fd_ = fd_;
       return;

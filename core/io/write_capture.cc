@@ -137,9 +137,7 @@ Result<std::unique_ptr<WriteCapture>> WriteCapture::Start(WriteCaptureOptions op
   impl->names = impl->options.names ? impl->options.names : RealNameOps();
   const std::string src = impl->options.source_dir;
   char real[PATH_MAX];
-  char link[64];
-  std::snprintf(link, sizeof(link), "/proc/self/fd/%d", impl->options.source_dirfd);
-  const ssize_t n = readlink(link, real, sizeof(real) - 1);
+  const ssize_t n = readlink(ProcFdPath(impl->options.source_dirfd).c_str(), real, sizeof(real) - 1);
   if (n <= 0) return IoError("resolve " + src, errno);
   impl->source_real.assign(real, static_cast<size_t>(n));
   UCPFS_ASSIGN_OR_RETURN(const int ucpfs_fd,
@@ -456,8 +454,7 @@ bool WriteCapture::Placed(const CapturedFile& file) const {
 }
 
 Result<int> WriteCapture::OpenPath(const CapturedFile& file) const {
-  const std::string proc = "/proc/self/fd/" + std::to_string(file.fd);
-  const int fd = open(proc.c_str(), O_PATH | O_CLOEXEC);
+  const int fd = open(ProcFdPath(file.fd).c_str(), O_PATH | O_CLOEXEC);
   if (fd < 0) return IoError("open " + impl_->PartPath(file), errno);
   return fd;
 }
