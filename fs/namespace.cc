@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <ctime>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 namespace ucpfs::fs {
@@ -20,6 +21,28 @@ struct timespec Now() {
 
 Opener FixedSource(std::shared_ptr<const ByteSource> src) {
   return [src]() -> Result<std::shared_ptr<const ByteSource>> { return src; };
+}
+
+Opener BuiltOnOpen(Builder build, uint64_t n_bytes) {
+  struct Held {
+    Builder build;
+    uint64_t n_bytes;
+    std::mutex mu;
+    std::weak_ptr<const ByteSource> open;  // guarded by mu
+  };
+  auto held = std::make_shared<Held>(std::move(build), n_bytes);
+  return [held]() -> Result<std::shared_ptr<const ByteSource>> {
+    std::lock_guard lock(held->mu);
+    if (auto src = held->open.lock()) return src;
+    UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const ByteSource> src, held->build());
+    if (src == nullptr) return InternalError("a file listed in the tree is not built again");
+    if (src->Size() != held->n_bytes) {
+      return InternalError(src->Name() + " built again has " + std::to_string(src->Size()) + " bytes, not the " +
+                           std::to_string(held->n_bytes) + " listed");
+    }
+    held->open = src;
+    return src;
+  };
 }
 
 Status AddMetaDir(Tree& tree, struct timespec mtime, const std::string& status_text,

@@ -59,6 +59,14 @@ struct MountHooks {
 // Opener of a file whose bytes are made already (a MemorySource, a lazy file sized at mount).
 Opener FixedSource(std::shared_ptr<const ByteSource> src);
 
+// Opener of a file built again when it is opened, so the tree keeps only its name, its size and
+// what `build` captures, not the built file (zip headers, pickles, copy plans): what a view holds
+// between opens does not grow with the model. Opens while an earlier one still holds the file
+// share that build. `build` must be deterministic: its file has the `n_bytes` the tree lists;
+// another size is kInternal, naming the file. Errors: `build`'s.
+using Builder = std::function<Result<std::shared_ptr<const ByteSource>>()>;
+Opener BuiltOnOpen(Builder build, uint64_t n_bytes);
+
 // The current time (CLOCK_REALTIME), the mtime of what a mount makes.
 struct timespec Now();
 

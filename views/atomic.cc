@@ -96,15 +96,20 @@ Status LayoutProvider::Read(uint64_t byte_offset, std::span<std::byte> out) cons
                                 LegacyReadPath() ? nullptr : &plans_);
 }
 
-Result<std::shared_ptr<format::LazyTorchFile>> BuildAtomicFile(
-    std::shared_ptr<const slice::TensorLayout> layout, const AtomicPattern& pattern,
-    std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files, std::string name) {
-  for (const auto& f : layout->fragments) {
+Status CheckAtomicDtypes(const slice::TensorLayout& layout, const std::string& name) {
+  for (const auto& f : layout.fragments) {
     if (!slice::CanConvert(f.dtype, DType::kFloat32)) {
       return UnsupportedError(name + ": cannot convert stored " + std::string(TorchName(f.dtype)) +
                               " to float32");
     }
   }
+  return Status::Ok();
+}
+
+Result<std::shared_ptr<format::LazyTorchFile>> BuildAtomicFile(
+    std::shared_ptr<const slice::TensorLayout> layout, const AtomicPattern& pattern,
+    std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files, std::string name) {
+  UCPFS_RETURN_IF_ERROR(CheckAtomicDtypes(*layout, name));
   format::SaveValue root = format::SaveValue::Dict();
   if (pattern.cat_dim) root.Set("cat_dim", format::SaveValue::Int(*pattern.cat_dim));
   if (pattern.vocab_tensor) root.Set("vocab_tensor", format::SaveValue::Bool(true));

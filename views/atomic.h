@@ -68,9 +68,13 @@ class LayoutProvider final : public format::TensorBytesProvider {
   slice::PlanCache plans_;  // over *layout_, which it must not outlive: declared after it
 };
 
+// Whether every fragment of `layout` converts to float32; kUnsupported naming `name` if not.
+Status CheckAtomicDtypes(const slice::TensorLayout& layout, const std::string& name);
+
 // Builds the atomic file for one state of one parameter: {[cat_dim], [vocab_tensor], param}
-// with `param` the consolidated tensor in float32. `name` is used in errors.
-// Errors: kUnsupported when a fragment's dtype cannot be converted to float32.
+// with `param` the consolidated tensor in float32. `name` is used in errors. Its size depends
+// only on the shape and `pattern`, not on where the tensor's bytes lie.
+// Errors: CheckAtomicDtypes'.
 Result<std::shared_ptr<format::LazyTorchFile>> BuildAtomicFile(
     std::shared_ptr<const slice::TensorLayout> layout, const AtomicPattern& pattern,
     std::shared_ptr<const std::vector<std::shared_ptr<const ByteSource>>> files, std::string name);

@@ -1,5 +1,6 @@
 // atomic: `atomic/<param>/<state>.pt`, one lazy torch.save file per parameter and state
-// (views/atomic.h, made by views/view_inputs.h's BuildAtomicViews), for the checkpoint and for
+// (views/atomic.h, made by views/view_inputs.h's BuildAtomicViews; sized at mount, built on open:
+// fs::BuiltOnOpen), for the checkpoint and for
 // every checkpoint of a run. status.json: "escaped_names" (parameters whose directory name is
 // not their fqn).
 #include <map>
@@ -14,7 +15,6 @@
 namespace ucpfs::views {
 namespace {
 
-using fs::FixedSource;
 using fs::Ino;
 using fs::Tree;
 
@@ -27,9 +27,8 @@ Status AddAtomicFiles(Tree& tree, Ino atomic, std::vector<index::AtomicView> ato
     if (fresh) {
       UCPFS_ASSIGN_OR_RETURN(dir->second, tree.AddDir(atomic, v.dir, mtime));
     }
-    const uint64_t n_bytes = v.source->Size();
-    *atomic_bytes += n_bytes;
-    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir->second, v.file, n_bytes, mtime, FixedSource(std::move(v.source))));
+    *atomic_bytes += v.n_bytes;
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir->second, v.file, v.n_bytes, mtime, fs::BuiltOnOpen(std::move(v.build), v.n_bytes)));
     UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
     ++*n_atomic;
   }
@@ -44,7 +43,8 @@ class Atomic final : public ViewKind {
     UCPFS_ASSIGN_OR_RETURN(Ino atomic, ctx.tree.AddDir(ctx.parent, "atomic", ctx.mtime));
     size_t n_atomic = 0;
     uint64_t atomic_bytes = 0;
-    UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(snap.checkpoint(), snap.mapping, snap.files, ctx.patterns));
+    UCPFS_ASSIGN_OR_RETURN(auto atomic_views, index::BuildAtomicViews(snap.checkpoint(), ctx.snapshot, snap.mapping,
+                                                                       snap.files, ctx.patterns));
     UCPFS_RETURN_IF_ERROR(AddAtomicFiles(ctx.tree, atomic, std::move(atomic_views), ctx.mtime, ctx.access, &n_atomic,
                                          &atomic_bytes));
     out->counts["atomic_files"] = n_atomic;

@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <regex>
+#include <tuple>
 #include <unordered_set>
 #include <utility>
 
@@ -547,8 +548,9 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
   return o;
 }
 
-Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyMapping& mapping,
-                                                 const FileTable& files, const PatternOptions& patterns) {
+Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, std::shared_ptr<const void> owner,
+                                                 const KeyMapping& mapping, const FileTable& files,
+                                                 const PatternOptions& patterns) {
   // Every parameter with a tensor weight or master, and its pattern.
   std::vector<views::PatternParam> pattern_params;
   std::vector<size_t> pattern_of(mapping.params.size(), SIZE_MAX);
@@ -595,6 +597,9 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
     served_split.insert(f);
     for (size_t i = 0; i < parts.size(); ++i) split_of[parts[i]] = {f, qkv->FusedRowsOf(i)};
   }
+  // An atomic file's size follows from its shape and pattern alone (views::BuildAtomicFile): one
+  // file of each is built to size all of that kind, then dropped; each is built again on open.
+  std::map<std::tuple<std::vector<int64_t>, std::optional<int64_t>, bool>, uint64_t> size_of_kind;
   std::vector<AtomicView> out;
   for (size_t pi = 0; pi < mapping.params.size(); ++pi) {
     if (served_split.count(pi) != 0) continue;
@@ -609,7 +614,7 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
       if (item < 0) continue;
       const auto& it = c.items[static_cast<size_t>(item)];
       if (it.kind != ItemKind::kTensor) continue;
-      AtomicView v{views::AtomicDirName(p.name), s.file, nullptr};
+      AtomicView v{.dir = views::AtomicDirName(p.name), .file = s.file, .n_bytes = 0, .build = nullptr};
       std::shared_ptr<const slice::TensorLayout> layout;
       if (&holder != &p) {  // this weight's rows of the fused state
         std::vector<slice::Box> pieces;
@@ -624,11 +629,24 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
         }
         UCPFS_ASSIGN_OR_RETURN(slice::TensorLayout local, slice::LocalLayout(it.layout, shape, 0, pieces));
         layout = std::make_shared<const slice::TensorLayout>(std::move(local));
+      } else if (owner) {
+        layout = std::shared_ptr<const slice::TensorLayout>(owner, &it.layout);  // the checkpoint's own
       } else {
         layout = std::make_shared<const slice::TensorLayout>(it.layout);
       }
-      UCPFS_ASSIGN_OR_RETURN(v.source, views::BuildAtomicFile(layout, pattern,
-                                                              files, "atomic/" + v.dir + "/" + v.file));
+      std::string name = "atomic/" + v.dir + "/" + v.file;
+      UCPFS_RETURN_IF_ERROR(views::CheckAtomicDtypes(*layout, name));
+      auto [size, fresh] = size_of_kind.try_emplace({layout->shape, pattern.cat_dim, pattern.vocab_tensor}, 0);
+      if (fresh) {
+        UCPFS_ASSIGN_OR_RETURN(auto built, views::BuildAtomicFile(layout, pattern, files, name));
+        size->second = built->Size();
+      }
+      v.n_bytes = size->second;
+      v.build = [layout = std::move(layout), pattern, files, name = std::move(name)]()
+          -> Result<std::shared_ptr<const ByteSource>> {
+        UCPFS_ASSIGN_OR_RETURN(auto built, views::BuildAtomicFile(layout, pattern, files, name));
+        return std::shared_ptr<const ByteSource>(std::move(built));
+      };
       out.push_back(std::move(v));
     }
     // step.pt: the optimizer step as saved (a tensor, or a Python number), as DeepSpeed's
@@ -640,9 +658,14 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const KeyM
     if (!value.ok()) continue;  // target views report it (MakeTargetInput)
     const auto kind = value->kind();
     if (kind != SaveValue::Kind::kTensor && kind != SaveValue::Kind::kInt) continue;  // no floats: torch 1.13 weights_only
-    AtomicView v{views::AtomicDirName(p.name), "step.pt", nullptr};
-    UCPFS_ASSIGN_OR_RETURN(auto lazy, format::LazyTorchFile::Build(*value, "atomic/" + v.dir + "/step.pt"));
-    v.source = std::move(lazy);
+    AtomicView v{.dir = views::AtomicDirName(p.name), .file = "step.pt", .n_bytes = 0, .build = nullptr};
+    std::string name = "atomic/" + v.dir + "/step.pt";
+    UCPFS_ASSIGN_OR_RETURN(auto lazy, format::LazyTorchFile::Build(*value, name));
+    v.n_bytes = lazy->Size();
+    v.build = [value = std::move(*value), name = std::move(name)]() -> Result<std::shared_ptr<const ByteSource>> {
+      UCPFS_ASSIGN_OR_RETURN(auto built, format::LazyTorchFile::Build(value, name));
+      return std::shared_ptr<const ByteSource>(std::move(built));
+    };
     out.push_back(std::move(v));
   }
   return out;

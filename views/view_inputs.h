@@ -34,12 +34,16 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
     const Checkpoint& checkpoint, const KeyMapping& mapping, const FileTable& files,
     const std::function<void(const std::string&)>& warn);
 
-// One atomic file: `atomic/<dir>/<file>`.
+// One atomic file: `atomic/<dir>/<file>`, sized and checked at once, built when it is read.
 struct AtomicView {
   std::string dir;   // views::AtomicDirName(param)
   std::string file;  // "fp32.pt" (the fp32 master, else the weight), "exp_avg.pt", "exp_avg_sq.pt",
                      // "step.pt" (the optimizer step as saved: a tensor or a number)
-  std::shared_ptr<const ByteSource> source;  // a lazy torch.save file, exactly sized
+  uint64_t n_bytes = 0;  // the file's exact size
+  // Builds the file (a lazy torch.save file of n_bytes; deterministic). Holding only this
+  // between opens, a mount keeps a few hundred bytes an atomic file rather than its zip headers,
+  // pickle and copy plans (about 5 KB).
+  std::function<Result<std::shared_ptr<const ByteSource>>()> build;
 };
 
 // What decides how parameters are split (views::PatternsOf), for the atomic files' cat_dim and
@@ -68,9 +72,12 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
 void ApplyPatterns(views::TargetInput& input, const PatternOptions& patterns, std::optional<std::vector<int>> pp_split);
 
 // The atomic files of every mapped parameter, in parameter order; cat_dim and vocab_tensor from
-// the parameter's pattern. Errors: kUnsupported when a stored dtype cannot be converted to fp32
-// (names the file); a rule that does not fit a parameter (views::PatternsOf).
-Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint, const KeyMapping& mapping,
-                                                 const FileTable& files, const PatternOptions& patterns);
+// the parameter's pattern. `owner` keeps `checkpoint` alive (the snapshot holding it): the
+// files' builders refer to its tensor layouts rather than copy them. Errors: kUnsupported when
+// a stored dtype cannot be converted to fp32 (names the file); a rule that does not fit a
+// parameter (views::PatternsOf).
+Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint, std::shared_ptr<const void> owner,
+                                                 const KeyMapping& mapping, const FileTable& files,
+                                                 const PatternOptions& patterns);
 
 }  // namespace ucpfs::index

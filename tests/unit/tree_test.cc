@@ -1,5 +1,6 @@
 // Tree: inode numbering, lookup, name validation and clashes, MakeDirs, hard links, sizes.
 #include "fs/tree.h"
+#include "fs/namespace.h"
 
 #include <gtest/gtest.h>
 
@@ -264,6 +265,46 @@ TEST(TreeTest, OpenersAreNotCalledWhileBuilding) {
   EXPECT_EQ(calls, 0);
   EXPECT_EQ(tree.Lookup(kRootIno, "lazy")->open().status().code(), StatusCode::kNotFound);
   EXPECT_EQ(calls, 1);
+}
+
+
+// fs::BuiltOnOpen: the file is built at each open that finds no earlier open holding it, shared
+// by opens while one holds it, and refused (not served) when built with another size.
+TEST(BuiltOnOpenTest, BuildsOnOpenSharesWhileHeldAndChecksTheSize) {
+  int builds = 0;
+  size_t n = 5;
+  Opener open = BuiltOnOpen(
+      [&]() -> Result<std::shared_ptr<const ByteSource>> {
+        ++builds;
+        if (n == 0) return NotFoundError("source gone");
+        return std::shared_ptr<const ByteSource>(
+            std::make_shared<MemorySource>("atomic/w/fp32.pt", std::vector<std::byte>(n, std::byte{7})));
+      },
+      5);
+  EXPECT_EQ(builds, 0);  // nothing built before the first open
+  auto a = open();
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto b = open();
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(builds, 1);
+  EXPECT_EQ(a->get(), b->get());
+  a = NotFoundError("closed");
+  b = NotFoundError("closed");
+  auto c = open();  // every open closed: built again
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(builds, 2);
+  EXPECT_EQ((*c)->Size(), 5u);
+  c = NotFoundError("closed");
+
+  n = 6;  // built again with another size: an internal error naming the file
+  auto d = open();
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kInternal);
+  EXPECT_NE(d.status().ToString().find("atomic/w/fp32.pt built again has 6 bytes, not the 5 listed"), std::string::npos)
+      << d.status().ToString();
+  n = 0;  // the builder's own error passes through
+  EXPECT_EQ(open().status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(builds, 4);
 }
 
 }  // namespace

@@ -62,13 +62,18 @@ struct Source {
     it.layout.fragments.push_back(f);
     ckpt.items.push_back(std::move(it));
   }
+  // The checkpoint's one file, listed in it and as the table its items are read from.
+  FileTable Files() {
+    ckpt.files = {{"__0_0.distcp", bytes.size(), 0}};
+    auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
+    files->push_back(std::make_shared<MemorySource>("__0_0.distcp", bytes));
+    return files;
+  }
 };
 
 // The source's one file, its key mapping and its target input (warnings not collected).
 Result<std::shared_ptr<views::TargetInput>> InputOf(Source& s) {
-  s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
-  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-  files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
+  FileTable files = s.Files();
   UCPFS_ASSIGN_OR_RETURN(KeyMapping mapping, MapKeys(s.ckpt, {}));
   return MakeTargetInput(s.ckpt, mapping, files, nullptr);
 }
@@ -332,6 +337,81 @@ TEST(MakeTargetInput, FusedOptimizerStateOfSplitWeights) {
 }
 
 
+// Atomic files are sized at once and built when opened: same-shaped parameters of different
+// patterns (column- and row-parallel weights with a cat_dim, a replicated one without) and the
+// steps (an int, a tensor): every built file has the size listed and the source's values, and
+// the files' builders keep the checkpoint they refer to alive (`owner`).
+TEST(BuildAtomicViews, SizedAtOnceBuiltOnOpenWithTheListedSize) {
+  Source s;
+  s.Tensor("layers.0.attention.wq.weight", 16, 1.0f, {4, 4});
+  s.Tensor("layers.0.attention.wo.weight", 16, 100.0f, {4, 4});
+  s.Tensor("layers.1.attention.wq.weight", 16, 200.0f, {4, 4});
+  s.Tensor("layers.0.mixer.weight", 16, 300.0f, {4, 4});
+  // 4-d, so that the vocabulary tensor's two keys move its data record by 64 bytes.
+  s.Tensor("tok_embeddings.weight", 256, 800.0f, {4, 4, 4, 4});
+  s.Tensor("layers.0.mixer.bias", 256, 900.0f, {4, 4, 4, 4});
+  s.Tensor("norm.weight", 4, 400.0f);
+  s.Tensor("optimizer.state.layers.0.attention.wq.weight.exp_avg", 16, 500.0f, {4, 4});
+  s.Tensor("optimizer.state.layers.0.attention.wq.weight.exp_avg_sq", 16, 600.0f, {4, 4});
+  s.Blob("optimizer.state.layers.0.attention.wq.weight.step", SaveValue::Int(3));
+  s.Tensor("optimizer.state.norm.weight.step", 1, 7.0f, {});
+  FileTable files = s.Files();
+  auto ckpt = std::make_shared<Checkpoint>(s.ckpt);
+  auto mapping = MapKeys(*ckpt, {});
+  ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
+  PatternOptions patterns;
+  patterns.preset = layout::Preset::kTorchtitan;
+  auto views = BuildAtomicViews(*ckpt, ckpt, *mapping, files, patterns);
+  ASSERT_TRUE(views.ok()) << views.error().ToString();
+  ckpt.reset();  // the views' builders hold it now
+
+  std::map<std::string, uint64_t> sizes;
+  std::map<std::string, float> first_value;
+  std::map<std::string, bool> has_cat_dim;  // the pickle's 'cat_dim' key
+  for (const auto& v : *views) {
+    const std::string path = v.dir + "/" + v.file;
+    auto source = v.build();
+    ASSERT_TRUE(source.ok()) << path << ": " << source.error().ToString();
+    EXPECT_EQ((*source)->Size(), v.n_bytes) << path;
+    EXPECT_EQ((*source)->Name(), "atomic/" + path);
+    sizes[path] = v.n_bytes;
+    std::vector<std::byte> whole(v.n_bytes);
+    ASSERT_TRUE((*source)->ReadAt(0, whole).ok());
+    has_cat_dim[path] = std::string_view(reinterpret_cast<const char*>(whole.data()), whole.size()).find("cat_dim") !=
+                        std::string_view::npos;
+    auto f = format::TorchFile::Open(*source);
+    ASSERT_TRUE(f.ok()) << path << ": " << f.error().ToString();
+    for (const auto& t : f->tensors()) {
+      if (t.n_elems == 0) continue;
+      std::vector<std::byte> raw(t.n_bytes);
+      ASSERT_TRUE((*source)->ReadAt(t.data_offset, raw).ok());
+      float value = 0;
+      std::memcpy(&value, raw.data(), 4);
+      first_value[path] = value;
+    }
+  }
+  EXPECT_EQ(first_value["layers.0.attention.wq.weight/fp32.pt"], 1.0f);
+  EXPECT_EQ(first_value["layers.0.attention.wo.weight/fp32.pt"], 100.0f);
+  EXPECT_EQ(first_value["layers.1.attention.wq.weight/fp32.pt"], 200.0f);
+  EXPECT_EQ(first_value["layers.0.mixer.weight/fp32.pt"], 300.0f);
+  EXPECT_EQ(first_value["norm.weight/fp32.pt"], 400.0f);
+  EXPECT_EQ(first_value["layers.0.attention.wq.weight/exp_avg.pt"], 500.0f);
+  EXPECT_EQ(first_value["layers.0.attention.wq.weight/exp_avg_sq.pt"], 600.0f);
+  EXPECT_EQ(first_value["norm.weight/step.pt"], 7.0f);
+  EXPECT_EQ(sizes.count("layers.0.attention.wq.weight/step.pt"), 1u);
+  // The same shape with and without a cat_dim: different pickles, each file sized as built (above).
+  EXPECT_TRUE(has_cat_dim["layers.0.attention.wq.weight/fp32.pt"]);
+  EXPECT_TRUE(has_cat_dim["layers.0.attention.wo.weight/fp32.pt"]);
+  EXPECT_FALSE(has_cat_dim["layers.0.mixer.weight/fp32.pt"]);
+  EXPECT_EQ(sizes["layers.0.attention.wq.weight/fp32.pt"], sizes["layers.1.attention.wq.weight/fp32.pt"]);
+  EXPECT_EQ(first_value["tok_embeddings.weight/fp32.pt"], 800.0f);
+  EXPECT_EQ(first_value["layers.0.mixer.bias/fp32.pt"], 900.0f);
+  EXPECT_TRUE(has_cat_dim["tok_embeddings.weight/fp32.pt"]);
+  EXPECT_FALSE(has_cat_dim["layers.0.mixer.bias/fp32.pt"]);
+  EXPECT_NE(sizes["tok_embeddings.weight/fp32.pt"], sizes["layers.0.mixer.bias/fp32.pt"]);
+}
+
+
 // The same in grouped-query form (2 key-value heads of 2 query heads, head_dim 1): with the head
 // dimension given, atomic/ serves the fused moments under the split names, rows picked per
 // key-value head as torchtitan's _split_qkv_on_save picks them ([q q k v] per group), and no
@@ -344,27 +424,28 @@ TEST(BuildAtomicViews, FusedMomentsSplitPerKeyValueHead) {
   s.Tensor("optimizer.state.attn.qkv.wqkv.weight.exp_avg", 8, 10.0f, {8, 1});
   s.Tensor("optimizer.state.attn.qkv.wqkv.weight.exp_avg_sq", 8, 20.0f, {8, 1});
   s.Blob("optimizer.state.attn.qkv.wqkv.weight.step", SaveValue::Int(3));
-  s.ckpt.files = {{"__0_0.distcp", s.bytes.size(), 0}};
-  auto files = std::make_shared<std::vector<std::shared_ptr<const ByteSource>>>();
-  files->push_back(std::make_shared<MemorySource>("__0_0.distcp", s.bytes));
+  FileTable files = s.Files();
   auto mapping = MapKeys(s.ckpt, {});
   ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
 
   auto listing = [&](const layout::ModelInfo& facts) {
     PatternOptions o;
     o.model_facts = facts;
-    auto views = BuildAtomicViews(s.ckpt, *mapping, files, o);
+    auto views = BuildAtomicViews(s.ckpt, nullptr, *mapping, files, o);
     EXPECT_TRUE(views.ok()) << views.error().ToString();
     std::map<std::string, std::vector<float>> out;
     for (const auto& v : views.value()) {
-      auto f = format::TorchFile::Open(v.source);
+      auto source = v.build();
+      EXPECT_TRUE(source.ok()) << source.error().ToString();
+      EXPECT_EQ((*source)->Size(), v.n_bytes);
+      auto f = format::TorchFile::Open(*source);
       EXPECT_TRUE(f.ok()) << f.error().ToString();
       std::vector<float> values;
       for (const auto& t : f->tensors()) {
         if (t.key != "param") continue;
         values.resize(t.n_elems);
         std::vector<std::byte> raw(t.n_bytes);
-        EXPECT_TRUE(v.source->ReadAt(t.data_offset, raw).ok());
+        EXPECT_TRUE((*source)->ReadAt(t.data_offset, raw).ok());
         std::memcpy(values.data(), raw.data(), raw.size());
       }
       out[v.dir + "/" + v.file] = values;
