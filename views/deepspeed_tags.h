@@ -19,7 +19,7 @@
 //  - A tag that fails (name too long for `<tag>_universal`, a nested save directory with its own
 //    `latest`, a scan or view error) is kept with its error and no view; it never fails the
 //    whole listing.
-//  - Each view's model-states files (UniversalFile::source == null) have `source_rel` relative to
+//  - Each view's model-states files (UniversalFile::build == null) have `source_rel` relative to
 //    the TAG directory: the mount serves them as `<tag>/<source_rel>`.
 //  - Parameters are mapped by the built-in key rules (MapKeys with no user rules): the DeepSpeed
 //    scanner names every key the way they expect.

@@ -26,7 +26,7 @@ using fs::Tree;
 // (the model states ds_to_universal copies) are served from `source_prefix` + source_rel of
 // `source`, opened at open(2) (SourceTree::Open). Every one is resolved before the first node is
 // added, so a missing source file or a taken name fails with the tree unchanged.
-Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::shared_ptr<const SourceTree>& source,
+Status AddUniversal(Tree& tree, index::UniversalView& u, const std::shared_ptr<const SourceTree>& source,
                     const std::string& source_prefix, struct timespec mtime, const ViewAccess& access,
                     size_t* n_files) {
   struct Copied {
@@ -35,7 +35,7 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::shared
   };
   std::vector<Copied> copies;  // each checkpoint file, in order
   for (const auto& f : u.files) {
-    if (f.source != nullptr) continue;
+    if (f.build) continue;
     const std::string rel = source_prefix + f.source_rel;
     Result<TreeEntry> st = source->Stat(rel);
     if (!st.ok() || st->kind != EntryKind::kFile) {
@@ -47,14 +47,14 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::shared
   if (tree.Lookup(kRootIno, u.dir) != nullptr) return InternalError(u.dir + ": the name is taken in the mount");
   UCPFS_ASSIGN_OR_RETURN(Ino udir, tree.AddDir(kRootIno, u.dir, mtime));
   size_t next_link = 0;
-  for (const auto& f : u.files) {
+  for (auto& f : u.files) {
     const size_t slash = f.rel_path.rfind('/');
     Ino parent = udir;
     if (slash != std::string::npos) {
       UCPFS_ASSIGN_OR_RETURN(parent, tree.MakeDirs(udir, f.rel_path.substr(0, slash), mtime));
     }
     const std::string name = f.rel_path.substr(slash == std::string::npos ? 0 : slash + 1);
-    if (f.source == nullptr) {
+    if (!f.build) {
       const Copied& c = copies[next_link++];
       Opener open = [source, rel = c.rel]() -> Result<std::shared_ptr<const ByteSource>> {
         UCPFS_ASSIGN_OR_RETURN(OpenedFile file, source->Open(rel));
@@ -66,8 +66,7 @@ Status AddUniversal(Tree& tree, const index::UniversalView& u, const std::shared
       UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, c.st.mode, c.st.uid, c.st.gid));
       continue;
     }
-    const uint64_t n_bytes = f.source->Size();
-    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, name, n_bytes, mtime, FixedSource(f.source)));
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, name, f.n_bytes, mtime, fs::BuiltOnOpen(std::move(f.build), f.n_bytes)));
     UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
     ++*n_files;
   }

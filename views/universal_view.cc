@@ -165,10 +165,19 @@ SaveValue TensorOf(const Item& item, const FileTable& files, bool requires_grad,
   return SaveValue::Tensor(std::move(t));
 }
 
-Result<std::shared_ptr<const ByteSource>> Build(const SaveValue& root, const std::string& dir, const std::string& rel,
-                                                const std::string& file) {
-  UCPFS_ASSIGN_OR_RETURN(auto f, format::LazyTorchFile::Build(root, dir + "/" + rel, OptionsFor(file)));
-  return std::shared_ptr<const ByteSource>(std::move(f));
+// The virtual file `rel` (named `file`) holding `root`: built once here to size it, and kept
+// as its builder.
+Result<UniversalFile> Virtual(SaveValue root, const std::string& dir, const std::string& rel, const std::string& file) {
+  std::string name = dir + "/" + rel;
+  format::SaveOptions options = OptionsFor(file);
+  UCPFS_ASSIGN_OR_RETURN(auto sized, format::LazyTorchFile::Build(root, name, options));
+  UniversalFile out{.rel_path = rel, .n_bytes = sized->Size(), .build = nullptr, .source_rel = {}};
+  out.build = [root = std::move(root), name = std::move(name),
+               options = std::move(options)]() -> Result<std::shared_ptr<const ByteSource>> {
+    UCPFS_ASSIGN_OR_RETURN(auto f, format::LazyTorchFile::Build(root, name, options));
+    return std::shared_ptr<const ByteSource>(std::move(f));
+  };
+  return out;
 }
 
 // zero/optimizer_state.pt: what ds_to_universal's _save_optimizer_state(_stage3) saves.
@@ -455,8 +464,8 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
       auto layout = std::make_shared<const slice::TensorLayout>(item.layout);
       root.Set("param", SaveValue::Tensor(DType::kFloat32, item.layout.shape,
                                           std::make_shared<views::LayoutProvider>(layout, DType::kFloat32, files)));
-      UCPFS_ASSIGN_OR_RETURN(auto src, Build(root, view.dir, dir + "/fp32.pt", "fp32.pt"));
-      view.files.push_back({dir + "/fp32.pt", std::move(src), {}});
+      UCPFS_ASSIGN_OR_RETURN(UniversalFile f, Virtual(std::move(root), view.dir, dir + "/fp32.pt", "fp32.pt"));
+      view.files.push_back(std::move(f));
       continue;
     }
     UniversalKeys keys;
@@ -476,24 +485,25 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
         root.Set("param", std::move(tensor));
       }
       const std::string rel = dir + "/" + kFiles[s];
-      UCPFS_ASSIGN_OR_RETURN(auto src, Build(root, view.dir, rel, kFiles[s]));
-      view.files.push_back({rel, std::move(src), {}});
+      UCPFS_ASSIGN_OR_RETURN(UniversalFile f, Virtual(std::move(root), view.dir, rel, kFiles[s]));
+      view.files.push_back(std::move(f));
     }
     const int32_t step = p.item[static_cast<int>(StateKind::kStep)];
     if (!zero3 && step >= 0 && c.items[static_cast<size_t>(step)].kind == ItemKind::kTensor) {
       SaveValue root = TensorOf(c.items[static_cast<size_t>(step)], files, false, std::nullopt, false);
-      UCPFS_ASSIGN_OR_RETURN(auto src, Build(root, view.dir, dir + "/step.pt", "step.pt"));
-      view.files.push_back({dir + "/step.pt", std::move(src), {}});
+      UCPFS_ASSIGN_OR_RETURN(UniversalFile f, Virtual(std::move(root), view.dir, dir + "/step.pt", "step.pt"));
+      view.files.push_back(std::move(f));
     }
   }
 
   UCPFS_ASSIGN_OR_RETURN(SaveValue optim, OptimizerState(c, files, optim_rel, zero3));
-  UCPFS_ASSIGN_OR_RETURN(auto optim_src, Build(optim, view.dir, "zero/optimizer_state.pt", "optimizer_state.pt"));
-  view.files.push_back({"zero/optimizer_state.pt", std::move(optim_src), {}});
+  UCPFS_ASSIGN_OR_RETURN(UniversalFile optim_file,
+                         Virtual(std::move(optim), view.dir, "zero/optimizer_state.pt", "optimizer_state.pt"));
+  view.files.push_back(std::move(optim_file));
 
   for (const std::string& rel : model_files) {
     if (!SafeRelativePath(rel)) return CorruptError("index: the DeepSpeed facts name model file '" + rel + "'");
-    view.files.push_back({rel.substr(rel.rfind('/') + 1), nullptr, rel});
+    view.files.push_back({.rel_path = rel.substr(rel.rfind('/') + 1), .n_bytes = 0, .build = nullptr, .source_rel = rel});
   }
   return std::optional<UniversalView>(std::move(view));
 }

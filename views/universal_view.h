@@ -26,6 +26,8 @@
 // buffers).
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -44,8 +46,11 @@ namespace ucpfs::index {
 
 struct UniversalFile {
   std::string rel_path;  // under the universal directory, e.g. "zero/<param>/fp32.pt"
-  std::shared_ptr<const ByteSource> source;  // a virtual file, or null for a checkpoint file:
-  std::string source_rel;                    // that file, relative to the checkpoint, served as is
+  // A virtual file: its exact size, and its builder (deterministic; the mount builds it again
+  // when it is opened, so the tree keeps the file's object, not its zip headers and pickle).
+  uint64_t n_bytes = 0;
+  std::function<Result<std::shared_ptr<const ByteSource>>()> build;  // null for a checkpoint file:
+  std::string source_rel;  // that file, relative to the checkpoint, served as is
 };
 
 struct UniversalView {
