@@ -1,8 +1,7 @@
 // atomic: `atomic/<param>/<state>.pt`, one lazy torch.save file per parameter and state
-// (views/atomic.h, made by views/view_inputs.h's BuildAtomicViews; sized at mount, built on open:
-// fs::BuiltOnOpen), for the checkpoint and for
-// every checkpoint of a run. status.json: "escaped_names" (parameters whose directory name is
-// not their fqn).
+// (views/atomic.h, made by views/view_inputs.h's BuildAtomicViews; sized at mount, built on
+// open: fs::BuiltOnOpen), for the checkpoint and for every checkpoint of a run. status.json:
+// "escaped_names" (parameters whose directory name is not their fqn).
 #include <map>
 #include <string>
 #include <vector>
@@ -28,7 +27,8 @@ Status AddAtomicFiles(Tree& tree, Ino atomic, std::vector<index::AtomicView> ato
       UCPFS_ASSIGN_OR_RETURN(dir->second, tree.AddDir(atomic, v.dir, mtime));
     }
     *atomic_bytes += v.n_bytes;
-    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir->second, v.file, v.n_bytes, mtime, fs::BuiltOnOpen(std::move(v.build), v.n_bytes)));
+    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(dir->second, v.file, v.n_bytes, mtime,
+                                                 fs::BuiltOnOpen(std::move(v.build), v.n_bytes)));
     UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
     ++*n_atomic;
   }

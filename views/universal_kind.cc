@@ -66,7 +66,8 @@ Status AddUniversal(Tree& tree, index::UniversalView& u, const std::shared_ptr<c
       UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, c.st.mode, c.st.uid, c.st.gid));
       continue;
     }
-    UCPFS_ASSIGN_OR_RETURN(Ino ino, tree.AddFile(parent, name, f.n_bytes, mtime, fs::BuiltOnOpen(std::move(f.build), f.n_bytes)));
+    UCPFS_ASSIGN_OR_RETURN(Ino ino,
+                           tree.AddFile(parent, name, f.n_bytes, mtime, fs::BuiltOnOpen(std::move(f.build), f.n_bytes)));
     UCPFS_RETURN_IF_ERROR(tree.SetAccess(ino, access.mode, access.uid, access.gid));
     ++*n_files;
   }

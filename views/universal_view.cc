@@ -503,7 +503,8 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
 
   for (const std::string& rel : model_files) {
     if (!SafeRelativePath(rel)) return CorruptError("index: the DeepSpeed facts name model file '" + rel + "'");
-    view.files.push_back({.rel_path = rel.substr(rel.rfind('/') + 1), .n_bytes = 0, .build = nullptr, .source_rel = rel});
+    view.files.push_back(
+        {.rel_path = rel.substr(rel.rfind('/') + 1), .n_bytes = 0, .build = nullptr, .source_rel = rel});
   }
   return std::optional<UniversalView>(std::move(view));
 }

@@ -26,9 +26,8 @@
 // buffers).
 #pragma once
 
-#include <functional>
-
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
