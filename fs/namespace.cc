@@ -34,15 +34,22 @@ Opener BuiltOnOpen(Builder build, uint64_t n_bytes) {
   return [held]() -> Result<std::shared_ptr<const ByteSource>> {
     std::lock_guard lock(held->mu);
     if (auto src = held->open.lock()) return src;
-    UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const ByteSource> src, held->build());
-    if (src == nullptr) return InternalError("a file listed in the tree is not built again");
-    if (src->Size() != held->n_bytes) {
-      return InternalError(src->Name() + " built again has " + std::to_string(src->Size()) + " bytes, not the " +
-                           std::to_string(held->n_bytes) + " listed");
-    }
+    UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<const ByteSource> src, CheckBuiltAgain(held->build(), held->n_bytes));
     held->open = src;
     return src;
   };
+}
+
+Result<std::shared_ptr<const ByteSource>> CheckBuiltAgain(Result<std::shared_ptr<const ByteSource>> built,
+                                                          uint64_t n_bytes) {
+  if (!built.ok()) return built;
+  const std::shared_ptr<const ByteSource>& src = *built;
+  if (src == nullptr) return InternalError("a file listed in the tree is not built again");
+  if (src->Size() != n_bytes) {
+    return InternalError(src->Name() + " built again has " + std::to_string(src->Size()) + " bytes, not the " +
+                         std::to_string(n_bytes) + " listed");
+  }
+  return built;
 }
 
 Status AddMetaDir(Tree& tree, struct timespec mtime, const std::string& status_text,

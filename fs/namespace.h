@@ -67,6 +67,11 @@ Opener FixedSource(std::shared_ptr<const ByteSource> src);
 using Builder = std::function<Result<std::shared_ptr<const ByteSource>>()>;
 Opener BuiltOnOpen(Builder build, uint64_t n_bytes);
 
+// A file built again (BuiltOnOpen, target/'s rank files), checked against the `n_bytes` the
+// tree lists: kInternal, naming the file, when it is missing or has another size; else as given.
+Result<std::shared_ptr<const ByteSource>> CheckBuiltAgain(Result<std::shared_ptr<const ByteSource>> built,
+                                                          uint64_t n_bytes);
+
 // The current time (CLOCK_REALTIME), the mtime of what a mount makes.
 struct timespec Now();
 
