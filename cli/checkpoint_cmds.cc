@@ -254,7 +254,7 @@ int RunInspectCheckpoint(const SourceArgs& args, bool json) {
                           {"optimizer_prefixes", (*l)->mapping.optimizer_prefixes},
                           {"ambiguities", (*l)->mapping.ambiguities}};
   // Non-parameter state: what target views serve in extra_state.pt, and what no view serves.
-  auto input = index::MakeTargetInput(c, (*l)->mapping, (*l)->files, nullptr);
+  auto input = index::MakeTargetInput(c, *l, (*l)->mapping, (*l)->files, nullptr);
   if (!input.ok()) return Fail("inspect", input.error());
   auto extra = nlohmann::ordered_json::array();
   for (const auto& e : (*input)->extras) {

@@ -285,7 +285,7 @@ int RunPlan(const PlanArgs& args) {
   // The input target/ plans its layouts from (views/view_kind.h), so the plan is the mount's.
   auto base = views::ViewBaseOf(snap, selection->options);
   if (!base.ok()) return Fail(base.error());
-  auto input = views::TargetInputOf(snap, selection->options, base->patterns,
+  auto input = views::TargetInputOf(*snapshot, selection->options, base->patterns,
                                     [](const std::string&) {});  // `ucpfs inspect` lists them
   if (!input.ok()) return Fail(input.error());
   const layout::Layout& l = selection->options.layouts.front();

@@ -287,7 +287,7 @@ class Tensors {
   explicit Tensors(std::shared_ptr<Session> session) : session_(std::move(session)) {
     const index::Snapshot& snap = *session_->snapshot;
     input_ = Take(WithoutGil([&] {
-      return index::MakeTargetInput(snap.checkpoint(), snap.mapping, snap.files,
+      return index::MakeTargetInput(snap.checkpoint(), session_->snapshot, snap.mapping, snap.files,
                                     [&](const std::string& w) { warnings_.push_back(w); });
     }));
   }

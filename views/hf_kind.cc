@@ -16,10 +16,11 @@ using fs::FixedSource;
 using fs::Ino;
 using fs::Tree;
 
-Status AddHfView(Tree& tree, Ino parent, const index::Snapshot& snap, const index::PatternOptions& patterns,
-                 const index::HfViewOptions& options, struct timespec mtime, const ViewAccess& access, size_t* n_files,
-                 std::string* error) {
-  auto built = index::BuildHfView(snap.checkpoint(), snap.mapping, snap.files, patterns, snap.tree(), options);
+Status AddHfView(Tree& tree, Ino parent, const std::shared_ptr<const index::Snapshot>& snap,
+                 const index::PatternOptions& patterns, const index::HfViewOptions& options, struct timespec mtime,
+                 const ViewAccess& access, size_t* n_files, std::string* error) {
+  auto built =
+      index::BuildHfView(snap->checkpoint(), snap, snap->mapping, snap->files, patterns, snap->tree(), options);
   if (!built.ok()) {
     *error = built.error().message();
     auto src = std::make_shared<MemorySource>(
@@ -46,7 +47,7 @@ class Hf final : public ViewKind {
     if (ctx.run_member) return Status::Ok();  // the newest checkpoint of a run only, at the root
     size_t n_hf = 0;
     std::string hf_error;
-    UCPFS_RETURN_IF_ERROR(AddHfView(ctx.tree, ctx.parent, *ctx.snapshot, ctx.patterns, ctx.options.hf, ctx.mtime,
+    UCPFS_RETURN_IF_ERROR(AddHfView(ctx.tree, ctx.parent, ctx.snapshot, ctx.patterns, ctx.options.hf, ctx.mtime,
                                     ctx.access, &n_hf, &hf_error));
     out->counts["hf_files"] = n_hf;
     if (!hf_error.empty()) out->status["hf"] = {{"error", hf_error}};

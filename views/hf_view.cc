@@ -668,9 +668,10 @@ Result<DType> ParseHfDType(const std::string& text) {
   return InvalidArgumentError("--hf-dtype '" + text + "': expected bf16, fp16 or fp32");
 }
 
-Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& c, const KeyMapping& mapping,
-                                                     const FileTable& files, const PatternOptions& patterns,
-                                                     const SourceTree& source, const HfViewOptions& options) {
+Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& c, const std::shared_ptr<const void>& owner,
+                                                     const KeyMapping& mapping, const FileTable& files,
+                                                     const PatternOptions& patterns, const SourceTree& source,
+                                                     const HfViewOptions& options) {
   // Each parameter's weight, else its fp32 master (as safetensors/ takes them), in source order.
   std::map<std::string, const Item*> weights;
   std::vector<Planned> in_order;
@@ -749,7 +750,7 @@ Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& c, const 
     std::vector<int64_t> shape = it.layout.shape;
     std::shared_ptr<const slice::TensorLayout> layout;
     if (p.rows.empty()) {
-      layout = std::make_shared<const slice::TensorLayout>(it.layout);
+      layout = KeptLayout(it, owner);
     } else {
       std::vector<slice::Box> pieces;
       int64_t n_rows = 0;

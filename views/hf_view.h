@@ -82,9 +82,12 @@ inline constexpr const char* kHfPassThroughFiles[] = {
 // Errors: kUnsupported naming the source kind, the architecture feature or the parameter the
 // Llama names cannot hold; kInvalidArgument naming the missing fact (e.g. "args.norm_epsilon")
 // or a shape that disagrees with the facts; CanConvert's refusals as kUnsupported naming the
-// parameter; ShardSafetensors's.
-Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& checkpoint, const KeyMapping& mapping,
-                                                     const FileTable& files, const PatternOptions& patterns,
-                                                     const SourceTree& source, const HfViewOptions& options);
+// parameter; ShardSafetensors's. Weights read whole keep `checkpoint`'s tensor layouts
+// (KeptLayout, `owner`).
+Result<std::vector<SafetensorsViewFile>> BuildHfView(const Checkpoint& checkpoint,
+                                                     const std::shared_ptr<const void>& owner,
+                                                     const KeyMapping& mapping, const FileTable& files,
+                                                     const PatternOptions& patterns, const SourceTree& source,
+                                                     const HfViewOptions& options);
 
 }  // namespace ucpfs::index

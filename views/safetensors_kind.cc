@@ -17,10 +17,11 @@ using fs::Tree;
 
 // `safetensors/` under `parent` (views/safetensors_view.h), when the source has weights
 // safetensors can hold; otherwise *error says why there is none (the mount goes on without it).
-Status AddSafetensorsView(Tree& tree, Ino parent, const index::Snapshot& snap, const index::PatternOptions& patterns,
-                          uint64_t shard_n_bytes, struct timespec mtime, const ViewAccess& access, size_t* n_files,
-                          std::string* error) {
-  auto built = index::BuildSafetensorsView(snap.checkpoint(), snap.mapping, snap.files, patterns, shard_n_bytes);
+Status AddSafetensorsView(Tree& tree, Ino parent, const std::shared_ptr<const index::Snapshot>& snap,
+                          const index::PatternOptions& patterns, uint64_t shard_n_bytes, struct timespec mtime,
+                          const ViewAccess& access, size_t* n_files, std::string* error) {
+  auto built =
+      index::BuildSafetensorsView(snap->checkpoint(), snap, snap->mapping, snap->files, patterns, shard_n_bytes);
   if (!built.ok()) {
     *error = built.error().ToString();
     std::fprintf(stderr, "ucpfs: warning: no safetensors/ view: %s\n", error->c_str());
@@ -44,7 +45,7 @@ class Safetensors final : public ViewKind {
   Status Add(const ViewContext& ctx, ViewOutput* out) const override {
     size_t n_safetensors = 0;
     std::string safetensors_error;
-    UCPFS_RETURN_IF_ERROR(AddSafetensorsView(ctx.tree, ctx.parent, *ctx.snapshot, ctx.patterns,
+    UCPFS_RETURN_IF_ERROR(AddSafetensorsView(ctx.tree, ctx.parent, ctx.snapshot, ctx.patterns,
                                              ctx.options.safetensors_shard_n_bytes, ctx.mtime, ctx.access,
                                              &n_safetensors, &safetensors_error));
     out->counts["safetensors_files"] = n_safetensors;

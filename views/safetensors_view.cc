@@ -12,8 +12,10 @@
 
 namespace ucpfs::index {
 
-Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& c, const KeyMapping& mapping,
-                                                              const FileTable& files, const PatternOptions& patterns,
+Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& c,
+                                                              const std::shared_ptr<const void>& owner,
+                                                              const KeyMapping& mapping, const FileTable& files,
+                                                              const PatternOptions& patterns,
                                                               uint64_t max_shard_n_bytes) {
   if (max_shard_n_bytes == 0) return InvalidArgumentError("the safetensors shard size must be at least 1 byte");
   // Each parameter's weight, else its fp32 master.
@@ -54,10 +56,10 @@ Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& 
       if (!m) return CorruptError("safetensors view: parameter '" + weights[i].name + "': size overflows");
       n = *m;
     }
-    auto layout = std::make_shared<const slice::TensorLayout>(it.layout);
     tensors.push_back({weights[i].name,
                        format::SaveTensor{it.dtype, std::move(shape),
-                                          std::make_shared<views::LayoutProvider>(layout, it.dtype, files)},
+                                          std::make_shared<views::LayoutProvider>(KeptLayout(it, owner), it.dtype,
+                                                                                  files)},
                        n});
   }
 

@@ -50,11 +50,13 @@ struct NamedSaveTensor {
 Result<std::vector<SafetensorsViewFile>> ShardSafetensors(std::vector<NamedSaveTensor> tensors,
                                                           uint64_t max_shard_n_bytes, const std::string& dir);
 
-// The view's files, shards first, the index last; empty when the source has no weight.
+// The view's files, shards first, the index last; empty when the source has no weight. The
+// shards keep `checkpoint`'s tensor layouts (KeptLayout, `owner`).
 // Errors: kInvalidArgument when max_shard_n_bytes is 0 or a name safetensors cannot hold (not
 // UTF-8, "__metadata__"); a dtype safetensors cannot hold (kUnsupported naming the parameter);
 // views::PatternsOf's. The mount serves no safetensors/ then, and says why in status.json.
 Result<std::vector<SafetensorsViewFile>> BuildSafetensorsView(const Checkpoint& checkpoint,
+                                                              const std::shared_ptr<const void>& owner,
                                                               const KeyMapping& mapping, const FileTable& files,
                                                               const PatternOptions& patterns,
                                                               uint64_t max_shard_n_bytes);

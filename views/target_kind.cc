@@ -227,7 +227,7 @@ class Target final : public ViewKind {
     size_t n_target = 0;
     // Made now, not on first lookup: status.json lists the extra state and what is not served,
     // which takes decoding the small non-tensor items (tensor bytes stay unread).
-    UCPFS_ASSIGN_OR_RETURN(auto target_input, TargetInputOf(*snapshot, targets, patterns, [](const std::string& w) {
+    UCPFS_ASSIGN_OR_RETURN(auto target_input, TargetInputOf(snapshot, targets, patterns, [](const std::string& w) {
                              std::fprintf(stderr, "ucpfs: warning: %s\n", w.c_str());
                            }));
     {
@@ -416,11 +416,13 @@ class Target final : public ViewKind {
 
 // The target views' input, made once when the namespace is built (status.json reports its
 // extra state and unserved items) and shared by every layout, --layout or built on lookup.
-Result<std::shared_ptr<const TargetInput>> TargetInputOf(const index::Snapshot& snapshot, const ViewOptions& options,
+Result<std::shared_ptr<const TargetInput>> TargetInputOf(const std::shared_ptr<const index::Snapshot>& snapshot,
+                                                         const ViewOptions& options,
                                                          const index::PatternOptions& patterns,
                                                          const std::function<void(const std::string&)>& warn) {
   UCPFS_ASSIGN_OR_RETURN(std::shared_ptr<views::TargetInput> in,
-                         index::MakeTargetInput(snapshot.checkpoint(), snapshot.mapping, snapshot.files, warn));
+                         index::MakeTargetInput(snapshot->checkpoint(), snapshot, snapshot->mapping, snapshot->files,
+                                                warn));
   index::ApplyPatterns(*in, patterns, options.pp_split);
   return std::shared_ptr<const views::TargetInput>(std::move(in));
 }

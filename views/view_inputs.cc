@@ -273,8 +273,13 @@ void ApplyPatterns(views::TargetInput& input, const PatternOptions& patterns, st
   }
 }
 
+std::shared_ptr<const slice::TensorLayout> KeptLayout(const Item& item, const std::shared_ptr<const void>& owner) {
+  if (owner) return std::shared_ptr<const slice::TensorLayout>(owner, &item.layout);
+  return std::make_shared<const slice::TensorLayout>(item.layout);
+}
+
 Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
-    const Checkpoint& c, const KeyMapping& mapping, const FileTable& files,
+    const Checkpoint& c, const std::shared_ptr<const void>& owner, const KeyMapping& mapping, const FileTable& files,
     const std::function<void(const std::string&)>& warn) {
   auto in = std::make_shared<views::TargetInput>();
   in->files = files;
@@ -369,13 +374,13 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
       }
       const size_t dot = rest.rfind('.');
       if (dot != std::string::npos) {
-        const std::string owner = rest.substr(0, dot), field = rest.substr(dot + 1);
-        if (param_names.count(owner) != 0) {  // torchtitan: param_groups.<fqn>.<field>
-          if (field != "params" && field != "param_names") hyper[owner].emplace_back(field, std::move(*value));
+        const std::string head = rest.substr(0, dot), field = rest.substr(dot + 1);
+        if (param_names.count(head) != 0) {  // torchtitan: param_groups.<fqn>.<field>
+          if (field != "params" && field != "param_names") hyper[head].emplace_back(field, std::move(*value));
           continue;
         }
-        if (AllDigits(owner)) {  // param_groups.<i>.<field>
-          Group& g = group_of(base + "." + owner);
+        if (AllDigits(head)) {  // param_groups.<i>.<field>
+          Group& g = group_of(base + "." + head);
           g.item_keys.push_back(it.key);
           if (field == "params") {
             auto names = GroupParams(*value, mapping.positional_names);
@@ -487,7 +492,7 @@ Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
       const auto& it = c.items[static_cast<size_t>(p.item[k])];
       tp.keys[k] = it.key;
       if (it.kind == ItemKind::kTensor) {
-        tp.states[k] = std::make_shared<const slice::TensorLayout>(it.layout);
+        tp.states[k] = KeptLayout(it, owner);
         tp.dtypes[k] = it.dtype;
         continue;
       }
@@ -548,7 +553,7 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
   return o;
 }
 
-Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, std::shared_ptr<const void> owner,
+Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, const std::shared_ptr<const void>& owner,
                                                  const KeyMapping& mapping, const FileTable& files,
                                                  const PatternOptions& patterns) {
   // Every parameter with a tensor weight or master, and its pattern.
@@ -629,10 +634,8 @@ Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& c, std::share
         }
         UCPFS_ASSIGN_OR_RETURN(slice::TensorLayout local, slice::LocalLayout(it.layout, shape, 0, pieces));
         layout = std::make_shared<const slice::TensorLayout>(std::move(local));
-      } else if (owner) {
-        layout = std::shared_ptr<const slice::TensorLayout>(owner, &it.layout);  // the checkpoint's own
       } else {
-        layout = std::make_shared<const slice::TensorLayout>(it.layout);
+        layout = KeptLayout(it, owner);
       }
       std::string name = "atomic/" + v.dir + "/" + v.file;
       UCPFS_RETURN_IF_ERROR(views::CheckAtomicDtypes(*layout, name));

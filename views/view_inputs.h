@@ -27,12 +27,18 @@
 
 namespace ucpfs::index {
 
-// Reads and decodes the non-tensor items (small blobs; tensor bytes stay lazy). `warn` receives
-// one line per item that is not served, with the reason (also in TargetInput::not_served).
+// `item`'s tensor layout for a view to keep: the checkpoint's own, kept alive by `owner` (the
+// snapshot holding the checkpoint), so a mount holds one copy of each layout; a copy when there
+// is no owner (a checkpoint that outlives the view, as in the unit tests).
+std::shared_ptr<const slice::TensorLayout> KeptLayout(const Item& item, const std::shared_ptr<const void>& owner);
+
+// Reads and decodes the non-tensor items (small blobs; tensor bytes stay lazy). The tensor
+// states are `checkpoint`'s layouts, kept alive by `owner` (KeptLayout). `warn` receives one
+// line per item that is not served, with the reason (also in TargetInput::not_served).
 // Errors: none today beyond allocation; bad items are reported, not fatal.
 Result<std::shared_ptr<views::TargetInput>> MakeTargetInput(
-    const Checkpoint& checkpoint, const KeyMapping& mapping, const FileTable& files,
-    const std::function<void(const std::string&)>& warn);
+    const Checkpoint& checkpoint, const std::shared_ptr<const void>& owner, const KeyMapping& mapping,
+    const FileTable& files, const std::function<void(const std::string&)>& warn);
 
 // One atomic file: `atomic/<dir>/<file>`, sized and checked at once, built when it is read.
 struct AtomicView {
@@ -72,11 +78,11 @@ Result<PatternOptions> PatternOptionsFor(const Checkpoint& checkpoint, layout::P
 void ApplyPatterns(views::TargetInput& input, const PatternOptions& patterns, std::optional<std::vector<int>> pp_split);
 
 // The atomic files of every mapped parameter, in parameter order; cat_dim and vocab_tensor from
-// the parameter's pattern. `owner` keeps `checkpoint` alive (the snapshot holding it): the
-// files' builders refer to its tensor layouts rather than copy them. Errors: kUnsupported when
+// the parameter's pattern. The files' builders keep `checkpoint`'s tensor layouts (KeptLayout,
+// `owner`). Errors: kUnsupported when
 // a stored dtype cannot be converted to fp32 (names the file); a rule that does not fit a
 // parameter (views::PatternsOf).
-Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint, std::shared_ptr<const void> owner,
+Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint, const std::shared_ptr<const void>& owner,
                                                  const KeyMapping& mapping, const FileTable& files,
                                                  const PatternOptions& patterns);
 

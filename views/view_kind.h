@@ -131,9 +131,11 @@ const ViewKind* HfKind();
 const ViewKind* TargetKind();
 
 // The target views' input as target/ makes it (MakeTargetInput with the patterns applied and
-// the --pp-split): `ucpfs plan` plans a layout from the same. `warn` gets one line per source
-// item no view serves. Errors: MakeTargetInput's.
-Result<std::shared_ptr<const TargetInput>> TargetInputOf(const index::Snapshot& snapshot, const ViewOptions& options,
+// the --pp-split): `ucpfs plan` plans a layout from the same. It keeps `snapshot` alive (its
+// tensor layouts are the snapshot's). `warn` gets one line per source item no view serves.
+// Errors: MakeTargetInput's.
+Result<std::shared_ptr<const TargetInput>> TargetInputOf(const std::shared_ptr<const index::Snapshot>& snapshot,
+                                                         const ViewOptions& options,
                                                          const index::PatternOptions& patterns,
                                                          const std::function<void(const std::string&)>& warn);
 

@@ -9,11 +9,13 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "core/format/torch_file.h"
 #include "core/format/torch_writer.h"
+#include "views/safetensors_view.h"
 #include "views/universal_view.h"
 
 namespace ucpfs::index {
@@ -75,7 +77,7 @@ struct Source {
 Result<std::shared_ptr<views::TargetInput>> InputOf(Source& s) {
   FileTable files = s.Files();
   UCPFS_ASSIGN_OR_RETURN(KeyMapping mapping, MapKeys(s.ckpt, {}));
-  return MakeTargetInput(s.ckpt, mapping, files, nullptr);
+  return MakeTargetInput(s.ckpt, nullptr, mapping, files, nullptr);
 }
 
 std::vector<std::string> Keys(const views::TargetInput& in) {
@@ -142,7 +144,7 @@ TEST(MakeTargetInput, NoItemIsDropped) {
   auto mapping = MapKeys(s.ckpt, {});
   ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
   std::vector<std::string> warnings;
-  auto in = MakeTargetInput(s.ckpt, *mapping, files, [&](const std::string& w) { warnings.push_back(w); });
+  auto in = MakeTargetInput(s.ckpt, nullptr, *mapping, files, [&](const std::string& w) { warnings.push_back(w); });
   ASSERT_TRUE(in.ok()) << in.error().ToString();
 
   ASSERT_EQ((*in)->params.size(), 1u);
@@ -412,6 +414,66 @@ TEST(BuildAtomicViews, SizedAtOnceBuiltOnOpenWithTheListedSize) {
 }
 
 
+// With an owner, the target views' input and safetensors/ refer to the checkpoint's own tensor
+// layouts (one copy in a mount) and keep the checkpoint alive; without one they copy them.
+TEST(KeptLayout, TargetInputAndSafetensorsReferToTheCheckpointsLayouts) {
+  Source s;
+  s.Tensor("tok_embeddings.weight", 16, 1.0f, {4, 4});
+  s.Tensor("norm.weight", 4, 20.0f);
+  s.Tensor("optimizer.state.norm.weight.exp_avg", 4, 30.0f);
+  FileTable files = s.Files();
+  auto ckpt = std::make_shared<Checkpoint>(s.ckpt);
+  auto mapping = MapKeys(*ckpt, {});
+  ASSERT_TRUE(mapping.ok()) << mapping.error().ToString();
+  std::set<const slice::TensorLayout*> own;
+  for (const Item& it : ckpt->items) own.insert(&it.layout);
+
+  auto kept = MakeTargetInput(*ckpt, ckpt, *mapping, files, nullptr);
+  auto copied = MakeTargetInput(*ckpt, nullptr, *mapping, files, nullptr);
+  ASSERT_TRUE(kept.ok() && copied.ok());
+  size_t n_states = 0;
+  for (size_t i = 0; i < (*kept)->params.size(); ++i) {
+    for (size_t k = 0; k < (*kept)->params[i].states.size(); ++k) {
+      const auto& a = (*kept)->params[i].states[k];
+      const auto& b = (*copied)->params[i].states[k];
+      ASSERT_EQ(a == nullptr, b == nullptr);
+      if (a == nullptr) continue;
+      ++n_states;
+      EXPECT_EQ(own.count(a.get()), 1u) << (*kept)->params[i].name;
+      EXPECT_EQ(own.count(b.get()), 0u) << (*copied)->params[i].name;
+      EXPECT_EQ(a->shape, b->shape);
+    }
+  }
+  EXPECT_EQ(n_states, 3u);
+
+  PatternOptions patterns;
+  patterns.preset = layout::Preset::kTorchtitan;
+  auto shards = BuildSafetensorsView(*ckpt, ckpt, *mapping, files, patterns, kDefaultSafetensorsShardBytes);
+  ASSERT_TRUE(shards.ok()) << shards.error().ToString();
+  const std::weak_ptr<const Checkpoint> weak = ckpt;
+  ckpt.reset();
+  kept->reset();
+  EXPECT_FALSE(weak.expired());  // the shard's tensors hold it
+  // The shard's tensors read through the kept layouts: each one's first value as written.
+  ASSERT_EQ(shards->size(), 2u);  // the shard and model.safetensors.index.json
+  const ByteSource& shard = *(*shards)[0].source;
+  std::vector<std::byte> whole(shard.Size());
+  ASSERT_TRUE(shard.ReadAt(0, whole).ok());
+  uint64_t header_n = 0;
+  std::memcpy(&header_n, whole.data(), 8);
+  ASSERT_LE(8 + header_n, whole.size());
+  const auto header = nlohmann::json::parse(std::string(reinterpret_cast<const char*>(whole.data()) + 8, header_n));
+  const std::map<std::string, float> firsts = {{"tok_embeddings.weight", 1.0f}, {"norm.weight", 20.0f}};
+  for (const auto& [name, first] : firsts) {
+    ASSERT_TRUE(header.contains(name)) << name;
+    float value = 0;
+    std::memcpy(&value, whole.data() + 8 + header_n + header[name]["data_offsets"][0].get<uint64_t>(), 4);
+    EXPECT_EQ(value, first) << name;
+  }
+  shards->clear();
+  EXPECT_TRUE(weak.expired());
+}
+
 // The same in grouped-query form (2 key-value heads of 2 query heads, head_dim 1): with the head
 // dimension given, atomic/ serves the fused moments under the split names, rows picked per
 // key-value head as torchtitan's _split_qkv_on_save picks them ([q q k v] per group), and no
@@ -456,7 +518,7 @@ TEST(BuildAtomicViews, FusedMomentsSplitPerKeyValueHead) {
   const auto bare = listing({});
   EXPECT_EQ(bare.count("attn.qkv.wqkv.weight/exp_avg.pt"), 1u);
   EXPECT_EQ(bare.count("attn.qkv.wq.weight/exp_avg.pt"), 0u);
-  auto in = MakeTargetInput(s.ckpt, *mapping, files, nullptr);
+  auto in = MakeTargetInput(s.ckpt, nullptr, *mapping, files, nullptr);
   ASSERT_TRUE(in.ok());
   ASSERT_EQ((*in)->fused.size(), 1u);
   EXPECT_NE((*in)->fused[0].note.find("head_dim"), std::string::npos) << (*in)->fused[0].note;
