@@ -871,7 +871,7 @@ nlohmann::json MegatronArchitectureArgs(const pickle::PickleGraph& g, pickle::No
       "openai_gelu", "attention_softmax_in_fp32",
       // Megatron-DeepSpeed's names for the rotary base and learned positions
       "rope_theta", "add_position_embedding",
-      // what makes a mixture of experts Mixtral's or not (views/hf_view.cc)
+      // what makes a mixture of experts Mixtral's or not (views/hf_megatron.cc)
       "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_pre_softmax", "moe_router_score_function",
       "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_router_num_groups",
       "moe_router_enable_expert_bias", "moe_grouped_gemm"};
