@@ -44,7 +44,7 @@ Result<UniversalView> BuildTagView(const SourceTree& tag, const std::string& nam
   UCPFS_ASSIGN_OR_RETURN(Checkpoint ckpt, ScanDeepSpeed(tag));
   UCPFS_ASSIGN_OR_RETURN(const KeyMapping mapping, MapKeys(ckpt, {}));
   UCPFS_ASSIGN_OR_RETURN(const FileTable files, OpenFileTable(tag, ckpt, std::move(counters)));
-  UCPFS_ASSIGN_OR_RETURN(std::optional<UniversalView> view, BuildUniversalView(ckpt, mapping, files, name));
+  UCPFS_ASSIGN_OR_RETURN(std::optional<UniversalView> view, BuildUniversalView(ckpt, nullptr, mapping, files, name));
   // The directory is the tag, so the view is named after it and has no latest_universal.
   if (!view || view->dir != name + std::string(kUniversalSuffix) || !view->latest_universal.empty()) {
     return InternalError(tag_dir + ": its universal view is not `" + name + std::string(kUniversalSuffix) + "`");

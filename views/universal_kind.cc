@@ -102,7 +102,7 @@ class Universal final : public ViewKind {
     std::string universal_error;
     {
       const std::string base = source_dir.substr(source_dir.find_last_of('/') + 1);
-      auto built = index::BuildUniversalView(ckpt, mapping, files, base.empty() ? "checkpoint" : base);
+      auto built = index::BuildUniversalView(ckpt, ctx.snapshot, mapping, files, base.empty() ? "checkpoint" : base);
       if (built.ok()) {
         universal = std::move(*built);
       } else {

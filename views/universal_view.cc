@@ -146,10 +146,11 @@ format::SaveOptions OptionsFor(const std::string& file) {
   return o;
 }
 
-// A tensor of `item` in its stored dtype (the first fragment's), optionally only its first rows.
-SaveValue TensorOf(const Item& item, const FileTable& files, bool requires_grad, std::optional<int64_t> rows,
-                   bool flat) {
-  auto layout = std::make_shared<const slice::TensorLayout>(item.layout);
+// A tensor of `item` in its stored dtype (the first fragment's), optionally only its first rows;
+// its layout kept as KeptLayout keeps it (`owner`).
+SaveValue TensorOf(const Item& item, const std::shared_ptr<const void>& owner, const FileTable& files,
+                   bool requires_grad, std::optional<int64_t> rows, bool flat) {
+  std::shared_ptr<const slice::TensorLayout> layout = KeptLayout(item, owner);
   const DType dtype = item.layout.fragments.empty() ? item.dtype : item.layout.fragments.front().dtype;
   format::SaveTensor t;
   t.dtype = dtype;
@@ -435,8 +436,9 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
   return out;
 }
 
-Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, const KeyMapping& mapping,
-                                                        const FileTable& files, const std::string& source_name) {
+Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, const std::shared_ptr<const void>& owner,
+                                                        const KeyMapping& mapping, const FileTable& files,
+                                                        const std::string& source_name) {
   const auto* info = std::get_if<DeepSpeedSourceFacts>(&c.facts);
   if (info == nullptr) return std::optional<UniversalView>();
   const bool zero3 = info->zero_stage == 3;
@@ -461,9 +463,9 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
       if (zero3 || w < 0 || c.items[static_cast<size_t>(w)].kind != ItemKind::kTensor) continue;
       const Item& item = c.items[static_cast<size_t>(w)];
       SaveValue root = SaveValue::Dict();
-      auto layout = std::make_shared<const slice::TensorLayout>(item.layout);
       root.Set("param", SaveValue::Tensor(DType::kFloat32, item.layout.shape,
-                                          std::make_shared<views::LayoutProvider>(layout, DType::kFloat32, files)));
+                                          std::make_shared<views::LayoutProvider>(KeptLayout(item, owner),
+                                                                                  DType::kFloat32, files)));
       UCPFS_ASSIGN_OR_RETURN(UniversalFile f, Virtual(std::move(root), view.dir, dir + "/fp32.pt", "fp32.pt"));
       view.files.push_back(std::move(f));
       continue;
@@ -475,7 +477,7 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
     for (int s = 0; s < 3; ++s) {
       const int32_t i = p.item[static_cast<int>(kKinds[s])];
       if (i < 0 || c.items[static_cast<size_t>(i)].kind != ItemKind::kTensor) continue;
-      SaveValue tensor = TensorOf(c.items[static_cast<size_t>(i)], files, kKinds[s] == StateKind::kFp32,
+      SaveValue tensor = TensorOf(c.items[static_cast<size_t>(i)], owner, files, kKinds[s] == StateKind::kFp32,
                                   keys.keep_rows, zero3);
       SaveValue root;
       if (zero3) {
@@ -490,7 +492,7 @@ Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& c, con
     }
     const int32_t step = p.item[static_cast<int>(StateKind::kStep)];
     if (!zero3 && step >= 0 && c.items[static_cast<size_t>(step)].kind == ItemKind::kTensor) {
-      SaveValue root = TensorOf(c.items[static_cast<size_t>(step)], files, false, std::nullopt, false);
+      SaveValue root = TensorOf(c.items[static_cast<size_t>(step)], owner, files, false, std::nullopt, false);
       UCPFS_ASSIGN_OR_RETURN(UniversalFile f, Virtual(std::move(root), view.dir, dir + "/step.pt", "step.pt"));
       view.files.push_back(std::move(f));
     }

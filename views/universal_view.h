@@ -95,10 +95,13 @@ Result<std::vector<DeepSpeedParamGroup>> DeepSpeedParamGroups(const Checkpoint& 
 std::string DeepSpeedParamGroupsKey(const Checkpoint& checkpoint);
 
 // The universal view of a "deepspeed" checkpoint; nullopt for other formats. `source_name` is
-// the mounted directory's name, used as the tag when the directory is itself the tag.
+// the mounted directory's name, used as the tag when the directory is itself the tag. The
+// files' builders keep `checkpoint`'s tensor layouts (KeptLayout, `owner`).
 // Errors: kUnsupported (see above), kCorrupt (the facts or rank 0's optimizer file are not what
 // the scanner saw), each naming the file or parameter.
-Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& checkpoint, const KeyMapping& mapping,
-                                                        const FileTable& files, const std::string& source_name);
+Result<std::optional<UniversalView>> BuildUniversalView(const Checkpoint& checkpoint,
+                                                        const std::shared_ptr<const void>& owner,
+                                                        const KeyMapping& mapping, const FileTable& files,
+                                                        const std::string& source_name);
 
 }  // namespace ucpfs::index
