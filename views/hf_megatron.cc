@@ -31,7 +31,9 @@ class Args {
     auto t = Text(name);
     if (!t || t->size() != want.size()) return false;
     for (size_t i = 0; i < want.size(); ++i) {
-      if (std::tolower(static_cast<unsigned char>((*t)[i])) != std::tolower(static_cast<unsigned char>(want[i]))) return false;
+      if (std::tolower(static_cast<unsigned char>((*t)[i])) != std::tolower(static_cast<unsigned char>(want[i]))) {
+        return false;
+      }
     }
     return true;
   }
@@ -45,20 +47,25 @@ class Args {
   const nlohmann::json& j_;
 };
 
-// A Megatron-Core mixture of experts as Mixtral computes one: every layer's MLP routed (moe_layer_freq
-// 1), softmax over the top-k logits (moe_router_pre_softmax off, score function softmax, no
-// scaling, no groups, no expert bias), no shared experts, no capacity limit (no token dropped),
-// no biases, SequentialMLP experts (local_experts.<e>). Anything else is refused by name. Sets f->experts, f->topk; nothing without experts.
+// A Megatron-Core mixture of experts as Mixtral computes one: every layer's MLP routed
+// (moe_layer_freq 1), softmax over the top-k logits (moe_router_pre_softmax off, score function
+// softmax, no scaling, no groups, no expert bias), no shared experts, no capacity limit (no token
+// dropped), no biases, SequentialMLP experts (local_experts.<e>). Anything else is refused by
+// name. Sets f->experts, f->topk; nothing without experts.
 Status MixtureFacts(const Args& a, LlamaFacts* f) {
   const int64_t experts = a.Int("num_experts").value_or(0);
   if (experts <= 0) return Status::Ok();
   auto refuse = [](const std::string& what) {
     return UnsupportedError("hf/: a mixture of experts with " + what + " is not Mixtral's (not mapped)");
   };
-  if (a.Text("moe_layer_freq") || a.Int("moe_layer_freq").value_or(1) != 1) return refuse("args.moe_layer_freq (dense layers)");
+  if (a.Text("moe_layer_freq") || a.Int("moe_layer_freq").value_or(1) != 1) {
+    return refuse("args.moe_layer_freq (dense layers)");
+  }
   if (a.Int("moe_shared_expert_intermediate_size").value_or(0) > 0) return refuse("shared experts");
   if (a.Flag("moe_router_pre_softmax").value_or(false)) return refuse("args.moe_router_pre_softmax");
-  if (auto sf = a.Text("moe_router_score_function"); sf && *sf != "softmax") return refuse("args.moe_router_score_function " + *sf);
+  if (auto sf = a.Text("moe_router_score_function"); sf && *sf != "softmax") {
+    return refuse("args.moe_router_score_function " + *sf);
+  }
   if (a.Number("moe_router_topk_scaling_factor")) return refuse("args.moe_router_topk_scaling_factor");
   if (a.Number("moe_expert_capacity_factor")) return refuse("args.moe_expert_capacity_factor (dropped tokens)");
   if (a.Int("moe_router_num_groups").value_or(0) > 0) return refuse("grouped routing (args.moe_router_num_groups)");
@@ -90,7 +97,8 @@ Result<LlamaFacts> MegatronFacts(const std::optional<MegatronCoreArgs>& args, co
     return UnsupportedError("hf/: args.apply_layernorm_1p (zero-centred norm weights) has no Llama counterpart");
   }
   if (auto p = a.Text("position_embedding_type"); p && *p != "rope") {
-    return UnsupportedError("hf/: args.position_embedding_type is " + *p + "; Hugging Face Llama uses rotary embeddings");
+    return UnsupportedError("hf/: args.position_embedding_type is " + *p +
+                            "; Hugging Face Llama uses rotary embeddings");
   }
   if (!a.Text("position_embedding_type") && !a.Flag("use_rotary_position_embeddings").value_or(false)) {
     return Missing("args.position_embedding_type", "Llama needs rotary embeddings");
@@ -119,7 +127,9 @@ Result<LlamaFacts> MegatronFacts(const std::optional<MegatronCoreArgs>& args, co
     return UnsupportedError("hf/: args.qk_layernorm (query/key norms) has no Llama counterpart");
   }
   UCPFS_RETURN_IF_ERROR(MixtureFacts(a, &f));
-  if (a.Flag("multi_latent_attention").value_or(false)) return UnsupportedError("hf/: multi-latent attention is not Llama");
+  if (a.Flag("multi_latent_attention").value_or(false)) {
+    return UnsupportedError("hf/: multi-latent attention is not Llama");
+  }
 
   auto need_int = [&](const char* name, int64_t* into) -> Status {
     auto v = a.Int(name);
@@ -130,7 +140,8 @@ Result<LlamaFacts> MegatronFacts(const std::optional<MegatronCoreArgs>& args, co
   UCPFS_RETURN_IF_ERROR(need_int("num_layers", &f.layers));
   UCPFS_RETURN_IF_ERROR(need_int("hidden_size", &f.hidden));
   UCPFS_RETURN_IF_ERROR(need_int("num_attention_heads", &f.heads));
-  if (auto v = a.Int(f.experts > 0 && a.Int("moe_ffn_hidden_size") ? "moe_ffn_hidden_size" : "ffn_hidden_size"); v && *v > 0) {
+  const char* ffn_name = f.experts > 0 && a.Int("moe_ffn_hidden_size") ? "moe_ffn_hidden_size" : "ffn_hidden_size";
+  if (auto v = a.Int(ffn_name); v && *v > 0) {
     f.ffn = *v;
   } else {
     return Missing("args.ffn_hidden_size", "intermediate_size");
@@ -239,8 +250,10 @@ MegatronNames MegatronDeepSpeedNames(const std::map<std::string, const Item*>& w
     n.embedding = {"language_model.embedding.word_embeddings.weight"};
     n.final_norm = {"language_model.encoder.final_layernorm.weight"};
     n.output = {"language_model.output_layer.weight"};
-    for (int64_t l = 0; weights.count("language_model.encoder.layers." + std::to_string(l) + ".input_layernorm.weight"); ++l) {
-      n.layers.push_back("language_model.encoder.layers." + std::to_string(l) + ".");
+    for (int64_t l = 0;; ++l) {
+      const std::string prefix = "language_model.encoder.layers." + std::to_string(l) + ".";
+      if (weights.count(prefix + "input_layernorm.weight") == 0) break;
+      n.layers.push_back(prefix);
     }
     return n;
   }

@@ -65,7 +65,9 @@ Result<json> TitanConfig(const std::map<std::string, const Item*>& weights, cons
   while (weights.count("layers." + std::to_string(layers) + ".attention_norm.weight")) ++layers;
   facts->layers = layers;
   auto w1 = weights.find("layers.0.feed_forward.w1.weight");
-  if (w1 == weights.end() || w1->second->layout.shape.size() != 2) return CorruptError("hf/: no layers.0.feed_forward.w1.weight");
+  if (w1 == weights.end() || w1->second->layout.shape.size() != 2) {
+    return CorruptError("hf/: no layers.0.feed_forward.w1.weight");
+  }
   facts->ffn = w1->second->layout.shape[0];
   facts->head_dim = typed.head_dim > 0 ? typed.head_dim : facts->hidden / facts->heads;
   if (facts->kv_heads <= 0 || facts->heads % facts->kv_heads != 0 || facts->head_dim % 2 != 0) {
@@ -75,8 +77,8 @@ Result<json> TitanConfig(const std::map<std::string, const Item*>& weights, cons
   // What the tensors say wins over the file, which must agree where it speaks.
   auto agree = [&](const char* name, int64_t value) -> Status {
     if (c.contains(name) && c[name] != value) {
-      return InvalidArgumentError(where + ": " + name + " is " + c[name].dump() + ", the checkpoint's tensors make it " +
-                                  std::to_string(value));
+      return InvalidArgumentError(where + ": " + name + " is " + c[name].dump() +
+                                  ", the checkpoint's tensors make it " + std::to_string(value));
     }
     c[name] = value;
     return Status::Ok();
@@ -120,7 +122,8 @@ Result<std::vector<Planned>> TitanPlan(const std::map<std::string, const Item*>&
         wk->layout.shape != std::vector<int64_t>{f.kv_heads * f.head_dim, f.hidden}) {
       return InvalidArgumentError("hf/: layer " + std::to_string(l) +
                                   "'s wq / wk do not have the heads --hf-config gives (num_attention_heads " +
-                                  std::to_string(f.heads) + ", num_key_value_heads " + std::to_string(f.kv_heads) + ")");
+                                  std::to_string(f.heads) + ", num_key_value_heads " + std::to_string(f.kv_heads) +
+                                  ")");
     }
     out.push_back({h + "self_attn.q_proj.weight", wq, RotaryRows(f.heads, f.head_dim)});
     out.push_back({h + "self_attn.k_proj.weight", wk, RotaryRows(f.kv_heads, f.head_dim)});
@@ -145,7 +148,9 @@ Result<std::vector<Planned>> TitanPlan(const std::map<std::string, const Item*>&
     out.push_back({"lm_head.weight", head, {}});
   }
   for (const auto& [name, item] : weights) {
-    if (!used.count(name)) return UnsupportedError("hf/: parameter '" + name + "' has no Hugging Face Llama counterpart");
+    if (!used.count(name)) {
+      return UnsupportedError("hf/: parameter '" + name + "' has no Hugging Face Llama counterpart");
+    }
   }
   return out;
 }

@@ -79,9 +79,8 @@ void ApplyPatterns(views::TargetInput& input, const PatternOptions& patterns, st
 
 // The atomic files of every mapped parameter, in parameter order; cat_dim and vocab_tensor from
 // the parameter's pattern. The files' builders keep `checkpoint`'s tensor layouts (KeptLayout,
-// `owner`). Errors: kUnsupported when
-// a stored dtype cannot be converted to fp32 (names the file); a rule that does not fit a
-// parameter (views::PatternsOf).
+// `owner`). Errors: kUnsupported when a stored dtype cannot be converted to fp32 (names the
+// file); a rule that does not fit a parameter (views::PatternsOf).
 Result<std::vector<AtomicView>> BuildAtomicViews(const Checkpoint& checkpoint, const std::shared_ptr<const void>& owner,
                                                  const KeyMapping& mapping, const FileTable& files,
                                                  const PatternOptions& patterns);
