@@ -21,8 +21,12 @@ constexpr int kSlotShift = 32;
 constexpr Ino kLocalInoMask = (Ino{1} << kSlotShift) - 1;
 constexpr uint64_t kMaxSlot = (uint64_t{1} << 30) - 1;  // below kPassthroughBit
 constexpr size_t kMaxLiveSubtrees = size_t{1} << 20;
-// st_blksize: cp, cat and stdio size their reads by it; match the largest FUSE request.
-constexpr blksize_t kStatBlockSize = 1 << 20;
+// st_blksize: what a disk file says (ext4's 4096). stdio and Python's buffered files size their
+// buffer by it, and torch.load reads each record's header through one: at 1 MiB (the largest
+// FUSE request, as it was) every header read copied a MiB, and a warm torch.load(mmap=True) of a
+// 940 MB rank file took 4.5 ms against 2.1 ms from disk (2.6 ms at 4 KiB). Sequential readers are
+// read ahead by the kernel either way: cat (128 KiB reads at least) measured the same.
+constexpr blksize_t kStatBlockSize = 4096;
 constexpr unsigned long kStatfsBlockSize = 4096;
 constexpr unsigned long kNameMax = 255;
 constexpr size_t kMaxLoggedDataLoss = 4096;

@@ -95,6 +95,8 @@ TEST(FilesystemTest, LooksUpTheMainTreeWithoutCountingIt) {
   EXPECT_EQ(a->ino, f.file);
   EXPECT_EQ(a->attr.st_size, 11);
   EXPECT_EQ(a->attr.st_blocks, 1);
+  // A disk file's block size: Python's buffered files (torch.load's) size their buffer by it.
+  EXPECT_EQ(a->attr.st_blksize, 4096);
   Result<Entry> missing = f.fs->Lookup(kRootIno, "nope");
   ASSERT_TRUE(missing.ok());
   EXPECT_EQ(missing->ino, 0u);  // a negative entry
