@@ -27,7 +27,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,6 +36,7 @@
 #include "core/format/torch_writer.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
+#include "fs/namespace.h"
 #include "index/checkpoint.h"
 #include "index/key_map.h"
 #include "views/view_inputs.h"
@@ -48,7 +48,7 @@ struct UniversalFile {
   // A virtual file: its exact size, and its builder (deterministic; the mount builds it again
   // when it is opened, so the tree keeps the file's object, not its zip headers and pickle).
   uint64_t n_bytes = 0;
-  std::function<Result<std::shared_ptr<const ByteSource>>()> build;  // null for a checkpoint file:
+  fs::Builder build;       // for fs::BuiltOnOpen; null for a checkpoint file:
   std::string source_rel;  // that file, relative to the checkpoint, served as is
 };
 

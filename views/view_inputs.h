@@ -20,6 +20,7 @@
 #include "core/io/lazy_file_source.h"
 #include "core/layout/patterns.h"
 #include "core/status.h"
+#include "fs/namespace.h"
 #include "views/target.h"
 #include "index/checkpoint.h"
 #include "index/file_table.h"
@@ -46,10 +47,10 @@ struct AtomicView {
   std::string file;  // "fp32.pt" (the fp32 master, else the weight), "exp_avg.pt", "exp_avg_sq.pt",
                      // "step.pt" (the optimizer step as saved: a tensor or a number)
   uint64_t n_bytes = 0;  // the file's exact size
-  // Builds the file (a lazy torch.save file of n_bytes; deterministic). Holding only this
-  // between opens, a mount keeps a few hundred bytes an atomic file rather than its zip headers,
-  // pickle and copy plans (about 5 KB).
-  std::function<Result<std::shared_ptr<const ByteSource>>()> build;
+  // Builds the file (a lazy torch.save file of n_bytes; deterministic), for fs::BuiltOnOpen.
+  // Holding only this between opens, a mount keeps a few hundred bytes an atomic file rather
+  // than its zip headers, pickle and copy plans (about 5 KB).
+  fs::Builder build;
 };
 
 // What decides how parameters are split (views::PatternsOf), for the atomic files' cat_dim and
