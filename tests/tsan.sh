@@ -14,10 +14,17 @@ reports=$PWD/build-tsan/tsan-reports
 rm -rf "$reports"
 mkdir -p "$reports"
 export TSAN_OPTIONS="log_path=$reports/tsan second_deadlock_stack=1"
-ctest --test-dir build-tsan --output-on-failure -R "e2e_mount_dcp_torch113|e2e_target_views_torch113|e2e_fuse_tree|filesystem_test|pinned_cache_test|write_capture_test"
+# A report makes the test exit non-zero too; the reports are printed either way, so a failure
+# in CI always shows the race, not only the test's own output.
+rc=0
+ctest --test-dir build-tsan --output-on-failure -R "e2e_mount_dcp_torch113|e2e_target_views_torch113|e2e_fuse_tree|filesystem_test|pinned_cache_test|write_capture_test" || rc=$?
 if compgen -G "$reports/tsan*" >/dev/null; then
   echo "tsan: reports in $reports:"
-  head -60 "$reports"/tsan*
+  head -120 "$reports"/tsan*
   exit 1
+fi
+if [ "$rc" -ne 0 ]; then
+  echo "tsan: ctest failed (exit $rc) with no report written"
+  exit "$rc"
 fi
 echo "tsan: no data race reported"
