@@ -209,6 +209,10 @@ struct Server {
   bool passthrough_wanted = false;          // MountOptions::passthrough (and libfuse >= 3.17)
   std::atomic<bool> passthrough_on{false};  // negotiated at INIT
   std::shared_ptr<Materializer> materialize;
+  // With --materialize, agreed at INIT (FUSE_CAP_DIRECT_IO_ALLOW_MMAP, so MAP_SHARED still maps
+  // a direct_io file): the open of a view whose copy is still being built reads it direct_io,
+  // straight into the reader's buffer, when no other open is served by the daemon (OpOpen).
+  std::atomic<bool> direct_while_building{false};
   std::shared_ptr<MountReport> report;
   InodeModes modes;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;

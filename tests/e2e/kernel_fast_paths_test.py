@@ -9,7 +9,10 @@ opens pass through and the daemon never sees their reads (stats.json's view read
 move: the kernel read the materialised copy), the cache holds at most --materialize-size (least recently used out, an
 evicted file is computed again), torch.load(mmap=True) of a rank file works on the backing file,
 a new checkpoint saved into the mount (a new generation) is never served from an old copy while
-a reader of the old view keeps its bytes;
+a reader of the old view keeps its bytes; while a copy is built, a view's first open reads it
+direct_io (a second read of it comes to the daemon again), maps MAP_SHARED, and a second open
+at once is cached; a writable MAP_SHARED mapping of a new file (also written after its
+descriptor's close) is saved through the capture (ENODEV without FUSE_CAP_DIRECT_IO_ALLOW_MMAP);
 source files are read and written in place through the kernel (counted opens, bytes equal on
 disk), an O_TRUNC rewrite of a file another process reads is refused with ETXTBSY (the kernel
 cannot mix a passed-through inode with the daemon's capture) and works once it is closed; a
@@ -30,6 +33,7 @@ equal and status must say the fast paths are off and why.
 import errno
 import io
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -328,6 +332,52 @@ def main():
                 old.close()
             res.check("a new generation is never served from an old copy; an old reader keeps its bytes",
                       new_generation)
+
+        # SRC holds the second save now (new_generation): its atomic files are want2's.
+        with mounted(src, mnt, "--materialize", os.path.join(tmp, "cache2")) as (m, _):
+            def direct_while_building():
+                name = max(atomic, key=lambda n: len(want2[n]))
+                path = os.path.join(m, name)
+                with open(path, "rb", buffering=0) as f:
+                    assert f.read() == want2[name]
+                    f.seek(0)
+                    r0 = stats(m)["views"]["reads"]
+                    assert f.read() == want2[name]
+                    again = stats(m)["views"]["reads"] - r0  # 1: this stats.json read
+                    with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED) as mm:
+                        assert mm[:] == want2[name]
+                    # A second open meanwhile is cached: readers of one file at once share its pages.
+                    with open(path, "rb", buffering=0) as g:
+                        assert g.read() == want2[name]
+                        g.seek(0)
+                        r1 = stats(m)["views"]["reads"]
+                        assert g.read() == want2[name]
+                        assert stats(m)["views"]["reads"] - r1 == 1, "the second open's pages were not kept"
+                if fast:  # the first open read direct_io: its second read came to the daemon again
+                    assert again > 1, again
+            res.check("while a view's copy is built, its first open reads direct_io, maps MAP_SHARED, and a "
+                      "second open at once is cached", direct_while_building)
+
+            def shared_writable_mapping():
+                path = os.path.join(m, "mapped.bin")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                os.ftruncate(fd, 3 * 4096)
+                try:
+                    mm = mmap.mmap(fd, 3 * 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                except OSError as e:  # libfuse without FUSE_CAP_DIRECT_IO_ALLOW_MMAP
+                    os.close(fd)
+                    assert not fast and e.errno == errno.ENODEV, e
+                    return
+                mm[0:5] = b"first"
+                os.close(fd)  # written through the mapping after the descriptor's close too
+                mm[8192:8197] = b"after"
+                mm.close()
+                open(os.path.join(m, ".ucpfs", "sync")).close()
+                want_bytes = b"first" + b"\0" * 8187 + b"after" + b"\0" * 4091
+                assert read(os.path.join(src, "mapped.bin")) == want_bytes
+                assert read(path) == want_bytes
+            res.check("with --materialize a writable MAP_SHARED mapping of a new file is saved through the "
+                      "capture, also what is written after its descriptor's close", shared_writable_mapping)
 
         def symlink_cache_refused():
             real = os.path.join(tmp, "real-cache")

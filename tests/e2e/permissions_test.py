@@ -350,7 +350,8 @@ def xattrs_and_mmap(src, mnt):
         except OSError as e:
             assert e.errno in (errno.ENOTSUP, errno.EPERM), f"setxattr {name}: {e}"
     assert os.listxattr(os.path.join(src, "pub/rootfile666")) == []
-    # A file opened for writing bypasses the page cache: MAP_SHARED is ENODEV (docs/reference.md).
+    # A file opened for writing bypasses the page cache: MAP_SHARED is ENODEV without --materialize
+    # (docs/reference.md; kernel_fast_paths_test.py maps one with it).
     path = os.path.join(mnt, "pub/mapped")
     with open(path, "w+b") as fh:
         fh.write(b"\0" * 4096)
