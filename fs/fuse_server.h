@@ -200,6 +200,13 @@ class InodeModes {
   }
 };
 
+// With --materialize, the smallest view file whose opens while its copy is built read it direct_io
+// (OpOpen). Such an open has no read-ahead: a reader taking 4 KiB at a time gets 0.14 GB/s where
+// the cached open's read-ahead gives 1.2 GB/s (1 MiB reads: 4.2 against 2.4 GB/s). Small files,
+// read in small pieces more often (pickles, configs, many small tensors) and cheap to cache
+// twice, keep the page cache.
+constexpr uint64_t kDirectWhileBuildingMinBytes = uint64_t{32} << 20;
+
 // How long an open that conflicts with a passthrough open waits for that open's RELEASE
 // (InodeModes::WaitNoPassthrough) before it is refused with ETXTBSY.
 constexpr std::chrono::milliseconds kReleaseGrace{200};

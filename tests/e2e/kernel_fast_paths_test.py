@@ -9,9 +9,9 @@ opens pass through and the daemon never sees their reads (stats.json's view read
 move: the kernel read the materialised copy), the cache holds at most --materialize-size (least recently used out, an
 evicted file is computed again), torch.load(mmap=True) of a rank file works on the backing file,
 a new checkpoint saved into the mount (a new generation) is never served from an old copy while
-a reader of the old view keeps its bytes; while a copy is built, a view's first open reads it
-direct_io (a second read of it comes to the daemon again), maps MAP_SHARED, and a second open
-at once is cached; a writable MAP_SHARED mapping of a new file (also written after its
+a reader of the old view keeps its bytes; while a copy is built, the first open of a view of at
+least 32 MiB reads it direct_io (a second read of it comes to the daemon again), maps
+MAP_SHARED, and a second open at once is cached, a small view's keeps the page cache; a writable MAP_SHARED mapping of a new file (also written after its
 descriptor's close) is saved through the capture (ENODEV without FUSE_CAP_DIRECT_IO_ALLOW_MMAP);
 source files are read and written in place through the kernel (counted opens, bytes equal on
 disk), an O_TRUNC rewrite of a file another process reads is refused with ETXTBSY (the kernel
@@ -333,30 +333,46 @@ def main():
             res.check("a new generation is never served from an old copy; an old reader keeps its bytes",
                       new_generation)
 
-        # SRC holds the second save now (new_generation): its atomic files are want2's.
-        with mounted(src, mnt, "--materialize", os.path.join(tmp, "cache2")) as (m, _):
+        # A view of at least 32 MiB (kDirectWhileBuildingMinBytes): two 38 MB tensors.
+        bigger = os.path.join(tmp, "bigger")
+        run([sys.executable, os.path.join(HERE, "..", "bench", "gen_bench_dcp.py"), bigger, "--tensors", "2",
+             "--rows", "4096", "--cols", "2304"])
+        rank0 = os.path.join("target", LAYOUT, "rank_0", "model.pt")
+        with mounted(bigger, mnt, "--layout", LAYOUT, "--no-passthrough", "--read-only") as (m, _):
+            want_rank0 = read(os.path.join(m, rank0))
+        assert len(want_rank0) >= 32 << 20, len(want_rank0)
+        with mounted(bigger, mnt, "--layout", LAYOUT, "--materialize", os.path.join(tmp, "cache2")) as (m, _):
             def direct_while_building():
-                name = max(atomic, key=lambda n: len(want2[n]))
-                path = os.path.join(m, name)
+                path = os.path.join(m, rank0)
                 with open(path, "rb", buffering=0) as f:
-                    assert f.read() == want2[name]
+                    assert f.read() == want_rank0
                     f.seek(0)
                     r0 = stats(m)["views"]["reads"]
-                    assert f.read() == want2[name]
+                    assert f.read() == want_rank0
                     again = stats(m)["views"]["reads"] - r0  # 1: this stats.json read
                     with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED) as mm:
-                        assert mm[:] == want2[name]
+                        assert mm[:] == want_rank0
                     # A second open meanwhile is cached: readers of one file at once share its pages.
                     with open(path, "rb", buffering=0) as g:
-                        assert g.read() == want2[name]
+                        assert g.read() == want_rank0
                         g.seek(0)
                         r1 = stats(m)["views"]["reads"]
-                        assert g.read() == want2[name]
+                        assert g.read() == want_rank0
                         assert stats(m)["views"]["reads"] - r1 == 1, "the second open's pages were not kept"
                 if fast:  # the first open read direct_io: its second read came to the daemon again
                     assert again > 1, again
             res.check("while a view's copy is built, its first open reads direct_io, maps MAP_SHARED, and a "
                       "second open at once is cached", direct_while_building)
+
+            def small_views_cached():
+                name = next(n for n in view_files(m) if n.endswith("step.pt") or n.endswith(".json"))
+                with open(os.path.join(m, name), "rb", buffering=0) as f:
+                    first = f.read()
+                    f.seek(0)
+                    r0 = stats(m)["views"]["reads"]
+                    assert f.read() == first and first
+                    assert stats(m)["views"]["reads"] - r0 == 1, name  # kept: only the stats read
+            res.check("a small view's first open keeps the page cache", small_views_cached)
 
             def shared_writable_mapping():
                 path = os.path.join(m, "mapped.bin")
@@ -374,7 +390,7 @@ def main():
                 mm.close()
                 open(os.path.join(m, ".ucpfs", "sync")).close()
                 want_bytes = b"first" + b"\0" * 8187 + b"after" + b"\0" * 4091
-                assert read(os.path.join(src, "mapped.bin")) == want_bytes
+                assert read(os.path.join(bigger, "mapped.bin")) == want_bytes
                 assert read(path) == want_bytes
             res.check("with --materialize a writable MAP_SHARED mapping of a new file is saved through the "
                       "capture, also what is written after its descriptor's close", shared_writable_mapping)
