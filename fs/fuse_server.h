@@ -217,8 +217,9 @@ struct Server {
   std::atomic<bool> passthrough_on{false};  // negotiated at INIT
   std::shared_ptr<Materializer> materialize;
   // With --materialize, agreed at INIT (FUSE_CAP_DIRECT_IO_ALLOW_MMAP, so MAP_SHARED still maps
-  // a direct_io file): the open of a view whose copy is still being built reads it direct_io,
-  // straight into the reader's buffer, when no other open is served by the daemon (OpOpen).
+  // a direct_io file): the open of a view (kDirectWhileBuildingMinBytes or more) whose copy is
+  // still being built reads it direct_io, straight into the reader's buffer, when no other open
+  // of it is served by the daemon (OpOpen).
   std::atomic<bool> direct_while_building{false};
   std::shared_ptr<MountReport> report;
   InodeModes modes;

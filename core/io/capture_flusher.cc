@@ -18,9 +18,10 @@ namespace {
 // A chunk goes to the disk while a writer may be changing it: the writer bumps the chunk's
 // generation and Complete writes it again (see FlusherLoop). The kernel reads the chunk, not the
 // program: io_uring's reads are never seen by ThreadSanitizer, but the pwrite engine's
-// interceptor reports them as a race with the writer's memcpy. So the batch's reads are not
-// tracked under ThreadSanitizer, in the flusher's thread and only while its batch runs; the
-// writers' side, the locks and everything else stay checked.
+// interceptor reports them as a race with the writer's memcpy. So under ThreadSanitizer the
+// flusher thread's memory accesses are not tracked while its batch runs (the annotation ignores
+// writes too; the thread touches only its own engine's state there); its locks, the writers'
+// side and everything else stay checked.
 class KernelReadsTheBatch {
  public:
 #if defined(__SANITIZE_THREAD__)

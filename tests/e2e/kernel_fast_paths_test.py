@@ -11,8 +11,9 @@ evicted file is computed again), torch.load(mmap=True) of a rank file works on t
 a new checkpoint saved into the mount (a new generation) is never served from an old copy while
 a reader of the old view keeps its bytes; while a copy is built, the first open of a view of at
 least 32 MiB reads it direct_io (a second read of it comes to the daemon again), maps
-MAP_SHARED, and a second open at once is cached, a small view's keeps the page cache; a writable MAP_SHARED mapping of a new file (also written after its
-descriptor's close) is saved through the capture (ENODEV without FUSE_CAP_DIRECT_IO_ALLOW_MMAP);
+MAP_SHARED, and a second open at once is cached, while a small view's first open keeps the page
+cache; a writable MAP_SHARED mapping of a new file (also written after its descriptor's close)
+is saved through the capture (ENODEV without FUSE_CAP_DIRECT_IO_ALLOW_MMAP);
 source files are read and written in place through the kernel (counted opens, bytes equal on
 disk), an O_TRUNC rewrite of a file another process reads is refused with ETXTBSY (the kernel
 cannot mix a passed-through inode with the daemon's capture) and works once it is closed; a
