@@ -3,7 +3,7 @@
 // fuse_mount.cc is the only file that includes <fuse_lowlevel.h>.
 //
 // Behaviour: views are read-only (EROFS), opened with keep_cache and long attr/entry timeouts
-// (they are immutable), mmap works (with --materialize, an open while its copy is built reads
+// (they are immutable), mmap works (with --materialize, the open that queues a copy's build reads
 // direct_io, MAP_SHARED still allowed: fuse_read.cc); the source's own files (a Passthrough) are
 // read-write with 1 s timeouts, written ones opened direct_io (their bytes go to the capture,
 // not the page cache). A failing source read returns EIO and logs the file and reason to

@@ -31,11 +31,12 @@ namespace {
 // its first write), reopened by the daemon read-write where it can, so later writable opens can
 // join the same backing; or a view's materialised copy once it is built (until then the open
 // is served by the daemon, and its build is queued behind it: fs/materialize.h).
-// `writable` says whether the descriptor is open for writing; `building` whether it is -1 because
-// the view's copy is queued or being built (it will pass through once built).
-int BackingFdOf(Server& server, const OpenFile& file, bool* writable, bool* building) {
+// `writable` says whether the descriptor is open for writing; `queued_now` whether it is -1
+// because this open found no copy of the view and queued its build (so nothing of the view has
+// been read since its copy was needed).
+int BackingFdOf(Server& server, const OpenFile& file, bool* writable, bool* queued_now) {
   *writable = false;
-  *building = false;
+  *queued_now = false;
   if (const auto& h = file.passthrough) {
     if (h->captured != nullptr || h->fd < 0 || (h->writable && h->kill_privs.load())) return -1;
     const std::string proc = io::ProcFdPath(h->fd);
@@ -50,27 +51,26 @@ int BackingFdOf(Server& server, const OpenFile& file, bool* writable, bool* buil
   if (server.materialize == nullptr || file.volatile_content || file.source == nullptr) return -1;
   const std::shared_ptr<const void> node = file.node.lock();
   if (node == nullptr) return -1;  // its tree is gone (an evicted subtree): served by the daemon
-  Result<int> fd = server.materialize->Open(node, file.source);
+  Result<int> fd = server.materialize->Open(node, file.source, queued_now);
   if (!fd.ok()) {
     if (fd.error().code() != StatusCode::kUnsupported) {
       std::fprintf(stderr, "ucpfs: materialize: %s\n", fd.error().ToString().c_str());
     }
     return -1;
   }
-  *building = *fd < 0;
   return *fd;
 }
 #endif
 
 // How an open file is served: sets fi's mode (passthrough with its backing id, or the daemon's
 // cached/direct_io modes) and counts it in server.modes. Returns 0, or ETXTBSY when the inode
-// passes through to a backing file this open cannot share (InodeModes). *building_alone: served
-// by the daemon while the view's copy is built, and no other open of the inode is.
+// passes through to a backing file this open cannot share (InodeModes). *first_of_build: served
+// by the daemon, the open that queued the view's build, and no other open of the inode is.
 int ChooseMode(fuse_req_t req, Server& server, Ino ino, const OpenFile& file, fuse_file_info* fi, bool* passthrough,
-               bool* building_alone) {
+               bool* first_of_build) {
   *passthrough = false;
-  *building_alone = false;
-  bool building = false;
+  *first_of_build = false;
+  bool queued_now = false;
 #ifdef UCPFS_HAVE_PASSTHROUGH
   const bool writable = file.passthrough && file.passthrough->writable;
   if (server.passthrough_on.load()) {
@@ -98,7 +98,7 @@ int ChooseMode(fuse_req_t req, Server& server, Ino ino, const OpenFile& file, fu
       }
     }
     bool backing_writable = false;
-    const int fd = BackingFdOf(server, file, &backing_writable, &building);  // may queue a build: no lock held
+    const int fd = BackingFdOf(server, file, &backing_writable, &queued_now);  // may queue a build: no lock held
     if (fd >= 0) {
       std::lock_guard lock(server.modes.mu);
       InodeModes::Modes& m = server.modes.by_ino[ino];
@@ -145,7 +145,7 @@ int ChooseMode(fuse_req_t req, Server& server, Ino ino, const OpenFile& file, fu
 #endif
     return ETXTBSY;
   }
-  *building_alone = building && m.n_other == 0;
+  *first_of_build = queued_now && m.n_other == 0;
   ++m.n_other;
   return 0;
 }
@@ -177,11 +177,11 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
                                                    : FsOf(req).Open(ino, fi->flags);
     if (!file.ok()) return ErrnoFromStatus(file.error());
     bool passthrough = false;
-    bool building_alone = false;
-    int err = ChooseMode(req, server, ino, *file, fi, &passthrough, &building_alone);
+    bool first_of_build = false;
+    int err = ChooseMode(req, server, ino, *file, fi, &passthrough, &first_of_build);
     if (err == ETXTBSY && server.modes.WaitNoPassthrough(ino, kReleaseGrace)) {
       // the conflicting open was closed
-      err = ChooseMode(req, server, ino, *file, fi, &passthrough, &building_alone);
+      err = ChooseMode(req, server, ino, *file, fi, &passthrough, &first_of_build);
     }
     if (err != 0) {
       (void)FsOf(req).Release(*file);
@@ -193,14 +193,18 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       SourceOpenFlags(fi, file->passthrough->writable);
     } else if (file->volatile_content) {
       fi->direct_io = 1;  // produced at open time: never serve stale cached pages
-    } else if (building_alone && server.direct_while_building.load() && file->source != nullptr &&
+    } else if (first_of_build && server.direct_while_building.load() && file->source != nullptr &&
                file->source->Size() >= kDirectWhileBuildingMinBytes) {
-      // Its copy is being built and later opens pass through to it: the bytes read now go
+      // This open queued the copy that later opens pass through to: the bytes it reads go
       // straight into the reader's buffer, never into a page cache of the mount's that the
       // copy replaces (one copy and the cache's pages fewer: a cold torch.load of 1.88 GB of
-      // rank files 1.85 s -> 1.54 s on 2 cores). Opens made meanwhile are cached as before, so
-      // readers of one file at once share its pages; a MAP_SHARED map still maps (OpInit).
+      // rank files 1.85 s -> 1.54 s on 2 cores). Opens made meanwhile and until the copy is
+      // built are cached as before, so readers of one file at once share its pages, and a
+      // reload keeps what a map of this open brought in (the kernel drops the inode's pages
+      // when a direct_io file is mapped; MAP_SHARED maps: OpInit). keep_cache: this open does
+      // not drop the pages others read either.
       fi->direct_io = 1;
+      fi->keep_cache = 1;
     } else {
       fi->keep_cache = 1;  // content never changes: keep pages across opens
     }

@@ -94,8 +94,8 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   // page-cache pages that spliced replies carry.
   conn->want &= ~static_cast<unsigned>(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE |
                                        FUSE_CAP_SPLICE_MOVE);
-  // With --materialize, a view's opens while its copy is built read it direct_io (OpOpen): such
-  // a file must still map MAP_SHARED (safetensors does). The flag holds for the mount's written
+  // With --materialize, the open of a view that queues its copy's build reads it direct_io
+  // (OpOpen): such a file must still map MAP_SHARED (safetensors does). The flag holds for the mount's written
   // files too, opened direct_io: a writable shared mapping of one is then written back through
   // the capture (docs/reference.md), where without it the mmap fails with ENODEV.
 #ifdef FUSE_CAP_DIRECT_IO_ALLOW_MMAP

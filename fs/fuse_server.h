@@ -200,8 +200,8 @@ class InodeModes {
   }
 };
 
-// With --materialize, the smallest view file whose opens while its copy is built read it direct_io
-// (OpOpen). Such an open has no read-ahead: a reader taking 4 KiB at a time gets 0.14 GB/s where
+// With --materialize, the smallest view file whose open that queues its copy's build reads it
+// direct_io (OpOpen). Such an open has no read-ahead: a reader taking 4 KiB at a time gets 0.14 GB/s where
 // the cached open's read-ahead gives 1.2 GB/s (1 MiB reads: 4.2 against 2.4 GB/s). Small files,
 // read in small pieces more often (pickles, configs, many small tensors) and cheap to cache
 // twice, keep the page cache.
@@ -217,9 +217,9 @@ struct Server {
   std::atomic<bool> passthrough_on{false};  // negotiated at INIT
   std::shared_ptr<Materializer> materialize;
   // With --materialize, agreed at INIT (FUSE_CAP_DIRECT_IO_ALLOW_MMAP, so MAP_SHARED still maps
-  // a direct_io file): the open of a view (kDirectWhileBuildingMinBytes or more) whose copy is
-  // still being built reads it direct_io, straight into the reader's buffer, when no other open
-  // of it is served by the daemon (OpOpen).
+  // a direct_io file): the open of a view (kDirectWhileBuildingMinBytes or more) that queues its
+  // copy's build reads it direct_io, straight into the reader's buffer, when no other open of it
+  // is served by the daemon (OpOpen).
   std::atomic<bool> direct_while_building{false};
   std::shared_ptr<MountReport> report;
   InodeModes modes;

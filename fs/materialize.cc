@@ -233,7 +233,9 @@ void Materializer::BuilderLoop() {
   idle_.notify_all();
 }
 
-Result<int> Materializer::Open(const std::shared_ptr<const void>& node, std::shared_ptr<const ByteSource> source) {
+Result<int> Materializer::Open(const std::shared_ptr<const void>& node, std::shared_ptr<const ByteSource> source,
+                               bool* queued) {
+  if (queued != nullptr) *queued = false;
   const uint64_t size = source->Size();
   if (size > max_bytes_) {
     return Status(StatusCode::kUnsupported, source->Name() + " is larger than the materialize cache");
@@ -270,6 +272,7 @@ Result<int> Materializer::Open(const std::shared_ptr<const void>& node, std::sha
   queue_.push_back(Job{node.get(), entry.id, node, std::move(source)});
   if (!builder_.joinable()) builder_ = std::thread([this] { BuilderLoop(); });
   work_.notify_one();
+  if (queued != nullptr) *queued = true;
   return -1;
 }
 

@@ -69,8 +69,11 @@ class Materializer {
   // open from `source` itself. Errors: kUnsupported (larger than the cache), kIo (opening a
   // finished copy, naming it). A build's own errors are counted in Stats ("failures",
   // "last_error") and written to stderr (the daemon's log); the view is queued again at a later
-  // open.
-  Result<int> Open(const std::shared_ptr<const void>& node, std::shared_ptr<const ByteSource> source);
+  // open. `queued` (optional) is set when this call queued the build: the first open since the
+  // view had no copy (opens while it is queued or built, or when the cache is full of queued
+  // builds, answer -1 with it false).
+  Result<int> Open(const std::shared_ptr<const void>& node, std::shared_ptr<const ByteSource> source,
+                   bool* queued = nullptr);
 
   // A read of a view file the daemon serves (fuse_mount.cc, per read request: one clock read
   // and a relaxed store, no lock; not the control files, which a status poll reads). Builds

@@ -12,7 +12,7 @@ a new checkpoint saved into the mount (a new generation) is never served from an
 a reader of the old view keeps its bytes; while a copy is built, the first open of a view of at
 least 32 MiB reads it direct_io (a second read of it comes to the daemon again), maps
 MAP_SHARED, and a second open at once is cached, while a small view's first open keeps the page
-cache; a writable MAP_SHARED mapping of a new file (also written after its descriptor's close)
+cache, and a reload keeps the pages a MAP_SHARED map of the first open read; a writable MAP_SHARED mapping of a new file (also written after its descriptor's close)
 is saved through the capture (ENODEV without FUSE_CAP_DIRECT_IO_ALLOW_MMAP);
 source files are read and written in place through the kernel (counted opens, bytes equal on
 disk), an O_TRUNC rewrite of a file another process reads is refused with ETXTBSY (the kernel
@@ -339,9 +339,11 @@ def main():
         run([sys.executable, os.path.join(HERE, "..", "bench", "gen_bench_dcp.py"), bigger, "--tensors", "2",
              "--rows", "4096", "--cols", "2304"])
         rank0 = os.path.join("target", LAYOUT, "rank_0", "model.pt")
+        rank1 = os.path.join("target", LAYOUT, "rank_1", "model.pt")
         with mounted(bigger, mnt, "--layout", LAYOUT, "--no-passthrough", "--read-only") as (m, _):
             want_rank0 = read(os.path.join(m, rank0))
-        assert len(want_rank0) >= 32 << 20, len(want_rank0)
+            want_rank1 = read(os.path.join(m, rank1))
+        assert min(len(want_rank0), len(want_rank1)) >= 32 << 20, (len(want_rank0), len(want_rank1))
         with mounted(bigger, mnt, "--layout", LAYOUT, "--materialize", os.path.join(tmp, "cache2")) as (m, _):
             def direct_while_building():
                 path = os.path.join(m, rank0)
@@ -364,6 +366,22 @@ def main():
                     assert again > 1, again
             res.check("while a view's copy is built, its first open reads direct_io, maps MAP_SHARED, and a "
                       "second open at once is cached", direct_while_building)
+
+            def reload_keeps_the_mapped_pages():
+                # As safetensors loads: the first open maps the file MAP_SHARED and reads it through
+                # the map (the kernel drops a direct_io file's pages when it is mapped, then the map's
+                # faults bring them in). A reload right after, before the copy is built, keeps them:
+                # its open is cached, not direct_io, and its reads never reach the daemon.
+                path = os.path.join(m, rank1)
+                with open(path, "rb", buffering=0) as f:
+                    with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED) as mm:
+                        assert mm[:] == want_rank1
+                with open(path, "rb", buffering=0) as f:
+                    r0 = stats(m)["views"]["reads"]
+                    assert f.read() == want_rank1
+                    assert stats(m)["views"]["reads"] - r0 == 1, "a reload read the view again"
+            res.check("a reload while the copy is built keeps the pages a MAP_SHARED map of the first open read",
+                      reload_keeps_the_mapped_pages)
 
             def small_views_cached():
                 name = next(n for n in view_files(m) if n.endswith("step.pt") or n.endswith(".json"))

@@ -83,18 +83,23 @@ TEST(Materializer, CopiesOnceAndReusesWithinATree) {
   EXPECT_EQ(st.st_mode & 07777, 0700u);
   auto tree = std::make_shared<std::vector<int>>(4);
   const auto a = Bytes("a", 20u << 20, 1);  // more than one chunk
-  // Opens before the copy is built are the caller's, and queue one build, not one each.
+  // Opens before the copy is built are the caller's, and queue one build, not one each: only
+  // the first says it queued it.
   for (int i = 0; i < 2; ++i) {
-    Result<int> fd = (*m)->Open(NodeOf(tree, 0), a);
+    bool queued = i == 0 ? false : true;
+    Result<int> fd = (*m)->Open(NodeOf(tree, 0), a, &queued);
     ASSERT_TRUE(fd.ok()) << fd.error().ToString();
     EXPECT_EQ(*fd, -1);
+    EXPECT_EQ(queued, i == 0) << i;
   }
   (*m)->WaitIdle();
   EXPECT_EQ((*m)->Stats()["queued"], 0u);
   for (int i = 0; i < 3; ++i) {
-    Result<int> fd = (*m)->Open(NodeOf(tree, 0), a);
+    bool queued = true;
+    Result<int> fd = (*m)->Open(NodeOf(tree, 0), a, &queued);
     ASSERT_TRUE(fd.ok()) << fd.error().ToString();
     ASSERT_GE(*fd, 0);
+    EXPECT_FALSE(queued);
     EXPECT_EQ(ReadAll(*fd), Want(a));
   }
   const auto s = (*m)->Stats();
