@@ -32,8 +32,8 @@ namespace {
 // join the same backing; or a view's materialised copy once it is built (until then the open
 // is served by the daemon, and its build is queued behind it: fs/materialize.h).
 // `writable` says whether the descriptor is open for writing; `queued_now` whether it is -1
-// because this open found no copy of the view and queued its build (so nothing of the view has
-// been read since its copy was needed).
+// because this open found no copy of the view and queued its build (the first open since the
+// view had none).
 int BackingFdOf(Server& server, const OpenFile& file, bool* writable, bool* queued_now) {
   *writable = false;
   *queued_now = false;
@@ -198,7 +198,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       // This open queued the copy that later opens pass through to: the bytes it reads go
       // straight into the reader's buffer, never into a page cache of the mount's that the
       // copy replaces (one copy and the cache's pages fewer: a cold torch.load of 1.88 GB of
-      // rank files 1.85 s -> 1.54 s on 2 cores). Opens made meanwhile and until the copy is
+      // rank files 1.63 s -> 1.25 s on 2 cores). Opens made meanwhile and until the copy is
       // built are cached as before, so readers of one file at once share its pages, and a
       // reload keeps what a map of this open brought in (the kernel drops the inode's pages
       // when a direct_io file is mapped; MAP_SHARED maps: OpInit). keep_cache: this open does
