@@ -193,8 +193,8 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       SourceOpenFlags(fi, file->passthrough->writable);
     } else if (file->volatile_content) {
       fi->direct_io = 1;  // produced at open time: never serve stale cached pages
-    } else if (first_of_build && server.direct_while_building.load() && file->source != nullptr &&
-               file->source->Size() >= kDirectWhileBuildingMinBytes) {
+    } else if (first_of_build && server.direct_first_open.load() && file->source != nullptr &&
+               file->source->Size() >= kDirectFirstOpenMinBytes) {
       // This open queued the copy that later opens pass through to: the bytes it reads go
       // straight into the reader's buffer, never into a page cache of the mount's that the
       // copy replaces (one copy and the cache's pages fewer: a cold torch.load of 1.88 GB of

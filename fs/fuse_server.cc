@@ -101,7 +101,7 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
 #ifdef FUSE_CAP_DIRECT_IO_ALLOW_MMAP
   if (server.materialize != nullptr && (conn->capable & FUSE_CAP_DIRECT_IO_ALLOW_MMAP) != 0) {
     conn->want |= FUSE_CAP_DIRECT_IO_ALLOW_MMAP;
-    server.direct_while_building.store(true);
+    server.direct_first_open.store(true);
   }
 #endif
   MountReport::Kernel kernel;

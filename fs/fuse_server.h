@@ -205,7 +205,7 @@ class InodeModes {
 // the cached open's read-ahead gives 1.2 GB/s (1 MiB reads: 4.2 against 2.4 GB/s). Small files,
 // read in small pieces more often (pickles, configs, many small tensors) and cheap to cache
 // twice, keep the page cache.
-constexpr uint64_t kDirectWhileBuildingMinBytes = uint64_t{32} << 20;
+constexpr uint64_t kDirectFirstOpenMinBytes = uint64_t{32} << 20;
 
 // How long an open that conflicts with a passthrough open waits for that open's RELEASE
 // (InodeModes::WaitNoPassthrough) before it is refused with ETXTBSY.
@@ -217,10 +217,10 @@ struct Server {
   std::atomic<bool> passthrough_on{false};  // negotiated at INIT
   std::shared_ptr<Materializer> materialize;
   // With --materialize, agreed at INIT (FUSE_CAP_DIRECT_IO_ALLOW_MMAP, so MAP_SHARED still maps
-  // a direct_io file): the open of a view (kDirectWhileBuildingMinBytes or more) that queues its
+  // a direct_io file): the open of a view (kDirectFirstOpenMinBytes or more) that queues its
   // copy's build reads it direct_io, straight into the reader's buffer, when no other open of it
   // is served by the daemon (OpOpen).
-  std::atomic<bool> direct_while_building{false};
+  std::atomic<bool> direct_first_open{false};
   std::shared_ptr<MountReport> report;
   InodeModes modes;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;

@@ -334,7 +334,7 @@ def main():
             res.check("a new generation is never served from an old copy; an old reader keeps its bytes",
                       new_generation)
 
-        # A view of at least 32 MiB (kDirectWhileBuildingMinBytes): two 38 MB tensors.
+        # A view of at least 32 MiB (kDirectFirstOpenMinBytes): two 38 MB tensors.
         bigger = os.path.join(tmp, "bigger")
         run([sys.executable, os.path.join(HERE, "..", "bench", "gen_bench_dcp.py"), bigger, "--tensors", "2",
              "--rows", "4096", "--cols", "2304"])
@@ -345,7 +345,7 @@ def main():
             want_rank1 = read(os.path.join(m, rank1))
         assert min(len(want_rank0), len(want_rank1)) >= 32 << 20, (len(want_rank0), len(want_rank1))
         with mounted(bigger, mnt, "--layout", LAYOUT, "--materialize", os.path.join(tmp, "cache2")) as (m, _):
-            def direct_while_building():
+            def direct_first_open():
                 path = os.path.join(m, rank0)
                 with open(path, "rb", buffering=0) as f:
                     assert f.read() == want_rank0
@@ -365,7 +365,7 @@ def main():
                 if fast:  # the first open read direct_io: its second read came to the daemon again
                     assert again > 1, again
             res.check("while a view's copy is built, its first open reads direct_io, maps MAP_SHARED, and a "
-                      "second open at once is cached", direct_while_building)
+                      "second open at once is cached", direct_first_open)
 
             def reload_keeps_the_mapped_pages():
                 # As safetensors loads: the first open maps the file MAP_SHARED and reads it through

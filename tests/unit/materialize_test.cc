@@ -86,7 +86,7 @@ TEST(Materializer, CopiesOnceAndReusesWithinATree) {
   // Opens before the copy is built are the caller's, and queue one build, not one each: only
   // the first says it queued it.
   for (int i = 0; i < 2; ++i) {
-    bool queued = i == 0 ? false : true;
+    bool queued = i != 0;  // the opposite of what Open must say: it sets it either way
     Result<int> fd = (*m)->Open(NodeOf(tree, 0), a, &queued);
     ASSERT_TRUE(fd.ok()) << fd.error().ToString();
     EXPECT_EQ(*fd, -1);
