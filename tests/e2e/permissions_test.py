@@ -18,7 +18,10 @@ Then ordinary tools (as root): `cp -a`, `tar x` and `rsync -a` of a small tree (
 mtimes, a symlink, a subdirectory) into the mount give the same tree as into a plain directory;
 `cp -a` exits 0 and its `user.*` xattr lands on the file; others are ENOTSUP; a
 writable shared mmap of a file opened for writing fails with ENODEV (documented in
-docs/reference.md "Saving into the mount").
+docs/reference.md "Saving into the mount"). Last, a second mount with `--materialize`, where such
+a map works: nobody and the test user map new files, root's 0666 file and (refused) root's 0644
+one writable MAP_SHARED, also writing after the descriptor's close; result codes, bytes, owner,
+group and mode in SRC equal the plain directory's.
 
 Run by hand: UCPFS_BIN=build/cli/ucpfs /usr/bin/python3 tests/e2e/permissions_test.py
 """
@@ -368,6 +371,62 @@ def xattrs_and_mmap(src, mnt):
             assert m[:4] == b"\0" * 4
 
 
+def map_write(path, flags, size=3 * 4096):
+    """Opens `path` with `flags`, maps it writable MAP_SHARED, writes through the map before and
+    after the descriptor's close: (owner, group, mode) then, or the errno of the open or mmap."""
+    fd = os.open(path, flags, 0o644)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    mm[0:5] = b"first"
+    mm[8192:8197] = b"after"  # the descriptor is closed: the mapping still writes back
+    mm.close()
+    return attrs(path)
+
+
+def map_read_only_for_write(path):
+    """A read-only descriptor of another's file mapped writable MAP_SHARED: the kernel refuses."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()
+    finally:
+        os.close(fd)
+
+
+def shared_maps(work, plain, src):
+    """With --materialize (FUSE_DIRECT_IO_ALLOW_MMAP), a file opened for writing maps writable
+    MAP_SHARED: the kernel's writeback of such a map carries no caller, so what it writes must be
+    taken as the opener's. As nobody and as the test user, in a fresh allow_other mount: the same
+    result codes as the plain directory, and once synced the same bytes, owner, group and mode."""
+    mnt, cache = os.path.join(work, "mnt-mat"), os.path.join(work, "mat-cache")
+    ops = [("nobody new file", NOBODY, lambda b: map_write(os.path.join(b, "pub/map_nobody"), os.O_RDWR | os.O_CREAT | os.O_EXCL)),
+           ("testu new file in home", TESTU, lambda b: map_write(os.path.join(b, "home/map_testu"), os.O_RDWR | os.O_CREAT | os.O_EXCL)),
+           ("nobody root's 0666 file", NOBODY, lambda b: map_write(os.path.join(b, "pub/rootfile666"), os.O_RDWR)),
+           ("nobody root's 0644 file for writing", NOBODY, lambda b: map_write(os.path.join(b, "pub/map_root"), os.O_RDWR)),
+           ("nobody root's 0644 file read-only, mapped writable", NOBODY,
+            lambda b: map_read_only_for_write(os.path.join(b, "pub/map_root")))]
+    for base in (plain, src):
+        with open(os.path.join(base, "pub/map_root"), "wb") as f:
+            f.write(b"root's" + b"\0" * (3 * 4096 - 6))
+        os.chmod(os.path.join(base, "pub/map_root"), 0o644)
+    mismatches = []
+    with mounted(src, mnt, "-o", "allow_other", "-q", "--materialize", cache, timeout_s=120) as (m, _):
+        for label, user, fn in ops:
+            a, b = as_user(user, 0o022, lambda: fn(plain)), as_user(user, 0o022, lambda: fn(m))
+            if a[0] == "exc" or b[0] == "exc" or a != b:
+                mismatches.append(f"{label}: plain={a} mount={b}")
+        run([ucpfs_bin(), "sync", m])
+    assert not mismatches, "\n  " + "\n  ".join(mismatches)
+    for rel in ("pub/map_nobody", "home/map_testu", "pub/rootfile666", "pub/map_root"):
+        want, got = (open(os.path.join(b, rel), "rb").read() for b in (plain, src))
+        assert got == want, f"{rel}: {got[:16]!r}... in SRC, {want[:16]!r}... in the plain directory"
+        assert attrs(os.path.join(src, rel)) == attrs(os.path.join(plain, rel)), rel
+    assert open(os.path.join(src, "pub/map_nobody"), "rb").read(5) == b"first"
+
+
 def main():
     if os.geteuid() != 0:
         print("permissions_test: needs root (it drops privileges in child processes); skipped")
@@ -394,6 +453,8 @@ def main():
                       lambda: xattrs_and_mmap(src, m))
             res.check("cp -a, tar x, rsync -a into the mount give the plain directory's tree",
                       lambda: tools(work, plain, src, m))
+        res.check("with --materialize, writable MAP_SHARED maps by nobody and a user land as theirs, "
+                  "byte-exact; a read-only descriptor cannot map writable", lambda: shared_maps(work, plain, src))
     res.finish()
 
 
