@@ -256,6 +256,8 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
                           " (fs.pipe-max-size, or CAP_SYS_RESOURCE, would allow a larger pipe)";
     }
   }
+  const uint32_t readahead_bytes = options.readahead_bytes != 0 ? options.readahead_bytes : server.max_read_bytes;
+  server.max_background = MaxBackground(readahead_bytes, server.max_read_bytes);
   if (options.started) options.started(server.fs.get());
 
   std::vector<std::string> arg_strings = {
@@ -332,8 +334,7 @@ Status ServeTree(std::shared_ptr<const Tree> tree, const MountOptions& options) 
 
   int announce_errno = EIO;
   std::thread announcer([&] {
-    announce_errno = AnnounceWhenLive(mountpoint, options.ready_fd,
-                                      options.readahead_bytes != 0 ? options.readahead_bytes : server.max_read_bytes);
+    announce_errno = AnnounceWhenLive(mountpoint, options.ready_fd, readahead_bytes);
   });
 
   fuse_loop_config* config = fuse_loop_cfg_create();

@@ -3,6 +3,8 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -73,6 +75,12 @@ Caller CallerOf(fuse_req_t req) {
 }
 
 
+uint32_t MaxBackground(uint32_t readahead_bytes, uint32_t max_read_bytes) {
+  const uint64_t per_window = (uint64_t{readahead_bytes} + max_read_bytes - 1) / std::max<uint32_t>(max_read_bytes, 1);
+  return static_cast<uint32_t>(
+      std::clamp<uint64_t>(per_window * kReadAheadWindowsInFlight, kMinMaxBackground, kMaxMaxBackground));
+}
+
 void OpInit(void* userdata, fuse_conn_info* conn) {
   Server& server = *static_cast<Server*>(userdata);
   // Must equal the -o max_read given to fuse_session_new, or libfuse refuses the INIT.
@@ -80,6 +88,8 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
   // The kernel clamps this to its per-mount default (128 KiB); ServeTree's readiness thread
   // raises the mount's bdi read_ahead_kb afterwards.
   conn->max_readahead = server.max_read_bytes;
+  conn->max_background = server.max_background;
+  conn->congestion_threshold = CongestionThreshold(server.max_background);
   // ATOMIC_O_TRUNC: open(O_TRUNC) arrives as such (not as a truncate, then an open), so a file
   // rewritten through the mount is captured and replaces the old one atomically.
   // DONT_MASK: create/mkdir arrive with the caller's mode and umask unapplied, and the umask is
@@ -106,6 +116,7 @@ void OpInit(void* userdata, fuse_conn_info* conn) {
 #endif
   MountReport::Kernel kernel;
   kernel.libfuse = fuse_pkgversion();
+  kernel.max_background = conn->max_background;
   if (!server.splice_wanted) {
     kernel.splice_why = server.splice_why;
   } else if ((conn->capable & FUSE_CAP_SPLICE_WRITE) == 0) {

@@ -51,6 +51,19 @@ constexpr double kCacheTimeoutS = 3600.0;
 // Largest FUSE read request. libfuse 3.14's receive buffer holds 256 pages, and the kernel's
 // max_pages_limit is 256 by default, so 1 MiB is the most one request can carry.
 constexpr uint32_t kDefaultMaxReadBytes = 1u << 20;
+// Asynchronous requests (read-ahead, async direct I/O) the kernel keeps in flight to the daemon:
+// at least kMinMaxBackground, and room for kReadAheadWindowsInFlight read-ahead windows of
+// max_read requests (MaxBackground). The kernel's default is 12 in flight, congested at 9: an
+// 8 MiB window is 10 requests of 896 KiB, so a page fault's read-ahead found the connection
+// congested and skipped the next window, and mmap loads stalled on each one (cold
+// `torch.load(mmap=True)` 1.31 s with 12, 1.15 s with 64; docs/benchmarks.md).
+constexpr uint32_t kMinMaxBackground = 64;
+constexpr uint32_t kReadAheadWindowsInFlight = 4;
+constexpr uint32_t kMaxMaxBackground = 1024;
+// The kernel's congestion threshold (read-ahead skipped above it): 3/4 of max_background, as its
+// own default (9 of 12).
+constexpr uint32_t CongestionThreshold(uint32_t max_background) { return max_background * 3 / 4; }
+uint32_t MaxBackground(uint32_t readahead_bytes, uint32_t max_read_bytes);
 
 // ---- spliced replies ----
 //
@@ -224,6 +237,7 @@ struct Server {
   std::shared_ptr<MountReport> report;
   InodeModes modes;
   uint32_t max_read_bytes = kDefaultMaxReadBytes;
+  uint32_t max_background = kMinMaxBackground;  // MaxBackground of the mount's read-ahead; sent at INIT
   // Spliced replies (see above): wanted (decided in ServeTree), and agreed at INIT.
   bool splice_wanted = false;
   std::string splice_why;         // when not wanted: why

@@ -42,6 +42,7 @@ void MountReport::AddTo(nlohmann::ordered_json& out) const {
     kernel["passthrough"] = kernel_.passthrough ? "on" : "off: " + kernel_.passthrough_why;
     kernel["io_uring"] = kernel_.io_uring ? "on" : "off: " + kernel_.io_uring_why;
     kernel["splice"] = kernel_.splice ? "on" : "off: " + kernel_.splice_why;
+    kernel["max_background"] = kernel_.max_background;
     kernel["passthrough_opens"] = {{"source", n_passthrough_source_opens_.load(std::memory_order_relaxed)},
                                    {"views", n_passthrough_view_opens_.load(std::memory_order_relaxed)}};
     kernel["io_uring_requests"] = n_uring_requests_.load(std::memory_order_relaxed);

@@ -40,6 +40,7 @@ class MountReport {
     std::string io_uring_why;         // when off: why
     bool splice = false;              // view replies splice the source's pages (FUSE_CAP_SPLICE_WRITE)
     std::string splice_why;           // when off: why
+    uint32_t max_background = 0;      // async requests (read-ahead, async direct I/O) in flight at most
   };
   void SetKernel(Kernel kernel);
   // An open(2) served by the kernel from a backing file (FUSE passthrough): its reads and writes
@@ -56,7 +57,7 @@ class MountReport {
   void SetMaterializeStats(std::function<nlohmann::ordered_json()> stats);
 
   // Adds "views": {"reads", "bytes_read"}, "errors": {"count", "last": [messages, oldest
-  // first]} and "kernel": {"libfuse", "passthrough", "io_uring", "splice", counters ("spliced":
+  // first]} and "kernel": {"libfuse", "passthrough", "io_uring", "splice", "max_background", counters ("spliced":
   // {"replies", "bytes"} among them), "materialize"} to `out`.
   void AddTo(nlohmann::ordered_json& out) const;
 

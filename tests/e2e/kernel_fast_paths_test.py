@@ -38,6 +38,7 @@ import mmap
 import os
 import shutil
 import stat
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +79,21 @@ def read_ahead_kb(path, bdi_only=False):
         if os.path.exists(t):
             return int(open(t).read())
     return None
+
+
+def fuse_connection(path, name):
+    """A FUSE mount's connection setting as the kernel holds it (fusectl: mounted here when it is
+    not, and unmounted again); None where the kernel has no fusectl."""
+    conns = "/sys/fs/fuse/connections"
+    mounted_here = False
+    if os.path.isdir(conns) and not os.listdir(conns):
+        mounted_here = subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True).returncode == 0
+    try:
+        p = f"{conns}/{os.minor(os.stat(path).st_dev)}/{name}"
+        return int(open(p).read()) if os.path.exists(p) else None
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", conns], check=True)
 
 
 def main():
@@ -169,10 +185,27 @@ def main():
                 # a local mount's cold start.
                 with open(f"/proc/{status(m)['daemon_pid']}/maps") as f:
                     assert "libcurl" not in f.read(), "a local mount's daemon loaded libcurl"
+                in_flight_fits(m, want_kb)
             with mounted(src, mnt, "--read-only", "--readahead", "2M") as (m, _):
                 assert read_ahead_kb(m, bdi_only=True) == 2048
-        res.check("the default kernel readahead follows the source disk's; --readahead sets it; no libcurl loaded",
-                  readahead_follows_the_source)
+                in_flight_fits(m, 2048)
+            with mounted(src, mnt, "--read-only", "--readahead", "64M") as (m, _):
+                assert read_ahead_kb(m, bdi_only=True) == 64 * 1024
+                in_flight_fits(m, 64 * 1024)
+
+        def in_flight_fits(m, window_kib):
+            # Room for four windows of read-ahead requests in flight (at least 64, at most 1024),
+            # not the kernel's 12 (congested at 9, where a page fault's next window was skipped).
+            opts = next(line.split()[-1] for line in open("/proc/self/mountinfo") if line.split()[4] == m)
+            max_read = int(next(o for o in opts.split(",") if o.startswith("max_read=")).split("=")[1])
+            want = max(64, min(1024, 4 * -(-window_kib * 1024 // max_read)))
+            assert stats(m)["kernel"]["max_background"] == want, (stats(m)["kernel"], max_read)
+            bg = fuse_connection(m, "max_background")
+            if bg is not None:
+                assert bg == want, f"the kernel keeps {bg} requests in flight, wanted {want}"
+                assert fuse_connection(m, "congestion_threshold") == want * 3 // 4
+        res.check("the default kernel readahead follows the source disk's; --readahead sets it; no libcurl loaded; "
+                  "read-ahead windows fit the kernel's requests in flight", readahead_follows_the_source)
         atomic = [n for n in names if n.startswith("atomic/")]
         with mounted(src2, mnt, "--no-passthrough", "--read-only") as (m, _):
             want2 = {n: read(os.path.join(m, n)) for n in atomic}
