@@ -10,8 +10,8 @@ first opens, served by the daemon, queue the copies' builds, and the rounds star
 built: stats.json's kernel.materialize), then --rounds rounds, each loading every rank file from
 disk and then through the mount, plain and mmap=True, in this python (touching every tensor: a
 sum); figures are medians, ratios disk time / mount time (1.0 = parity). Before that, --cold-rounds
-rounds of a cold load (the source, the on-disk files and, with --materialize, the cache evicted
-or emptied; a fresh mount each time, so its first opens are served by the daemon while the
+rounds of a cold load (the source and the on-disk files evicted before each side's load and,
+with --materialize, the cache emptied; a fresh mount each time, so its first opens are served by the daemon while the
 copies are built behind them) on both sides. The
 daemon's peak RSS (VmHWM) is read before each unmount. --baseline-ucpfs adds
 the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
@@ -148,7 +148,10 @@ def main():
             for _ in range(a.cold_rounds):
                 cold(sources + on_disk)
                 d.append(load_seconds(on_disk, mmap))
-                cold(sources)
+                # The disk side's files too: each side starts without the other's 1.88 GB cached.
+                # Left cached, they made the mount's cold load 1.24 -> 2.02 s on this VM (the
+                # kernel reclaiming as it read; docs/benchmarks.md), a state the disk side never had.
+                cold(sources + on_disk)
                 pid = mount(binary, extra, read_path)  # a fresh daemon empties the --materialize cache
                 try:
                     m.append(load_seconds(on_mnt, mmap))
