@@ -398,9 +398,10 @@ def map_read_only_for_write(path):
 
 def shared_maps(work, plain, src):
     """With --materialize (FUSE_DIRECT_IO_ALLOW_MMAP), a file opened for writing maps writable
-    MAP_SHARED: the kernel's writeback of such a map carries no caller, so what it writes must be
-    taken as the opener's. As nobody and as the test user, in a fresh allow_other mount: the same
-    result codes as the plain directory, and once synced the same bytes, owner, group and mode."""
+    MAP_SHARED: the kernel's writeback of such a map is not made by the writer (a kernel thread
+    may send it), so what it writes must be taken as the opener's. As nobody and as the test user,
+    in a fresh allow_other mount: the same result codes as the plain directory, and once synced
+    the same bytes, owner, group and mode."""
     mnt, cache = os.path.join(work, "mnt-mat"), os.path.join(work, "mat-cache")
     ops = [("nobody new file", NOBODY, lambda b: map_write(os.path.join(b, "pub/map_nobody"), os.O_RDWR | os.O_CREAT | os.O_EXCL)),
            ("testu new file in home", TESTU, lambda b: map_write(os.path.join(b, "home/map_testu"), os.O_RDWR | os.O_CREAT | os.O_EXCL)),
