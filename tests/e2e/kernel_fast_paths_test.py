@@ -26,7 +26,9 @@ of larger tensors (tests/bench/gen_bench_dcp.py), every view file equals the one
 the daemon (UCPFS_READ_PATH=copy) and the rank files `ucpfs convert`'s.
 
 Without --readahead, the mount's kernel readahead window is the source disk's (at least 1 MiB,
-at most 64 MiB); --readahead 2M sets 2 MiB.
+at most 64 MiB); --readahead 2M sets 2 MiB. The kernel keeps four windows of requests in flight
+(max_background, at least 64; read from fusectl, mounted for the check when it is not), with
+the default window, 2 MiB and 64 MiB.
 
 Built against libfuse 3.14 (no source package could be had), the same views and files must be
 equal and status must say the fast paths are off and why.
