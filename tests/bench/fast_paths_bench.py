@@ -149,8 +149,10 @@ def main():
                 cold(sources + on_disk)
                 d.append(load_seconds(on_disk, mmap))
                 # The disk side's files too: each side starts without the other's 1.88 GB cached.
-                # Left cached, they made the mount's cold load 1.24 -> 2.02 s on this VM (the
-                # kernel reclaiming as it read; docs/benchmarks.md), a state the disk side never had.
+                # Left cached, they made the mount's cold load 2.02 s against 1.24 s on this VM: its
+                # load had to take older free memory, which the host had taken back (a fault per
+                # first touch; docs/benchmarks.md, "2026-11-28, late: the kernel keeps more
+                # read-ahead requests in flight"), a state the disk side never had.
                 cold(sources + on_disk)
                 pid = mount(binary, extra, read_path)  # a fresh daemon empties the --materialize cache
                 try:

@@ -117,7 +117,8 @@ def main():
                 fig["mount_plain_s"].append(m.seconds)
         # Both sides' files before each side's cold load: left cached, the other side's files made
         # the next load take older free memory, which this VM's host had taken back (a fault per
-        # first touch; docs/benchmarks.md, "the kernel keeps more read-ahead requests in flight").
+        # first touch; docs/benchmarks.md, "2026-11-28, late: the kernel keeps more read-ahead
+        # requests in flight").
         evict(disk_files + src_files)
         fig["disk_cold"].append(load_s(disk))
         fig["disk_warm"].append(load_s(disk))
