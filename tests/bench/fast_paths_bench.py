@@ -8,19 +8,18 @@ The checkpoint and its on-disk views are torch_load_bench.py's (gen_bench_dcp.py
 variant: a fresh mount, every rank file loaded once (the warm-up: for --materialize this is the
 first opens, served by the daemon, queue the copies' builds, and the rounds start once they are
 built: stats.json's kernel.materialize), then --rounds rounds, each loading every rank file from
-disk and then through the mount, plain and mmap=True, in this python (touching every tensor: a
-sum); figures are medians, ratios disk time / mount time (1.0 = parity). Before that, --cold-rounds
-rounds of a cold load (the source and the on-disk files evicted before each side's load and,
-with --materialize, the cache emptied; a fresh mount each time, so its first opens are served by the daemon while the
-copies are built behind them) on both sides. The
-daemon's peak RSS (VmHWM) is read before each unmount. --baseline-ucpfs adds
-the same rows for another build (e.g. one linked against Debian's libfuse 3.14:
-`tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`); --copy-replies adds both variants again with the
-daemon's replies copied through its buffer (UCPFS_READ_PATH=copy: no splice), measured in the same
-run. --drop-caches makes each cold round drop the whole page cache (sync; drop_caches=3) instead
-of evicting only the source and the on-disk files (POSIX_FADV_DONTNEED): on a VM whose disk is
-cached by its host the two give different cold ratios, and this one also drops what both sides
-read besides the checkpoint (torch's own files, dentries).
+disk and then through the mount, plain and mmap=True, in this python (touching every tensor: a sum);
+figures are medians, ratios disk time / mount time (1.0 = parity). Before that, --cold-rounds rounds
+of a cold load (the source and the on-disk files evicted before each side's load and, with
+--materialize, the cache emptied; a fresh mount each time, so its first opens are served by the
+daemon while the copies are built behind them) on both sides. The daemon's peak RSS (VmHWM) is read
+before each unmount. --baseline-ucpfs adds the same rows for another build (e.g. one linked against
+Debian's libfuse 3.14: `tests/build.sh build314 -DUCPFS_LIBFUSE=SYSTEM`); --copy-replies adds both
+variants again with the daemon's replies copied through its buffer (UCPFS_READ_PATH=copy: no
+splice), measured in the same run. --drop-caches makes each cold round drop the whole page cache
+(sync; drop_caches=3) instead of evicting only the source and the on-disk files
+(POSIX_FADV_DONTNEED): on a VM whose disk is cached by its host the two give different cold ratios,
+and this one also drops what both sides read besides the checkpoint (torch's own files, dentries).
 
 Usage: .venv/bin/python tests/bench/fast_paths_bench.py [--ucpfs build/cli/ucpfs]
        [--baseline-ucpfs build314/cli/ucpfs [--baseline-materialize]] [--workdir DIR] [--rounds 7] [--cold-rounds 3]

@@ -403,10 +403,12 @@ def shared_maps(work, plain, src):
     in a fresh allow_other mount: the same result codes as the plain directory, and once synced
     the same bytes, owner, group and mode."""
     mnt, cache = os.path.join(work, "mnt-mat"), os.path.join(work, "mat-cache")
-    ops = [("nobody new file", NOBODY, lambda b: map_write(os.path.join(b, "pub/map_nobody"), os.O_RDWR | os.O_CREAT | os.O_EXCL)),
-           ("testu new file in home", TESTU, lambda b: map_write(os.path.join(b, "home/map_testu"), os.O_RDWR | os.O_CREAT | os.O_EXCL)),
+    new = os.O_RDWR | os.O_CREAT | os.O_EXCL
+    ops = [("nobody new file", NOBODY, lambda b: map_write(os.path.join(b, "pub/map_nobody"), new)),
+           ("testu new file in home", TESTU, lambda b: map_write(os.path.join(b, "home/map_testu"), new)),
            ("nobody root's 0666 file", NOBODY, lambda b: map_write(os.path.join(b, "pub/rootfile666"), os.O_RDWR)),
-           ("nobody root's 0644 file for writing", NOBODY, lambda b: map_write(os.path.join(b, "pub/map_root"), os.O_RDWR)),
+           ("nobody root's 0644 file for writing", NOBODY,
+            lambda b: map_write(os.path.join(b, "pub/map_root"), os.O_RDWR)),
            ("nobody root's 0644 file read-only, mapped writable", NOBODY,
             lambda b: map_read_only_for_write(os.path.join(b, "pub/map_root")))]
     for base in (plain, src):
