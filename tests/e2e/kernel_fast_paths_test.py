@@ -83,16 +83,16 @@ def read_ahead_kb(path, bdi_only=False):
     return None
 
 
-def fuse_connection(path, name):
-    """A FUSE mount's connection setting as the kernel holds it (fusectl: mounted here when it is
-    not, and unmounted again); None where the kernel has no fusectl."""
+def fuse_connection(path, *names):
+    """A FUSE mount's connection settings as the kernel holds them (fusectl: mounted here when it
+    is not, and unmounted again), one per name; None where the kernel has no fusectl."""
     conns = "/sys/fs/fuse/connections"
     mounted_here = False
     if os.path.isdir(conns) and not os.listdir(conns):
         mounted_here = subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True).returncode == 0
     try:
-        p = f"{conns}/{os.minor(os.stat(path).st_dev)}/{name}"
-        return int(open(p).read()) if os.path.exists(p) else None
+        d = f"{conns}/{os.minor(os.stat(path).st_dev)}"
+        return [int(open(f"{d}/{n}").read()) for n in names] if os.path.isdir(d) else None
     finally:
         if mounted_here:
             subprocess.run(["umount", conns], check=True)
@@ -202,10 +202,9 @@ def main():
             max_read = int(next(o for o in opts.split(",") if o.startswith("max_read=")).split("=")[1])
             want = max(64, min(1024, 4 * -(-window_kib * 1024 // max_read)))
             assert stats(m)["kernel"]["max_background"] == want, (stats(m)["kernel"], max_read)
-            bg = fuse_connection(m, "max_background")
-            if bg is not None:
-                assert bg == want, f"the kernel keeps {bg} requests in flight, wanted {want}"
-                assert fuse_connection(m, "congestion_threshold") == want * 3 // 4
+            kernel = fuse_connection(m, "max_background", "congestion_threshold")
+            if kernel is not None:
+                assert kernel == [want, want * 3 // 4], f"the kernel keeps {kernel} (in flight, congested), wanted {want}"
         res.check("the default kernel readahead follows the source disk's; --readahead sets it; no libcurl loaded; "
                   "read-ahead windows fit the kernel's requests in flight", readahead_follows_the_source)
         atomic = [n for n in names if n.startswith("atomic/")]
